@@ -1,0 +1,456 @@
+"""The streaming executor: one non-blocking scheduling loop on a background thread.
+
+State: a queue of waiting inputs per stage (ordered by plan position), the tasks in
+flight, actor pools, the ready outputs and the bytes the consumer holds. Each step
+collects finished tasks (``ray.wait`` with a short timeout; metadata only), asks
+the pure policy which stage to feed next under the memory budget, and launches.
+Block bytes never pass through this process: only refs and small metadata do.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import ray
+
+from ..block import BlockMeta
+from ..errors import ExecutorShutdownError, MemoryBudgetError, SbloaderError
+from ..plan import EpochPlan
+from ..sources import Partition, Source
+from ..stats import ExecutionStats, OperatorStats
+from .policy import PoolView, StageView, min_budget_bytes, pool_delta, select_stage
+from .stages import Stage, stage_concurrency
+from .tasks import EpochInfo, MapActor, block_stage_task, read_stage_task
+
+logger = logging.getLogger(__name__)
+
+_ACTOR_SLOTS = 2  # calls in flight per actor: one running, one queued behind it
+_IDLE_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class ExecutionOptions:
+    """How one execution runs.
+
+    Attributes:
+        memory_budget: bytes the pipeline may hold in the object store, including
+            blocks the consumer has taken but not released. None: a quarter of the
+            cluster's object store.
+        deterministic: deliver blocks in plan order whatever the timing.
+        prefetch_blocks: ready output blocks to keep ahead of the consumer.
+        progress: tqdm bars per operator (None: only on a TTY).
+        max_task_retries: Ray retries of a task lost to a dead worker or node.
+    """
+
+    memory_budget: Optional[int] = None
+    deterministic: bool = False
+    prefetch_blocks: int = 2
+    progress: Optional[bool] = None
+    max_task_retries: int = 3
+
+    def __post_init__(self) -> None:
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise ValueError(f"memory_budget must be a positive number of bytes, found {self.memory_budget}")
+        if self.prefetch_blocks < 1:
+            raise ValueError(f"prefetch_blocks must be >= 1, found {self.prefetch_blocks}")
+
+
+@dataclass(frozen=True)
+class OutputBlock:
+    """A ready block: its object ref and metadata (bytes stay in the object store)."""
+
+    ref: ray.ObjectRef
+    meta: BlockMeta
+
+
+@dataclass
+class _Actor:
+    handle: Any
+    ready_ref: Optional[ray.ObjectRef]
+    inflight: int = 0
+    idle_since: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Running:
+    stage: int
+    seq: int
+    block_ref: ray.ObjectRef
+    input_bytes: int
+    est_bytes: float
+    actor: Optional[_Actor] = None
+
+
+class StreamingExecutor:
+    """Runs one epoch of a pipeline, streaming blocks to one consumer.
+
+    Args:
+        source: the dataset's source.
+        stages: physical stages (first is the read stage).
+        plan: the epoch plan.
+        options: budget, order and progress options.
+    """
+
+    def __init__(self, source: Source, stages: list[Stage], plan: EpochPlan, options: ExecutionOptions) -> None:
+        self._source = source
+        self._stages = stages
+        self._plan = plan
+        self._opts = options
+        self._info = EpochInfo(plan.epoch, plan.epoch_seed, plan.shuffle_rows)
+        self._lock = threading.Condition()
+        self._stop = False
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self._counter = itertools.count()
+        self._queues: list[list] = [[] for _ in stages]
+        self._queued_bytes = [0] * len(stages)
+        self._inflight: dict[ray.ObjectRef, _Running] = {}
+        self._stage_inflight = [0] * len(stages)
+        self._est: list[Optional[float]] = [None] * len(stages)
+        self._pools: dict[int, list[_Actor]] = {i: [] for i, s in enumerate(stages) if s.kind == "actor"}
+        self._pending_actors: dict[ray.ObjectRef, tuple[int, _Actor]] = {}
+        self._outputs: deque[OutputBlock] = deque()
+        self._ordered: dict[int, OutputBlock] = {}
+        self._next_seq = 0
+        self._delivered_partitions: set[int] = set()
+        self._output_bytes = 0
+        self._consumer_bytes = 0
+        self._remaining = 0
+        self._done = False
+        self._budget_checked = False
+        self._stats = ExecutionStats(operators=[OperatorStats(s.name) for s in stages])
+        self._t0 = 0.0
+        self._bars: list[Any] = []
+        self._throttle_mark: dict[int, float] = {}
+
+    # ----- consumer side -------------------------------------------------
+
+    def start(self) -> "StreamingExecutor":
+        """Plan the epoch, ship the source's shared object and start the loop thread."""
+        from .._runtime import cluster_cpus
+
+        self._t0 = time.perf_counter()
+        cpus = cluster_cpus()
+        budget = self._opts.memory_budget
+        if budget is None:
+            store = ray.cluster_resources().get("object_store_memory", 2 * 2**30)
+            budget = int(store * 0.25)
+        self._budget = int(budget)
+        self._stats.memory_budget = self._budget
+        self._slots = [stage_concurrency(s, cpus) if s.kind != "actor" else 0 for s in self._stages]
+        self._pool_bounds = {i: self._stages[i].ops[0].pool_bounds(cpus) for i in self._pools}
+        parts = {p.id: p for p in self._source.partitions(self._plan.epoch, self._plan.epoch_seed)}
+        missing = [pid for pid in self._plan.order if pid not in parts]
+        if missing:
+            raise SbloaderError(f"the epoch plan names partitions the source does not have: {missing[:5]}")
+        self._shared_ref = ray.put((self._source.reader(), self._source.shared()))
+        for seq, pid in enumerate(self._plan.order):
+            heapq.heappush(self._queues[0], (seq, next(self._counter), parts[pid]))
+        self._remaining = len(self._plan.order)
+        self._make_bars()
+        self._thread = threading.Thread(target=self._run, name="sbloader-executor", daemon=True)
+        self._thread.start()
+        return self
+
+    def get_next(self, timeout: Optional[float] = None) -> Optional[OutputBlock]:
+        """The next ready block (its bytes now count as consumer-held), or None at the end.
+
+        Raises:
+            SbloaderError: the error of a failed task, with its operator and partition.
+            TimeoutError: nothing became ready within ``timeout`` seconds.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        t_wait = time.perf_counter()
+        with self._lock:
+            while True:
+                if self._error is not None:
+                    raise self._error
+                item = self._pop_output()
+                if item is not None:
+                    self._output_bytes -= item.meta.nbytes
+                    self._consumer_bytes += item.meta.nbytes
+                    if self._stats.first_block_s is None:
+                        self._stats.first_block_s = time.perf_counter() - self._t0
+                    self._stats.stall_s += time.perf_counter() - t_wait
+                    self._lock.notify_all()
+                    return item
+                if self._done:
+                    self._stats.stall_s += time.perf_counter() - t_wait
+                    return None
+                if self._stop:
+                    raise ExecutorShutdownError("the execution was shut down; start a new iteration")
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"no block became ready within {timeout} s")
+                self._lock.wait(timeout=0.5 if remaining is None else min(remaining, 0.5))
+
+    def release(self, nbytes: int) -> None:
+        """The consumer is done with a block of ``nbytes``: it no longer counts."""
+        with self._lock:
+            self._consumer_bytes = max(0, self._consumer_bytes - nbytes)
+            self._lock.notify_all()
+
+    def shutdown(self) -> None:
+        """Stop the loop, cancel running tasks and kill the pool actors."""
+        with self._lock:
+            self._stop = True
+            self._lock.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
+        for ref in list(self._inflight):
+            run = self._inflight[ref]
+            if run.actor is None:
+                try:
+                    ray.cancel(ref, force=False)
+                except Exception:  # already finished or owner gone
+                    pass
+        self._inflight.clear()
+        for actors in self._pools.values():
+            for a in actors:
+                try:
+                    ray.kill(a.handle)
+                except Exception:
+                    pass
+        self._close_bars()
+
+    def stats(self) -> ExecutionStats:
+        """Statistics so far (final once the iteration ended)."""
+        return self._stats
+
+    @property
+    def held_bytes(self) -> float:
+        """Bytes the pipeline holds or has promised in the object store now."""
+        return self._held()
+
+    # ----- loop side ------------------------------------------------------
+
+    def _pop_output(self) -> Optional[OutputBlock]:
+        if not self._opts.deterministic:
+            return self._outputs.popleft() if self._outputs else None
+        while self._next_seq in self._ordered:
+            item = self._ordered.pop(self._next_seq)
+            self._next_seq += 1
+            if item.meta.num_rows > 0:
+                return item
+            self._output_bytes -= item.meta.nbytes
+        return None
+
+    def _held(self) -> float:
+        running = sum(r.input_bytes + r.est_bytes for r in self._inflight.values())
+        return sum(self._queued_bytes) + self._output_bytes + self._consumer_bytes + running
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    if self._stop:
+                        return
+                    self._scale_pools()
+                    self._launch()
+                    if self._finished():
+                        self._done = True
+                        self._stats.wall_s = time.perf_counter() - self._t0
+                        self._close_bars()
+                        self._lock.notify_all()
+                        return
+                    waiting = list(self._inflight) + list(self._pending_actors)
+                if not waiting:
+                    with self._lock:
+                        self._lock.wait(timeout=0.05)
+                    continue
+                ready, _ = ray.wait(waiting, num_returns=1, timeout=0.05)
+                if ready:
+                    ready, _ = ray.wait(waiting, num_returns=len(waiting), timeout=0)
+                    self._complete(ready)
+        except BaseException as e:  # carried to the consumer
+            with self._lock:
+                self._error = _unwrap(e)
+                self._lock.notify_all()
+
+    def _finished(self) -> bool:
+        return (
+            self._remaining == 0
+            and not self._inflight
+            and not any(self._queues)
+        )
+
+    def _stage_view(self, i: int) -> StageView:
+        q = self._queues[i]
+        if self._stages[i].kind == "actor":
+            free = sum(max(0, _ACTOR_SLOTS - a.inflight) for a in self._pools[i] if a.ready_ref is None)
+        else:
+            free = max(0, self._slots[i] - self._stage_inflight[i])
+        return StageView(i, len(q), q[0][0] if q else None, self._stage_inflight[i], free, self._est[i])
+
+    def _launch(self) -> None:
+        now = time.perf_counter()
+        while True:
+            views = [self._stage_view(i) for i in range(len(self._stages))]
+            decision = select_stage(views, self._budget, self._held())
+            for i in range(len(self._stages)):
+                if i in decision.throttled:
+                    self._throttle_mark.setdefault(i, now)
+                elif i in self._throttle_mark:
+                    self._stats.operators[i].throttled_s += now - self._throttle_mark.pop(i)
+            if decision.launch is None:
+                return
+            self._launch_one(decision.launch)
+
+    def _launch_one(self, i: int) -> None:
+        stage = self._stages[i]
+        seq, _, item = heapq.heappop(self._queues[i])
+        est = self._est[i] or 0.0
+        if stage.kind == "read":
+            part: Partition = item
+            block_ref, meta_ref = read_stage_task.options(
+                max_retries=self._opts.max_task_retries, **stage.ray_options
+            ).remote(self._shared_ref, part, stage.ops, self._info, seq, stage.name)
+            self._remaining -= 1
+            run = _Running(i, seq, block_ref, 0, est)
+        else:
+            out: OutputBlock = item
+            self._queued_bytes[i] -= out.meta.nbytes
+            if stage.kind == "task":
+                block_ref, meta_ref = block_stage_task.options(
+                    max_retries=self._opts.max_task_retries, **stage.ray_options
+                ).remote(out.ref, out.meta, stage.ops, self._info)
+                run = _Running(i, seq, block_ref, out.meta.nbytes, est)
+            else:
+                actor = min((a for a in self._pools[i] if a.ready_ref is None), key=lambda a: a.inflight)
+                actor.inflight += 1
+                block_ref, meta_ref = actor.handle.process.remote(out.ref, out.meta, self._info)
+                run = _Running(i, seq, block_ref, out.meta.nbytes, est, actor)
+        self._stage_inflight[i] += 1
+        self._inflight[meta_ref] = run
+
+    def _scale_pools(self) -> None:
+        now = time.monotonic()
+        for i, actors in self._pools.items():
+            lo, hi = self._pool_bounds[i]
+            ready = [a for a in actors if a.ready_ref is None]
+            view = PoolView(
+                size=len(actors),
+                pending=len(actors) - len(ready),
+                min_size=lo,
+                max_size=hi,
+                queued=len(self._queues[i]),
+                free_slots=sum(max(0, _ACTOR_SLOTS - a.inflight) for a in ready),
+                idle_actors=sum(1 for a in ready if a.inflight == 0 and now - a.idle_since > _IDLE_TIMEOUT_S),
+            )
+            budget_ok = self._held() + (self._est[i] or 0.0) <= self._budget
+            delta = pool_delta(view, budget_ok)
+            stage = self._stages[i]
+            for _ in range(max(0, delta)):
+                handle = MapActor.options(
+                    max_restarts=self._opts.max_task_retries,
+                    max_task_retries=self._opts.max_task_retries,
+                    **stage.ray_options,
+                ).remote(stage.ops[0])
+                actor = _Actor(handle, handle.ready.remote())
+                actors.append(actor)
+                self._pending_actors[actor.ready_ref] = (i, actor)
+                self._stats.operators[i].actors_created += 1
+            if delta < 0:
+                idle = [a for a in ready if a.inflight == 0 and now - a.idle_since > _IDLE_TIMEOUT_S]
+                victim = idle[0]
+                actors.remove(victim)
+                ray.kill(victim.handle)
+
+    def _complete(self, ready: list) -> None:
+        metas_refs = [r for r in ready if r in self._inflight]
+        actor_refs = [r for r in ready if r in self._pending_actors]
+        if actor_refs:
+            ray.get(actor_refs)  # raises the constructor's error, if any
+        metas = ray.get(metas_refs) if metas_refs else []
+        with self._lock:
+            for r in actor_refs:
+                _, actor = self._pending_actors.pop(r)
+                actor.ready_ref = None
+                actor.idle_since = time.monotonic()
+            for ref, meta in zip(metas_refs, metas):
+                run = self._inflight.pop(ref)
+                self._on_done(run, meta)
+            self._lock.notify_all()
+
+    def _on_done(self, run: _Running, meta: BlockMeta) -> None:
+        i = run.stage
+        self._stage_inflight[i] -= 1
+        if run.actor is not None:
+            run.actor.inflight -= 1
+            run.actor.idle_since = time.monotonic()
+        st = self._stats.operators[i]
+        st.rows += meta.num_rows
+        st.blocks += 1
+        st.bytes += meta.nbytes
+        st.tasks += 1
+        st.task_s += meta.task_s
+        st.skipped += meta.skipped
+        n = st.tasks
+        self._est[i] = meta.nbytes if self._est[i] is None else self._est[i] + (meta.nbytes - self._est[i]) / n
+        if self._bars:
+            self._bars[i].update(meta.num_rows)
+        out = OutputBlock(run.block_ref, meta)
+        if i + 1 < len(self._stages):
+            heapq.heappush(self._queues[i + 1], (run.seq, next(self._counter), out))
+            self._queued_bytes[i + 1] += meta.nbytes
+        else:
+            if meta.partition_id in self._delivered_partitions:
+                self._stats.duplicates_dropped += 1
+                return
+            self._delivered_partitions.add(meta.partition_id)
+            self._output_bytes += meta.nbytes
+            if self._opts.deterministic:
+                self._ordered[run.seq] = out
+            elif meta.num_rows > 0:
+                self._outputs.append(out)
+            else:
+                self._output_bytes -= meta.nbytes
+            self._check_budget()
+        held = int(self._held())
+        if held > self._stats.peak_held_bytes:
+            self._stats.peak_held_bytes = held
+
+    def _check_budget(self) -> None:
+        if self._budget_checked or any(e is None for e in self._est):
+            return
+        self._budget_checked = True
+        need = min_budget_bytes([e or 0.0 for e in self._est], self._est[-1] or 0.0, self._opts.prefetch_blocks)
+        if need > self._budget:
+            raise MemoryBudgetError(
+                f"memory_budget={self._budget} bytes cannot hold one block per stage "
+                f"({[int(e or 0) for e in self._est]} bytes) plus prefetch_blocks={self._opts.prefetch_blocks} "
+                f"output blocks of ~{int(self._est[-1] or 0)} bytes: need at least {need} bytes. "
+                f"Raise memory_budget, lower the prefetch, or use smaller partitions."
+            )
+
+    def _make_bars(self) -> None:
+        show = self._opts.progress if self._opts.progress is not None else sys.stderr.isatty()
+        if not show:
+            return
+        from tqdm.auto import tqdm
+
+        total = self._source.num_rows()
+        self._bars = [
+            tqdm(total=total if i == 0 else None, desc=s.name[:30], unit="row", position=i, leave=False)
+            for i, s in enumerate(self._stages)
+        ]
+
+    def _close_bars(self) -> None:
+        for b in self._bars:
+            b.close()
+        self._bars = []
+
+
+def _unwrap(e: BaseException) -> BaseException:
+    """The sbloader error inside a Ray task error, else the error itself."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, SbloaderError):
+        return cause
+    return e

@@ -1,0 +1,152 @@
+"""Pure scheduling decisions of the streaming executor (no Ray, no I/O).
+
+The executor calls these with snapshots of its state. Keeping them pure lets the
+tests sweep large parameter grids without starting a process.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+
+@dataclass(frozen=True)
+class StageView:
+    """What the scheduler needs to know about one stage.
+
+    Attributes:
+        index: position in the pipeline (0 = the source stage).
+        queued: inputs waiting for this stage.
+        head_seq: plan position of the first waiting input (None if none).
+        inflight: tasks running (or queued in Ray) for this stage.
+        free_slots: how many more tasks the stage may start now.
+        est_out_bytes: running mean of output block bytes (None before the first).
+    """
+
+    index: int
+    queued: int
+    head_seq: Optional[int]
+    inflight: int
+    free_slots: int
+    est_out_bytes: Optional[float]
+
+    def __post_init__(self) -> None:
+        if self.queued < 0 or self.inflight < 0 or self.free_slots < 0:
+            raise ValueError(f"counts must be >= 0, found {self}")
+        if (self.queued > 0) != (self.head_seq is not None):
+            raise ValueError(f"head_seq must be set exactly when inputs are queued, found {self}")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The result of one scheduling step.
+
+    Attributes:
+        launch: index of the stage to start one task in, or None.
+        throttled: stages that could run but were held back by the budget.
+    """
+
+    launch: Optional[int]
+    throttled: tuple[int, ...] = ()
+
+
+def runnable(stage: StageView) -> bool:
+    """A stage can start a task: input is waiting and it has a free slot.
+
+    Before the first output of a stage is measured, it runs one task at a time, so
+    an unknown block size cannot overshoot the budget by more than one block.
+    """
+    if stage.queued == 0 or stage.free_slots == 0:
+        return False
+    return stage.est_out_bytes is not None or stage.inflight == 0
+
+
+def select_stage(stages: Sequence[StageView], budget_bytes: int, held_bytes: float) -> Decision:
+    """Pick the stage to start one more task in.
+
+    Downstream stages go first: finishing work frees memory and brings batches
+    to the consumer. A stage may start when the bytes held (queued blocks,
+    consumer-held blocks, inputs and estimated outputs of running tasks) plus its
+    estimated output fit the budget. If nothing is running anywhere, the stage
+    holding the earliest plan position starts regardless, so a tight budget slows
+    the pipeline down but never deadlocks it.
+
+    Args:
+        stages: every stage, in pipeline order.
+        budget_bytes: the memory budget.
+        held_bytes: bytes currently held or promised by the pipeline.
+
+    Returns:
+        The decision.
+    """
+    candidates = [s for s in stages if runnable(s)]
+    if not candidates:
+        return Decision(None)
+    throttled = []
+    for s in sorted(candidates, key=lambda s: -s.index):
+        est = s.est_out_bytes or 0.0
+        if held_bytes + est <= budget_bytes:
+            return Decision(s.index, tuple(throttled))
+        throttled.append(s.index)
+    if all(s.inflight == 0 for s in stages):
+        first = min(candidates, key=lambda s: (s.head_seq, -s.index))
+        return Decision(first.index, tuple(i for i in throttled if i != first.index))
+    return Decision(None, tuple(throttled))
+
+
+def min_budget_bytes(stage_est_bytes: Sequence[float], final_est_bytes: float, prefetch_blocks: int) -> int:
+    """Smallest budget that can keep every stage and the consumer's prefetch going.
+
+    One block in flight per stage plus ``prefetch_blocks`` ready outputs.
+    """
+    return int(math.ceil(sum(stage_est_bytes) + prefetch_blocks * final_est_bytes))
+
+
+@dataclass(frozen=True)
+class PoolView:
+    """What the autoscaler needs to know about one actor pool.
+
+    Attributes:
+        size: live actors (ready or starting).
+        pending: actors still starting.
+        min_size: lower bound from ``concurrency``.
+        max_size: upper bound from ``concurrency``.
+        queued: inputs waiting for the pool.
+        free_slots: task slots free on ready actors.
+        idle_actors: ready actors idle for longer than the idle timeout.
+    """
+
+    size: int
+    pending: int
+    min_size: int
+    max_size: int
+    queued: int
+    free_slots: int
+    idle_actors: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_size <= self.max_size:
+            raise ValueError(f"need 1 <= min_size <= max_size, found {self.min_size}, {self.max_size}")
+
+
+def pool_delta(pool: PoolView, budget_ok: bool = True) -> int:
+    """How many actors to add (>0) or remove (<0) now.
+
+    Grows to ``min_size`` at once; then by one actor at a time while inputs wait
+    and no slot is free (and the budget allows more work), never while an actor
+    is still starting; shrinks by one idle actor at a time down to ``min_size``.
+    """
+    if pool.size < pool.min_size:
+        return pool.min_size - pool.size
+    if pool.pending > 0:
+        return 0
+    if pool.queued > pool.free_slots and pool.size < pool.max_size and budget_ok:
+        return 1
+    if pool.queued == 0 and pool.idle_actors > 0 and pool.size > pool.min_size:
+        return -1
+    return 0
+
+
+def next_in_order(ready_seqs: set[int], next_seq: int) -> Optional[int]:
+    """The next plan position a deterministic consumer may take, if ready."""
+    return next_seq if next_seq in ready_seqs else None

@@ -1,0 +1,147 @@
+"""Code that runs remotely: the read/task stage function and the pool actor.
+
+Each call produces exactly one output block plus its :class:`BlockMeta` (two
+return objects), so the executor schedules on metadata without touching bytes,
+and a retried task replaces its result instead of adding rows.
+"""
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import ray
+
+from ..block import ROW_COLUMN, Block, BlockMeta, block_nbytes, num_rows, take
+from ..context import task_context
+from ..errors import SourceReadError, UserFunctionError
+from ..ops import Op, apply_op
+from ..plan import row_permutation
+from ..sources import Partition
+
+_NODE_ID: list[str] = []
+
+
+@dataclass(frozen=True)
+class EpochInfo:
+    """The epoch facts every task needs.
+
+    Attributes:
+        epoch: the epoch number.
+        epoch_seed: the epoch seed.
+        shuffle_rows: whether to shuffle rows inside each partition.
+    """
+
+    epoch: int
+    epoch_seed: int
+    shuffle_rows: bool = False
+
+
+def _node_id() -> str:
+    if not _NODE_ID:
+        try:
+            _NODE_ID.append(ray.get_runtime_context().get_node_id())
+        except Exception:
+            _NODE_ID.append("")
+    return _NODE_ID[0]
+
+
+def _make_meta(block: Block, info: EpochInfo, partition_id: int, seq: int, t0: float, skipped: int) -> BlockMeta:
+    rows = block.get(ROW_COLUMN)
+    rr = (int(rows.min()), int(rows.max()) + 1) if rows is not None and len(rows) else (0, 0)
+    return BlockMeta(
+        epoch=info.epoch,
+        partition_id=partition_id,
+        seq=seq,
+        num_rows=num_rows(block),
+        nbytes=block_nbytes(block),
+        row_range=rr,
+        task_s=time.perf_counter() - t0,
+        node_id=_node_id(),
+        skipped=skipped,
+        pid=os.getpid(),
+    )
+
+
+def apply_ops(ops: Sequence[Op], block: Block, info: EpochInfo, partition_id: int,
+              fns: Optional[Sequence[Callable]] = None) -> tuple[Block, int]:
+    """Apply operators in order, each under its partition's seeded context.
+
+    Returns:
+        The output block and the rows user functions reported as skipped.
+    """
+    skipped = 0
+    for i, op in enumerate(ops):
+        fn = fns[i] if fns is not None else op.fn
+        ctx = task_context(info.epoch, info.epoch_seed, partition_id, op.name, op.index)
+        try:
+            with ctx as c:
+                block = apply_op(op, fn, block)
+                skipped += c.skipped
+        except UserFunctionError:
+            raise
+        except Exception as e:
+            raise UserFunctionError(op.name, partition_id, info.epoch, traceback.format_exc(), repr(e)) from e
+    return block, skipped
+
+
+def read_partition(reader_and_shared: tuple, partition: Partition, info: EpochInfo, name: str) -> tuple[Block, int]:
+    """Read a partition, attach the row column and apply the epoch's row shuffle."""
+    reader, shared = reader_and_shared
+    ctx = task_context(info.epoch, info.epoch_seed, partition.id, name, -1)
+    try:
+        with ctx as c:
+            block = reader(shared, partition)
+    except UserFunctionError:
+        raise
+    except Exception as e:
+        raise SourceReadError(name, partition.id, info.epoch, traceback.format_exc(), repr(e),
+                              path=partition.label or None) from e
+    n = num_rows(block)
+    if ROW_COLUMN not in block:
+        block = dict(block)
+        block[ROW_COLUMN] = np.arange(n, dtype=np.int64)
+    if info.shuffle_rows and n > 1:
+        block = take(block, row_permutation(n, info.epoch_seed, partition.id))
+    return block, c.skipped
+
+
+@ray.remote(num_returns=2)
+def read_stage_task(reader_and_shared: tuple, partition: Partition, ops: tuple, info: EpochInfo,
+                    seq: int, name: str) -> tuple[Block, BlockMeta]:
+    """Read one partition and apply the fused operators after the read."""
+    t0 = time.perf_counter()
+    block, skipped = read_partition(reader_and_shared, partition, info, name)
+    block, skipped2 = apply_ops(ops, block, info, partition.id)
+    return block, _make_meta(block, info, partition.id, seq, t0, skipped + skipped2)
+
+
+@ray.remote(num_returns=2)
+def block_stage_task(block: Block, meta: BlockMeta, ops: tuple, info: EpochInfo) -> tuple[Block, BlockMeta]:
+    """Apply a task stage's operators to one block."""
+    t0 = time.perf_counter()
+    out, skipped = apply_ops(ops, dict(block), info, meta.partition_id)
+    return out, _make_meta(out, info, meta.partition_id, meta.seq, t0, skipped)
+
+
+@ray.remote
+class MapActor:
+    """A pool actor: constructs the user's callable class once, then maps blocks."""
+
+    def __init__(self, op: Op) -> None:
+        self._op = op
+        self._instance = op.fn(*op.fn_constructor_args, **dict(op.fn_constructor_kwargs))
+
+    def ready(self) -> tuple[str, int]:
+        """Node id and pid once the instance is constructed."""
+        return _node_id(), os.getpid()
+
+    @ray.method(num_returns=2)
+    def process(self, block: Block, meta: BlockMeta, info: EpochInfo) -> tuple[Block, BlockMeta]:
+        """Apply the callable to one block."""
+        t0 = time.perf_counter()
+        out, skipped = apply_ops((self._op,), dict(block), info, meta.partition_id, fns=(self._instance,))
+        return out, _make_meta(out, info, meta.partition_id, meta.seq, t0, skipped)

@@ -1,0 +1,202 @@
+"""Dataset: a lazy, immutable logical plan over a source.
+
+Every transformation returns a new Dataset; nothing runs until iteration. Each
+iteration is one *execution* (one epoch): the plan is cut into stages and run by
+a :class:`~sbloader._executor.executor.StreamingExecutor`.
+"""
+from __future__ import annotations
+
+import builtins
+from typing import Any, Callable, Iterator, Mapping, Optional
+
+from ._executor.executor import ExecutionOptions, StreamingExecutor
+from ._executor.stages import build_stages
+from ._runtime import ensure_initialized
+from .block import Batch
+from .iterators import Row, iter_batches, iter_blocks, iter_rows, to_torch
+from .ops import Concurrency, Op, op_name
+from .plan import EpochPlan, epoch_seed_from, make_epoch_plan
+from .sources import Source
+from .stats import ExecutionStats
+
+
+def draw_epoch_seed(seed: Optional[int], epoch: int, generator: Any = None) -> int:
+    """The epoch seed: from ``(seed, epoch)`` when a seed is given, else drawn as torch does.
+
+    torch's DataLoader draws its base seed at each new iterator from the
+    ``generator`` (or torch's global RNG); we draw ours the same way, so seeding
+    torch seeds sbloader.
+    """
+    if seed is not None:
+        return epoch_seed_from(seed, epoch)
+    import torch
+
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item()) & ((1 << 63) - 1)
+
+
+class Dataset:
+    """A lazy pipeline: a source followed by operators.
+
+    Build one with :func:`sbloader.from_items`, :func:`sbloader.range` or
+    :func:`sbloader.from_torch`, chain ``map``/``map_batches``/``filter``/
+    ``flat_map``, then iterate.
+    """
+
+    def __init__(self, source: Source, ops: tuple[Op, ...] = ()) -> None:
+        self._source = source
+        self._ops = ops
+        self._last: list[Optional[ExecutionStats]] = [None]
+
+    # ----- transformations -------------------------------------------------
+
+    def _with(self, kind: str, fn: Any, **kw: Any) -> "Dataset":
+        op = Op(kind, fn, op_name(kind, fn), index=len(self._ops), **kw)
+        return Dataset(self._source, self._ops + (op,))
+
+    def map(self, fn: Callable[[dict], dict], *, num_cpus: Optional[float] = None,
+            num_gpus: Optional[float] = None, resources: Optional[Mapping[str, float]] = None,
+            concurrency: Optional[int] = None, fn_args: tuple = (), fn_kwargs: Optional[dict] = None) -> "Dataset":
+        """Apply ``fn(row) -> row`` to every row (rows are dicts)."""
+        return self._with("map", fn, num_cpus=num_cpus, num_gpus=num_gpus, resources=resources,
+                          concurrency=concurrency, fn_args=fn_args, fn_kwargs=fn_kwargs or {})
+
+    def map_batches(self, fn: Any, *, batch_size: Optional[int] = None, num_cpus: Optional[float] = None,
+                    num_gpus: Optional[float] = None, resources: Optional[Mapping[str, float]] = None,
+                    concurrency: Concurrency = None, fn_args: tuple = (), fn_kwargs: Optional[dict] = None,
+                    fn_constructor_args: tuple = (), fn_constructor_kwargs: Optional[dict] = None) -> "Dataset":
+        """Apply ``fn(batch) -> batch`` to batches (dicts of NumPy arrays).
+
+        A function runs as Ray tasks; a callable class runs in an actor pool, built
+        once per actor, whose size autoscales within ``concurrency=(min, max)``.
+        Batches never span two partitions.
+
+        Args:
+            fn: a function, or a class whose instances are callable on a batch.
+            batch_size: rows per call (None: a whole block).
+            num_cpus: CPUs per task or actor (default 1).
+            num_gpus: GPUs per task or actor.
+            resources: extra Ray resources per task or actor.
+            concurrency: tasks in flight (function) or ``n``/``(min, max)`` actors.
+            fn_args: extra positional arguments per call.
+            fn_kwargs: extra keyword arguments per call.
+            fn_constructor_args: constructor arguments of a callable class.
+            fn_constructor_kwargs: constructor keyword arguments of a callable class.
+        """
+        return self._with("map_batches", fn, batch_size=batch_size, num_cpus=num_cpus, num_gpus=num_gpus,
+                          resources=resources, concurrency=concurrency, fn_args=fn_args,
+                          fn_kwargs=fn_kwargs or {}, fn_constructor_args=fn_constructor_args,
+                          fn_constructor_kwargs=fn_constructor_kwargs or {})
+
+    def filter(self, fn: Callable[[dict], bool], *, num_cpus: Optional[float] = None,
+               concurrency: Optional[int] = None) -> "Dataset":
+        """Keep the rows for which ``fn(row)`` is true."""
+        return self._with("filter", fn, num_cpus=num_cpus, concurrency=concurrency)
+
+    def flat_map(self, fn: Callable[[dict], Any], *, num_cpus: Optional[float] = None,
+                 concurrency: Optional[int] = None) -> "Dataset":
+        """Replace each row by the rows ``fn(row)`` yields (zero or more dicts)."""
+        return self._with("flat_map", fn, num_cpus=num_cpus, concurrency=concurrency)
+
+    # ----- introspection ----------------------------------------------------
+
+    @property
+    def source(self) -> Source:
+        """The dataset's source."""
+        return self._source
+
+    @property
+    def ops(self) -> tuple[Op, ...]:
+        """The logical operators, in order."""
+        return self._ops
+
+    def num_partitions(self) -> int:
+        """Partitions of the source."""
+        return len(self._source.partitions(0, 0))
+
+    def num_rows(self) -> Optional[int]:
+        """Rows the dataset yields, if known without running (no filter/flat_map)."""
+        if any(op.kind in ("filter", "flat_map") for op in self._ops):
+            return None
+        if any(op.kind == "map_batches" for op in self._ops):
+            return None
+        return self._source.num_rows()
+
+    def count(self) -> int:
+        """Rows the dataset yields (runs the pipeline when not known)."""
+        n = self.num_rows()
+        if n is not None:
+            return n
+        return sum(meta.num_rows for _, meta in iter_blocks(self.execute(seed=0)))
+
+    def take(self, n: int = 20) -> list[Row]:
+        """The first ``n`` rows (deterministic order)."""
+        out: list[Row] = []
+        for row in self.iter_rows(deterministic=True, seed=0):
+            out.append(row)
+            if len(out) >= n:
+                break
+        return out
+
+    def stats(self) -> Optional[ExecutionStats]:
+        """Statistics of the latest execution (None before any)."""
+        return self._last[0]
+
+    def __repr__(self) -> str:
+        chain = " -> ".join([f"Read{self._source.name}"] + [op.name for op in self._ops])
+        return f"Dataset({chain})"
+
+    # ----- execution ------------------------------------------------------
+
+    def plan(self, *, epoch: int = 0, seed: Optional[int] = None, shuffle: bool = False,
+             generator: Any = None) -> EpochPlan:
+        """The epoch plan an iteration with these arguments executes."""
+        epoch_seed = draw_epoch_seed(seed, epoch, generator)
+        ids = [p.id for p in self._source.partitions(epoch, epoch_seed)]
+        return make_epoch_plan(ids, epoch, epoch_seed, shuffle)
+
+    def execute(self, *, epoch: int = 0, seed: Optional[int] = None, shuffle: bool = False,
+                deterministic: bool = False, memory_budget: Optional[int] = None,
+                prefetch_blocks: int = 2, progress: Optional[bool] = None,
+                plan: Optional[EpochPlan] = None) -> StreamingExecutor:
+        """Start one execution and return its executor (advanced; iterate instead)."""
+        ensure_initialized()
+        options = ExecutionOptions(memory_budget=memory_budget, deterministic=deterministic,
+                                   prefetch_blocks=prefetch_blocks, progress=progress)
+        plan = plan or self.plan(epoch=epoch, seed=seed, shuffle=shuffle)
+        executor = StreamingExecutor(self._source, build_stages(self._source.name, self._ops), plan, options)
+        self._last[0] = executor.stats()
+        return executor.start()
+
+    def iter_rows(self, **execute_kwargs: Any) -> Iterator[Row]:
+        """Iterate rows (dicts with ``.provenance``). Takes :meth:`execute`'s arguments."""
+        return iter_rows(iter_blocks(self.execute(**execute_kwargs)))
+
+    def iter_batches(self, batch_size: Optional[int] = 256, *, drop_last: bool = False,
+                     **execute_kwargs: Any) -> Iterator[Batch]:
+        """Iterate batches (dicts of NumPy arrays with ``.provenance``).
+
+        Args:
+            batch_size: rows per batch (None: one batch per block).
+            drop_last: drop a final short batch.
+            **execute_kwargs: :meth:`execute`'s arguments (epoch, seed, shuffle,
+                deterministic, memory_budget, prefetch_blocks, progress).
+        """
+        return iter_batches(iter_blocks(self.execute(**execute_kwargs)), batch_size, drop_last)
+
+    def iter_torch_batches(self, batch_size: Optional[int] = 256, *, drop_last: bool = False,
+                           dtypes: Optional[Mapping[str, Any]] = None, device: Optional[str] = None,
+                           zero_copy: bool = False, collate_fn: Optional[Callable] = None,
+                           **execute_kwargs: Any) -> Iterator[Any]:
+        """Iterate batches as dicts of torch tensors (writable unless ``zero_copy``).
+
+        Args:
+            batch_size: rows per batch.
+            drop_last: drop a final short batch.
+            dtypes: torch dtype per column.
+            device: move tensors to this device.
+            zero_copy: read-only tensors over the object store's buffers (no copy).
+            collate_fn: applied to each NumPy batch instead of the tensor conversion.
+            **execute_kwargs: :meth:`execute`'s arguments.
+        """
+        for batch in self.iter_batches(batch_size, drop_last=drop_last, **execute_kwargs):
+            yield collate_fn(batch) if collate_fn is not None else to_torch(batch, dtypes, device, zero_copy)

@@ -1,0 +1,205 @@
+"""In-memory sources: ``from_items``, ``range`` and ``from_torch``.
+
+A source lists its input and cuts it into :class:`Partition` s. A partition has a
+stable id, knows its row count where the source can tell, and reading it twice
+yields the same rows. ``read`` runs in the remote task, never in the driver.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+import functools
+from typing import Any, Callable, Optional, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+from .block import Block, from_rows, to_column
+from .plan import resolve_rows_per_partition, split_rows
+
+
+@dataclass(frozen=True)
+class Partition:
+    """One unit of execution.
+
+    Attributes:
+        id: stable id of the partition within its source.
+        num_rows: rows the partition yields, or None if unknown before reading.
+        payload: what ``Source.read`` needs (a slice of items, index ranges,
+            file paths...); small, shipped with the task.
+        label: a human-readable name for errors (a file path, a row range).
+    """
+
+    id: int
+    num_rows: Optional[int]
+    payload: Any = field(repr=False, default=None)
+    label: str = ""
+
+
+@runtime_checkable
+class Source(Protocol):
+    """What the executor needs from a source."""
+
+    name: str
+
+    def shared(self) -> Any:
+        """An object shipped once to the object store and given to every ``read``."""
+
+    def partitions(self, epoch: int, epoch_seed: int) -> list[Partition]:
+        """The partitions of an epoch (ids stable across epochs)."""
+
+    def reader(self) -> "Callable[[Any, Partition], Block]":
+        """A small picklable function ``(shared, partition) -> Block``; runs remotely."""
+
+    def num_rows(self) -> Optional[int]:
+        """Total rows, or None when unknown before reading."""
+
+    def fingerprint(self) -> dict:
+        """A small JSON-serialisable description (type, length, ids) for state checks."""
+
+
+def _parallelism() -> int:
+    try:
+        from ._runtime import cluster_cpus
+
+        return int(cluster_cpus())
+    except Exception:  # Ray not started yet: plan for this machine
+        import os
+
+        return os.cpu_count() or 1
+
+
+def _rows_block(items: Sequence[Any]) -> Block:
+    if items and all(isinstance(x, dict) for x in items):
+        return from_rows(items)
+    return {"item": to_column(list(items))}
+
+
+def _read_items(shared: Any, partition: Partition) -> Block:
+    return _rows_block(partition.payload)
+
+
+def _read_range(shared: Any, partition: Partition) -> Block:
+    a, b = partition.payload
+    return {"id": np.arange(a, b, dtype=np.int64)}
+
+
+def _read_torch(shared: Any, partition: Partition, columns: str) -> Block:
+    samples = [shared[int(i)] for i in partition.payload]
+    if columns == "item":
+        return {"item": to_column(samples)}
+    return _rows_block(samples)
+
+
+class ItemsSource:
+    """Rows from a Python list held by the driver (``from_items``)."""
+
+    name = "FromItems"
+
+    def __init__(self, items: Sequence[Any], rows_per_partition: int) -> None:
+        self._items = list(items)
+        self._ranges = split_rows(len(self._items), rows_per_partition)
+
+    def shared(self) -> Any:
+        return None
+
+    def partitions(self, epoch: int, epoch_seed: int) -> list[Partition]:
+        return [
+            Partition(i, b - a, self._items[a:b], f"items[{a}:{b}]") for i, (a, b) in enumerate(self._ranges)
+        ]
+
+    def reader(self) -> Callable[[Any, Partition], Block]:
+        return _read_items
+
+    def num_rows(self) -> Optional[int]:
+        return len(self._items)
+
+    def fingerprint(self) -> dict:
+        return {"type": self.name, "num_rows": len(self._items), "num_partitions": len(self._ranges)}
+
+
+class RangeSource:
+    """Integers ``0..n-1`` in a column ``id`` (``range``)."""
+
+    name = "Range"
+
+    def __init__(self, n: int, rows_per_partition: int) -> None:
+        self._n = n
+        self._ranges = split_rows(n, rows_per_partition)
+
+    def shared(self) -> Any:
+        return None
+
+    def partitions(self, epoch: int, epoch_seed: int) -> list[Partition]:
+        return [Partition(i, b - a, (a, b), f"range[{a}:{b}]") for i, (a, b) in enumerate(self._ranges)]
+
+    def reader(self) -> Callable[[Any, Partition], Block]:
+        return _read_range
+
+    def num_rows(self) -> Optional[int]:
+        return self._n
+
+    def fingerprint(self) -> dict:
+        return {"type": self.name, "num_rows": self._n, "num_partitions": len(self._ranges)}
+
+
+class TorchSource:
+    """A map-style torch ``Dataset`` read through a sampler (``from_torch``).
+
+    Partitions are ranges of *sampler positions*: partition ``k`` holds positions
+    ``[k*r, (k+1)*r)`` of the epoch's sampler order, so any sampler's order (a
+    ``RandomSampler`` permutation included) is reproduced exactly. The sampler is
+    iterated once per epoch in the driver (indices only, never samples).
+    """
+
+    name = "FromTorch"
+
+    def __init__(self, dataset: Any, sampler: Any, rows_per_partition: int, columns: str = "auto") -> None:
+        if not hasattr(dataset, "__getitem__"):
+            raise TypeError(
+                f"from_torch needs a map-style dataset with __getitem__, found {type(dataset).__name__}"
+            )
+        self._dataset = dataset
+        self._sampler = sampler
+        self._rows_per_partition = rows_per_partition
+        self._columns = columns
+        self._cached: Optional[tuple[int, np.ndarray]] = None
+
+    def sampler_indices(self, epoch: int) -> np.ndarray:
+        """The dataset indices of every sampler position for an epoch."""
+        if self._cached is not None and self._cached[0] == epoch:
+            return self._cached[1]
+        if self._sampler is None:
+            idx = np.arange(len(self._dataset), dtype=np.int64)
+        else:
+            if hasattr(self._sampler, "set_epoch"):
+                self._sampler.set_epoch(epoch)
+            idx = np.fromiter((int(i) for i in self._sampler), dtype=np.int64)
+        self._cached = (epoch, idx)
+        return idx
+
+    def shared(self) -> Any:
+        return self._dataset
+
+    def partitions(self, epoch: int, epoch_seed: int) -> list[Partition]:
+        idx = self.sampler_indices(epoch)
+        return [
+            Partition(i, b - a, idx[a:b], f"sampler positions [{a}, {b})")
+            for i, (a, b) in enumerate(split_rows(len(idx), self._rows_per_partition))
+        ]
+
+    def reader(self) -> Callable[[Any, Partition], Block]:
+        return functools.partial(_read_torch, columns=self._columns)
+
+    def num_rows(self) -> Optional[int]:
+        if self._sampler is not None:
+            try:
+                return len(self._sampler)
+            except TypeError:
+                return None
+        return len(self._dataset)
+
+    def fingerprint(self) -> dict:
+        return {
+            "type": f"{self.name}:{type(self._dataset).__name__}",
+            "num_rows": self.num_rows(),
+            "sampler": type(self._sampler).__name__ if self._sampler is not None else None,
+        }

@@ -1,0 +1,81 @@
+"""Execution statistics: per operator rows, blocks, bytes, task time, throttling."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+
+@dataclass
+class OperatorStats:
+    """Counters of one physical stage over one execution.
+
+    Attributes:
+        name: the stage's display name.
+        rows: rows output.
+        blocks: blocks output.
+        bytes: bytes output.
+        tasks: tasks (or actor calls) completed.
+        task_s: wall seconds spent inside tasks.
+        throttled_s: seconds the stage had input but was held back by the budget.
+        skipped: rows skipped under ``on_error="skip"``.
+        actors_created: actors started (actor stages only).
+    """
+
+    name: str
+    rows: int = 0
+    blocks: int = 0
+    bytes: int = 0
+    tasks: int = 0
+    task_s: float = 0.0
+    throttled_s: float = 0.0
+    skipped: int = 0
+    actors_created: int = 0
+
+
+@dataclass
+class ExecutionStats:
+    """Statistics of one execution (one epoch of one dataset).
+
+    Attributes:
+        operators: one entry per stage, in pipeline order.
+        wall_s: seconds from start to the last block.
+        first_block_s: seconds from start to the first output block.
+        peak_held_bytes: the executor's peak count of bytes held in the object store.
+        memory_budget: the budget in bytes.
+        duplicates_dropped: re-run outputs dropped because their rows were delivered.
+        stall_s: seconds the consumer waited for a ready block.
+    """
+
+    operators: list[OperatorStats] = field(default_factory=list)
+    wall_s: float = 0.0
+    first_block_s: Optional[float] = None
+    peak_held_bytes: int = 0
+    memory_budget: int = 0
+    duplicates_dropped: int = 0
+    stall_s: float = 0.0
+
+    @property
+    def skipped(self) -> int:
+        """Rows skipped under ``on_error="skip"`` across operators."""
+        return sum(o.skipped for o in self.operators)
+
+    def to_dict(self) -> dict:
+        """A JSON-serialisable copy."""
+        d = asdict(self)
+        d["skipped"] = self.skipped
+        return d
+
+    def __str__(self) -> str:
+        head = f"{'operator':<40} {'rows':>9} {'blocks':>7} {'MiB':>9} {'tasks':>6} {'task s':>8} {'throttled s':>11} {'skipped':>7}"
+        lines = [head, "-" * len(head)]
+        for o in self.operators:
+            lines.append(
+                f"{o.name[:40]:<40} {o.rows:>9} {o.blocks:>7} {o.bytes / 2**20:>9.1f} {o.tasks:>6} "
+                f"{o.task_s:>8.2f} {o.throttled_s:>11.2f} {o.skipped:>7}"
+            )
+        first = f"{self.first_block_s:.3f}s" if self.first_block_s is not None else "n/a"
+        lines.append(
+            f"wall {self.wall_s:.2f}s, first block {first}, peak held {self.peak_held_bytes / 2**20:.1f} MiB "
+            f"of {self.memory_budget / 2**20:.1f} MiB budget, consumer waited {self.stall_s:.2f}s"
+        )
+        return "\n".join(lines)
