@@ -1,0 +1,25 @@
+"""Shared fixtures: one embedded local Ray for the whole test session.
+
+Tests that need their own cluster (``ray.cluster_utils.Cluster``) or torchrun run
+in subprocesses, so they never fight over this one.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only, before ray imports
+
+import pytest
+
+import sbloader
+
+# More logical CPUs than the 2 cores, so a pipeline never waits on its own bookkeeping.
+TEST_CPUS = 8
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """The session's embedded Ray (started once, stopped at the end)."""
+    info = sbloader.init(num_cpus=TEST_CPUS, object_store_memory=512 * 2**20)
+    yield info
+    sbloader.shutdown()
