@@ -21,6 +21,8 @@ from .errors import (
     StateDictError,
     UserFunctionError,
 )
+from .images import read_images
+from .parquet import read_parquet
 from .read_api import from_items, from_torch
 from .read_api import range_dataset as range
 from .stats import ExecutionStats, OperatorStats
@@ -47,6 +49,8 @@ __all__ = sorted([
     "get_context",
     "init",
     "range",
+    "read_images",
+    "read_parquet",
     "report_skipped",
     "shutdown",
 ])

@@ -7,6 +7,7 @@ released to the executor's budget once every row of it has been handed out.
 """
 from __future__ import annotations
 
+from collections import deque
 from typing import Any, Callable, Iterator, Mapping, Optional
 
 import numpy as np
@@ -25,23 +26,24 @@ class Row(dict):
 def iter_blocks(executor: StreamingExecutor) -> Iterator[tuple[Block, BlockMeta]]:
     """Yield ``(block, meta)`` as the executor makes them ready; shuts it down at the end.
 
-    The previous block is released to the budget when the next is requested.
+    A block stays counted against the budget until the block after the next one
+    is requested: the consumer typically still holds a batch (views of the
+    previous block's buffer) while it asks for the next.
     """
-    held: Optional[BlockMeta] = None
+    held: deque[BlockMeta] = deque()
     try:
         while True:
             item = executor.get_next()
-            if held is not None:
-                executor.release(held.nbytes)
-                held = None
+            while len(held) > 1 or (item is None and held):
+                executor.release(held.popleft().nbytes)
             if item is None:
                 return
             block = ray.get(item.ref)
-            held = item.meta
+            held.append(item.meta)
             yield block, item.meta
     finally:
-        if held is not None:
-            executor.release(held.nbytes)
+        for meta in held:
+            executor.release(meta.nbytes)
         executor.shutdown()
 
 

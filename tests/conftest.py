@@ -20,6 +20,10 @@ TEST_CPUS = 8
 @pytest.fixture(scope="session")
 def ray_session():
     """The session's embedded Ray (started once, stopped at the end)."""
+    # Ray workers inherit this environment: let them import functions defined in
+    # test modules (pickled by reference).
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH", "")) if p)
     info = sbloader.init(num_cpus=TEST_CPUS, object_store_memory=512 * 2**20)
     yield info
     sbloader.shutdown()

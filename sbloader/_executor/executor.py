@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 
 _ACTOR_SLOTS = 2  # calls in flight per actor: one running, one queued behind it
 _IDLE_TIMEOUT_S = 5.0
+# Ray frees released objects asynchronously (the embedded Ray batches frees every
+# 20 ms); a released block still counts against the budget for this long.
+_FREE_LAG_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,7 @@ class StreamingExecutor:
         self._delivered_partitions: set[int] = set()
         self._output_bytes = 0
         self._consumer_bytes = 0
+        self._releasing: deque[tuple[float, int]] = deque()
         self._remaining = 0
         self._done = False
         self._budget_checked = False
@@ -195,6 +199,7 @@ class StreamingExecutor:
         """The consumer is done with a block of ``nbytes``: it no longer counts."""
         with self._lock:
             self._consumer_bytes = max(0, self._consumer_bytes - nbytes)
+            self._releasing.append((time.monotonic(), nbytes))
             self._lock.notify_all()
 
     def shutdown(self) -> None:
@@ -242,9 +247,22 @@ class StreamingExecutor:
             self._output_bytes -= item.meta.nbytes
         return None
 
+    def _consumer_ready(self) -> bool:
+        """Memory will be freed without a new task: a block awaits the consumer, or frees are pending."""
+        self._held()  # expires old releases
+        if self._releasing:
+            return True
+        if self._opts.deterministic:
+            return self._next_seq in self._ordered
+        return bool(self._outputs)
+
     def _held(self) -> float:
         running = sum(r.input_bytes + r.est_bytes for r in self._inflight.values())
-        return sum(self._queued_bytes) + self._output_bytes + self._consumer_bytes + running
+        horizon = time.monotonic() - _FREE_LAG_S
+        while self._releasing and self._releasing[0][0] < horizon:
+            self._releasing.popleft()
+        freeing = sum(n for _, n in self._releasing)
+        return sum(self._queued_bytes) + self._output_bytes + self._consumer_bytes + running + freeing
 
     def _run(self) -> None:
         try:
@@ -293,7 +311,7 @@ class StreamingExecutor:
         now = time.perf_counter()
         while True:
             views = [self._stage_view(i) for i in range(len(self._stages))]
-            decision = select_stage(views, self._budget, self._held())
+            decision = select_stage(views, self._budget, self._held(), self._consumer_ready())
             for i in range(len(self._stages)):
                 if i in decision.throttled:
                     self._throttle_mark.setdefault(i, now)
@@ -368,7 +386,17 @@ class StreamingExecutor:
         actor_refs = [r for r in ready if r in self._pending_actors]
         if actor_refs:
             ray.get(actor_refs)  # raises the constructor's error, if any
-        metas = ray.get(metas_refs) if metas_refs else []
+        try:
+            metas = ray.get(metas_refs) if metas_refs else []
+        except Exception:
+            # The failed task's block ref holds the same error; fetch it so Ray does
+            # not also print it as an "unhandled error" when the ref is dropped.
+            for r in metas_refs:
+                try:
+                    ray.get(self._inflight[r].block_ref, timeout=0)
+                except Exception:
+                    pass
+            raise
         with self._lock:
             for r in actor_refs:
                 _, actor = self._pending_actors.pop(r)

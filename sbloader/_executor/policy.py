@@ -61,20 +61,26 @@ def runnable(stage: StageView) -> bool:
     return stage.est_out_bytes is not None or stage.inflight == 0
 
 
-def select_stage(stages: Sequence[StageView], budget_bytes: int, held_bytes: float) -> Decision:
+def select_stage(
+    stages: Sequence[StageView], budget_bytes: int, held_bytes: float, consumer_ready: bool = False
+) -> Decision:
     """Pick the stage to start one more task in.
 
     Downstream stages go first: finishing work frees memory and brings batches
     to the consumer. A stage may start when the bytes held (queued blocks,
     consumer-held blocks, inputs and estimated outputs of running tasks) plus its
-    estimated output fit the budget. If nothing is running anywhere, the stage
-    holding the earliest plan position starts regardless, so a tight budget slows
-    the pipeline down but never deadlocks it.
+    estimated output fit the budget. If nothing is running anywhere and the
+    consumer has no ready block to take (so nobody could ever free memory), the
+    stage holding the earliest plan position starts regardless: a tight budget
+    slows the pipeline down but never deadlocks it.
 
     Args:
         stages: every stage, in pipeline order.
         budget_bytes: the memory budget.
         held_bytes: bytes currently held or promised by the pipeline.
+        consumer_ready: memory will be freed without starting a task (a block is
+            ready for the consumer, or released blocks are being freed), so the
+            liveness rule is not needed.
 
     Returns:
         The decision.
@@ -88,7 +94,7 @@ def select_stage(stages: Sequence[StageView], budget_bytes: int, held_bytes: flo
         if held_bytes + est <= budget_bytes:
             return Decision(s.index, tuple(throttled))
         throttled.append(s.index)
-    if all(s.inflight == 0 for s in stages):
+    if not consumer_ready and all(s.inflight == 0 for s in stages):
         first = min(candidates, key=lambda s: (s.head_seq, -s.index))
         return Decision(first.index, tuple(i for i in throttled if i != first.index))
     return Decision(None, tuple(throttled))

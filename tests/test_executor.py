@@ -1,0 +1,275 @@
+"""The streaming executor end to end on the session's Ray."""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import ray
+
+import sbloader
+from sbloader.errors import MemoryBudgetError, UserFunctionError
+
+MiB = 2**20
+
+
+def _store_bytes_used() -> int:
+    """Bytes in the object store, from Ray's own accounting."""
+    from ray._private import internal_api
+
+    state = internal_api.get_state_from_address(ray.get_runtime_context().gcs_address)
+    return int(internal_api.get_memory_info_reply(state).store_stats.object_store_bytes_used)
+
+
+class _StoreSampler:
+    """Samples Ray's object-store usage in a thread; ``peak`` is the maximum seen."""
+
+    def __init__(self, interval: float = 0.01) -> None:
+        self.peak = 0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._interval = interval
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _store_bytes_used())
+            self.samples += 1
+            time.sleep(self._interval)
+
+    def __enter__(self) -> "_StoreSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _log_line(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        os.write(fd, (text + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def test_streaming_keeps_object_store_under_budget_and_streams_early(ray_session, tmp_path):
+    """A dataset 25x the budget: Ray's store stays under budget; first batch before 10% is read."""
+    log = tmp_path / "reads.log"
+    block_bytes = 1 * MiB
+    n_parts = 100
+    budget = 4 * MiB  # 100 MiB of data through a 4 MiB budget
+
+    def make(batch):
+        _log_line(log, "read")
+        n = len(batch["id"])
+        return {"id": batch["id"], "x": np.full((n, block_bytes // n), 7, dtype=np.uint8)}
+
+    ds = sbloader.range(n_parts * 4, num_partitions=n_parts).map_batches(make)
+    baseline = _store_bytes_used()
+    seen = []
+    reads_at_first = None
+    with _StoreSampler() as sampler:
+        for batch in ds.iter_batches(4, memory_budget=budget, prefetch_blocks=1):
+            if reads_at_first is None:
+                reads_at_first = len(log.read_text().splitlines())
+            seen.extend(batch["id"].tolist())
+            time.sleep(0.005)  # a consumer that is not infinitely fast
+    assert sorted(seen) == list(range(n_parts * 4))
+    assert reads_at_first is not None and reads_at_first < n_parts * 0.1, reads_at_first
+    assert sampler.samples > 10
+    peak = sampler.peak - baseline
+    assert peak <= budget, f"object store held {peak} bytes, budget {budget}"
+    stats = ds.stats()
+    assert stats.peak_held_bytes <= budget + block_bytes * 1.1
+    assert stats.operators[0].throttled_s > 0
+
+
+def test_budget_too_small_for_prefetch_raises_clear_error(ray_session):
+    def big(batch):
+        return {"x": np.zeros((len(batch["id"]), 256 * 1024), dtype=np.uint8)}
+
+    ds = sbloader.range(40, num_partitions=10).map_batches(big)  # ~1 MiB blocks
+    with pytest.raises(MemoryBudgetError, match="prefetch_blocks=4"):
+        for _ in ds.iter_batches(4, memory_budget=2 * MiB, prefetch_blocks=4):
+            pass
+
+
+def test_invalid_budget_is_rejected(ray_session):
+    with pytest.raises(ValueError, match="memory_budget"):
+        list(sbloader.range(4).iter_batches(2, memory_budget=0))
+
+
+def test_sbloader_never_imports_ray_data(ray_session):
+    rows = list(sbloader.range(50).map_batches(lambda b: {"id": b["id"] * 2}).iter_rows())
+    assert len(rows) == 50
+    assert "ray.data" not in sys.modules
+
+
+def _delayed_identity(batch):
+    time.sleep(int.from_bytes(os.urandom(2), "little") / 65535 * 0.05)  # not seeded: real jitter
+    return batch
+
+
+@pytest.mark.parametrize("seed", [0, 7])
+def test_deterministic_order_is_independent_of_concurrency_and_timing(ray_session, seed):
+    def run(concurrency):
+        ds = sbloader.range(300, num_partitions=30).map_batches(_delayed_identity, concurrency=concurrency)
+        return [int(r["id"]) for r in ds.iter_rows(deterministic=True, shuffle=True, seed=seed)]
+
+    one = run(1)
+    four = run(4)
+    assert one == four
+    assert sorted(one) == list(range(300))
+    assert one != list(range(300))  # shuffled
+    assert run(4) == one
+
+
+def test_nondeterministic_mode_delivers_everything_once(ray_session):
+    ds = sbloader.range(400, num_partitions=40).map_batches(_delayed_identity, concurrency=4)
+    ids = [int(r["id"]) for r in ds.iter_rows(shuffle=True, seed=1)]
+    assert sorted(ids) == list(range(400))
+
+
+def test_killed_task_is_rerun_and_rows_arrive_once(ray_session, tmp_path):
+    marker_dir = tmp_path / "killed"
+    marker_dir.mkdir()
+
+    def die_once(batch):
+        pid = sbloader.get_context().partition_id
+        marker = marker_dir / f"p{pid}"
+        if pid in (2, 5) and not marker.exists():
+            marker.write_text(str(os.getpid()))
+            os._exit(1)  # the worker process dies mid-task
+        return batch
+
+    ds = sbloader.range(100, num_partitions=10).map_batches(die_once)
+    ids = [int(r["id"]) for r in ds.iter_rows()]
+    assert sorted(ids) == list(range(100))
+    assert sorted(p.name for p in marker_dir.iterdir()) == ["p2", "p5"]
+
+
+def test_provenance_on_every_row_and_batch(ray_session):
+    ds = sbloader.range(120, num_partitions=6).filter(lambda r: r["id"] % 3 != 0)
+    rows = list(ds.iter_rows(seed=3, shuffle=True))
+    assert len(rows) == 80
+    for r in rows:
+        p = r.provenance
+        assert p.epoch == 0
+        # range(120) in 6 partitions of 20: row k of partition p is id 20*p + k
+        assert int(r["id"]) == 20 * p.partition_id + p.row_range[0]
+        assert p.row_range[1] == p.row_range[0] + 1
+    for batch in ds.iter_batches(16, deterministic=True, seed=3):
+        covered = sum(pr.row_range[1] - pr.row_range[0] for pr in batch.provenance)
+        assert covered >= len(batch["id"])
+        for pr in batch.provenance:
+            assert 0 <= pr.partition_id < 6
+
+
+def test_user_function_error_names_operator_and_partition(ray_session):
+    def explode(batch):
+        if sbloader.get_context().partition_id == 3:
+            raise KeyError("no such column 'label'")
+        return batch
+
+    ds = sbloader.range(50, num_partitions=5).map_batches(explode)
+    with pytest.raises(UserFunctionError) as info:
+        list(ds.iter_batches(10))
+    err = info.value
+    assert err.operator == "MapBatches(explode)"
+    assert err.partition_id == 3
+    assert "no such column 'label'" in str(err)
+    assert "explode" in err.remote_traceback  # the original traceback travels
+
+
+def test_stats_count_rows_blocks_bytes_and_time(ray_session):
+    ds = sbloader.range(200, num_partitions=8).map_batches(
+        lambda b: {"x": np.ones((len(b["id"]), 10), np.float32)}
+    )
+    assert ds.stats() is None
+    total = sum(len(b["x"]) for b in ds.iter_batches(32))
+    st = ds.stats()
+    assert total == 200
+    op = st.operators[0]
+    assert (op.rows, op.blocks, op.tasks) == (200, 8, 8)
+    assert op.bytes >= 200 * 10 * 4
+    assert op.task_s > 0
+    assert st.first_block_s is not None and st.wall_s >= st.first_block_s
+    assert "ReadRange" in str(st)
+    assert st.to_dict()["operators"][0]["rows"] == 200
+
+
+def test_per_partition_rng_replays_identically(ray_session):
+    def augment(batch):
+        ctx = sbloader.get_context()
+        noise = ctx.rng.integers(0, 1_000_000, size=len(batch["id"]))
+        legacy = np.random.randint(0, 1_000_000, size=len(batch["id"]))  # seeded per partition too
+        return {"id": batch["id"], "noise": noise, "legacy": legacy}
+
+    def run(seed, epoch=0):
+        ds = sbloader.range(100, num_partitions=10).map_batches(augment, concurrency=3)
+        return {int(r["id"]): (int(r["noise"]), int(r["legacy"])) for r in ds.iter_rows(seed=seed, epoch=epoch)}
+
+    a, b = run(5), run(5)
+    assert a == b
+    assert run(6) != a
+    assert run(5, epoch=1) != a
+    assert len({v[0] for v in a.values()}) > 90  # partitions draw different numbers
+
+
+class _Tagger:
+    def __init__(self, log: str, delay: float) -> None:
+        _log_line(Path(log), f"init {os.getpid()}")
+        self.delay = delay
+
+    def __call__(self, batch):
+        time.sleep(self.delay)
+        return {"id": batch["id"], "pid": np.full(len(batch["id"]), os.getpid())}
+
+
+def test_actor_pool_constructs_once_per_actor_and_autoscales_within_bounds(ray_session, tmp_path):
+    log = tmp_path / "init.log"
+    ds = sbloader.range(240, num_partitions=24).map_batches(
+        _Tagger, concurrency=(1, 3), fn_constructor_kwargs={"log": str(log), "delay": 0.15}
+    )
+    rows = list(ds.iter_rows())
+    assert sorted(int(r["id"]) for r in rows) == list(range(240))
+    inits = [line.split()[1] for line in log.read_text().splitlines()]
+    assert len(inits) == len(set(inits)), "an actor constructed its class twice"
+    used = {int(r["pid"]) for r in rows}
+    assert used <= {int(p) for p in inits}
+    created = ds.stats().operators[1].actors_created
+    assert 2 <= created <= 3, created  # queued work grew the pool, never past max
+    assert len(inits) == created
+
+
+def test_fixed_size_actor_pool(ray_session, tmp_path):
+    log = tmp_path / "init.log"
+    ds = sbloader.range(40, num_partitions=8).map_batches(
+        _Tagger, concurrency=2, fn_constructor_kwargs={"log": str(log), "delay": 0.01}
+    )
+    assert sorted(int(r["id"]) for r in ds.iter_rows()) == list(range(40))
+    assert len(log.read_text().splitlines()) == 2
+    assert ds.stats().operators[1].actors_created == 2
+
+
+def test_first_rows_arrive_before_the_input_is_read(ray_session, tmp_path):
+    """Streaming, not bulk: the first block comes long before the last partition is read."""
+    log = tmp_path / "reads.log"
+
+    def slow(batch):
+        _log_line(log, "read")
+        time.sleep(0.05)
+        return batch
+
+    it = sbloader.range(400, num_partitions=80).map_batches(slow).iter_batches(5)
+    next(it)
+    reads = len(log.read_text().splitlines())
+    rest = sum(len(b["id"]) for b in it)
+    assert rest == 395
+    assert reads < 40, reads
