@@ -57,11 +57,11 @@ def check_on_error(on_error: Any) -> str:
 
 
 def list_files(paths: Union[PathLike, Sequence[PathLike]], extensions: Optional[Sequence[str]],
-               what: str) -> list[str]:
+               what: str, skip_prefixes: tuple[str, ...] = (".",)) -> list[str]:
     """Expand directories, globs and files into a stable list of absolute file paths.
 
-    A directory is listed recursively and sorted (hidden entries and entries
-    starting with ``_`` are left out); a glob's matches are sorted. Both keep only
+    A directory is listed recursively and sorted, leaving out files and folders
+    whose name starts with one of ``skip_prefixes``; a glob's matches are sorted. Both keep only
     names ending with one of ``extensions`` (case-insensitive). A file named
     explicitly is always kept. A list keeps the order given, each entry expanded
     as above. Only names are listed: no file is opened.
@@ -70,6 +70,8 @@ def list_files(paths: Union[PathLike, Sequence[PathLike]], extensions: Optional[
         paths: a directory, a glob, a file, or a list of those.
         extensions: extensions to keep when listing (None: every file).
         what: what the caller reads, for error messages (``"image"``).
+        skip_prefixes: name prefixes of entries a directory listing leaves out
+            (hidden files; Parquet also leaves out ``_SUCCESS``, ``_metadata``...).
 
     Returns:
         Absolute paths.
@@ -100,7 +102,7 @@ def list_files(paths: Union[PathLike, Sequence[PathLike]], extensions: Optional[
             raise TypeError(f"each path must be a str or os.PathLike, found {entry!r}")
         p = os.path.abspath(os.path.expanduser(os.fspath(entry)))
         if os.path.isdir(p):
-            found = sorted(_walk(p, keep))
+            found = sorted(_walk(p, keep, skip_prefixes))
             if not found:
                 raise ValueError(
                     f"found no {what} files with extensions {list(exts or ())} under {os.fspath(entry)!r}; "
@@ -122,11 +124,11 @@ def list_files(paths: Union[PathLike, Sequence[PathLike]], extensions: Optional[
     return out
 
 
-def _walk(root: str, keep: Callable[[str], bool]) -> Iterable[str]:
+def _walk(root: str, keep: Callable[[str], bool], skip_prefixes: tuple[str, ...]) -> Iterable[str]:
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
-        dirnames[:] = [d for d in dirnames if not d.startswith((".", "_"))]
+        dirnames[:] = [d for d in dirnames if not d.startswith(skip_prefixes)]
         for f in filenames:
-            if not f.startswith((".", "_")) and keep(f):
+            if not f.startswith(skip_prefixes) and keep(f):
                 yield os.path.join(dirpath, f)
 
 
@@ -338,10 +340,15 @@ def read_images(
     clipped) all become 3-channel ``uint8``.
 
     The driver only lists file names; files are opened in the remote read tasks.
+    EXIF orientation is not applied (as with torchvision's ``ImageFolder``).
+
+    A row's provenance row is the position of its file in the partition, so a
+    file skipped under ``on_error="skip"`` leaves a gap rather than shifting the
+    files after it.
 
     Args:
-        paths_or_dir: a directory (listed recursively and sorted), a glob, a file,
-            or a list of those (order kept).
+        paths_or_dir: a directory (listed recursively and sorted, hidden files and
+            folders left out), a glob, a file, or a list of those (order kept).
         size: resize every image to ``(width, height)`` (bilinear); None keeps
             each image's size.
         mode: Pillow mode of the output: ``"RGB"``, ``"RGBA"``, ``"L"`` (HxWx1), or

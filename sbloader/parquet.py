@@ -307,11 +307,13 @@ def read_parquet(
     a binary column (encoded images...) in a following ``map_batches``.
 
     The footers are read when the dataset is created: in the driver for up to
-    four files, otherwise in remote Ray tasks (one per chunk of files). Every
-    partition's row count is known from them.
+    four files, otherwise in remote Ray tasks (one per chunk of files; this
+    starts the embedded Ray if none is running). Every partition's row count is
+    known from them.
 
     Args:
-        paths: a directory (listed recursively and sorted), a glob, a file, or a
+        paths: a directory (listed recursively and sorted; names starting with
+            ``.`` or ``_``, such as ``_SUCCESS``, left out), a glob, a file, or a
             list of those (order kept).
         columns: columns to read, in this order (None: every column). A name
             missing from a file raises ``ValueError`` here, naming the file.
@@ -341,7 +343,7 @@ def read_parquet(
         raise ValueError(f"rows_per_partition must be a positive integer or None, found {rows_per_partition!r}")
     if isinstance(extensions, str):
         extensions = (extensions,)
-    files = list_files(paths, extensions, "parquet")
+    files = list_files(paths, extensions, "parquet", skip_prefixes=(".", "_"))
     metas = gather_footers(files)
     if cols is not None:
         for fm in metas:
