@@ -12,6 +12,7 @@ if not _os.environ.get("RAY_ADDRESS"):
 from ._runtime import RuntimeInfo, init, shutdown
 from .block import Batch, BlockMeta, Provenance
 from .context import TaskContext, get_context, report_skipped
+from .dataloader import DataLoader, StallStats
 from .dataset import Dataset
 from .errors import (
     ExecutorShutdownError,
@@ -32,6 +33,7 @@ __version__ = "0.1.0"
 __all__ = sorted([
     "Batch",
     "BlockMeta",
+    "DataLoader",
     "Dataset",
     "ExecutionStats",
     "ExecutorShutdownError",
@@ -41,6 +43,7 @@ __all__ = sorted([
     "RuntimeInfo",
     "SbloaderError",
     "SourceReadError",
+    "StallStats",
     "StateDictError",
     "TaskContext",
     "UserFunctionError",

@@ -100,7 +100,7 @@ def block_nbytes(block: Mapping[str, np.ndarray]) -> int:
     return total
 
 
-def _object_nbytes(x: Any) -> int:
+def _object_nbytes(x: Any, depth: int = 0) -> int:
     if isinstance(x, np.ndarray):
         return int(x.nbytes)
     if isinstance(x, (bytes, bytearray, str)):
@@ -108,6 +108,12 @@ def _object_nbytes(x: Any) -> int:
     nbytes = getattr(x, "nbytes", None)
     if isinstance(nbytes, int):
         return nbytes
+    if depth < 4 and isinstance(x, (list, tuple)):
+        return 16 + sum(_object_nbytes(v, depth + 1) for v in x)
+    if depth < 4 and isinstance(x, dict):
+        return 16 + sum(_object_nbytes(v, depth + 1) for v in x.values())
+    if hasattr(x, "element_size") and hasattr(x, "numel"):  # torch.Tensor
+        return int(x.element_size() * x.numel())
     return 64
 
 

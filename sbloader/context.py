@@ -92,3 +92,18 @@ def report_skipped(path: str, reason: str) -> None:
     if ctx is not None:
         ctx.skipped += 1
         ctx.skipped_paths.append(path)
+
+
+_ACTOR_INFO: dict[str, int] = {}
+
+
+def set_actor_info(index: int, pool_size: int) -> None:
+    """Record, inside a pool actor, its index and its pool's size."""
+    _ACTOR_INFO.update(index=index, pool_size=pool_size)
+
+
+def actor_info() -> Optional[tuple[int, int]]:
+    """``(index, pool_size)`` inside a pool actor, else None."""
+    if not _ACTOR_INFO:
+        return None
+    return _ACTOR_INFO["index"], _ACTOR_INFO["pool_size"]

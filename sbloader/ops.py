@@ -36,6 +36,8 @@ class Op:
         fn_kwargs: extra keyword arguments for each call.
         fn_constructor_args: arguments of the callable class's constructor.
         fn_constructor_kwargs: keyword arguments of its constructor.
+        fuse_read: (callable class as first operator only) read the source inside
+            the pool's actors instead of separate tasks, as torch's workers do.
     """
 
     kind: str
@@ -51,6 +53,7 @@ class Op:
     fn_kwargs: Mapping[str, Any] = field(default_factory=dict)
     fn_constructor_args: tuple = ()
     fn_constructor_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    fuse_read: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("map", "map_batches", "filter", "flat_map"):

@@ -101,8 +101,10 @@ class StreamingExecutor:
         options: budget, order and progress options.
     """
 
-    def __init__(self, source: Source, stages: list[Stage], plan: EpochPlan, options: ExecutionOptions) -> None:
+    def __init__(self, source: Source, stages: list[Stage], plan: EpochPlan, options: ExecutionOptions,
+                 actor_cache: Optional[dict[int, list]] = None) -> None:
         self._source = source
+        self._actor_cache = actor_cache
         self._stages = stages
         self._plan = plan
         self._opts = options
@@ -118,6 +120,10 @@ class StreamingExecutor:
         self._stage_inflight = [0] * len(stages)
         self._est: list[Optional[float]] = [None] * len(stages)
         self._pools: dict[int, list[_Actor]] = {i: [] for i, s in enumerate(stages) if s.kind == "actor"}
+        for i, handles in (actor_cache or {}).items():
+            if i in self._pools:  # persistent workers: actors kept from an earlier epoch
+                self._pools[i] = [_Actor(h, None) for h in handles]
+                handles.clear()
         self._pending_actors: dict[ray.ObjectRef, tuple[int, _Actor]] = {}
         self._outputs: deque[OutputBlock] = deque()
         self._ordered: dict[int, OutputBlock] = {}
@@ -217,12 +223,16 @@ class StreamingExecutor:
                 except Exception:  # already finished or owner gone
                     pass
         self._inflight.clear()
-        for actors in self._pools.values():
+        for i, actors in self._pools.items():
             for a in actors:
+                if self._actor_cache is not None and a.ready_ref is None:
+                    self._actor_cache.setdefault(i, []).append(a.handle)  # kept for the next epoch
+                    continue
                 try:
                     ray.kill(a.handle)
                 except Exception:
                     pass
+            actors.clear()
         self._close_bars()
 
     def stats(self) -> ExecutionStats:
@@ -332,6 +342,15 @@ class StreamingExecutor:
             ).remote(self._shared_ref, part, stage.ops, self._info, seq, stage.name)
             self._remaining -= 1
             run = _Running(i, seq, block_ref, 0, est)
+        elif stage.reads:  # an actor pool that reads its partitions itself
+            part = item
+            actor = min((a for a in self._pools[i] if a.ready_ref is None), key=lambda a: a.inflight)
+            actor.inflight += 1
+            block_ref, meta_ref = actor.handle.read_process.remote(
+                self._shared_ref, part, self._info, seq, stage.name
+            )
+            self._remaining -= 1
+            run = _Running(i, seq, block_ref, 0, est, actor)
         else:
             out: OutputBlock = item
             self._queued_bytes[i] -= out.meta.nbytes
@@ -366,11 +385,12 @@ class StreamingExecutor:
             delta = pool_delta(view, budget_ok)
             stage = self._stages[i]
             for _ in range(max(0, delta)):
+                index = self._stats.operators[i].actors_created
                 handle = MapActor.options(
                     max_restarts=self._opts.max_task_retries,
                     max_task_retries=self._opts.max_task_retries,
                     **stage.ray_options,
-                ).remote(stage.ops[0])
+                ).remote(stage.ops[0], index, hi)
                 actor = _Actor(handle, handle.ready.remote())
                 actors.append(actor)
                 self._pending_actors[actor.ready_ref] = (i, actor)

@@ -21,12 +21,14 @@ class Stage:
         kind: ``"read"`` (source + fused ops), ``"task"`` or ``"actor"``.
         ops: the operators the stage applies, in order.
         resources: Ray resources of each task or actor.
+        reads: the stage reads the source itself (its inputs are partitions).
     """
 
     name: str
     kind: str
     ops: tuple[Op, ...]
     resources: tuple[tuple[str, object], ...]
+    reads: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("read", "task", "actor"):
@@ -59,8 +61,14 @@ def build_stages(source_name: str, ops: Sequence[Op]) -> list[Stage]:
         The stages, the first always the read stage.
     """
     default = Op("map", lambda r: r, "_default")
-    stages: list[Stage] = [Stage(f"Read{source_name}", "read", (), _resources(default))]
-    current_key = _res_key(default)
+    ops = list(ops)
+    if ops and ops[0].is_actor and ops[0].fuse_read:
+        first = ops.pop(0)
+        stages: list[Stage] = [Stage(f"Read{source_name}->{first.name}", "actor", (first,), _resources(first), True)]
+        current_key = None
+    else:
+        stages = [Stage(f"Read{source_name}", "read", (), _resources(default), True)]
+        current_key = _res_key(default)
     for op in ops:
         last = stages[-1]
         if op.is_actor:

@@ -129,11 +129,29 @@ def block_stage_task(block: Block, meta: BlockMeta, ops: tuple, info: EpochInfo)
 
 @ray.remote
 class MapActor:
-    """A pool actor: constructs the user's callable class once, then maps blocks."""
+    """A pool actor: constructs the user's callable class once, then maps blocks.
 
-    def __init__(self, op: Op) -> None:
+    Args:
+        op: the ``map_batches`` operator whose class this actor runs.
+        actor_index: this actor's index in its pool (0, 1, ...).
+        pool_size: the pool's maximum size.
+    """
+
+    def __init__(self, op: Op, actor_index: int = 0, pool_size: int = 1) -> None:
+        from ..context import set_actor_info
+
         self._op = op
+        set_actor_info(actor_index, pool_size)
         self._instance = op.fn(*op.fn_constructor_args, **dict(op.fn_constructor_kwargs))
+
+    @ray.method(num_returns=2)
+    def read_process(self, reader_and_shared: tuple, partition: Partition, info: EpochInfo,
+                     seq: int, name: str) -> tuple[Block, BlockMeta]:
+        """Read a partition, then apply the callable (the read is fused into the pool)."""
+        t0 = time.perf_counter()
+        block, skipped = read_partition(reader_and_shared, partition, info, name)
+        out, skipped2 = apply_ops((self._op,), block, info, partition.id, fns=(self._instance,))
+        return out, _make_meta(out, info, partition.id, seq, t0, skipped + skipped2)
 
     def ready(self) -> tuple[str, int]:
         """Node id and pid once the instance is constructed."""

@@ -1,0 +1,167 @@
+"""The remote side of the drop-in DataLoader: what torch's worker processes did.
+
+``ReadyBatchSource`` cuts an epoch's batch list (from the sampler, in the driver)
+into partitions of whole batches. ``LoaderWorker`` is the callable class of the
+actor pool (``num_workers`` actors): it calls ``dataset[i]`` and ``collate_fn``
+and returns ready, collated batches with tensors as NumPy buffers.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from .block import Block, to_column
+from .context import actor_info, get_context
+from .sources import Partition
+from .wire import to_wire
+
+
+def _read_tasks(shared: Any, partition: Partition) -> Block:
+    """The partition's work items (index lists or a shard id), one row each."""
+    items = list(partition.payload)
+    col = np.empty((len(items),), dtype=object)
+    for i, x in enumerate(items):
+        col[i] = x
+    return {"task": col}
+
+
+class ReadyBatchSource:
+    """An epoch's batches (lists of dataset indices), a few per partition.
+
+    Args:
+        batches: the epoch's batches in sampler order (index lists, or single
+            indices when auto-batching is off).
+        batches_per_partition: batches per partition.
+        fingerprint: description of the dataset for state checks.
+    """
+
+    name = "Batches"
+
+    def __init__(self, batches: Sequence[Any], batches_per_partition: int, fingerprint: dict) -> None:
+        self._batches = list(batches)
+        self._bpp = batches_per_partition
+        self._fp = fingerprint
+
+    def shared(self) -> Any:
+        return None
+
+    def partitions(self, epoch: int, epoch_seed: int) -> list[Partition]:
+        out = []
+        for k, start in enumerate(range(0, len(self._batches), self._bpp)):
+            chunk = self._batches[start:start + self._bpp]
+            out.append(Partition(k, len(chunk), chunk, f"batches [{start}, {start + len(chunk)})"))
+        return out
+
+    def reader(self) -> Callable[[Any, Partition], Block]:
+        return _read_tasks
+
+    def num_rows(self) -> Optional[int]:
+        return len(self._batches)
+
+    def fingerprint(self) -> dict:
+        return dict(self._fp)
+
+
+class ShardSource:
+    """One partition per worker shard of an ``IterableDataset``.
+
+    Each partition is a whole shard: the dataset copy in the worker sees
+    ``get_worker_info().id == shard`` and shards itself, as under torch.
+    """
+
+    name = "IterableShards"
+
+    def __init__(self, num_shards: int, fingerprint: dict) -> None:
+        self._n = num_shards
+        self._fp = fingerprint
+
+    def shared(self) -> Any:
+        return None
+
+    def partitions(self, epoch: int, epoch_seed: int) -> list[Partition]:
+        return [Partition(w, None, [("shard", w)], f"worker shard {w}") for w in range(self._n)]
+
+    def reader(self) -> Callable[[Any, Partition], Block]:
+        return _read_tasks
+
+    def num_rows(self) -> Optional[int]:
+        return None
+
+    def fingerprint(self) -> dict:
+        return dict(self._fp)
+
+
+def _set_torch_worker_info(worker_id: int, num_workers: int, seed: int, dataset: Any) -> None:
+    # torch's get_worker_info() reads this module global, set by torch's own
+    # worker loop; we set it the same way in our remote workers.
+    from torch.utils.data._utils import worker as torch_worker
+
+    torch_worker._worker_info = torch_worker.WorkerInfo(
+        id=worker_id, num_workers=num_workers, seed=seed, dataset=dataset
+    )
+
+
+class LoaderWorker:
+    """Callable class of the loader's actor pool: fetch samples and collate.
+
+    Args:
+        dataset: the user's dataset (a copy per actor, as torch's workers have).
+        collate_fn: applied to each list of samples (or each sample when
+            auto-batching is off).
+        auto_collation: whether work items are index lists (batches).
+        num_workers: the loader's ``num_workers``.
+        worker_init_fn: called once with the worker id when the actor starts.
+        batch_size: rows per batch for an ``IterableDataset``.
+        drop_last: drop a short final batch of an ``IterableDataset`` shard.
+    """
+
+    def __init__(self, dataset: Any, collate_fn: Callable, auto_collation: bool, num_workers: int,
+                 worker_init_fn: Optional[Callable[[int], None]] = None,
+                 batch_size: Optional[int] = None, drop_last: bool = False) -> None:
+        info = actor_info()
+        self._id = info[0] if info else 0
+        self._dataset = dataset
+        self._collate = collate_fn
+        self._auto = auto_collation
+        self._num_workers = num_workers
+        self._batch_size = batch_size
+        self._drop_last = drop_last
+        import os
+
+        self.pid = os.getpid()
+        _set_torch_worker_info(self._id, num_workers, 0, dataset)
+        if worker_init_fn is not None:
+            worker_init_fn(self._id)
+
+    def __call__(self, batch: dict) -> dict:
+        ctx = get_context()
+        seed = ctx.seed if ctx is not None else 0
+        out = []
+        for task in batch["task"]:
+            if isinstance(task, tuple) and len(task) == 2 and task[0] == "shard":
+                _set_torch_worker_info(task[1], self._num_workers, seed, self._dataset)
+                out.extend(self._iterate_shard())
+            else:
+                _set_torch_worker_info(self._id, self._num_workers, seed, self._dataset)
+                if self._auto:
+                    samples = [self._dataset[i] for i in task]
+                else:
+                    samples = self._dataset[task]
+                out.append(to_wire(self._collate(samples)))
+        col = np.empty((len(out),), dtype=object)
+        for i, x in enumerate(out):
+            col[i] = x
+        return {"batch": col}
+
+    def _iterate_shard(self) -> list:
+        it = iter(self._dataset)
+        out = []
+        if self._batch_size is None:
+            return [to_wire(self._collate(x)) for x in it]
+        while True:
+            chunk = list(itertools.islice(it, self._batch_size))
+            if not chunk or (self._drop_last and len(chunk) < self._batch_size):
+                return out
+            out.append(to_wire(self._collate(chunk)))

@@ -1,0 +1,433 @@
+"""The drop-in ``DataLoader``: torch's signature, loading on a Ray cluster.
+
+Change ``from torch.utils.data import DataLoader`` to ``from sbloader import
+DataLoader``. The sampler still runs in the trainer (indices only); every
+``dataset[i]`` and ``collate_fn`` call runs in a pool of ``num_workers`` remote
+actors; the trainer receives ready, collated batches and only copies each
+tensor's bytes once (into pinned memory with ``pin_memory=True``).
+"""
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
+
+import ray
+
+from ._executor.executor import ExecutionOptions, StreamingExecutor
+from ._executor.stages import build_stages
+from ._loader_worker import LoaderWorker, ReadyBatchSource, ShardSource
+from ._runtime import ensure_initialized
+from .dataset import draw_epoch_seed
+from .ops import Op
+from .plan import make_epoch_plan
+from .stats import ExecutionStats
+from .wire import from_wire, tensors, to_device
+
+
+@dataclass
+class StallStats:
+    """Where the consumer's time went during one epoch.
+
+    Attributes:
+        wall_s: seconds from the iterator's creation to its end.
+        wait_ready_s: seconds waiting for a batch to be produced.
+        fetch_s: seconds fetching ready bytes (``ray.get``) and unpacking them.
+        batches: batches yielded.
+    """
+
+    wall_s: float = 0.0
+    wait_ready_s: float = 0.0
+    fetch_s: float = 0.0
+    batches: int = 0
+
+    @property
+    def stall_fraction(self) -> float:
+        """Fraction of the wall time spent waiting for the next batch."""
+        return (self.wait_ready_s + self.fetch_s) / self.wall_s if self.wall_s > 0 else 0.0
+
+    def __str__(self) -> str:
+        return (
+            f"{self.batches} batches in {self.wall_s:.2f}s; waiting {self.stall_fraction:.1%} "
+            f"(ready {self.wait_ready_s:.2f}s, fetch {self.fetch_s:.2f}s)"
+        )
+
+
+def _is_iterable_dataset(dataset: Any) -> bool:
+    from torch.utils.data import IterableDataset
+
+    return isinstance(dataset, IterableDataset)
+
+
+class DataLoader:
+    """Drop-in replacement for ``torch.utils.data.DataLoader`` that loads on Ray.
+
+    The positional and keyword arguments are torch's, with the same defaults,
+    checks and semantics; the keyword-only arguments after ``in_order`` are
+    sbloader's.
+
+    Args:
+        dataset: a map-style dataset (``__getitem__``/``__len__``) or an
+            ``IterableDataset``.
+        batch_size: samples per batch (None disables auto-batching).
+        shuffle: reshuffle every iteration (map-style only).
+        sampler: yields dataset indices; exclusive with ``shuffle``.
+        batch_sampler: yields lists of indices; exclusive with batch_size,
+            shuffle, sampler and drop_last.
+        num_workers: remote loader actors; 0 loads in this process, like torch.
+        collate_fn: merges samples into a batch; runs in the remote workers.
+        pin_memory: copy batches into page-locked memory (only with an accelerator).
+        drop_last: drop the last incomplete batch.
+        timeout: seconds to wait for a batch before raising (0: forever).
+        worker_init_fn: called with the worker id once in each remote worker.
+        multiprocessing_context: has no meaning on Ray; a value is ignored with a warning.
+        generator: RNG for the sampler and the epoch seed.
+        prefetch_factor: batches in flight per worker (default 2 when workers > 0).
+        persistent_workers: keep the worker actors alive between epochs.
+        pin_memory_device: accepted for compatibility (deprecated in torch).
+        in_order: deliver batches in sampler order (deterministic); False
+            delivers them as they are ready.
+        seed: fixes the epoch seed to ``f(seed, epoch)`` instead of drawing it.
+        split: split batches across ranks (world size above 1); only ``False``
+            is supported so far: every rank iterates the whole dataset.
+        memory_budget: bytes the pipeline may hold in the object store.
+        batches_per_partition: batches per unit of work (and of replay).
+        worker_num_cpus: CPUs per worker actor.
+        worker_resources: extra Ray resources per worker actor.
+        device: copy batches to this device (e.g. ``"cuda"``) on a side stream.
+        zero_copy: give read-only tensors over the object store's buffers.
+        dataset_id: a name for the dataset, checked on ``load_state_dict``.
+        report_stalls: print the stall instrument at the end of each epoch.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: Optional[int] = 1,
+        shuffle: Optional[bool] = None,
+        sampler: Any = None,
+        batch_sampler: Any = None,
+        num_workers: int = 0,
+        collate_fn: Optional[Callable] = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Optional[Callable[[int], None]] = None,
+        multiprocessing_context: Any = None,
+        generator: Any = None,
+        *,
+        prefetch_factor: Optional[int] = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        seed: Optional[int] = None,
+        split: Optional[bool] = None,
+        memory_budget: Optional[int] = None,
+        batches_per_partition: int = 1,
+        worker_num_cpus: float = 1.0,
+        worker_resources: Optional[dict] = None,
+        device: Any = None,
+        zero_copy: bool = False,
+        dataset_id: Optional[str] = None,
+        report_stalls: bool = False,
+    ) -> None:
+        import torch
+        from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
+        from torch.utils.data._utils.collate import default_collate, default_convert
+
+        if num_workers < 0:
+            raise ValueError("num_workers option should be non-negative; use num_workers=0 to disable multiprocessing.")
+        if timeout < 0:
+            raise ValueError("timeout option should be non-negative")
+        if num_workers == 0 and prefetch_factor is not None:
+            raise ValueError(
+                "prefetch_factor option could only be specified in multiprocessing. "
+                "let num_workers > 0 to enable multiprocessing, otherwise set prefetch_factor to None."
+            )
+        elif num_workers > 0 and prefetch_factor is None:
+            prefetch_factor = 2
+        elif prefetch_factor is not None and prefetch_factor < 0:
+            raise ValueError("prefetch_factor option should be non-negative")
+        if persistent_workers and num_workers == 0:
+            raise ValueError("persistent_workers option needs num_workers > 0")
+        if batches_per_partition < 1:
+            raise ValueError(f"batches_per_partition must be >= 1, found {batches_per_partition}")
+
+        self._iterable = _is_iterable_dataset(dataset)
+        if self._iterable:
+            if shuffle not in {False, None}:
+                raise ValueError(
+                    f"DataLoader with IterableDataset: expected unspecified shuffle option, but got shuffle={shuffle}"
+                )
+            if sampler is not None:
+                raise ValueError(
+                    f"DataLoader with IterableDataset: expected unspecified sampler option, but got sampler={sampler}"
+                )
+            if batch_sampler is not None:
+                raise ValueError(
+                    "DataLoader with IterableDataset: expected unspecified batch_sampler option, "
+                    f"but got batch_sampler={batch_sampler}"
+                )
+        else:
+            shuffle = bool(shuffle)
+        if sampler is not None and shuffle:
+            raise ValueError("sampler option is mutually exclusive with shuffle")
+        if batch_sampler is not None:
+            if batch_size != 1 or shuffle or sampler is not None or drop_last:
+                raise ValueError(
+                    "batch_sampler option is mutually exclusive with batch_size, shuffle, sampler, and drop_last"
+                )
+            batch_size = None
+            drop_last = False
+        elif batch_size is None and drop_last:
+            raise ValueError("batch_size=None option disables auto-batching and is mutually exclusive with drop_last")
+        if split:
+            raise ValueError(
+                "split=True (splitting batches across torchrun ranks) needs the split coordinator, "
+                "which is not available yet; use split=False (every rank iterates the whole dataset)"
+            )
+        if multiprocessing_context is not None:
+            warnings.warn(
+                "multiprocessing_context has no meaning for sbloader (workers are Ray actors); it is ignored",
+                stacklevel=2,
+            )
+
+        if not self._iterable and sampler is None:
+            sampler = RandomSampler(dataset, generator=generator) if shuffle else SequentialSampler(dataset)
+        if batch_size is not None and batch_sampler is None and not self._iterable:
+            batch_sampler = BatchSampler(sampler, batch_size, drop_last)
+
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.sampler = sampler
+        self.batch_sampler = batch_sampler
+        self.num_workers = num_workers
+        self.collate_fn = collate_fn or (default_collate if self._auto_collation else default_convert)
+        self.pin_memory = pin_memory
+        self.pin_memory_device = pin_memory_device
+        self.timeout = timeout
+        self.worker_init_fn = worker_init_fn
+        self.multiprocessing_context = multiprocessing_context
+        self.generator = generator
+        self.prefetch_factor = prefetch_factor
+        self.persistent_workers = persistent_workers
+        self.in_order = in_order
+        self.seed = seed
+        self.memory_budget = memory_budget
+        self.batches_per_partition = batches_per_partition
+        self.worker_num_cpus = worker_num_cpus
+        self.worker_resources = worker_resources
+        self.device = device
+        self.zero_copy = zero_copy
+        self.dataset_id = dataset_id
+        self.report_stalls = report_stalls
+        self._epoch = 0
+        self._epoch_explicit = False
+        self._last_stats: Optional[ExecutionStats] = None
+        self._last_stalls: Optional[StallStats] = None
+        self._torch = torch
+        self._actor_cache: dict[int, list] = {}
+
+    def __del__(self) -> None:
+        for handles in getattr(self, "_actor_cache", {}).values():
+            for h in handles:
+                try:
+                    ray.kill(h)
+                except Exception:
+                    pass
+
+    # ----- torch-compatible surface -------------------------------------------
+
+    @property
+    def _auto_collation(self) -> bool:
+        return self.batch_sampler is not None or (self._iterable and self.batch_size is not None)
+
+    @property
+    def _index_sampler(self) -> Any:
+        return self.batch_sampler if self._auto_collation and not self._iterable else self.sampler
+
+    def __len__(self) -> int:
+        if self._iterable:
+            length = len(self.dataset)
+            if self.batch_size is not None:
+                length = length // self.batch_size if self.drop_last else math.ceil(length / self.batch_size)
+            return length
+        return len(self._index_sampler)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch of the next iteration (its seed is ``f(seed, epoch)`` when ``seed`` is set)."""
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, found {epoch}")
+        self._epoch = epoch
+        self._epoch_explicit = True
+
+    def stats(self) -> Optional[ExecutionStats]:
+        """Execution statistics of the latest epoch (None before any, or with num_workers=0)."""
+        return self._last_stats
+
+    def stall_stats(self) -> Optional[StallStats]:
+        """The data-stall instrument of the latest epoch."""
+        return self._last_stalls
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.num_workers == 0:
+            return self._iter_local()
+        return self._iter_remote()
+
+    # ----- iteration ----------------------------------------------------------
+
+    def _pin(self) -> bool:
+        if not self.pin_memory:
+            return False
+        if not self._torch.accelerator.is_available():
+            warnings.warn(
+                "'pin_memory' argument is set as true but no accelerator is found, "
+                "then device pinned memory won't be used.",
+                stacklevel=3,
+            )
+            return False
+        return True
+
+    def _next_epoch(self) -> tuple[int, int]:
+        epoch = self._epoch
+        seed = draw_epoch_seed(self.seed, epoch, self.generator)
+        if not self._epoch_explicit:
+            self._epoch += 1
+        else:
+            self._epoch_explicit = False
+        return epoch, seed
+
+    def _iter_local(self) -> Iterator[Any]:
+        """``num_workers=0``: load in this process, exactly as torch does."""
+        import itertools
+
+        from .context import seed_globals
+
+        epoch, epoch_seed = self._next_epoch()  # drawn before the sampler's first draw, as torch
+        seed_globals(epoch_seed)
+        pin = self._pin()
+        if self._iterable:
+            it = iter(self.dataset)
+            if self.batch_size is None:
+                items: Iterator[Any] = (self.collate_fn(x) for x in it)
+            else:
+                def batches() -> Iterator[Any]:
+                    while True:
+                        chunk = list(itertools.islice(it, self.batch_size))
+                        if not chunk or (self.drop_last and len(chunk) < self.batch_size):
+                            return
+                        yield self.collate_fn(chunk)
+
+                items = batches()
+        else:
+            fetch = _LocalCollate(self.dataset, self.collate_fn, self._auto_collation)
+            items = (fetch(i) for i in self._index_sampler)
+        for batch in items:
+            yield _pin_batch(batch) if pin else batch
+
+    def _build(self, epoch: int, epoch_seed: int) -> StreamingExecutor:
+        ensure_initialized()
+        fp = {"type": type(self.dataset).__name__, "len": _safe_len(self.dataset), "dataset_id": self.dataset_id}
+        if self._iterable:
+            source = ShardSource(self.num_workers, fp)
+        else:
+            batches = [list(b) if self._auto_collation else b for b in self._index_sampler]
+            source = ReadyBatchSource(batches, self.batches_per_partition, fp)
+        op = Op(
+            "map_batches", LoaderWorker, "LoaderWorker", index=0,
+            num_cpus=self.worker_num_cpus, resources=self.worker_resources,
+            concurrency=(self.num_workers, self.num_workers),
+            fn_constructor_kwargs=dict(
+                dataset=self.dataset, collate_fn=self.collate_fn, auto_collation=self._auto_collation,
+                num_workers=self.num_workers, worker_init_fn=self.worker_init_fn,
+                batch_size=self.batch_size, drop_last=self.drop_last,
+            ),
+            fuse_read=True,
+        )
+        ids = [p.id for p in source.partitions(epoch, epoch_seed)]
+        plan = make_epoch_plan(ids, epoch, epoch_seed, shuffle=False)
+        prefetch = max(1, math.ceil((self.prefetch_factor or 2) * self.num_workers / self.batches_per_partition))
+        options = ExecutionOptions(memory_budget=self.memory_budget, deterministic=self.in_order,
+                                   prefetch_blocks=prefetch, progress=False)
+        cache = self._actor_cache if self.persistent_workers else None
+        return StreamingExecutor(source, build_stages(source.name, [op]), plan, options, actor_cache=cache)
+
+    def _iter_remote(self) -> Iterator[Any]:
+        t_start = time.perf_counter()
+        epoch, epoch_seed = self._next_epoch()
+        executor = self._build(epoch, epoch_seed).start()
+        self._last_stats = executor.stats()
+        stalls = StallStats()
+        self._last_stalls = stalls
+        pin = self._pin()
+        stream = None
+        if self.device is not None and str(self.device).startswith("cuda"):
+            stream = self._torch.cuda.Stream(device=self.device)
+        held: list[int] = []
+        try:
+            while True:
+                t0 = time.perf_counter()
+                try:
+                    item = executor.get_next(timeout=self.timeout or None)
+                except TimeoutError:
+                    raise RuntimeError(f"DataLoader timed out after {self.timeout} seconds") from None
+                t1 = time.perf_counter()
+                stalls.wait_ready_s += t1 - t0
+                while len(held) > 1 or (item is None and held):
+                    executor.release(held.pop(0))
+                if item is None:
+                    break
+                block = ray.get(item.ref)
+                held.append(item.meta.nbytes)
+                stalls.fetch_s += time.perf_counter() - t1
+                for wire in block["batch"]:
+                    t2 = time.perf_counter()
+                    batch = from_wire(wire, pin=pin, copy=not self.zero_copy)
+                    if stream is not None:
+                        batch = self._to_device(batch, stream)
+                    stalls.fetch_s += time.perf_counter() - t2
+                    stalls.batches += 1
+                    yield batch
+        finally:
+            stalls.wall_s = time.perf_counter() - t_start
+            for n in held:
+                executor.release(n)
+            executor.shutdown()
+            if self.report_stalls:
+                print(f"sbloader epoch {epoch}: {stalls}")
+
+    def _to_device(self, batch: Any, stream: Any) -> Any:
+        torch = self._torch
+        with torch.cuda.stream(stream):
+            moved = to_device(batch, self.device, non_blocking=True)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        for t in tensors(moved):
+            t.record_stream(torch.cuda.current_stream(self.device))
+        return moved
+
+
+class _LocalCollate:
+    """``num_workers=0``: fetch and collate in the calling process."""
+
+    def __init__(self, dataset: Any, collate_fn: Callable, auto: bool) -> None:
+        self.dataset, self.collate_fn, self.auto = dataset, collate_fn, auto
+
+    def __call__(self, item: Any) -> Any:
+        samples = [self.dataset[i] for i in item] if self.auto else self.dataset[item]
+        return self.collate_fn(samples)
+
+
+def _pin_batch(batch: Any) -> Any:
+    from .wire import from_wire, to_wire
+
+    return from_wire(to_wire(batch), pin=True)
+
+
+def _safe_len(x: Any) -> Optional[int]:
+    try:
+        return len(x)
+    except TypeError:
+        return None
