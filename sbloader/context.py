@@ -80,17 +80,22 @@ def seed_globals(seed: int) -> None:
         torch.manual_seed(seed)
 
 
-def report_skipped(path: str, reason: str) -> None:
-    """Count a row skipped under ``on_error="skip"`` and log a warning naming the file.
+def report_skipped(path: str, reason: str, rows: int = 1) -> None:
+    """Count rows skipped under ``on_error="skip"`` and log a warning naming the file.
 
     Sources and user functions call this; the count reaches ``stats()``.
+
+    Args:
+        path: the file (or item) that could not be used.
+        reason: why, for the warning.
+        rows: how many rows were skipped.
     """
     import logging
 
     ctx = get_context()
-    logging.getLogger("sbloader").warning("sbloader: skipped %s: %s", path, reason)
+    logging.getLogger("sbloader").warning("sbloader: skipped %d row(s) of %s: %s", rows, path, reason)
     if ctx is not None:
-        ctx.skipped += 1
+        ctx.skipped += rows
         ctx.skipped_paths.append(path)
 
 

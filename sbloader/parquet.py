@@ -184,10 +184,8 @@ def _read_parquet_partition(shared: Any, partition: Partition, *, columns: Optio
     except Exception as e:
         if on_error == "skip":
             where = "the file" if piece.error else f"row group {piece.row_group} rows [{piece.start}, {piece.stop})"
-            report_skipped(piece.path, f"cannot read {where}: {e!r}")
-            ctx = get_context()
-            if ctx is not None and not piece.error and piece.stop - piece.start > 1:
-                ctx.skipped += piece.stop - piece.start - 1  # count every row of the range, not one
+            rows = 1 if piece.error else max(1, piece.stop - piece.start)
+            report_skipped(piece.path, f"cannot read {where}: {e!r}", rows=rows)
             return {}
         raise read_error(partition, piece.path, e,
                          "check the file, or pass on_error='skip' to skip unreadable row groups") from e

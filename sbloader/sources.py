@@ -57,14 +57,13 @@ class Source(Protocol):
 
 
 def _parallelism() -> int:
-    try:
-        from ._runtime import cluster_cpus
+    """The parallelism default partition sizes assume.
 
-        return int(cluster_cpus())
-    except Exception:  # Ray not started yet: plan for this machine
-        import os
-
-        return os.cpu_count() or 1
+    A constant, not the cluster's CPU count: partition ids and sizes must not
+    change with the cluster, or a job resumed on another cluster could not
+    replay its plan.
+    """
+    return 8
 
 
 def _rows_block(items: Sequence[Any]) -> Block:

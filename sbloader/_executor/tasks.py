@@ -98,8 +98,9 @@ def read_partition(reader_and_shared: tuple, partition: Partition, info: EpochIn
     except UserFunctionError:
         raise
     except Exception as e:
-        raise SourceReadError(name, partition.id, info.epoch, traceback.format_exc(), repr(e),
-                              path=partition.label or None) from e
+        path = partition.label if partition.label and os.path.exists(partition.label) else None
+        raise SourceReadError(name, partition.id, info.epoch, traceback.format_exc(),
+                              f"{e!r} (reading {partition.label})", path=path) from e
     n = num_rows(block)
     if ROW_COLUMN not in block:
         block = dict(block)
