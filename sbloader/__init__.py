@@ -12,7 +12,7 @@ if not _os.environ.get("RAY_ADDRESS"):
 from ._runtime import RuntimeInfo, init, shutdown
 from .block import Batch, BlockMeta, Provenance
 from .context import TaskContext, get_context, report_skipped
-from .dataloader import DataLoader, StallStats
+from .dataloader import DataLoader
 from .dataset import Dataset
 from .errors import (
     ExecutorShutdownError,
@@ -26,7 +26,7 @@ from .images import read_images
 from .parquet import read_parquet
 from .read_api import from_items, from_torch
 from .read_api import range_dataset as range
-from .stats import ExecutionStats, OperatorStats
+from .stats import ExecutionStats, OperatorStats, StallStats
 
 __version__ = "0.1.0"
 

@@ -7,7 +7,7 @@ a :class:`~sbloader._executor.executor.StreamingExecutor`.
 from __future__ import annotations
 
 import builtins
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
 
 from ._executor.executor import ExecutionOptions, StreamingExecutor
 from ._executor.stages import build_stages
@@ -18,6 +18,9 @@ from .ops import Concurrency, Op, op_name
 from .plan import EpochPlan, epoch_seed_from, make_epoch_plan
 from .sources import Source
 from .stats import ExecutionStats
+
+if TYPE_CHECKING:
+    from .pipeline_loader import PipelineLoader
 
 
 def draw_epoch_seed(seed: Optional[int], epoch: int, generator: Any = None) -> int:
@@ -200,3 +203,22 @@ class Dataset:
         """
         for batch in self.iter_batches(batch_size, drop_last=drop_last, **execute_kwargs):
             yield collate_fn(batch) if collate_fn is not None else to_torch(batch, dtypes, device, zero_copy)
+
+    def to_dataloader(self, batch_size: int = 256, **kwargs: Any) -> "PipelineLoader":
+        """A loader yielding dicts of torch tensors, one epoch per iteration.
+
+        Args:
+            batch_size: rows per batch.
+            **kwargs: :class:`~sbloader.pipeline_loader.PipelineLoader` options
+                (shuffle, seed, drop_last, deterministic, memory_budget,
+                prefetch_blocks, pin_memory, device, zero_copy, dtypes, collate_fn).
+        """
+        from .pipeline_loader import PipelineLoader
+
+        return PipelineLoader(self, batch_size, **kwargs)
+
+    def to_torch_dataset(self, batch_size: int = 256, **kwargs: Any) -> Any:
+        """An ``IterableDataset`` of ready batches, for ``torch.utils.data.DataLoader(it, batch_size=None)``."""
+        from .pipeline_loader import PipelineLoader, TorchIterableDataset
+
+        return TorchIterableDataset(PipelineLoader(self, batch_size, **kwargs))

@@ -18,7 +18,7 @@ import numpy as np
 import ray
 
 from .block import ROW_COLUMN, Block
-from .context import get_context, report_skipped
+from .context import report_skipped
 from .dataset import Dataset
 from .images import PathLike, check_on_error, list_files, read_error
 from .sources import Partition

@@ -79,3 +79,31 @@ class ExecutionStats:
             f"of {self.memory_budget / 2**20:.1f} MiB budget, consumer waited {self.stall_s:.2f}s"
         )
         return "\n".join(lines)
+
+
+@dataclass
+class StallStats:
+    """Where the consumer's time went during one epoch.
+
+    Attributes:
+        wall_s: seconds from the iterator's creation to its end.
+        wait_ready_s: seconds waiting for a batch to be produced.
+        fetch_s: seconds fetching ready bytes (``ray.get``) and unpacking them.
+        batches: batches yielded.
+    """
+
+    wall_s: float = 0.0
+    wait_ready_s: float = 0.0
+    fetch_s: float = 0.0
+    batches: int = 0
+
+    @property
+    def stall_fraction(self) -> float:
+        """Fraction of the wall time spent waiting for the next batch."""
+        return (self.wait_ready_s + self.fetch_s) / self.wall_s if self.wall_s > 0 else 0.0
+
+    def __str__(self) -> str:
+        return (
+            f"{self.batches} batches in {self.wall_s:.2f}s; waiting {self.stall_fraction:.1%} "
+            f"(ready {self.wait_ready_s:.2f}s, fetch {self.fetch_s:.2f}s)"
+        )

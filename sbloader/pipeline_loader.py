@@ -1,0 +1,176 @@
+"""Loaders over native pipelines: ``ds.to_dataloader()`` and ``ds.to_torch_dataset()``.
+
+Each iteration is one epoch: a fresh execution of the pipeline whose epoch seed is
+drawn as torch draws its base seed (or fixed by ``seed``), so every iteration
+reshuffles. Batches are dicts of tensors (writable; one copy of the bytes, into
+pinned memory with ``pin_memory``) with ``.provenance``.
+"""
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
+
+from .iterators import iter_batches, iter_blocks, to_torch
+from .stats import ExecutionStats, StallStats
+from .wire import from_wire, to_wire
+
+if TYPE_CHECKING:
+    from .dataset import Dataset
+
+
+class PipelineLoader:
+    """An iterable of torch batches over a :class:`~sbloader.Dataset`, one epoch per iteration.
+
+    Args:
+        dataset: the pipeline.
+        batch_size: rows per batch.
+        shuffle: shuffle partitions and rows within them every epoch.
+        seed: fix the epoch seed to ``f(seed, epoch)``; None draws it like torch.
+        drop_last: drop a final short batch.
+        deterministic: fixed delivery order for a given epoch seed.
+        memory_budget: bytes the pipeline may hold in the object store.
+        prefetch_blocks: ready blocks kept ahead of the consumer.
+        pin_memory: copy batches into page-locked memory (with an accelerator).
+        device: move batches to this device.
+        zero_copy: read-only tensors over the object store's buffers.
+        dtypes: torch dtype per column.
+        collate_fn: applied to each NumPy batch instead of the tensor conversion.
+        generator: torch generator the epoch seed is drawn from.
+    """
+
+    def __init__(self, dataset: "Dataset", batch_size: int = 256, *, shuffle: bool = False,
+                 seed: Optional[int] = None, drop_last: bool = False, deterministic: bool = False,
+                 memory_budget: Optional[int] = None, prefetch_blocks: int = 2, pin_memory: bool = False,
+                 device: Any = None, zero_copy: bool = False, dtypes: Optional[Mapping[str, Any]] = None,
+                 collate_fn: Optional[Callable] = None, generator: Any = None) -> None:
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, found {batch_size}")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.deterministic = deterministic
+        self.memory_budget = memory_budget
+        self.prefetch_blocks = prefetch_blocks
+        self.pin_memory = pin_memory
+        self.device = device
+        self.zero_copy = zero_copy
+        self.dtypes = dtypes
+        self.collate_fn = collate_fn
+        self.generator = generator
+        self._epoch = 0
+        self._epoch_explicit = False
+        self._stats: Optional[ExecutionStats] = None
+        self._stalls: Optional[StallStats] = None
+        self._counted_rows: Optional[int] = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch of the next iteration."""
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, found {epoch}")
+        self._epoch, self._epoch_explicit = epoch, True
+
+    def __len__(self) -> int:
+        n = self.dataset.num_rows()
+        if n is None:
+            n = self._counted_rows  # counted by the last complete epoch
+        if n is None:
+            raise TypeError(
+                f"{self.dataset!r} has no length known before running (map_batches, filter or "
+                "flat_map may change the row count); iterate one epoch first to count it"
+            )
+        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
+
+    def stats(self) -> Optional[ExecutionStats]:
+        """Execution statistics of the latest epoch."""
+        return self._stats
+
+    def stall_stats(self) -> Optional[StallStats]:
+        """The data-stall instrument of the latest epoch."""
+        return self._stalls
+
+    def __iter__(self) -> Iterator[Any]:
+        import torch
+
+        epoch = self._epoch
+        if self._epoch_explicit:
+            self._epoch_explicit = False
+        else:
+            self._epoch += 1
+        pin = self.pin_memory and torch.accelerator.is_available()
+        if self.pin_memory and not pin:
+            warnings.warn("pin_memory=True but no accelerator is found; batches are not pinned", stacklevel=2)
+        t_start = time.perf_counter()
+        executor = self.dataset.execute(epoch=epoch, seed=self.seed, shuffle=self.shuffle,
+                                        deterministic=self.deterministic, memory_budget=self.memory_budget,
+                                        prefetch_blocks=self.prefetch_blocks, progress=False)
+        self._stats = executor.stats()
+        stalls = StallStats()
+        self._stalls = stalls
+        batches = iter_batches(iter_blocks(executor), self.batch_size, self.drop_last)
+        try:
+            while True:
+                t0 = time.perf_counter()
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    self._counted_rows = self._stats.operators[-1].rows
+                    return
+                if self.collate_fn is not None:
+                    out = self.collate_fn(batch)
+                else:
+                    out = to_torch(batch, self.dtypes, None, zero_copy=self.zero_copy or pin)
+                    if pin:
+                        prov = batch.provenance
+                        out = from_wire(to_wire(out), pin=True)
+                        out.provenance = prov
+                    if self.device is not None:
+                        for k, v in list(out.items()):
+                            if isinstance(v, torch.Tensor):
+                                out[k] = v.to(self.device, non_blocking=pin)
+                stalls.wait_ready_s += time.perf_counter() - t0
+                stalls.batches += 1
+                yield out
+        finally:
+            stalls.wall_s = time.perf_counter() - t_start
+            batches.close()
+
+
+def _torch_iterable_base() -> type:
+    from torch.utils.data import IterableDataset
+
+    return IterableDataset
+
+
+class TorchIterableDataset(_torch_iterable_base()):  # type: ignore[misc]
+    """A ``torch.utils.data.IterableDataset`` of ready batches from a pipeline.
+
+    Use it with ``torch.utils.data.DataLoader(it, batch_size=None)``: batching and
+    preprocessing already happen on the cluster. With torch workers > 1 every
+    worker would run the whole pipeline, so that raises an error.
+    """
+
+    def __init__(self, loader: PipelineLoader) -> None:
+        self._loader = loader
+
+    def __iter__(self) -> Iterator[Any]:
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        if info is not None and info.num_workers > 1:
+            raise RuntimeError(
+                f"to_torch_dataset() is already parallel on the cluster; torch's DataLoader has "
+                f"num_workers={info.num_workers}, which would load every batch {info.num_workers} times. "
+                "Use num_workers=0 and batch_size=None."
+            )
+        return iter(self._loader)
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch of the next iteration."""
+        self._loader.set_epoch(epoch)
