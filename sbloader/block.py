@@ -134,13 +134,13 @@ def to_column(values: Sequence[Any]) -> np.ndarray:
         shape = first.shape
         if all(isinstance(v, np.ndarray) and v.shape == shape for v in values):
             return np.stack(values)
-    elif isinstance(first, (int, float, bool, np.generic, str, bytes)) and not isinstance(first, (list, tuple, dict)):
-        try:
+    elif isinstance(first, (int, float, bool, np.number, np.bool_)):
+        # NumPy's fast path only for numbers: mixed types would be coerced to
+        # strings, and str/bytes dtypes drop trailing NULs.
+        if all(isinstance(v, (int, float, bool, np.number, np.bool_)) for v in values):
             col = np.asarray(values)
-            if col.ndim == 1 and col.dtype != object:
+            if col.ndim == 1 and col.dtype.kind in "biufc":
                 return col
-        except (ValueError, TypeError):
-            pass
     col = np.empty((n,), dtype=object)
     for i, v in enumerate(values):
         col[i] = v

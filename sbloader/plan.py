@@ -41,15 +41,27 @@ class EpochPlan:
         return {pid: i for i, pid in enumerate(self.order)}
 
 
+def _words(*values: int) -> np.ndarray:
+    """Fixed-width entropy: two 32-bit words per value (mod 2**64), so distinct inputs never collide."""
+    out = []
+    for v in values:
+        v = int(v) % (1 << 64)
+        out += [v & 0xFFFFFFFF, v >> 32]
+    return np.asarray(out, dtype=np.uint32)
+
+
+def _seed(*values: int) -> int:
+    return int(np.random.SeedSequence(_words(*values)).generate_state(2, np.uint64)[0]) & _SEED_MASK
+
+
 def epoch_seed_from(seed: int, epoch: int) -> int:
     """The epoch seed for a fixed base ``seed`` and an ``epoch`` number."""
-    return int(np.random.SeedSequence([int(seed) & _SEED_MASK, int(epoch)]).generate_state(2, np.uint64)[0]) & _SEED_MASK
+    return _seed(seed, epoch)
 
 
 def partition_seed(epoch_seed: int, partition_id: int, salt: int = 0) -> int:
     """The seed of one partition (and one operator ``salt``) in an epoch."""
-    ss = np.random.SeedSequence([int(epoch_seed) & _SEED_MASK, int(partition_id) % (1 << 64), int(salt) % (1 << 64)])
-    return int(ss.generate_state(2, np.uint64)[0]) & _SEED_MASK
+    return _seed(epoch_seed, partition_id, salt)
 
 
 def make_epoch_plan(
