@@ -8,6 +8,7 @@ and returns ready, collated batches with tensors as NumPy buffers.
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -16,6 +17,35 @@ from .block import Block, to_column
 from .context import actor_info, get_context
 from .sources import Partition
 from .wire import to_wire
+
+
+#: Key of the padding mask added to a dict batch that contains repeated rows.
+PADDING_KEY = "sbloader_padding"
+
+
+@dataclass(frozen=True)
+class PaddedBatch:
+    """A tail batch whose last ``pad`` rows repeat earlier rows (split mode only).
+
+    Attributes:
+        indices: dataset indices, padding included.
+        pad: how many of the last indices are padding.
+    """
+
+    indices: tuple
+    pad: int
+
+
+def _mark_padding(batch: Any, task: PaddedBatch) -> Any:
+    """Add the padding mask (True = repeated row) to a dict batch."""
+    import torch
+
+    if isinstance(batch, dict):
+        mask = torch.zeros(len(task.indices), dtype=torch.bool)
+        mask[len(task.indices) - task.pad:] = True
+        batch = dict(batch)
+        batch[PADDING_KEY] = mask
+    return batch
 
 
 def _read_tasks(shared: Any, partition: Partition) -> Block:
@@ -143,6 +173,10 @@ class LoaderWorker:
             if isinstance(task, tuple) and len(task) == 2 and task[0] == "shard":
                 _set_torch_worker_info(task[1], self._num_workers, seed, self._dataset)
                 out.extend(self._iterate_shard())
+            elif isinstance(task, PaddedBatch):
+                _set_torch_worker_info(self._id, self._num_workers, seed, self._dataset)
+                batch = self._collate([self._dataset[i] for i in task.indices])
+                out.append(to_wire(_mark_padding(batch, task)))
             else:
                 _set_torch_worker_info(self._id, self._num_workers, seed, self._dataset)
                 if self._auto:

@@ -15,14 +15,16 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from . import _rendezvous
+from .world import World
+
 logger = logging.getLogger(__name__)
 
 _LOCK = threading.Lock()
 _STATE: dict[str, Any] = {"owned": False, "info": None}
 
-# Daemons the embedded Ray does not need for a loader: the Ray metrics exporter,
-# usage reporting and prestarted idle workers. Set before ray starts so every
-# Ray process inherits them.
+# Environment of the embedded Ray, set before it starts so every Ray process
+# inherits it.
 _EMBEDDED_ENV = {
     # Pin a local Ray to loopback; otherwise it advertises the external address.
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
@@ -31,6 +33,29 @@ _EMBEDDED_ENV = {
     # streaming pipeline releases blocks far faster, and the object store would
     # hold a second's worth of blocks beyond the budget.
     "RAY_free_objects_period_milliseconds": "20",
+}
+
+# Ray's internal config for the embedded Ray only (``_system_config``: it stays
+# with this Ray instead of leaking into the trainer's environment). It switches
+# off what a loader's private Ray pays for but nobody reads: without a dashboard
+# or state API there is no reader of metrics, task events or event-loop stats.
+# Logs of workers (log monitor), task retries, the OOM monitor and token
+# authentication stay as Ray has them. Before/after figures:
+# benchmarks/results/embedded_ray.md (bench_embedded_ray.py).
+_EMBEDDED_SYSTEM_CONFIG: dict[str, Any] = {
+    # No idle workers started with the driver (num_cpus of them, ~50-90 MiB PSS
+    # each): the first tasks start the workers they need at the same moment.
+    "prestart_worker_first_driver": False,
+    # Prometheus metrics recorded in every Ray process and exported every 10 s.
+    "enable_metrics_collection": False,
+    "emit_main_service_metrics": False,
+    # Task state events and timeline profiling sent to the GCS once a second:
+    # only the state API and dashboard read them.
+    "task_events_report_interval_ms": 0,
+    "enable_timeline": False,
+    # Per-handler event-loop statistics and their dump to debug_state.txt every 10 s.
+    "event_stats": False,
+    "debug_dump_period_milliseconds": 0,
 }
 
 
@@ -98,14 +123,29 @@ def init(
                 from ray._private import ray_constants
 
                 ray_constants.ENABLE_RAY_CLUSTER = False
-            ray.init(
-                address="local",
-                num_cpus=num_cpus,
-                num_gpus=num_gpus,
-                object_store_memory=object_store_memory,
-                **kwargs,
-            )
-            embedded = True
+            kwargs["_system_config"] = {**_EMBEDDED_SYSTEM_CONFIG, **(kwargs.get("_system_config") or {})}
+
+            def start() -> str:
+                ray.init(
+                    address="local",
+                    num_cpus=num_cpus,
+                    num_gpus=num_gpus,
+                    object_store_memory=object_store_memory,
+                    **kwargs,
+                )
+                return ray.get_runtime_context().gcs_address
+
+            world = World.detect()
+            if world.world_size > 1:
+                # torchrun: one embedded Ray per job, started by local rank 0.
+                join_kwargs = {k: v for k, v in kwargs.items() if k != "_system_config"}
+                embedded = _rendezvous.join_shared(
+                    world, start, lambda addr: ray.init(address=addr, **join_kwargs)
+                )
+                _STATE["world"] = world
+            else:
+                start()
+                embedded = True
             atexit.register(shutdown)
         else:
             ray.init(address=address, **kwargs)
@@ -122,10 +162,15 @@ def shutdown() -> None:
     import ray
 
     with _LOCK:
+        world = _STATE.pop("world", None)
         if _STATE["owned"] and ray.is_initialized():
+            if world is not None:
+                _rendezvous.wait_all_left(world)  # the other ranks still use this Ray
             ray.shutdown()
-        elif ray.is_initialized() and _STATE["info"] is not None and not _STATE["info"].embedded:
+        elif ray.is_initialized() and _STATE["info"] is not None:
             ray.shutdown()
+            if world is not None:
+                _rendezvous.mark_left(world)
         _STATE.update(owned=False, info=None)
 
 

@@ -8,6 +8,7 @@ tensor's bytes once (into pinned memory with ``pin_memory=True``).
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 import warnings
@@ -21,9 +22,38 @@ from ._loader_worker import LoaderWorker, ReadyBatchSource, ShardSource
 from ._runtime import ensure_initialized
 from .dataset import draw_epoch_seed
 from .ops import Op
-from .plan import make_epoch_plan
+from .plan import epoch_seed_from, make_epoch_plan
 from .stats import ExecutionStats, StallStats
 from .wire import from_wire, tensors, to_device
+
+
+_LOADER_COUNTER = itertools.count()
+
+
+def _decide_split(split: Optional[bool], world: Any, dataset: Any, iterable: bool, sampler: Any,
+                  batch_sampler: Any) -> bool:
+    """Whether the coordinator splits epochs across ranks (no silent double sharding)."""
+    from torch.utils.data import DistributedSampler, RandomSampler, SequentialSampler
+
+    if world.world_size == 1:
+        return False
+    known = sampler is None or type(sampler) in (RandomSampler, SequentialSampler, DistributedSampler)
+    if split is None:
+        if iterable or batch_sampler is not None or not known:
+            what = ("an IterableDataset" if iterable else "a batch_sampler" if batch_sampler is not None
+                    else f"a custom sampler ({type(sampler).__name__})")
+            raise ValueError(
+                f"world size is {world.world_size} and the loader has {what}: say split=True to let the "
+                "coordinator split its order across ranks, or split=False if it already shards per rank "
+                "(every rank then iterates what it yields)"
+            )
+        return True
+    if split and (iterable or batch_sampler is not None):
+        raise ValueError(
+            "split=True needs a map-style dataset and a sampler (not a batch_sampler or an IterableDataset); "
+            "use split=False for a dataset or batch_sampler that shards itself per rank"
+        )
+    return bool(split)
 
 
 def _is_iterable_dataset(dataset: Any) -> bool:
@@ -71,6 +101,12 @@ class DataLoader:
         zero_copy: give read-only tensors over the object store's buffers.
         dataset_id: a name for the dataset, checked on ``load_state_dict``.
         report_stalls: print the stall instrument at the end of each epoch.
+        name: the loader's name in the job (default: its creation index in the
+            process); ranks find the loader's coordinator by job id and name.
+        rank: override the rank (default: torchrun's ``RANK``).
+        world_size: override the world size (default: ``WORLD_SIZE``).
+        job_id: override the job id (default: ``TORCHELASTIC_RUN_ID``).
+        stall_report_s: seconds after which a rank that stopped asking is reported.
     """
 
     def __init__(
@@ -103,6 +139,11 @@ class DataLoader:
         zero_copy: bool = False,
         dataset_id: Optional[str] = None,
         report_stalls: bool = False,
+        name: Optional[str] = None,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        job_id: Optional[str] = None,
+        stall_report_s: float = 60.0,
     ) -> None:
         import torch
         from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
@@ -154,17 +195,19 @@ class DataLoader:
             drop_last = False
         elif batch_size is None and drop_last:
             raise ValueError("batch_size=None option disables auto-batching and is mutually exclusive with drop_last")
-        if split:
-            raise ValueError(
-                "split=True (splitting batches across torchrun ranks) needs the split coordinator, "
-                "which is not available yet; use split=False (every rank iterates the whole dataset)"
-            )
+        from .world import World
+
+        self.world = World.detect(rank=rank, world_size=world_size, job_id=job_id)
+        self.split = _decide_split(split, self.world, dataset, self._iterable, sampler, batch_sampler)
         if multiprocessing_context is not None:
             warnings.warn(
                 "multiprocessing_context has no meaning for sbloader (workers are Ray actors); it is ignored",
                 stacklevel=2,
             )
 
+        # With ``seed`` and no generator, the order of our own RandomSampler is f(seed, epoch) too.
+        self._seeded_sampler = not self._iterable and sampler is None and shuffle and seed is not None \
+            and generator is None
         if not self._iterable and sampler is None:
             sampler = RandomSampler(dataset, generator=generator) if shuffle else SequentialSampler(dataset)
         if batch_size is not None and batch_sampler is None and not self._iterable:
@@ -197,10 +240,14 @@ class DataLoader:
         self.report_stalls = report_stalls
         self._epoch = 0
         self._epoch_explicit = False
+        self._base_seed: Optional[int] = None
         self._last_stats: Optional[ExecutionStats] = None
         self._last_stalls: Optional[StallStats] = None
         self._torch = torch
         self._actor_cache: dict[int, list] = {}
+        self.name = name if name is not None else f"loader{next(_LOADER_COUNTER)}"
+        self.stall_report_s = stall_report_s
+        self._coordinator: Any = None
 
     def __del__(self) -> None:
         for handles in getattr(self, "_actor_cache", {}).values():
@@ -221,6 +268,10 @@ class DataLoader:
         return self.batch_sampler if self._auto_collation and not self._iterable else self.sampler
 
     def __len__(self) -> int:
+        if self.split:
+            from ._split_iter import split_len
+
+            return split_len(self)
         if self._iterable:
             length = len(self.dataset)
             if self.batch_size is not None:
@@ -244,6 +295,10 @@ class DataLoader:
         return self._last_stalls
 
     def __iter__(self) -> Iterator[Any]:
+        if self.split:
+            from ._split_iter import iter_split
+
+            return iter_split(self)
         if self.num_workers == 0:
             return self._iter_local()
         return self._iter_remote()
@@ -264,7 +319,16 @@ class DataLoader:
 
     def _next_epoch(self) -> tuple[int, int]:
         epoch = self._epoch
-        seed = draw_epoch_seed(self.seed, epoch, self.generator)
+        if self.seed is None and self.persistent_workers and self.num_workers > 0:
+            # torch draws the base seed once per persistent iterator (later epochs
+            # reset it without a draw): draw it once too, then derive per epoch.
+            if self._base_seed is None:
+                self._base_seed = draw_epoch_seed(None, epoch, self.generator)
+            seed = epoch_seed_from(self._base_seed, epoch)
+        else:
+            seed = draw_epoch_seed(self.seed, epoch, self.generator)
+        if self._seeded_sampler:
+            self.sampler.generator = self._torch.Generator().manual_seed(seed)
         if not self._epoch_explicit:
             self._epoch += 1
         else:
@@ -278,7 +342,9 @@ class DataLoader:
         from .context import seed_globals
 
         epoch, epoch_seed = self._next_epoch()  # drawn before the sampler's first draw, as torch
-        seed_globals(epoch_seed)
+        if self.seed is not None:
+            # Only when asked: without ``seed`` the trainer's RNGs stay as torch leaves them.
+            seed_globals(epoch_seed)
         pin = self._pin()
         if self._iterable:
             it = iter(self.dataset)
@@ -299,6 +365,21 @@ class DataLoader:
         for batch in items:
             yield _pin_batch(batch) if pin else batch
 
+    def _worker_op(self) -> Op:
+        """The pool of ``num_workers`` remote workers that fetch and collate."""
+        workers = max(1, self.num_workers)
+        return Op(
+            "map_batches", LoaderWorker, "LoaderWorker", index=0,
+            num_cpus=self.worker_num_cpus, resources=self.worker_resources,
+            concurrency=(workers, workers),
+            fn_constructor_kwargs=dict(
+                dataset=self.dataset, collate_fn=self.collate_fn, auto_collation=self._auto_collation,
+                num_workers=workers, worker_init_fn=self.worker_init_fn,
+                batch_size=self.batch_size, drop_last=self.drop_last,
+            ),
+            fuse_read=True,
+        )
+
     def _build(self, epoch: int, epoch_seed: int) -> StreamingExecutor:
         ensure_initialized()
         fp = {"type": type(self.dataset).__name__, "len": _safe_len(self.dataset), "dataset_id": self.dataset_id}
@@ -307,17 +388,7 @@ class DataLoader:
         else:
             batches = [list(b) if self._auto_collation else b for b in self._index_sampler]
             source = ReadyBatchSource(batches, self.batches_per_partition, fp)
-        op = Op(
-            "map_batches", LoaderWorker, "LoaderWorker", index=0,
-            num_cpus=self.worker_num_cpus, resources=self.worker_resources,
-            concurrency=(self.num_workers, self.num_workers),
-            fn_constructor_kwargs=dict(
-                dataset=self.dataset, collate_fn=self.collate_fn, auto_collation=self._auto_collation,
-                num_workers=self.num_workers, worker_init_fn=self.worker_init_fn,
-                batch_size=self.batch_size, drop_last=self.drop_last,
-            ),
-            fuse_read=True,
-        )
+        op = self._worker_op()
         ids = [p.id for p in source.partitions(epoch, epoch_seed)]
         plan = make_epoch_plan(ids, epoch, epoch_seed, shuffle=False)
         prefetch = max(1, math.ceil((self.prefetch_factor or 2) * self.num_workers / self.batches_per_partition))

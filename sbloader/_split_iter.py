@@ -1,0 +1,157 @@
+"""The drop-in DataLoader's iteration under torchrun: through the split coordinator.
+
+Every rank iterates its sampler (indices only, so RNG state advances as under
+torch); rank 0 sends the epoch's order to the coordinator, which cuts it into
+equal per-rank batch counts (:mod:`sbloader.split`) and runs the pipeline. Each
+rank pulls its batches as object refs, one request ahead (the prefetch), and
+acknowledges what its training loop consumed.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING, Any, Iterator
+
+import numpy as np
+import ray
+
+from ._executor.executor import ExecutionOptions
+from ._loader_worker import PaddedBatch, ReadyBatchSource
+from .coordinator import EpochSpec, get_coordinator
+from .errors import SbloaderError
+from .plan import epoch_seed_from, make_epoch_plan
+from .split import batch_positions, split_epoch
+from .stats import StallStats
+from .wire import from_wire
+
+if TYPE_CHECKING:
+    from .dataloader import DataLoader
+
+
+def _distributed(sampler: Any) -> bool:
+    from torch.utils.data import DistributedSampler
+
+    return isinstance(sampler, DistributedSampler)
+
+
+def epoch_order(loader: "DataLoader", epoch: int, epoch_seed: int) -> np.ndarray:
+    """The epoch's global sample order (dataset indices) before splitting."""
+    sampler = loader.sampler
+    if _distributed(sampler):
+        import torch
+
+        n = len(loader.dataset)
+        if sampler.shuffle:
+            g = torch.Generator()
+            g.manual_seed(sampler.seed + sampler.epoch)
+            order = torch.randperm(n, generator=g).numpy()
+        else:
+            order = np.arange(n)
+        if sampler.drop_last:  # the cross-rank tail, as torch drops it
+            order = order[: (n // sampler.num_replicas) * sampler.num_replicas]
+        return order.astype(np.int64)
+    return np.fromiter((int(i) for i in sampler), dtype=np.int64)
+
+
+def _order_len(loader: "DataLoader") -> int:
+    sampler = loader.sampler
+    if _distributed(sampler):
+        n = len(loader.dataset)
+        return (n // sampler.num_replicas) * sampler.num_replicas if sampler.drop_last else n
+    return len(sampler)
+
+
+def split_len(loader: "DataLoader") -> int:
+    """Batches each rank receives per epoch."""
+    return split_epoch(_order_len(loader), loader.batch_size or 1, loader.world.world_size, loader.drop_last).per_rank
+
+
+def _fingerprint(loader: "DataLoader") -> dict:
+    return {"dataset": type(loader.dataset).__name__, "len": len(loader.dataset),
+            "batch_size": loader.batch_size, "drop_last": loader.drop_last, "dataset_id": loader.dataset_id}
+
+
+def _coordinator(loader: "DataLoader") -> Any:
+    if loader._coordinator is None:
+        from ._runtime import ensure_initialized
+
+        ensure_initialized()
+        w = loader.world
+        loader._coordinator = get_coordinator(w.job_id, loader.name, w.world_size, _fingerprint(loader),
+                                              w.restart_count, loader.stall_report_s)
+    return loader._coordinator
+
+
+def _epoch_spec(loader: "DataLoader", epoch: int, epoch_seed: int, order: np.ndarray) -> EpochSpec:
+    w = loader.world
+    plan = split_epoch(len(order), loader.batch_size or 1, w.world_size, loader.drop_last)
+    batches: list[Any] = []
+    for spec in plan.batches:
+        idx = [int(order[p]) for p in batch_positions(spec, len(order))]
+        batches.append(PaddedBatch(tuple(idx), spec.pad) if spec.pad else idx)
+    fp = {"type": type(loader.dataset).__name__, "len": len(loader.dataset), "dataset_id": loader.dataset_id}
+    source = ReadyBatchSource(batches, 1, fp)
+    eplan = make_epoch_plan(list(range(len(batches))), epoch, epoch_seed, shuffle=False)
+    prefetch = max(2, (loader.prefetch_factor or 2) * max(1, loader.num_workers))
+    options = ExecutionOptions(memory_budget=loader.memory_budget, deterministic=loader.in_order,
+                               prefetch_blocks=prefetch, progress=False)
+    assignment = tuple(b.rank for b in plan.batches) if loader.in_order else None
+    return EpochSpec(epoch, epoch_seed, source, (loader._worker_op(),), eplan, options, plan.per_rank,
+                     assignment)
+
+
+def iter_split(loader: "DataLoader") -> Iterator[Any]:
+    """One epoch on this rank: pull batches from the coordinator, yield tensors."""
+    t_start = time.perf_counter()
+    w = loader.world
+    if _distributed(loader.sampler):
+        epoch = loader.sampler.epoch
+        epoch_seed = epoch_seed_from(loader.sampler.seed, epoch)
+        loader._epoch_explicit = False
+    else:
+        epoch, epoch_seed = loader._next_epoch()
+    order = epoch_order(loader, epoch, epoch_seed)  # every rank draws, as under torch
+    coord = _coordinator(loader)
+    if w.rank == 0:
+        per_rank = ray.get(coord.start_epoch.remote(_epoch_spec(loader, epoch, epoch_seed, order)))
+    else:
+        per_rank = ray.get(coord.wait_epoch.remote(epoch, 300.0))
+        if per_rank is None:
+            raise SbloaderError(f"rank 0 did not start epoch {epoch} within 300 s; is rank 0 iterating this loader?")
+    stalls = StallStats()
+    loader._last_stalls = stalls
+    pin = loader._pin()
+    node = ray.get_runtime_context().get_node_id()
+    ask = max(1, loader.prefetch_factor or 2)
+    consumed = 0
+    received = 0
+    pending = coord.next_batches.remote(epoch, w.rank, ask, consumed, node)
+    try:
+        while received < per_rank:
+            t0 = time.perf_counter()
+            reply = ray.get(pending)
+            t1 = time.perf_counter()
+            stalls.wait_ready_s += t1 - t0
+            received += len(reply["refs"])
+            more = received < per_rank
+            if more:  # ask for the next ones before using these: the prefetch
+                pending = coord.next_batches.remote(epoch, w.rank, ask, consumed, node)
+            for ref in reply["refs"]:
+                t2 = time.perf_counter()
+                block = ray.get(ref)
+                for wire in block["batch"]:
+                    batch = from_wire(wire, pin=pin, copy=not loader.zero_copy)
+                    stalls.fetch_s += time.perf_counter() - t2
+                    stalls.batches += 1
+                    yield batch
+                    consumed += 1
+                    t2 = time.perf_counter()
+                del block
+    finally:
+        stalls.wall_s = time.perf_counter() - t_start
+        try:
+            coord.finish.remote(epoch, w.rank, consumed)
+        except Exception:
+            pass
+        if loader.report_stalls:
+            print(f"sbloader rank {w.rank} epoch {epoch}: {stalls}")

@@ -1,0 +1,307 @@
+"""The split coordinator: one Ray actor per (job, loader) that feeds every rank.
+
+It runs the epoch's streaming executor and hands ready batches to the ranks that
+ask for them, as object refs: the bytes go from the producing node to the rank,
+never through the coordinator. Every rank receives the plan's per-rank count, so
+DDP never hangs on an uneven split. In deterministic mode the plan fixes which
+rank gets which batch; otherwise a rank gets whatever is ready, preferring
+batches produced on its own node. The coordinator logs, per rank, the ordered
+list of what it delivered and how much of it the rank acknowledged as consumed.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import ray
+
+from ._executor.executor import ExecutionOptions, OutputBlock, StreamingExecutor
+from ._executor.stages import build_stages
+from .errors import SbloaderError
+from .ops import Op
+from .plan import EpochPlan
+from .split import pick_local
+
+logger = logging.getLogger(__name__)
+
+NAMESPACE = "sbloader"
+
+
+@dataclass(frozen=True)
+class EpochSpec:
+    """What rank 0 sends to start an epoch.
+
+    Attributes:
+        epoch: the epoch number.
+        epoch_seed: the epoch seed.
+        source: the epoch's source (batches as partitions).
+        ops: the operators (the loader's worker pool).
+        plan: the epoch plan (partition order).
+        options: executor options.
+        per_rank: batches each rank receives.
+        assignment: rank of each partition, by plan position (deterministic mode),
+            or None to hand out whatever is ready.
+    """
+
+    epoch: int
+    epoch_seed: int
+    source: Any
+    ops: tuple
+    plan: EpochPlan
+    options: ExecutionOptions
+    per_rank: int
+    assignment: Optional[tuple[int, ...]] = None
+
+
+@dataclass
+class _RankLog:
+    delivered: list = field(default_factory=list)  # partition ids, in delivery order
+    nbytes: list = field(default_factory=list)
+    acked: int = 0
+    last_seen: float = field(default_factory=time.monotonic)
+    node: Optional[str] = None
+
+
+class _Epoch:
+    def __init__(self, spec: EpochSpec, world_size: int, actor_cache: dict) -> None:
+        self.spec = spec
+        self.world_size = world_size
+        self.executor = StreamingExecutor(
+            spec.source, build_stages(spec.source.name, list(spec.ops)), spec.plan, spec.options,
+            actor_cache=actor_cache,
+        )
+        self.cond = threading.Condition()
+        self.pool: deque[OutputBlock] = deque()  # non-deterministic: any rank
+        self.queues = [deque() for _ in range(world_size)]  # deterministic: per rank
+        self.logs = [_RankLog() for _ in range(world_size)]
+        self.produced_all = False
+        self.error: Optional[BaseException] = None
+        self.pump = threading.Thread(target=self._pump, daemon=True, name=f"sbloader-pump-{spec.epoch}")
+
+    def start(self) -> None:
+        self.executor.start()
+        self.pump.start()
+
+    def _pump(self) -> None:
+        try:
+            while True:
+                item = self.executor.get_next()
+                with self.cond:
+                    if item is None:
+                        self.produced_all = True
+                        self.cond.notify_all()
+                        return
+                    if self.spec.assignment is not None:
+                        self.queues[self.spec.assignment[item.meta.seq]].append(item)
+                    else:
+                        self.pool.append(item)
+                    self.cond.notify_all()
+        except BaseException as e:  # carried to every rank's next request
+            with self.cond:
+                self.error = e
+                self.cond.notify_all()
+
+    def take(self, rank: int, max_n: int, node: Optional[str], wait_s: float, stall_report_s: float) -> list:
+        log = self.logs[rank]
+        log.last_seen = time.monotonic()
+        log.node = node
+        quota = self.spec.per_rank - len(log.delivered)
+        if quota <= 0:
+            return []
+        deadline = time.monotonic() + wait_s
+        with self.cond:
+            while True:
+                if self.error is not None:
+                    raise self.error
+                q = self.queues[rank] if self.spec.assignment is not None else self.pool
+                if q:
+                    break
+                if self.produced_all:
+                    raise SbloaderError(
+                        f"epoch {self.spec.epoch}: rank {rank} is owed {quota} more batches but the "
+                        "pipeline produced everything; this is a bug in the split plan"
+                    )
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self._check_stuck(rank, stall_report_s)
+                    return []
+                self.cond.wait(timeout=remaining)
+            out = []
+            while q and len(out) < min(max_n, quota):
+                if self.spec.assignment is None:
+                    idx = pick_local([o.meta.node_id for o in q], node)
+                    item = q[idx]
+                    del q[idx]
+                else:
+                    item = q.popleft()
+                out.append(item)
+                log.delivered.append(item.meta.partition_id)
+                log.nbytes.append(item.meta.nbytes)
+            return out
+
+    def ack(self, rank: int, consumed: int) -> None:
+        """Rank ``rank`` has consumed its first ``consumed`` batches: release their bytes."""
+        log = self.logs[rank]
+        consumed = min(consumed, len(log.delivered))
+        for i in range(log.acked, consumed):
+            self.executor.release(log.nbytes[i])
+        log.acked = max(log.acked, consumed)
+
+    def _check_stuck(self, rank: int, stall_report_s: float) -> None:
+        now = time.monotonic()
+        silent = [r for r, lg in enumerate(self.logs)
+                  if r != rank and now - lg.last_seen > stall_report_s
+                  and len(lg.delivered) < self.spec.per_rank]
+        if silent:
+            logger.warning(
+                "sbloader epoch %d: rank(s) %s stopped asking for batches %.0f s ago while rank %d waits; "
+                "their undelivered batches hold the memory budget",
+                self.spec.epoch, silent, stall_report_s, rank,
+            )
+
+    def silent_ranks(self, stall_report_s: float) -> list[int]:
+        now = time.monotonic()
+        return [r for r, lg in enumerate(self.logs)
+                if now - lg.last_seen > stall_report_s and len(lg.delivered) < self.spec.per_rank]
+
+    @property
+    def finished(self) -> bool:
+        return all(lg.acked >= self.spec.per_rank for lg in self.logs)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+@ray.remote(num_cpus=0, max_concurrency=64)
+class SplitCoordinator:
+    """The per-(job, loader) actor. Coordination only: it takes no CPU (``num_cpus=0``).
+
+    Args:
+        world_size: ranks of the job.
+        fingerprint: describes the loader; a rank with another fingerprint is refused.
+        stall_report_s: seconds of silence after which a rank is reported by number.
+    """
+
+    def __init__(self, world_size: int, fingerprint: dict, stall_report_s: float = 60.0) -> None:
+        self._world_size = world_size
+        self._fingerprint = fingerprint
+        self._stall_report_s = stall_report_s
+        self._epochs: dict[int, _Epoch] = {}
+        self._lock = threading.Lock()
+        self._started = threading.Condition(self._lock)
+        self._actor_cache: dict[int, list] = {}
+
+    def hello(self, world_size: int, fingerprint: dict) -> dict:
+        """Check that a rank's loader matches this coordinator's."""
+        if world_size != self._world_size or fingerprint != self._fingerprint:
+            return {"ok": False, "world_size": self._world_size, "fingerprint": self._fingerprint}
+        return {"ok": True}
+
+    def start_epoch(self, spec: EpochSpec) -> int:
+        """Rank 0 starts an epoch (idempotent); returns the per-rank batch count."""
+        with self._lock:
+            if spec.epoch not in self._epochs:
+                ep = _Epoch(spec, self._world_size, self._actor_cache)
+                self._epochs[spec.epoch] = ep
+                ep.start()
+                self._started.notify_all()
+            return self._epochs[spec.epoch].spec.per_rank
+
+    def wait_epoch(self, epoch: int, timeout: float) -> Optional[int]:
+        """Wait until rank 0 started ``epoch``; its per-rank count, or None on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while epoch not in self._epochs:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._started.wait(timeout=remaining)
+            return self._epochs[epoch].spec.per_rank
+
+    def next_batches(self, epoch: int, rank: int, max_n: int, consumed: int,
+                     node: Optional[str] = None, wait_s: float = 1.0) -> dict:
+        """Acknowledge ``consumed`` batches, then take up to ``max_n`` more for ``rank``.
+
+        Returns:
+            ``{"refs": [...], "metas": [...], "done": bool}``; refs are object refs of
+            blocks (bytes never pass through here).
+        """
+        ep = self._epochs.get(epoch)
+        if ep is None:
+            raise SbloaderError(f"epoch {epoch} was not started by rank 0 (known: {sorted(self._epochs)})")
+        ep.ack(rank, consumed)
+        items = ep.take(rank, max_n, node, wait_s, self._stall_report_s)
+        done = len(ep.logs[rank].delivered) >= ep.spec.per_rank
+        self._collect()
+        return {"refs": [i.ref for i in items], "metas": [i.meta for i in items], "done": done}
+
+    def finish(self, epoch: int, rank: int, consumed: int) -> None:
+        """A rank left the epoch having consumed ``consumed`` batches."""
+        ep = self._epochs.get(epoch)
+        if ep is not None:
+            ep.ack(rank, consumed)
+            ep.logs[rank].acked = max(ep.logs[rank].acked, ep.spec.per_rank)
+            self._collect()
+
+    def delivery_log(self, epoch: int) -> list[dict]:
+        """Per rank: the ordered partition ids delivered and the count acknowledged."""
+        ep = self._epochs.get(epoch)
+        if ep is None:
+            return []
+        return [{"delivered": list(lg.delivered), "acked": lg.acked} for lg in ep.logs]
+
+    def silent_ranks(self, epoch: int) -> list[int]:
+        """Ranks that stopped asking for longer than the report timeout."""
+        ep = self._epochs.get(epoch)
+        return ep.silent_ranks(self._stall_report_s) if ep is not None else []
+
+    def epoch_stats(self, epoch: int) -> Optional[dict]:
+        """The execution statistics of an epoch (as a dict)."""
+        ep = self._epochs.get(epoch)
+        return ep.executor.stats().to_dict() if ep is not None else None
+
+    def _collect(self) -> None:
+        """Shut down epochs every rank has finished (actors stay cached for the next)."""
+        with self._lock:
+            for e in [e for e, ep in self._epochs.items() if ep.finished and ep.produced_all]:
+                self._epochs.pop(e).shutdown()
+
+    def shutdown(self) -> None:
+        """Stop every epoch and kill the cached worker actors."""
+        with self._lock:
+            for ep in self._epochs.values():
+                ep.shutdown()
+            self._epochs.clear()
+            for handles in self._actor_cache.values():
+                for h in handles:
+                    try:
+                        ray.kill(h)
+                    except Exception:
+                        pass
+            self._actor_cache.clear()
+
+
+def coordinator_name(job_id: str, loader_name: str, restart_count: int = 0) -> str:
+    """The Ray actor name of a loader's coordinator in a job."""
+    return f"sbloader-coordinator:{job_id}:{restart_count}:{loader_name}"
+
+
+def get_coordinator(job_id: str, loader_name: str, world_size: int, fingerprint: dict,
+                    restart_count: int = 0, stall_report_s: float = 60.0) -> Any:
+    """The job's coordinator for a loader: created by the first rank to ask, found by the rest."""
+    name = coordinator_name(job_id, loader_name, restart_count)
+    handle = SplitCoordinator.options(
+        name=name, namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
+    ).remote(world_size, fingerprint, stall_report_s)
+    reply = ray.get(handle.hello.remote(world_size, fingerprint))
+    if not reply["ok"]:
+        raise SbloaderError(
+            f"coordinator {name!r} already exists for another loader: found world_size="
+            f"{reply['world_size']} and {reply['fingerprint']}, expected world_size={world_size} and "
+            f"{fingerprint}. Give the loader a distinct name= or a fresh job id."
+        )
+    return handle
