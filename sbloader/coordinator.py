@@ -264,6 +264,18 @@ class SplitCoordinator:
         ep = self._epochs.get(epoch)
         return ep.executor.stats().to_dict() if ep is not None else None
 
+    def process_info(self) -> dict:
+        """The coordinator process's pid and resident memory (bytes), for monitoring."""
+        import os
+
+        rss = 0
+        try:
+            with open(f"/proc/{os.getpid()}/statm") as f:
+                rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except OSError:
+            pass
+        return {"pid": os.getpid(), "rss": rss}
+
     def _collect(self) -> None:
         """Shut down epochs every rank has finished (actors stay cached for the next)."""
         with self._lock:
