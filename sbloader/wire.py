@@ -54,8 +54,10 @@ def to_wire(obj: Any) -> Any:
         t = obj.detach()
         if t.device.type != "cpu":
             t = t.cpu()
+        if t.layout != torch.strided:  # sparse and other layouts: send the tensor as is
+            return t
         try:
-            arr = t.contiguous().numpy()
+            arr = t.resolve_conj().resolve_neg().contiguous().numpy()
         except TypeError:  # a dtype NumPy cannot hold (bfloat16...): send the tensor
             return t
         return WireTensor(arr, str(t.dtype))
@@ -102,6 +104,8 @@ def from_wire(obj: Any, *, pin: bool = False, copy: bool = True) -> Any:
         return _rebuild(obj, [from_wire(v, pin=pin, copy=copy) for v in obj])
     if pin and isinstance(obj, torch.Tensor):
         return obj.pin_memory()
+    if copy and isinstance(obj, np.ndarray) and not obj.flags.writeable:
+        return obj.copy()  # an array the collate_fn returned: writable, as torch gives it
     return obj
 
 
