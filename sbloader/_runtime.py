@@ -33,6 +33,9 @@ _EMBEDDED_ENV = {
     # streaming pipeline releases blocks far faster, and the object store would
     # hold a second's worth of blocks beyond the budget.
     "RAY_free_objects_period_milliseconds": "20",
+    # Ray starts workers at niceness 15; a loader's workers are what the trainer
+    # waits on, so they compete for CPU like torch's worker processes do.
+    "RAY_worker_niceness": "0",
 }
 
 # Ray's internal config for the embedded Ray only (``_system_config``: it stays
