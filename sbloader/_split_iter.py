@@ -18,7 +18,7 @@ import ray
 from ._executor.executor import ExecutionOptions
 from ._loader_worker import PaddedBatch, ReadyBatchSource
 from .coordinator import EpochSpec, get_coordinator
-from .errors import SbloaderError
+from .errors import SbloaderError, UserFunctionError, reraise_as_torch
 from .plan import epoch_seed_from, make_epoch_plan
 from .split import batch_positions, split_epoch
 from .stats import StallStats
@@ -129,7 +129,12 @@ def iter_split(loader: "DataLoader") -> Iterator[Any]:
     try:
         while received < per_rank:
             t0 = time.perf_counter()
-            reply = ray.get(pending)
+            try:
+                reply = ray.get(pending)
+            except ray.exceptions.RayTaskError as e:
+                if isinstance(e.cause, UserFunctionError):
+                    reraise_as_torch(e.cause)
+                raise
             t1 = time.perf_counter()
             stalls.wait_ready_s += t1 - t0
             received += len(reply["refs"])

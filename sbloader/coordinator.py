@@ -67,12 +67,13 @@ class _RankLog:
 
 
 class _Epoch:
-    def __init__(self, spec: EpochSpec, world_size: int, actor_cache: dict) -> None:
+    def __init__(self, spec: EpochSpec, world_size: int, actor_cache: dict,
+                 estimates: Optional[list] = None) -> None:
         self.spec = spec
         self.world_size = world_size
         self.executor = StreamingExecutor(
             spec.source, build_stages(spec.source.name, list(spec.ops)), spec.plan, spec.options,
-            actor_cache=actor_cache,
+            actor_cache=actor_cache, estimates=estimates,
         )
         self.cond = threading.Condition()
         self.pool: deque[OutputBlock] = deque()  # non-deterministic: any rank
@@ -194,6 +195,7 @@ class SplitCoordinator:
         self._lock = threading.Lock()
         self._started = threading.Condition(self._lock)
         self._actor_cache: dict[int, list] = {}
+        self._estimates: Optional[list] = None
 
     def hello(self, world_size: int, fingerprint: dict) -> dict:
         """Check that a rank's loader matches this coordinator's."""
@@ -205,7 +207,7 @@ class SplitCoordinator:
         """Rank 0 starts an epoch (idempotent); returns the per-rank batch count."""
         with self._lock:
             if spec.epoch not in self._epochs:
-                ep = _Epoch(spec, self._world_size, self._actor_cache)
+                ep = _Epoch(spec, self._world_size, self._actor_cache, self._estimates)
                 self._epochs[spec.epoch] = ep
                 ep.start()
                 self._started.notify_all()
@@ -280,7 +282,9 @@ class SplitCoordinator:
         """Shut down epochs every rank has finished (actors stay cached for the next)."""
         with self._lock:
             for e in [e for e, ep in self._epochs.items() if ep.finished and ep.produced_all]:
-                self._epochs.pop(e).shutdown()
+                ep = self._epochs.pop(e)
+                self._estimates = ep.executor.estimates()
+                ep.shutdown()
 
     def shutdown(self) -> None:
         """Stop every epoch and kill the cached worker actors."""

@@ -23,6 +23,7 @@ from ._runtime import ensure_initialized
 from .dataset import draw_epoch_seed
 from .ops import Op
 from .plan import epoch_seed_from, make_epoch_plan
+from .errors import UserFunctionError, reraise_as_torch
 from .stats import ExecutionStats, StallStats
 from .wire import from_wire, tensors, to_device
 
@@ -245,6 +246,7 @@ class DataLoader:
         self._last_stalls: Optional[StallStats] = None
         self._torch = torch
         self._actor_cache: dict[int, list] = {}
+        self._estimates: Optional[list] = None
         self.name = name if name is not None else f"loader{next(_LOADER_COUNTER)}"
         self.stall_report_s = stall_report_s
         self._coordinator: Any = None
@@ -395,7 +397,8 @@ class DataLoader:
         options = ExecutionOptions(memory_budget=self.memory_budget, deterministic=self.in_order,
                                    prefetch_blocks=prefetch, progress=False)
         cache = self._actor_cache if self.persistent_workers else None
-        return StreamingExecutor(source, build_stages(source.name, [op]), plan, options, actor_cache=cache)
+        return StreamingExecutor(source, build_stages(source.name, [op]), plan, options, actor_cache=cache,
+                                 estimates=self._estimates)
 
     def _iter_remote(self) -> Iterator[Any]:
         t_start = time.perf_counter()
@@ -416,6 +419,8 @@ class DataLoader:
                     item = executor.get_next(timeout=self.timeout or None)
                 except TimeoutError:
                     raise RuntimeError(f"DataLoader timed out after {self.timeout} seconds") from None
+                except UserFunctionError as e:
+                    reraise_as_torch(e)
                 t1 = time.perf_counter()
                 stalls.wait_ready_s += t1 - t0
                 while len(held) > 1 or (item is None and held):
@@ -437,6 +442,7 @@ class DataLoader:
             stalls.wall_s = time.perf_counter() - t_start
             for n in held:
                 executor.release(n)
+            self._estimates = executor.estimates()
             executor.shutdown()
             if self.report_stalls:
                 print(f"sbloader epoch {epoch}: {stalls}")

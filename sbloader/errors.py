@@ -21,6 +21,7 @@ class UserFunctionError(SbloaderError):
         partition_id: the partition being processed.
         epoch: the epoch of the execution.
         remote_traceback: the formatted traceback from the remote worker.
+        original: the exception the user function raised, when it could be pickled.
     """
 
     def __init__(
@@ -31,8 +32,10 @@ class UserFunctionError(SbloaderError):
         remote_traceback: str,
         cause_repr: str = "",
         path: Optional[str] = None,
+        original: Optional[BaseException] = None,
     ) -> None:
         self.operator = operator
+        self.original = original
         self.partition_id = partition_id
         self.epoch = epoch
         self.remote_traceback = remote_traceback
@@ -48,7 +51,7 @@ class UserFunctionError(SbloaderError):
         return (
             type(self),
             (self.operator, self.partition_id, self.epoch, self.remote_traceback,
-             self.cause_repr, self.path),
+             self.cause_repr, self.path, self.original),
         )
 
 
@@ -66,3 +69,44 @@ class StateDictError(SbloaderError, ValueError):
 
 class ExecutorShutdownError(SbloaderError, RuntimeError):
     """The iterator was used after its execution was shut down."""
+
+
+def picklable(e: BaseException) -> Optional[BaseException]:
+    """``e`` if it survives pickling (so it can travel to the consumer), else None."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:
+        return None
+
+
+def reraise_as_torch(err: UserFunctionError) -> None:
+    """Raise a worker's error the way torch's DataLoader does: the original type.
+
+    torch re-raises ``Caught <Type> in DataLoader worker process N. Original
+    Traceback ...`` as the original exception type (RuntimeError when that type
+    cannot be built from a message); user code that catches specific types keeps
+    working. The sbloader error stays attached as the cause.
+    """
+    original = err.original
+    if original is None:
+        raise err
+    exc_type = type(original)
+    msg = (f"Caught {exc_type.__name__} in DataLoader worker (partition {err.partition_id}, "
+           f"epoch {err.epoch}).\nOriginal {err.remote_traceback}")
+    if exc_type is KeyError:
+        msg = _KeyErrorMessage(msg)
+    try:
+        exception = exc_type(msg)
+    except Exception:
+        raise RuntimeError(msg) from err
+    raise exception from err
+
+
+class _KeyErrorMessage(str):
+    """KeyError's str() quotes its message; this keeps newlines readable, as torch does."""
+
+    def __repr__(self) -> str:
+        return self

@@ -102,7 +102,8 @@ class StreamingExecutor:
     """
 
     def __init__(self, source: Source, stages: list[Stage], plan: EpochPlan, options: ExecutionOptions,
-                 actor_cache: Optional[dict[int, list]] = None) -> None:
+                 actor_cache: Optional[dict[int, list]] = None,
+                 estimates: Optional[list[Optional[float]]] = None) -> None:
         self._source = source
         self._actor_cache = actor_cache
         self._stages = stages
@@ -118,7 +119,11 @@ class StreamingExecutor:
         self._queued_bytes = [0] * len(stages)
         self._inflight: dict[ray.ObjectRef, _Running] = {}
         self._stage_inflight = [0] * len(stages)
-        self._est: list[Optional[float]] = [None] * len(stages)
+        # Output-size estimates per stage; a later epoch of the same pipeline starts
+        # from the last one's, so its first tasks need not run one at a time.
+        self._est: list[Optional[float]] = (
+            list(estimates) if estimates is not None and len(estimates) == len(stages) else [None] * len(stages)
+        )
         self._pools: dict[int, list[_Actor]] = {i: [] for i, s in enumerate(stages) if s.kind == "actor"}
         for i, handles in (actor_cache or {}).items():
             if i in self._pools:  # persistent workers: actors kept from an earlier epoch
@@ -234,6 +239,10 @@ class StreamingExecutor:
                     pass
             actors.clear()
         self._close_bars()
+
+    def estimates(self) -> list[Optional[float]]:
+        """The current output-size estimate of each stage (bytes per block)."""
+        return list(self._est)
 
     def stats(self) -> ExecutionStats:
         """Statistics so far (final once the iteration ended)."""

@@ -17,7 +17,7 @@ import ray
 
 from ..block import ROW_COLUMN, Block, BlockMeta, block_nbytes, num_rows, take
 from ..context import task_context
-from ..errors import SourceReadError, UserFunctionError
+from ..errors import SourceReadError, UserFunctionError, picklable
 from ..ops import Op, apply_op
 from ..plan import row_permutation
 from ..sources import Partition
@@ -84,7 +84,8 @@ def apply_ops(ops: Sequence[Op], block: Block, info: EpochInfo, partition_id: in
         except UserFunctionError:
             raise
         except Exception as e:
-            raise UserFunctionError(op.name, partition_id, info.epoch, traceback.format_exc(), repr(e)) from e
+            raise UserFunctionError(op.name, partition_id, info.epoch, traceback.format_exc(), repr(e),
+                                    original=picklable(e)) from e
     return block, skipped
 
 
