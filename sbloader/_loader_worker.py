@@ -65,14 +65,19 @@ class ReadyBatchSource:
             indices when auto-batching is off).
         batches_per_partition: batches per partition.
         fingerprint: description of the dataset for state checks.
+        ids: a stable partition id per batch (e.g. its first sample position), so
+            a resumed epoch that cuts the same batches seeds them the same way;
+            default: the batch index.
     """
 
     name = "Batches"
 
-    def __init__(self, batches: Sequence[Any], batches_per_partition: int, fingerprint: dict) -> None:
+    def __init__(self, batches: Sequence[Any], batches_per_partition: int, fingerprint: dict,
+                 ids: Optional[Sequence[int]] = None) -> None:
         self._batches = list(batches)
         self._bpp = batches_per_partition
         self._fp = fingerprint
+        self._ids = list(ids) if ids is not None else None
 
     def shared(self) -> Any:
         return None
@@ -81,7 +86,8 @@ class ReadyBatchSource:
         out = []
         for k, start in enumerate(range(0, len(self._batches), self._bpp)):
             chunk = self._batches[start:start + self._bpp]
-            out.append(Partition(k, len(chunk), chunk, f"batches [{start}, {start + len(chunk)})"))
+            pid = self._ids[start] if self._ids is not None else k
+            out.append(Partition(pid, len(chunk), chunk, f"batches [{start}, {start + len(chunk)})"))
         return out
 
     def reader(self) -> Callable[[Any, Partition], Block]:

@@ -82,42 +82,52 @@ def _coordinator(loader: "DataLoader") -> Any:
     return loader._coordinator
 
 
-def _epoch_spec(loader: "DataLoader", epoch: int, epoch_seed: int, order: np.ndarray) -> EpochSpec:
-    w = loader.world
-    plan = split_epoch(len(order), loader.batch_size or 1, w.world_size, loader.drop_last)
-    batches: list[Any] = []
-    for spec in plan.batches:
-        idx = [int(order[p]) for p in batch_positions(spec, len(order))]
-        batches.append(PaddedBatch(tuple(idx), spec.pad) if spec.pad else idx)
+def _epoch_spec(loader: "DataLoader", run: Any) -> EpochSpec:
+    """What rank 0 sends the coordinator: the run's batches as partitions, and the plan."""
+    batches = [PaddedBatch(tuple(b), p) if p else b for b, p in zip(run.batches, run.pads)]
     fp = {"type": type(loader.dataset).__name__, "len": len(loader.dataset), "dataset_id": loader.dataset_id}
-    source = ReadyBatchSource(batches, 1, fp)
-    eplan = make_epoch_plan(list(range(len(batches))), epoch, epoch_seed, shuffle=False)
+    source = ReadyBatchSource(batches, 1, fp, ids=run.ids)
+    eplan = make_epoch_plan(run.ids, run.epoch, run.epoch_seed, shuffle=False)
     prefetch = max(2, (loader.prefetch_factor or 2) * max(1, loader.num_workers))
     options = ExecutionOptions(memory_budget=loader.memory_budget, deterministic=loader.in_order,
                                prefetch_blocks=prefetch, progress=False)
-    assignment = tuple(b.rank for b in plan.batches) if loader.in_order else None
-    return EpochSpec(epoch, epoch_seed, source, (loader._worker_op(),), eplan, options, plan.per_rank,
-                     assignment)
+    assignment = tuple(run.ranks) if loader.in_order else None
+    return EpochSpec(run.epoch, run.epoch_seed, source, (loader._worker_op(),), eplan, options, run.per_rank,
+                     assignment, tuple(tuple(map(tuple, r)) for r in run.batch_ranges),
+                     tuple(tuple(r) for r in run.prior))
+
+
+def cut(loader: "DataLoader", run: Any, timeout: float = 60.0) -> list:
+    """The consumed ledger of the job after this rank's batches taken so far (every rank's first k)."""
+    from . import ledger
+
+    consumed = ray.get(_coordinator(loader).cut.remote(run.epoch, len(run.taken), timeout))
+    if consumed is None:  # every rank finished the epoch
+        return [(0, len(run.order))]
+    return ledger.merge(consumed)
 
 
 def iter_split(loader: "DataLoader") -> Iterator[Any]:
     """One epoch on this rank: pull batches from the coordinator, yield tensors."""
     t_start = time.perf_counter()
     w = loader.world
-    if _distributed(loader.sampler):
-        epoch = loader.sampler.epoch
-        epoch_seed = epoch_seed_from(loader.sampler.seed, epoch)
-        loader._epoch_explicit = False
-    else:
-        epoch, epoch_seed = loader._next_epoch()
-    order = epoch_order(loader, epoch, epoch_seed)  # every rank draws, as under torch
+    from ._epoch_state import start_run
+
+    run = start_run(loader, w.world_size)  # every rank iterates its sampler, as under torch
+    loader._run = run
+    epoch = run.epoch
     coord = _coordinator(loader)
     if w.rank == 0:
-        per_rank = ray.get(coord.start_epoch.remote(_epoch_spec(loader, epoch, epoch_seed, order)))
+        per_rank = ray.get(coord.start_epoch.remote(_epoch_spec(loader, run)))
     else:
         per_rank = ray.get(coord.wait_epoch.remote(epoch, 300.0))
         if per_rank is None:
             raise SbloaderError(f"rank 0 did not start epoch {epoch} within 300 s; is rank 0 iterating this loader?")
+    if per_rank != run.per_rank:
+        raise SbloaderError(
+            f"rank {w.rank} planned {run.per_rank} batches for epoch {epoch} but rank 0 planned {per_rank}: "
+            "every rank must load the same state and use the same loader arguments"
+        )
     stalls = StallStats()
     loader._last_stalls = stalls
     pin = loader._pin()
@@ -141,17 +151,19 @@ def iter_split(loader: "DataLoader") -> Iterator[Any]:
             more = received < per_rank
             if more:  # ask for the next ones before using these: the prefetch
                 pending = coord.next_batches.remote(epoch, w.rank, ask, consumed, node)
-            for ref in reply["refs"]:
+            for ref, meta in zip(reply["refs"], reply["metas"]):
                 t2 = time.perf_counter()
                 block = ray.get(ref)
                 for wire in block["batch"]:
                     batch = from_wire(wire, pin=pin, copy=not loader.zero_copy)
                     stalls.fetch_s += time.perf_counter() - t2
                     stalls.batches += 1
+                    run.taken.append(meta.seq)
                     yield batch
                     consumed += 1
                     t2 = time.perf_counter()
                 del block
+        run.complete = True
     finally:
         stalls.wall_s = time.perf_counter() - t_start
         try:

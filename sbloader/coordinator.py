@@ -45,6 +45,8 @@ class EpochSpec:
         per_rank: batches each rank receives.
         assignment: rank of each partition, by plan position (deterministic mode),
             or None to hand out whatever is ready.
+        batch_ranges: per batch (partition) id, the sample positions of its real rows.
+        prior: positions consumed before this run of the epoch (a resumed epoch).
     """
 
     epoch: int
@@ -55,11 +57,13 @@ class EpochSpec:
     options: ExecutionOptions
     per_rank: int
     assignment: Optional[tuple[int, ...]] = None
+    batch_ranges: tuple = ()
+    prior: tuple = ()
 
 
 @dataclass
 class _RankLog:
-    delivered: list = field(default_factory=list)  # partition ids, in delivery order
+    delivered: list = field(default_factory=list)  # batch (plan) indices, in delivery order
     nbytes: list = field(default_factory=list)
     acked: int = 0
     last_seen: float = field(default_factory=time.monotonic)
@@ -67,14 +71,25 @@ class _RankLog:
 
 
 class _Epoch:
+    """One epoch in the coordinator.
+
+    Its executor is built only once every earlier epoch still alive here has
+    produced everything (or was left by every rank) and handed its worker actors
+    back to the cache: rank 0 may start epoch ``e + 1`` while other ranks still
+    consume epoch ``e``, and a second pool next to the first would wait forever
+    for CPUs on a cluster the first pool fills.
+    """
+
     def __init__(self, spec: EpochSpec, world_size: int, actor_cache: dict,
-                 estimates: Optional[list] = None) -> None:
+                 estimates: Optional[list] = None, earlier: tuple = ()) -> None:
         self.spec = spec
         self.world_size = world_size
-        self.executor = StreamingExecutor(
-            spec.source, build_stages(spec.source.name, list(spec.ops)), spec.plan, spec.options,
-            actor_cache=actor_cache, estimates=estimates,
-        )
+        self._actor_cache = actor_cache
+        self._estimates = estimates
+        self._earlier: tuple[_Epoch, ...] = tuple(earlier)
+        self.executor: Optional[StreamingExecutor] = None  # built by the pump thread
+        self._executor_lock = threading.Lock()
+        self._executor_stopped = False
         self.cond = threading.Condition()
         self.pool: deque[OutputBlock] = deque()  # non-deterministic: any rank
         self.queues = [deque() for _ in range(world_size)]  # deterministic: per rank
@@ -84,11 +99,41 @@ class _Epoch:
         self.pump = threading.Thread(target=self._pump, daemon=True, name=f"sbloader-pump-{spec.epoch}")
 
     def start(self) -> None:
-        self.executor.start()
         self.pump.start()
+
+    def _build_executor(self) -> bool:
+        """Wait for the earlier epochs to release the worker actors, then start this epoch's executor."""
+        estimates = self._estimates
+        for prev in self._earlier:
+            with prev.cond:
+                while not (prev.produced_all or prev.finished or prev.error is not None or self._executor_stopped):
+                    prev.cond.wait(timeout=0.2)
+            prev.stop_executor()  # its actors go back to the cache; its ready batches stay served
+            if prev.executor is not None:
+                estimates = prev.executor.estimates()
+        self._earlier = ()
+        with self._executor_lock:
+            if self._executor_stopped:
+                return False
+            spec = self.spec
+            self.executor = StreamingExecutor(
+                spec.source, build_stages(spec.source.name, list(spec.ops)), spec.plan, spec.options,
+                actor_cache=self._actor_cache, estimates=estimates,
+            )
+            self.executor.start()
+        return True
+
+    def stop_executor(self) -> None:
+        """Stop the executor (idempotent, thread-safe): its cached actors return to the cache once."""
+        with self._executor_lock:
+            self._executor_stopped = True
+            if self.executor is not None:
+                self.executor.shutdown()
 
     def _pump(self) -> None:
         try:
+            if not self._build_executor():
+                return
             while True:
                 item = self.executor.get_next()
                 with self.cond:
@@ -140,7 +185,7 @@ class _Epoch:
                 else:
                     item = q.popleft()
                 out.append(item)
-                log.delivered.append(item.meta.partition_id)
+                log.delivered.append(item.meta.seq)  # the batch's index in the epoch's plan
                 log.nbytes.append(item.meta.nbytes)
             return out
 
@@ -174,7 +219,7 @@ class _Epoch:
         return all(lg.acked >= self.spec.per_rank for lg in self.logs)
 
     def shutdown(self) -> None:
-        self.executor.shutdown()
+        self.stop_executor()
 
 
 @ray.remote(num_cpus=0, max_concurrency=64)
@@ -207,7 +252,8 @@ class SplitCoordinator:
         """Rank 0 starts an epoch (idempotent); returns the per-rank batch count."""
         with self._lock:
             if spec.epoch not in self._epochs:
-                ep = _Epoch(spec, self._world_size, self._actor_cache, self._estimates)
+                ep = _Epoch(spec, self._world_size, self._actor_cache, self._estimates,
+                            earlier=tuple(self._epochs.values()))
                 self._epochs[spec.epoch] = ep
                 ep.start()
                 self._started.notify_all()
@@ -256,6 +302,35 @@ class SplitCoordinator:
             return []
         return [{"delivered": list(lg.delivered), "acked": lg.acked} for lg in ep.logs]
 
+    def cut(self, epoch: int, k: int, timeout: float = 60.0) -> Optional[list]:
+        """The consumed ledger after every rank's first ``k`` batches of ``epoch``.
+
+        Waits (bounded) until every rank has received its ``k``-th batch.
+
+        Returns:
+            Merged position ranges, or None when the epoch is already over on every rank.
+
+        Raises:
+            SbloaderError: after ``timeout`` seconds, naming the ranks still short.
+        """
+        from . import ledger
+
+        deadline = time.monotonic() + timeout
+        while True:
+            ep = self._epochs.get(epoch)
+            if ep is None:
+                return None
+            logs = [list(lg.delivered) for lg in ep.logs]
+            short = [r for r, log in enumerate(logs) if len(log) < k]
+            if not short:
+                return [list(r) for r in ledger.cut(logs, k, ep.spec.batch_ranges, ep.spec.prior)]
+            if time.monotonic() > deadline:
+                raise SbloaderError(
+                    f"state_dict() at batch {k} of epoch {epoch} waited {timeout:.0f} s for rank(s) {short} "
+                    f"to receive their batch {k}; those ranks are stuck or stopped iterating"
+                )
+            time.sleep(0.01)
+
     def silent_ranks(self, epoch: int) -> list[int]:
         """Ranks that stopped asking for longer than the report timeout."""
         ep = self._epochs.get(epoch)
@@ -264,7 +339,7 @@ class SplitCoordinator:
     def epoch_stats(self, epoch: int) -> Optional[dict]:
         """The execution statistics of an epoch (as a dict)."""
         ep = self._epochs.get(epoch)
-        return ep.executor.stats().to_dict() if ep is not None else None
+        return ep.executor.stats().to_dict() if ep is not None and ep.executor is not None else None
 
     def process_info(self) -> dict:
         """The coordinator process's pid and resident memory (bytes), for monitoring."""
@@ -283,7 +358,8 @@ class SplitCoordinator:
         with self._lock:
             for e in [e for e, ep in self._epochs.items() if ep.finished and ep.produced_all]:
                 ep = self._epochs.pop(e)
-                self._estimates = ep.executor.estimates()
+                if ep.executor is not None:
+                    self._estimates = ep.executor.estimates()
                 ep.shutdown()
 
     def shutdown(self) -> None:

@@ -23,7 +23,7 @@ from ._runtime import ensure_initialized
 from .dataset import draw_epoch_seed
 from .ops import Op
 from .plan import epoch_seed_from, make_epoch_plan
-from .errors import UserFunctionError, reraise_as_torch
+from .errors import StateDictError, UserFunctionError, reraise_as_torch
 from .stats import ExecutionStats, StallStats
 from .wire import from_wire, tensors, to_device
 
@@ -209,10 +209,12 @@ class DataLoader:
         # With ``seed`` and no generator, the order of our own RandomSampler is f(seed, epoch) too.
         self._seeded_sampler = not self._iterable and sampler is None and shuffle and seed is not None \
             and generator is None
+        own_batch_sampler = False
         if not self._iterable and sampler is None:
             sampler = RandomSampler(dataset, generator=generator) if shuffle else SequentialSampler(dataset)
         if batch_size is not None and batch_sampler is None and not self._iterable:
             batch_sampler = BatchSampler(sampler, batch_size, drop_last)
+            own_batch_sampler = True
 
         self.dataset = dataset
         self.batch_size = batch_size
@@ -241,6 +243,10 @@ class DataLoader:
         self.report_stalls = report_stalls
         self._epoch = 0
         self._epoch_explicit = False
+        # only batches the loader cuts itself are positions it can replay
+        self._user_batch_sampler = batch_sampler is not None and not own_batch_sampler
+        self._run: Any = None  # the current EpochRun (positions, batches, what was taken)
+        self._resume: Optional[dict] = None  # a loaded state, applied by the next iteration
         self._base_seed: Optional[int] = None
         self._last_stats: Optional[ExecutionStats] = None
         self._last_stalls: Optional[StallStats] = None
@@ -285,8 +291,66 @@ class DataLoader:
         """Set the epoch of the next iteration (its seed is ``f(seed, epoch)`` when ``seed`` is set)."""
         if epoch < 0:
             raise ValueError(f"epoch must be >= 0, found {epoch}")
+        if self._resume is not None and self._resume.get("epoch") != epoch:
+            warnings.warn(
+                f"set_epoch({epoch}) after load_state_dict of epoch {self._resume.get('epoch')}: the loaded "
+                "state is dropped and epoch starts fresh", stacklevel=2)
+            self._resume = None
         self._epoch = epoch
         self._epoch_explicit = True
+
+    @property
+    def _stateful(self) -> bool:
+        """Whether this loader can checkpoint: a map-style dataset batched by its own BatchSampler."""
+        return not self._iterable and self._auto_collation and not self._user_batch_sampler
+
+    def state_dict(self) -> dict:
+        """A small JSON-serialisable state: what the training loop consumed so far.
+
+        Taken after the loop received its k-th batch of the epoch, it records the
+        first k batches of every rank (waiting, bounded, for a rank that has not
+        received its k-th yet). Prefetched batches are never in it. Rank 0 can save
+        it alone; every rank of the resumed job loads it.
+        """
+        from . import _epoch_state, ledger
+
+        if not self._stateful:
+            raise StateDictError(
+                "state_dict() needs a map-style dataset batched by the loader itself (batch_size=...); "
+                "an IterableDataset, a custom batch_sampler or batch_size=None cannot be replayed"
+            )
+        run = self._run
+        if run is None or run.complete:
+            return _epoch_state.make_state(self, run, [])
+        if self.split:
+            from ._split_iter import cut
+
+            consumed = cut(self, run)
+        else:
+            consumed = ledger.merge(list(run.prior) + [r for b in run.taken for r in run.batch_ranges[b]])
+        return _epoch_state.make_state(self, run, consumed)
+
+    def load_state_dict(self, state_dict: dict, strict: bool = True) -> None:
+        """Resume from a :meth:`state_dict`: the next iteration replays exactly what was not consumed.
+
+        Args:
+            state_dict: a state from :meth:`state_dict` (possibly of another world size).
+            strict: check that the dataset, batch size and sampler match; False loads anyway.
+
+        Raises:
+            StateDictError: the state does not match this loader ("found X, expected Y").
+        """
+        from . import _epoch_state
+
+        if not self._stateful:
+            raise StateDictError("load_state_dict() needs a map-style dataset batched by the loader itself")
+        state = _epoch_state.validate(self, state_dict, strict)
+        self._resume = dict(state)
+        self._run = None
+        self._epoch = int(state["epoch"])
+        self._epoch_explicit = True
+        if state.get("base_seed") is not None:
+            self._base_seed = int(state["base_seed"])
 
     def stats(self) -> Optional[ExecutionStats]:
         """Execution statistics of the latest epoch (None before any, or with num_workers=0)."""
@@ -331,10 +395,8 @@ class DataLoader:
             seed = draw_epoch_seed(self.seed, epoch, self.generator)
         if self._seeded_sampler:
             self.sampler.generator = self._torch.Generator().manual_seed(seed)
-        if not self._epoch_explicit:
-            self._epoch += 1
-        else:
-            self._epoch_explicit = False
+        self._epoch = epoch + 1
+        self._epoch_explicit = False
         return epoch, seed
 
     def _iter_local(self) -> Iterator[Any]:
@@ -343,7 +405,13 @@ class DataLoader:
 
         from .context import seed_globals
 
-        epoch, epoch_seed = self._next_epoch()  # drawn before the sampler's first draw, as torch
+        if self._stateful:
+            from ._epoch_state import start_run
+
+            self._run = start_run(self, 1)
+            epoch, epoch_seed = self._run.epoch, self._run.epoch_seed
+        else:
+            epoch, epoch_seed = self._next_epoch()  # drawn before the sampler's first draw, as torch
         if self.seed is not None:
             # Only when asked: without ``seed`` the trainer's RNGs stay as torch leaves them.
             seed_globals(epoch_seed)
@@ -361,6 +429,15 @@ class DataLoader:
                         yield self.collate_fn(chunk)
 
                 items = batches()
+        elif self._stateful:
+            fetch = _LocalCollate(self.dataset, self.collate_fn, True)
+            run = self._run
+            for j, indices in enumerate(run.batches):
+                batch = fetch(indices)
+                run.taken.append(j)
+                yield _pin_batch(batch) if pin else batch
+            run.complete = True
+            return
         else:
             fetch = _LocalCollate(self.dataset, self.collate_fn, self._auto_collation)
             items = (fetch(i) for i in self._index_sampler)
@@ -387,6 +464,8 @@ class DataLoader:
         fp = {"type": type(self.dataset).__name__, "len": _safe_len(self.dataset), "dataset_id": self.dataset_id}
         if self._iterable:
             source = ShardSource(self.num_workers, fp)
+        elif self._stateful:
+            source = ReadyBatchSource(self._run.batches, self.batches_per_partition, fp, ids=self._run.ids)
         else:
             batches = [list(b) if self._auto_collation else b for b in self._index_sampler]
             source = ReadyBatchSource(batches, self.batches_per_partition, fp)
@@ -402,8 +481,15 @@ class DataLoader:
 
     def _iter_remote(self) -> Iterator[Any]:
         t_start = time.perf_counter()
-        epoch, epoch_seed = self._next_epoch()
+        if self._stateful:
+            from ._epoch_state import start_run
+
+            self._run = start_run(self, 1)
+            epoch, epoch_seed = self._run.epoch, self._run.epoch_seed
+        else:
+            epoch, epoch_seed = self._next_epoch()
         executor = self._build(epoch, epoch_seed).start()
+        run = self._run if self._stateful else None
         self._last_stats = executor.stats()
         stalls = StallStats()
         self._last_stalls = stalls
@@ -430,14 +516,18 @@ class DataLoader:
                 block = ray.get(item.ref)
                 held.append(item.meta.nbytes)
                 stalls.fetch_s += time.perf_counter() - t1
-                for wire in block["batch"]:
+                for i, wire in enumerate(block["batch"]):
                     t2 = time.perf_counter()
                     batch = from_wire(wire, pin=pin, copy=not self.zero_copy)
                     if stream is not None:
                         batch = self._to_device(batch, stream)
                     stalls.fetch_s += time.perf_counter() - t2
                     stalls.batches += 1
+                    if run is not None:
+                        run.taken.append(item.meta.seq * self.batches_per_partition + i)
                     yield batch
+            if run is not None:
+                run.complete = True
         finally:
             stalls.wall_s = time.perf_counter() - t_start
             for n in held:

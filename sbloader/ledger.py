@@ -1,0 +1,90 @@
+"""The consumed ledger: which positions of an epoch's order were consumed (pure).
+
+Positions are indices into the epoch's sample order (sampler positions), kept as
+sorted, merged, half-open ``[start, stop)`` ranges, so a checkpoint grows with
+the number of gaps (partitions touched out of order), not with the samples.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import numpy as np
+
+Ranges = list[tuple[int, int]]
+
+
+def merge(ranges: Iterable[Sequence[int]]) -> Ranges:
+    """Sort and merge overlapping or touching ranges; empty ranges vanish."""
+    out: Ranges = []
+    for a, b in sorted((int(r[0]), int(r[1])) for r in ranges):
+        if b <= a:
+            continue
+        if out and a <= out[-1][1]:
+            if b > out[-1][1]:
+                out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def from_positions(positions: Iterable[int]) -> Ranges:
+    """Ranges covering exactly the given positions."""
+    pos = np.unique(np.fromiter((int(p) for p in positions), dtype=np.int64))
+    if len(pos) == 0:
+        return []
+    breaks = np.nonzero(np.diff(pos) != 1)[0] + 1
+    starts = np.concatenate(([0], breaks))
+    stops = np.concatenate((breaks, [len(pos)]))
+    return [(int(pos[a]), int(pos[b - 1]) + 1) for a, b in zip(starts, stops)]
+
+
+def to_positions(ranges: Sequence[Sequence[int]]) -> np.ndarray:
+    """Every position the ranges cover, in order."""
+    if not ranges:
+        return np.empty(0, dtype=np.int64)
+    return np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in ranges])
+
+
+def count(ranges: Sequence[Sequence[int]]) -> int:
+    """Positions covered."""
+    return int(sum(b - a for a, b in ranges))
+
+
+def complement(ranges: Sequence[Sequence[int]], total: int) -> Ranges:
+    """The ranges of ``[0, total)`` not covered by ``ranges``."""
+    out: Ranges = []
+    prev = 0
+    for a, b in merge(ranges):
+        a, b = max(0, a), min(total, b)
+        if a > prev:
+            out.append((prev, a))
+        prev = max(prev, b)
+    if prev < total:
+        out.append((prev, total))
+    return out
+
+
+def cut(logs: Sequence[Sequence[int]], k: int, batch_ranges: Sequence[Sequence[Sequence[int]]],
+        prior: Sequence[Sequence[int]] = ()) -> Ranges:
+    """The consumed ledger after every rank's first ``k`` batches.
+
+    Args:
+        logs: per rank, the ordered batch ids delivered to it.
+        k: batches per rank in the cut.
+        batch_ranges: per batch id, the position ranges of its real (unpadded) rows.
+        prior: positions already consumed before this epoch's run (a resumed epoch).
+
+    Returns:
+        Merged ranges of consumed positions.
+
+    Raises:
+        ValueError: a rank's log holds fewer than ``k`` batches.
+    """
+    short = [r for r, log in enumerate(logs) if len(log) < k]
+    if short:
+        raise ValueError(f"ranks {short} have fewer than {k} batches delivered")
+    pieces = [tuple(r) for r in prior]
+    for log in logs:
+        for b in log[:k]:
+            pieces.extend(tuple(r) for r in batch_ranges[b])
+    return merge(pieces)
