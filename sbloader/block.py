@@ -76,10 +76,12 @@ class Batch(dict):
     """A batch handed to the consumer: a dict of columns plus ``provenance``.
 
     ``provenance`` is a tuple of :class:`Provenance` runs covering the batch's rows
-    in order.
+    in order; ``parts`` lists ``(partition_id, rows)`` for each partition the
+    batch's rows came from, in order (what a checkpoint records as consumed).
     """
 
     provenance: tuple[Provenance, ...] = ()
+    parts: tuple[tuple[int, int], ...] = ()
 
 
 def num_rows(block: Mapping[str, np.ndarray]) -> int:

@@ -124,6 +124,10 @@ class Dataset:
             return None
         return self._source.num_rows()
 
+    def num_rows_changing(self) -> bool:
+        """Whether an operator may change the number of rows (``filter``, ``flat_map``)."""
+        return any(op.kind in ("filter", "flat_map") for op in self._ops)
+
     def count(self) -> int:
         """Rows the dataset yields (runs the pipeline when not known)."""
         n = self.num_rows()

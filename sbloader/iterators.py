@@ -106,6 +106,7 @@ def _make_batch(pieces: list[tuple[Block, int, int]]) -> Batch:
     pids = np.concatenate([np.full(num_rows(b), pid, dtype=np.int64) for b, pid, _ in pieces])
     batch = Batch(data)
     batch.provenance = provenance_runs(pieces[0][2], pids, rows)
+    batch.parts = tuple((pid, num_rows(b)) for b, pid, _ in pieces)
     return batch
 
 
@@ -146,4 +147,5 @@ def to_torch(
             out[k] = v
     if isinstance(batch, Batch):
         out.provenance = batch.provenance
+        out.parts = batch.parts
     return out

@@ -12,11 +12,13 @@ import time
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
 
+from .errors import SbloaderError, StateDictError
 from .iterators import iter_batches, iter_blocks, to_torch
 from .stats import ExecutionStats, StallStats
 from .wire import from_wire, to_wire
 
 if TYPE_CHECKING:
+    from ._pipeline_state import PipelineRun
     from .dataset import Dataset
 
 
@@ -38,13 +40,18 @@ class PipelineLoader:
         dtypes: torch dtype per column.
         collate_fn: applied to each NumPy batch instead of the tensor conversion.
         generator: torch generator the epoch seed is drawn from.
+        rank: override the rank (default: torchrun's ``RANK``).
+        world_size: override the world size (default: ``WORLD_SIZE``); above 1 each
+            rank gets every ``world_size``-th partition of the epoch's plan and the
+            same number of batches (the longer ranks' extra rows are not delivered).
     """
 
     def __init__(self, dataset: "Dataset", batch_size: int = 256, *, shuffle: bool = False,
                  seed: Optional[int] = None, drop_last: bool = False, deterministic: bool = False,
                  memory_budget: Optional[int] = None, prefetch_blocks: int = 2, pin_memory: bool = False,
                  device: Any = None, zero_copy: bool = False, dtypes: Optional[Mapping[str, Any]] = None,
-                 collate_fn: Optional[Callable] = None, generator: Any = None) -> None:
+                 collate_fn: Optional[Callable] = None, generator: Any = None,
+                 rank: Optional[int] = None, world_size: Optional[int] = None) -> None:
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, found {batch_size}")
         self.dataset = dataset
@@ -66,6 +73,11 @@ class PipelineLoader:
         self._stats: Optional[ExecutionStats] = None
         self._stalls: Optional[StallStats] = None
         self._counted_rows: Optional[int] = None
+        from .world import World
+
+        self.world = World.detect(rank=rank, world_size=world_size)
+        self._run: Any = None
+        self._resume: Optional[dict] = None
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch of the next iteration."""
@@ -74,6 +86,10 @@ class PipelineLoader:
         self._epoch, self._epoch_explicit = epoch, True
 
     def __len__(self) -> int:
+        if self.world.world_size > 1 and not self.dataset.num_rows_changing():
+            sizes = [p.num_rows for p in self.dataset.source.partitions(self._epoch, 0)]
+            if all(n is not None for n in sizes):
+                return self._quota(sizes)
         n = self.dataset.num_rows()
         if n is None:
             n = self._counted_rows  # counted by the last complete epoch
@@ -92,48 +108,124 @@ class PipelineLoader:
         """The data-stall instrument of the latest epoch."""
         return self._stalls
 
+    def state_dict(self) -> dict:
+        """A small JSON-serialisable state: the partitions (and rows) the loop consumed.
+
+        Raises:
+            StateDictError: under torchrun (world size above 1), where a native
+                pipeline's per-rank state cannot be gathered yet.
+        """
+        from ._pipeline_state import make_state
+
+        if self.world.world_size > 1:
+            raise StateDictError(
+                "state_dict() of a native pipeline under torchrun is not supported yet; use "
+                "sbloader.DataLoader (the drop-in) for exactly-once resume across ranks"
+            )
+        return make_state(self, self._run)
+
+    def load_state_dict(self, state_dict: dict, strict: bool = True) -> None:
+        """Resume from :meth:`state_dict`: the next iteration delivers only what was not consumed."""
+        from ._pipeline_state import validate
+
+        state = validate(self, state_dict, strict)
+        self._resume = dict(state)
+        self._run = None
+        self._epoch, self._epoch_explicit = int(state["epoch"]), True
+
+    def _start_run(self) -> "PipelineRun":
+        from ._pipeline_state import PipelineRun, run_from_state
+        from .dataset import draw_epoch_seed
+
+        resume, self._resume = self._resume, None
+        if resume is not None and resume.get("epoch_seed") is not None:
+            run = run_from_state(resume)
+        else:
+            epoch = self._epoch
+            run = PipelineRun(epoch, draw_epoch_seed(self.seed, epoch, self.generator))
+        self._epoch, self._epoch_explicit = run.epoch + 1, False
+        return run
+
+    def _plan(self, run: "PipelineRun") -> tuple[Any, Optional[int]]:
+        """This rank's epoch plan (unfinished partitions) and its batch quota under torchrun."""
+        from .plan import EpochPlan, make_epoch_plan
+
+        parts = self.dataset.source.partitions(run.epoch, run.epoch_seed)
+        full = make_epoch_plan([p.id for p in parts], run.epoch, run.epoch_seed, self.shuffle)
+        order = [pid for pid in full.order if pid not in run.done]
+        w = self.world
+        if w.world_size == 1:
+            return EpochPlan(run.epoch, run.epoch_seed, tuple(order), full.shuffle_rows), None
+        rows = {p.id: p.num_rows for p in parts}
+        if any(rows[pid] is None for pid in order) or self.dataset.num_rows_changing():
+            raise SbloaderError(
+                "under torchrun a native pipeline is split by partition and needs every rank's row count "
+                "up front: its source must know partition sizes and its operators must keep one output row "
+                "per input row (no filter/flat_map); or set world_size=1 / use sbloader.DataLoader"
+            )
+        mine = order[w.rank::w.world_size]
+        return EpochPlan(run.epoch, run.epoch_seed, tuple(mine), full.shuffle_rows), self._quota(
+            [rows[pid] for pid in order])
+
+    def _quota(self, sizes: list) -> int:
+        """Batches every rank can fill whatever the order: each rank holds at least
+        ``len(sizes) // world_size`` partitions, so at least that many of the smallest."""
+        k = len(sizes) // self.world.world_size
+        rows = sum(sorted(sizes)[:k])
+        return rows // self.batch_size if self.drop_last else math.ceil(rows / self.batch_size)
+
     def __iter__(self) -> Iterator[Any]:
         import torch
 
-        epoch = self._epoch
-        if self._epoch_explicit:
-            self._epoch_explicit = False
-        else:
-            self._epoch += 1
+        from ._pipeline_state import skip_consumed
+
+        run = self._start_run()
+        self._run = run
+        plan, quota = self._plan(run)
         pin = self.pin_memory and torch.accelerator.is_available()
         if self.pin_memory and not pin:
             warnings.warn("pin_memory=True but no accelerator is found; batches are not pinned", stacklevel=2)
         t_start = time.perf_counter()
-        executor = self.dataset.execute(epoch=epoch, seed=self.seed, shuffle=self.shuffle,
-                                        deterministic=self.deterministic, memory_budget=self.memory_budget,
+        executor = self.dataset.execute(plan=plan, deterministic=self.deterministic,
+                                        memory_budget=self.memory_budget,
                                         prefetch_blocks=self.prefetch_blocks, progress=False)
         self._stats = executor.stats()
         stalls = StallStats()
         self._stalls = stalls
-        batches = iter_batches(iter_blocks(executor), self.batch_size, self.drop_last)
+        batches = iter_batches(skip_consumed(iter_blocks(executor), run), self.batch_size, self.drop_last)
+        yielded = 0
         try:
-            while True:
+            while quota is None or yielded < quota:
                 t0 = time.perf_counter()
                 try:
                     batch = next(batches)
                 except StopIteration:
-                    self._counted_rows = self._stats.operators[-1].rows
-                    return
+                    if quota is not None:
+                        raise SbloaderError(
+                            f"rank {self.world.rank} ran out of rows after {yielded} of its {quota} batches: "
+                            "an operator dropped rows; under torchrun native pipelines must keep row counts"
+                        ) from None
+                    break
                 if self.collate_fn is not None:
                     out = self.collate_fn(batch)
                 else:
                     out = to_torch(batch, self.dtypes, None, zero_copy=self.zero_copy or pin)
                     if pin:
-                        prov = batch.provenance
+                        prov, parts = batch.provenance, batch.parts
                         out = from_wire(to_wire(out), pin=True)
-                        out.provenance = prov
+                        out.provenance, out.parts = prov, parts
                     if self.device is not None:
                         for k, v in list(out.items()):
                             if isinstance(v, torch.Tensor):
                                 out[k] = v.to(self.device, non_blocking=pin)
                 stalls.wait_ready_s += time.perf_counter() - t0
                 stalls.batches += 1
+                run.consume(batch.parts)
+                yielded += 1
                 yield out
+            run.complete = True
+            if quota is None:
+                self._counted_rows = self._stats.operators[-1].rows
         finally:
             stalls.wall_s = time.perf_counter() - t_start
             batches.close()

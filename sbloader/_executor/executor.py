@@ -34,8 +34,9 @@ logger = logging.getLogger(__name__)
 _ACTOR_SLOTS = 2  # calls in flight per actor: one running, one queued behind it
 _IDLE_TIMEOUT_S = 5.0
 # Ray frees released objects asynchronously (the embedded Ray batches frees every
-# 20 ms); a released block still counts against the budget for this long.
-_FREE_LAG_S = 0.1
+# 20 ms, later on a loaded machine); a released block still counts against the
+# budget for this long.
+_FREE_LAG_S = 0.25
 
 
 @dataclass(frozen=True)

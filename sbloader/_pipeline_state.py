@@ -1,0 +1,117 @@
+"""Checkpoint state of a native pipeline loader: a ledger of consumed partition rows.
+
+A partition replays bit for bit (its rows and augmentations derive from the epoch
+seed and its id), and the consumer takes each partition's output rows in order.
+So the state is the set of partitions fully consumed (as id ranges) plus, for the
+few partly consumed, how many of their output rows were taken; resuming re-runs
+the unfinished partitions and drops those first rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterator, Optional
+
+from . import ledger
+from .block import Block, BlockMeta, slice_block
+from .errors import StateDictError
+
+STATE_FORMAT = "sbloader.PipelineLoader"
+STATE_VERSION = 1
+
+
+@dataclass
+class PipelineRun:
+    """One (possibly resumed) epoch of a native pipeline loader.
+
+    Attributes:
+        epoch: the epoch number.
+        epoch_seed: the epoch seed.
+        done: ids of partitions fully consumed (before and during this run).
+        taken: rows consumed so far per partition not yet done.
+        totals: output rows of each partition seen in this run.
+        complete: the epoch ran to its end.
+    """
+
+    epoch: int
+    epoch_seed: int
+    done: set = field(default_factory=set)
+    taken: dict = field(default_factory=dict)
+    totals: dict = field(default_factory=dict)
+    complete: bool = False
+
+    def consume(self, parts: tuple) -> None:
+        """Record a batch handed to the training loop."""
+        for pid, n in parts:
+            self.taken[pid] = self.taken.get(pid, 0) + n
+            if pid in self.totals and self.taken[pid] >= self.totals[pid]:
+                self.done.add(pid)
+                del self.taken[pid]
+
+
+def skip_consumed(blocks: Iterator[tuple[Block, BlockMeta]], run: PipelineRun) -> Iterator[tuple[Block, BlockMeta]]:
+    """Drop the rows a resumed partition had already delivered; record partition sizes."""
+    for block, meta in blocks:
+        pid = meta.partition_id
+        run.totals[pid] = meta.num_rows
+        skip = run.taken.get(pid, 0)
+        if meta.num_rows == 0 or skip >= meta.num_rows:
+            run.done.add(pid)
+            run.taken.pop(pid, None)
+            continue
+        if skip:
+            block = slice_block(block, skip, meta.num_rows)
+            meta = replace(meta, num_rows=meta.num_rows - skip)
+        yield block, meta
+
+
+def fingerprint(loader: Any) -> dict:
+    """What a state must match: the pipeline, its source and the batching."""
+    return {
+        "pipeline": repr(loader.dataset),
+        "source": loader.dataset.source.fingerprint(),
+        "batch_size": loader.batch_size,
+        "shuffle": bool(loader.shuffle),
+    }
+
+
+def make_state(loader: Any, run: Optional[PipelineRun]) -> dict:
+    """The JSON-serialisable state."""
+    base = {"format": STATE_FORMAT, "version": STATE_VERSION, "fingerprint": fingerprint(loader)}
+    if run is None:
+        if loader._resume is not None:
+            return dict(loader._resume)
+        return {**base, "epoch": int(loader._epoch), "epoch_seed": None, "done": [], "partial": {}}
+    if run.complete:
+        return {**base, "epoch": run.epoch + 1, "epoch_seed": None, "done": [], "partial": {}}
+    return {**base, "epoch": run.epoch, "epoch_seed": run.epoch_seed,
+            "done": [list(r) for r in ledger.from_positions(run.done)],
+            "partial": {str(pid): int(n) for pid, n in sorted(run.taken.items()) if n > 0}}
+
+
+def validate(loader: Any, state: Any, strict: bool) -> dict:
+    """Check a state against the loader ("found X, expected Y")."""
+    if not isinstance(state, dict):
+        raise StateDictError(f"a PipelineLoader state is a dict, found {type(state).__name__}")
+    if state.get("format") != STATE_FORMAT:
+        raise StateDictError(f"state format: found {state.get('format')!r}, expected {STATE_FORMAT!r}")
+    if state.get("version") != STATE_VERSION:
+        raise StateDictError(f"state version: found {state.get('version')!r}, expected {STATE_VERSION}")
+    if strict:
+        for key, expected in fingerprint(loader).items():
+            found = state.get("fingerprint", {}).get(key)
+            if found != expected:
+                raise StateDictError(
+                    f"state {key}: found {found!r}, expected {expected!r}. Load it into the same pipeline, "
+                    "or pass strict=False to load it anyway"
+                )
+    return state
+
+
+def run_from_state(state: dict) -> PipelineRun:
+    """The run a loaded state resumes."""
+    return PipelineRun(
+        epoch=int(state["epoch"]),
+        epoch_seed=int(state["epoch_seed"]),
+        done={int(p) for p in ledger.to_positions(state.get("done", []))},
+        taken={int(k): int(v) for k, v in state.get("partial", {}).items()},
+    )
