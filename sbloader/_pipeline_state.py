@@ -115,3 +115,22 @@ def run_from_state(state: dict) -> PipelineRun:
         done={int(p) for p in ledger.to_positions(state.get("done", []))},
         taken={int(k): int(v) for k, v in state.get("partial", {}).items()},
     )
+
+
+def merge_runs(runs: list) -> Optional[PipelineRun]:
+    """One run from every rank's (each rank consumed its own partitions)."""
+    live = [r for r in runs if r is not None]
+    if not live:
+        return None
+    first = live[0]
+    if any((r.epoch, r.epoch_seed) != (first.epoch, first.epoch_seed) for r in live):
+        raise StateDictError(
+            f"ranks are in different epochs: found {sorted({(r.epoch, r.epoch_seed) for r in live})}; "
+            "call state_dict() on every rank at the same step"
+        )
+    merged = PipelineRun(first.epoch, first.epoch_seed, complete=all(r.complete for r in live))
+    for r in live:
+        merged.done |= r.done
+        merged.taken.update(r.taken)
+        merged.totals.update(r.totals)
+    return merged

@@ -111,17 +111,26 @@ class PipelineLoader:
     def state_dict(self) -> dict:
         """A small JSON-serialisable state: the partitions (and rows) the loop consumed.
 
+        Under torchrun (world size above 1) every rank must call it at the same step:
+        the ranks' ledgers are gathered with ``torch.distributed.all_gather_object``.
+
         Raises:
-            StateDictError: under torchrun (world size above 1), where a native
-                pipeline's per-rank state cannot be gathered yet.
+            StateDictError: under torchrun without an initialised process group.
         """
-        from ._pipeline_state import make_state
+        from ._pipeline_state import make_state, merge_runs
 
         if self.world.world_size > 1:
-            raise StateDictError(
-                "state_dict() of a native pipeline under torchrun is not supported yet; use "
-                "sbloader.DataLoader (the drop-in) for exactly-once resume across ranks"
-            )
+            import torch.distributed as dist
+
+            if not (dist.is_available() and dist.is_initialized()):
+                raise StateDictError(
+                    "state_dict() of a native pipeline under torchrun gathers every rank's ledger through "
+                    "torch.distributed: call it on every rank after init_process_group (or use the drop-in "
+                    "sbloader.DataLoader, whose coordinator needs no process group)"
+                )
+            runs: list = [None] * self.world.world_size
+            dist.all_gather_object(runs, self._run)
+            return make_state(self, merge_runs(runs))
         return make_state(self, self._run)
 
     def load_state_dict(self, state_dict: dict, strict: bool = True) -> None:
