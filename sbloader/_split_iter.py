@@ -145,6 +145,12 @@ def iter_split(loader: "DataLoader") -> Iterator[Any]:
                 if isinstance(e.cause, UserFunctionError):
                     reraise_as_torch(e.cause)
                 raise
+            except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as e:
+                raise SbloaderError(
+                    f"rank {w.rank}: the split coordinator of loader {loader.name!r} died in epoch {epoch} "
+                    f"after this rank took {len(run.taken)} batches ({type(e).__name__}). Restart the job and "
+                    "load the last checkpoint's loader state: it replays exactly what was not consumed"
+                ) from e
             t1 = time.perf_counter()
             stalls.wait_ready_s += t1 - t0
             received += len(reply["refs"])
