@@ -245,7 +245,8 @@ def test_actor_pool_constructs_once_per_actor_and_autoscales_within_bounds(ray_s
     assert used <= {int(p) for p in inits}
     created = ds.stats().operators[1].actors_created
     assert 2 <= created <= 3, created  # queued work grew the pool, never past max
-    assert len(inits) == created
+    # an actor still starting when the epoch ended is killed before its constructor logs
+    assert 2 <= len(inits) <= created
 
 
 def test_fixed_size_actor_pool(ray_session, tmp_path):
