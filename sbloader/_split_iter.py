@@ -8,8 +8,10 @@ acknowledges what its training loop consumed.
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
+from collections import deque
 from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
@@ -26,6 +28,8 @@ from .wire import from_wire
 
 if TYPE_CHECKING:
     from .dataloader import DataLoader
+
+logger = logging.getLogger(__name__)
 
 
 def _distributed(sampler: Any) -> bool:
@@ -133,47 +137,67 @@ def iter_split(loader: "DataLoader") -> Iterator[Any]:
     pin = loader._pin()
     node = ray.get_runtime_context().get_node_id()
     ask = max(1, loader.prefetch_factor or 2)
-    consumed = 0
+    ready: deque = deque()  # (block ref, batch index) received, not yet fetched
     received = 0
-    pending = coord.next_batches.remote(epoch, w.rank, ask, consumed, node)
+    rebuilds = 0
+
+    def request() -> Any:
+        return coord.next_batches.remote(epoch, w.rank, ask, len(run.taken), node)
+
+    pending = request()
     try:
-        while received < per_rank:
+        while len(run.taken) < per_rank:
             t0 = time.perf_counter()
             try:
-                reply = ray.get(pending)
+                if not ready:
+                    reply = ray.get(pending)
+                    index = reply.get("index") or [m.seq for m in reply["metas"]]
+                    ready.extend(zip(reply["refs"], index))
+                    received += len(reply["refs"])
+                    # ask for the next ones before using these: the prefetch
+                    pending = request() if received < per_rank else None
+                    stalls.wait_ready_s += time.perf_counter() - t0
+                    continue
+                ref, batch_index = ready.popleft()
+                block = ray.get(ref)
             except ray.exceptions.RayTaskError as e:
                 if isinstance(e.cause, UserFunctionError):
                     reraise_as_torch(e.cause)
                 raise
             except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as e:
-                raise SbloaderError(
-                    f"rank {w.rank}: the split coordinator of loader {loader.name!r} died in epoch {epoch} "
-                    f"after this rank took {len(run.taken)} batches ({type(e).__name__}). Restart the job and "
-                    "load the last checkpoint's loader state: it replays exactly what was not consumed"
-                ) from e
+                # The coordinator died, and with it the blocks it owned. Rebuild it from
+                # what every rank took; the rest is planned again.
+                rebuilds += 1
+                if rebuilds > 3:
+                    raise SbloaderError(
+                        f"rank {w.rank}: the split coordinator of loader {loader.name!r} died {rebuilds} times in "
+                        f"epoch {epoch}. Restart the job and load the last checkpoint's loader state"
+                    ) from e
+                logger.warning("sbloader rank %d: coordinator lost (%s); rebuilding epoch %d from %d taken "
+                               "batches", w.rank, type(e).__name__, epoch, len(run.taken))
+                loader._coordinator = None
+                coord = _coordinator(loader)
+                per_rank = ray.get(coord.rebuild.remote(epoch, w.rank, list(run.taken),
+                                                        _epoch_spec(loader, run)))
+                ready.clear()
+                received = len(run.taken)
+                pending = request()
+                continue
             t1 = time.perf_counter()
-            stalls.wait_ready_s += t1 - t0
-            received += len(reply["refs"])
-            more = received < per_rank
-            if more:  # ask for the next ones before using these: the prefetch
-                pending = coord.next_batches.remote(epoch, w.rank, ask, consumed, node)
-            for ref, meta in zip(reply["refs"], reply["metas"]):
+            stalls.fetch_s += t1 - t0
+            for wire in block["batch"]:
                 t2 = time.perf_counter()
-                block = ray.get(ref)
-                for wire in block["batch"]:
-                    batch = from_wire(wire, pin=pin, copy=not loader.zero_copy)
-                    stalls.fetch_s += time.perf_counter() - t2
-                    stalls.batches += 1
-                    run.taken.append(meta.seq)
-                    yield batch
-                    consumed += 1
-                    t2 = time.perf_counter()
-                del block
+                batch = from_wire(wire, pin=pin, copy=not loader.zero_copy)
+                stalls.fetch_s += time.perf_counter() - t2
+                stalls.batches += 1
+                run.taken.append(batch_index)
+                yield batch
+            del block
         run.complete = True
     finally:
         stalls.wall_s = time.perf_counter() - t_start
         try:
-            coord.finish.remote(epoch, w.rank, consumed)
+            coord.finish.remote(epoch, w.rank, len(run.taken))
         except Exception:
             pass
         if loader.report_stalls:
