@@ -354,9 +354,14 @@ class SplitCoordinator:
         return {"pid": os.getpid(), "rss": rss}
 
     def _collect(self) -> None:
-        """Shut down epochs every rank has finished (actors stay cached for the next)."""
+        """Shut down epochs every rank has finished (actors stay cached for the next).
+
+        An epoch every rank left early (a step limit) is dropped too, though its
+        pipeline had not produced everything: nobody will take its ready batches,
+        and keeping it would hold them in the object store for the rest of the job.
+        """
         with self._lock:
-            for e in [e for e, ep in self._epochs.items() if ep.finished and ep.produced_all]:
+            for e in [e for e, ep in self._epochs.items() if ep.finished]:
                 ep = self._epochs.pop(e)
                 if ep.executor is not None:
                     self._estimates = ep.executor.estimates()

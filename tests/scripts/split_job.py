@@ -1,6 +1,6 @@
 """A torchrun job that logs, per rank, the sample ids of every batch it receives.
 
-    torchrun --nproc-per-node=N tests/scripts/split_job.py --out DIR [--n 103] [--epochs 2] ...
+    torchrun --nproc-per-node=N tests/scripts/split_job.py --out DIR [--rows 103] [--epochs 2] ...
 """
 from __future__ import annotations
 
@@ -33,10 +33,18 @@ class Ids(Dataset):
         return {"id": i, "x": torch.full((self.payload,), float(i))}
 
 
+def _coordinator_info(loader: sbloader.DataLoader) -> dict:
+    """The loader's coordinator process: pid and RSS (bytes)."""
+    import ray
+
+    return ray.get(loader._coordinator.process_info.remote())
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--n", type=int, default=103)
+    # --rows: torchrun's own parser rejects "--n" after the script (ambiguous prefix of its options).
+    p.add_argument("--n", "--rows", dest="n", type=int, default=103)
     p.add_argument("--batch-size", type=int, default=10)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--workers", type=int, default=2)
@@ -47,39 +55,66 @@ def main() -> None:
     p.add_argument("--distributed-sampler", type=int, default=0)
     p.add_argument("--slow-rank", type=int, default=-1)
     p.add_argument("--slow-s", type=float, default=0.0)
+    p.add_argument("--step-s", type=float, default=0.0, help="seconds each other rank spends per batch")
     p.add_argument("--straggler", type=int, default=-1)
     p.add_argument("--straggler-s", type=float, default=0.0)
     p.add_argument("--payload", type=int, default=16)
+    p.add_argument("--sample-s", type=float, default=0.0, help="seconds a worker spends per sample")
     p.add_argument("--two-loaders", type=int, default=0)
+    p.add_argument("--worker-cpus", type=float, default=1.0)
+    p.add_argument("--sampler-drop-last", type=int, default=0)
+    p.add_argument("--rss", type=int, default=0, help="log the coordinator's pid and RSS at start and end")
+    p.add_argument("--break-after", type=int, default=-1,
+                   help="every rank leaves epoch 0 after this many batches (a step limit)")
     args = p.parse_args()
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    ds = Ids(args.n, straggler=args.straggler, straggler_s=args.straggler_s, payload=args.payload)
+    ds = Ids(args.n, delay=args.sample_s, straggler=args.straggler, straggler_s=args.straggler_s,
+             payload=args.payload)
     kwargs = dict(batch_size=args.batch_size, num_workers=args.workers, drop_last=bool(args.drop_last),
-                  in_order=bool(args.in_order), seed=args.seed, persistent_workers=True)
+                  in_order=bool(args.in_order), seed=args.seed, persistent_workers=True,
+                  worker_num_cpus=args.worker_cpus)
     sampler = None
-    if args.distributed_sampler:
-        sampler = DistributedSampler(ds, shuffle=bool(args.shuffle), seed=args.seed or 0)
+    if args.distributed_sampler:  # as a DDP script does: a process group, then the sampler
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        sampler = DistributedSampler(ds, shuffle=bool(args.shuffle), seed=args.seed or 0,
+                                     drop_last=bool(args.sampler_drop_last))
         loader = sbloader.DataLoader(ds, sampler=sampler, **kwargs)
     else:
         loader = sbloader.DataLoader(ds, shuffle=bool(args.shuffle), **kwargs)
     loaders = [loader]
     if args.two_loaders:
         loaders.append(sbloader.DataLoader(ds, shuffle=False, **kwargs))
-    log = {"rank": rank, "world": world, "len": len(loader), "epochs": [], "pid": os.getpid()}
+    log = {"rank": rank, "world": world, "len": len(loader), "epochs": [], "pid": os.getpid(),
+           "t_start": time.time()}
+    rss = []
     for epoch in range(args.epochs):
         if sampler is not None:
             sampler.set_epoch(epoch)
         batches = []
         for li, ld in enumerate(loaders):
             for batch in ld:
+                t = time.time()  # arrival of the batch in the training loop
                 ids = batch["id"].tolist()
                 pad = batch.get("sbloader_padding")
-                batches.append({"loader": li, "ids": ids,
+                batches.append({"loader": li, "ids": ids, "t": t,
                                 "pad": pad.tolist() if pad is not None else [False] * len(ids)})
+                if args.rss and li == 0 and not rss:
+                    rss.append(_coordinator_info(ld))
                 if rank == args.slow_rank:
                     time.sleep(args.slow_s)
+                elif args.step_s:
+                    time.sleep(args.step_s)
+                if epoch == 0 and len(batches) == args.break_after:
+                    break
         log["epochs"].append(batches)
+    log["t_end"] = time.time()
+    log["wall_s"] = log["t_end"] - log["t_start"]
+    if args.rss:
+        rss.append(_coordinator_info(loader))
+        log["coordinator_info"] = rss
     import ray
 
     from sbloader.coordinator import NAMESPACE
@@ -87,8 +122,22 @@ def main() -> None:
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
              if a.get("namespace") == NAMESPACE] if hasattr(ray.util, "list_named_actors") else []
     log["coordinators"] = sorted(names)
+    log["coordinator_ids"] = [ld._coordinator._actor_id.hex() for ld in loaders]
+    # Epochs the first loader's coordinator still holds (it drops an epoch once every
+    # rank left it); waits a little for the other ranks' last calls to land.
+    deadline = time.monotonic() + 10
+    while True:
+        held = [e for e in range(args.epochs) if ray.get(loader._coordinator.delivery_log.remote(e))]
+        if not held or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    log["held_epochs"] = held
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(log, f)
+    if sampler is not None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

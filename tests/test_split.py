@@ -1,0 +1,173 @@
+"""The split arithmetic (pure, no Ray): equal per-rank batch counts, exactly-once
+coverage, full batches first, a balanced tail, marked padding only when needed."""
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from sbloader.split import BatchSpec, SplitPlan, batch_positions, pick_local, split_epoch
+
+NUM_ROWS = range(0, 301)
+BATCH_SIZES = (1, 2, 3, 7, 10, 64)
+WORLD_SIZES = range(1, 8)
+
+
+def _grid():
+    return itertools.product(NUM_ROWS, BATCH_SIZES, WORLD_SIZES)
+
+
+def _check_plan(plan: SplitPlan, n: int, bs: int, ws: int, drop_last: bool) -> None:
+    """Every invariant of a plan; the message names the case."""
+    case = f"split_epoch(num_rows={n}, batch_size={bs}, world_size={ws}, drop_last={drop_last})"
+    batches = plan.batches
+    assert plan.world_size == ws, case
+    assert [b.index for b in batches] == list(range(len(batches))), f"{case}: indices not 0..len-1"
+
+    # Every rank gets exactly per_rank batches.
+    assert len(batches) == plan.per_rank * ws, f"{case}: {len(batches)} batches for {ws} x {plan.per_rank}"
+    for r in range(ws):
+        mine = plan.for_rank(r)
+        assert len(mine) == plan.per_rank, f"{case}: rank {r} gets {len(mine)}, expected {plan.per_rank}"
+        assert [b.index for b in mine] == sorted(b.index for b in mine), f"{case}: rank {r} out of plan order"
+    assert all(0 <= b.rank < ws for b in batches), case
+
+    # Positions: contiguous, each exactly once, in plan order.
+    covered = [p for b in batches for p in range(b.start, b.stop)]
+    kept = n - plan.dropped
+    assert covered == list(range(kept)), f"{case}: positions not covered exactly once in order"
+    if drop_last:
+        assert plan.dropped == n % (bs * ws), f"{case}: dropped {plan.dropped}"
+        assert plan.dropped < bs * ws, case
+        assert all(b.rows == bs and b.pad == 0 for b in batches), f"{case}: drop_last left a short batch"
+        assert plan.per_rank == n // (bs * ws), case
+    else:
+        assert plan.dropped == 0, f"{case}: dropped {plan.dropped} without drop_last"
+        assert plan.per_rank == -(-n // (bs * ws)), f"{case}: per_rank {plan.per_rank}"
+
+    # Full batches first (rows never grow along the plan), then one tail batch per rank.
+    rows = [b.rows for b in batches]
+    assert rows == sorted(rows, reverse=True), f"{case}: a longer batch after a shorter one: {rows}"
+    n_full = (n // (bs * ws)) * ws
+    assert all(b.rows == bs and b.pad == 0 for b in batches[:n_full]), f"{case}: short batch among full rounds"
+    for i, b in enumerate(batches[:n_full]):
+        assert b.rank == i % ws, f"{case}: full batch {i} on rank {b.rank}"
+    tail = batches[n_full:]
+    assert len(tail) == (0 if drop_last or n == n_full * bs else ws), f"{case}: tail of {len(tail)} batches"
+    assert sorted(b.rank for b in tail) == list(range(len(tail))), f"{case}: tail not one per rank"
+    assert all(b.rows + b.pad <= bs for b in tail), f"{case}: tail batch larger than batch_size"
+    if tail:
+        real = [b.rows for b in tail]
+        total = [b.rows + b.pad for b in tail]
+        assert max(real) - min(real) <= 1, f"{case}: tail rows {real}"
+        assert max(total) - min(total) <= 1, f"{case}: tail sizes with padding {total}"
+        assert all(s >= 1 for s in total), f"{case}: an empty batch {total}"
+
+    # Padding: only when fewer rows remain than ranks, one row per empty rank.
+    rem = n - (n // (bs * ws)) * bs * ws
+    padded = [b for b in batches if b.pad]
+    if drop_last or rem >= ws or rem == 0:
+        assert not padded, f"{case}: padding although {rem} remaining rows >= {ws} ranks (or none)"
+    else:
+        assert len(padded) == ws - rem, f"{case}: {len(padded)} padded batches for {ws - rem} empty ranks"
+        assert all(b.pad == 1 and b.rows == 0 for b in padded), f"{case}: {padded}"
+    assert sum(b.pad for b in batches) == len(padded), case
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_split_epoch_grid(drop_last):
+    for n, bs, ws in _grid():
+        _check_plan(split_epoch(n, bs, ws, drop_last), n, bs, ws, drop_last)
+
+
+def test_split_epoch_examples():
+    # 103 rows, batch 10, 2 ranks: 5 full rounds, then 3 rows as 2 + 1.
+    plan = split_epoch(103, 10, 2, False)
+    assert plan.per_rank == 6
+    assert [(b.start, b.stop, b.pad, b.rank) for b in plan.batches[-2:]] == [(100, 102, 0, 0), (102, 103, 0, 1)]
+    # 92 rows, batch 10, 3 ranks: 3 full rounds, 2 rows for 3 ranks: one padded batch.
+    plan = split_epoch(92, 10, 3, False)
+    assert plan.per_rank == 4
+    assert [(b.start, b.stop, b.pad, b.rank) for b in plan.batches[-3:]] == [
+        (90, 91, 0, 0), (91, 92, 0, 1), (92, 92, 1, 2)]
+    # drop_last drops the rows that do not fill a batch on every rank.
+    plan = split_epoch(92, 10, 3, True)
+    assert (plan.per_rank, plan.dropped, len(plan.batches)) == (3, 2, 9)
+    # Nothing to split.
+    assert split_epoch(0, 4, 3, False) == SplitPlan((), 3, 0, 0)
+
+
+def test_split_epoch_is_deterministic():
+    assert split_epoch(257, 7, 5, False) == split_epoch(257, 7, 5, False)
+
+
+@pytest.mark.parametrize("args", [(10, 0, 1, False), (10, 1, 0, False), (-1, 1, 1, False)])
+def test_split_epoch_rejects_bad_arguments(args):
+    with pytest.raises(ValueError, match="need batch_size >= 1, world_size >= 1, num_rows >= 0"):
+        split_epoch(*args)
+
+
+def test_batch_spec_validation():
+    with pytest.raises(ValueError, match="invalid batch spec"):
+        BatchSpec(0, 5, 4)
+    with pytest.raises(ValueError, match="invalid batch spec"):
+        BatchSpec(0, -1, 4)
+    with pytest.raises(ValueError, match="invalid batch spec"):
+        BatchSpec(0, 0, 4, pad=-1)
+    assert BatchSpec(3, 4, 9).rows == 5
+
+
+def test_batch_positions_grid():
+    """Every batch of every plan: its real positions, then valid repeated positions."""
+    for n, bs, ws in _grid():
+        if n == 0:
+            continue
+        plan = split_epoch(n, bs, ws, False)
+        for b in plan.batches:
+            pos = batch_positions(b, n)
+            case = f"{b} of split_epoch({n}, {bs}, {ws})"
+            assert len(pos) == b.rows + b.pad, case
+            assert pos[: b.rows] == list(range(b.start, b.stop)), case
+            assert all(0 <= p < n for p in pos), f"{case}: positions {pos} outside [0, {n})"
+            if b.pad:  # the repeated row is the last real row before the tail's end
+                assert pos == [min(b.start, n) - 1], case
+
+
+def test_batch_positions_examples():
+    assert batch_positions(BatchSpec(0, 3, 6), 10) == [3, 4, 5]
+    # A padded empty batch repeats the row just before it.
+    assert batch_positions(BatchSpec(5, 92, 92, pad=1), 92) == [91]
+    # Padding after real rows cycles from the batch's start, wrapping at the end.
+    assert batch_positions(BatchSpec(0, 5, 7, pad=3), 8) == [5, 6, 5, 6, 7]
+    assert batch_positions(BatchSpec(0, 6, 8, pad=3), 8) == [6, 7, 6, 7, 0]
+
+
+def test_pick_local_prefers_oldest_on_the_ranks_node():
+    assert pick_local(["a", "b", "a"], "a") == 0
+    assert pick_local(["a", "b", "a"], "b") == 1
+    assert pick_local(["b", "a", "a"], "a") == 1
+    assert pick_local(["b", "b", "a"], "a") == 2
+
+
+def test_pick_local_falls_back_to_oldest():
+    assert pick_local(["a", "b"], "c") == 0
+    assert pick_local(["a", "b"], None) == 0
+    assert pick_local(["x"], "y") == 0
+
+
+def test_pick_local_random_lists():
+    rng = random.Random(0)
+    for _ in range(2000):
+        nodes = [rng.choice("abcd") for _ in range(rng.randint(1, 12))]
+        me = rng.choice(["a", "b", "c", "d", "e", None])
+        i = pick_local(nodes, me)
+        expected = nodes.index(me) if me in nodes else 0
+        assert i == expected, f"pick_local({nodes}, {me!r}) = {i}, expected {expected}"
+
+
+def test_pick_local_empty_is_an_error():
+    with pytest.raises(ValueError, match="at least one ready batch"):
+        pick_local([], "a")
+    with pytest.raises(ValueError, match="at least one ready batch"):
+        pick_local([], None)

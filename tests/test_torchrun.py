@@ -1,0 +1,422 @@
+"""The split coordinator under real torchrun jobs (tests/scripts/split_job.py).
+
+Every test reads the per-rank JSON logs of a job: the ids of every batch (rows
+marked by ``sbloader_padding`` flagged), arrival times, the coordinator's actor
+ids and, for the memory test, the coordinator's RSS. Each job runs once per module
+and several tests check it; the jobs whose checks do not depend on timing run two
+at a time, the timed ones (slow rank, straggler) alone.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from sbloader.split import split_epoch
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "tests" / "scripts"
+SCRIPT = SCRIPTS / "split_job.py"
+JOB_TIMEOUT_S = 150
+BATCH = 10  # the job's default --batch-size
+
+
+@dataclass
+class Job:
+    name: str
+    ranks: list  # per-rank logs, by rank
+    output: str
+    seconds: float
+
+    @property
+    def world(self) -> int:
+        return len(self.ranks)
+
+    def batches(self, rank: int, epoch: int, loader: int = 0) -> list:
+        return [b for b in self.ranks[rank]["epochs"][epoch] if b["loader"] == loader]
+
+    def all_batches(self, epoch: int, loader: int = 0) -> list:
+        return [b for r in range(self.world) for b in self.batches(r, epoch, loader)]
+
+
+class JobFailed(Exception):
+    """A job that timed out, failed, or wrote no logs (the message says which)."""
+
+
+def start_job(tmp_path_factory, name: str, nproc: int, *args) -> tuple:
+    """Start ``torchrun --standalone --nproc-per-node=nproc split_job.py --out DIR *args``."""
+    out = tmp_path_factory.mktemp(name)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(SCRIPTS), str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.pop("RAY_ADDRESS", None)  # the job starts its own embedded Ray
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(SCRIPT), "--out", str(out), *[str(a) for a in args]]
+    with open(out / "output.txt", "w") as log:  # a file, not a pipe: nothing blocks on a full pipe
+        proc = subprocess.Popen(cmd, cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    return name, nproc, out, cmd, proc, time.monotonic()
+
+
+def finish_job(started: tuple) -> Job:
+    """Wait (bounded) for a started job; the ranks' logs.
+
+    Raises:
+        JobFailed: the job ran past the timeout (killed), failed, or left no log.
+    """
+    name, nproc, out, cmd, proc, t0 = started
+
+    def tail() -> str:
+        return (out / "output.txt").read_text(errors="replace")[-4000:]
+
+    try:
+        proc.wait(timeout=max(1.0, JOB_TIMEOUT_S - (time.monotonic() - t0)))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        raise JobFailed(f"job {name} ({' '.join(cmd[3:])}) did not finish within {JOB_TIMEOUT_S} s "
+                        f"(deadlock?); output tail:\n{tail()}") from None
+    seconds = time.monotonic() - t0
+    if proc.returncode != 0:
+        raise JobFailed(f"job {name} failed with exit code {proc.returncode}; output tail:\n{tail()}")
+    logs = []
+    for r in range(nproc):
+        path = out / f"rank{r}.json"
+        if not path.exists():
+            raise JobFailed(f"job {name}: rank {r} wrote no log; output tail:\n{tail()}")
+        logs.append(json.loads(path.read_text()))
+    assert [lg["rank"] for lg in logs] == list(range(nproc)), f"job {name}: ranks {[lg['rank'] for lg in logs]}"
+    return Job(name, logs, (out / "output.txt").read_text(errors="replace"), seconds)
+
+
+def run_job(tmp_path_factory, name: str, nproc: int, *args) -> Job:
+    """Run one job to the end (see :func:`start_job`); a failed job fails the test."""
+    try:
+        return finish_job(start_job(tmp_path_factory, name, nproc, *args))
+    except JobFailed as e:
+        pytest.fail(str(e))
+
+
+def run_jobs(tmp_path_factory, specs: dict, parallel: int = 2) -> dict:
+    """Run jobs ``{name: (nproc, *args)}``, ``parallel`` at a time; ``{name: Job or JobFailed}``."""
+    pending = list(specs.items())
+    running: list = []
+    results: dict = {}
+    while pending or running:
+        while pending and len(running) < parallel:
+            name, (nproc, *args) = pending.pop(0)
+            running.append(start_job(tmp_path_factory, name, nproc, *args))
+        done = [st for st in running if st[4].poll() is not None
+                or time.monotonic() - st[5] > JOB_TIMEOUT_S]
+        for st in done:
+            running.remove(st)
+            try:
+                results[st[0]] = finish_job(st)
+            except JobFailed as e:
+                results[st[0]] = e
+        time.sleep(0.2)
+    return results
+
+
+def real_ids(batch: dict) -> list:
+    return [i for i, p in zip(batch["ids"], batch["pad"]) if not p]
+
+
+def padded_ids(batch: dict) -> list:
+    return [i for i, p in zip(batch["ids"], batch["pad"]) if p]
+
+
+def check_epoch(job: Job, epoch: int, expected_rows, loader: int = 0, drop_last: bool = False) -> None:
+    """Every expected sample exactly once, equal batch counts (= len(loader)), padding only as planned."""
+    expected = sorted(expected_rows)
+    where = f"job {job.name}, epoch {epoch}, loader {loader}"
+    plan = split_epoch(len(expected), BATCH, job.world, drop_last)
+    counts = [len(job.batches(r, epoch, loader)) for r in range(job.world)]
+    lens = [lg["len"] for lg in job.ranks]
+    assert lens == [plan.per_rank] * job.world, f"{where}: len(loader) per rank {lens}, plan says {plan.per_rank}"
+    assert counts == [plan.per_rank] * job.world, \
+        f"{where}: batches per rank {counts}, expected len(loader) = {plan.per_rank} on every rank"
+    batches = job.all_batches(epoch, loader)
+    real = sorted(i for b in batches for i in real_ids(b))
+    seen = collections.Counter(real)
+    dup = sorted(i for i, c in seen.items() if c > 1)
+    missing = sorted(set(expected) - set(seen))
+    extra = sorted(set(seen) - set(expected))
+    assert real == expected, f"{where}: duplicated {dup[:10]}, missing {missing[:10]}, unexpected {extra[:10]}"
+    pads = [i for b in batches for i in padded_ids(b)]
+    planned = sum(b.pad for b in plan.batches)
+    assert len(pads) == planned, f"{where}: {len(pads)} padded rows, the plan needs {planned}"
+    assert set(pads) <= set(expected), f"{where}: padding repeats {pads}, not rows of the epoch"
+    for b in batches:  # padding rows come last in their batch
+        flags = b["pad"]
+        assert flags == sorted(flags), f"{where}: padding not at the end of batch {b}"
+        assert len(b["ids"]) <= BATCH, f"{where}: batch of {len(b['ids'])} rows > batch size {BATCH}"
+
+
+def compositions(job: Job, epoch: int, loader: int = 0) -> list:
+    """The epoch's batches as sorted id tuples (independent of which rank got which)."""
+    return sorted(tuple(sorted(b["ids"])) for b in job.all_batches(epoch, loader))
+
+
+def planned_compositions(order, world: int) -> list:
+    """The batches the split plan cuts from a global order (padding included)."""
+    plan = split_epoch(len(order), BATCH, world, False)
+    from sbloader.split import batch_positions
+
+    return sorted(tuple(sorted(order[p] for p in batch_positions(b, len(order)))) for b in plan.batches)
+
+
+def check_one_coordinator_per_loader(job: Job, loaders: int) -> None:
+    ids = [tuple(lg["coordinator_ids"]) for lg in job.ranks]
+    assert len(set(ids)) == 1, f"job {job.name}: ranks talk to different coordinators: {ids}"
+    assert len(set(ids[0])) == loaders, f"job {job.name}: {len(set(ids[0]))} coordinators for {loaders} loaders"
+    for lg in job.ranks:
+        names = lg["coordinators"]
+        assert len(names) == loaders and len(set(names)) == loaders, \
+            f"job {job.name}: named coordinator actors {names}, expected one per loader ({loaders})"
+
+
+# ----- the jobs whose checks do not depend on timing run two at a time
+
+MEM_ROWS, MEM_PAYLOAD = 200, 5 * 2**20 // 4  # 200 samples of 5 MiB of float32: 1000 MiB per epoch
+# 92 rows, 3 ranks, batch 10: 90 in full batches, 2 rows for 3 ranks -> one padded row.
+IN_ORDER_ARGS = ("--rows", 92, "--seed", 7, "--in-order", 1)
+UNTIMED_JOBS = {  # name: (ranks, *split_job.py arguments)
+    # The two in-order runs go side by side: different timing, the same assignment expected.
+    "in_order_0": (3, *IN_ORDER_ARGS),
+    "in_order_1": (3, *IN_ORDER_ARGS),
+    # 4 worker actors in all on a 2-CPU machine: half a CPU each, or the second
+    # loader's pool would wait forever for the CPUs the first one keeps.
+    "two_loaders": (2, "--two-loaders", 1, "--worker-cpus", 0.5),
+    "memory": (2, "--rows", MEM_ROWS, "--payload", MEM_PAYLOAD, "--epochs", 1, "--rss", 1),
+    "dist_sampler": (2, "--distributed-sampler", 1, "--seed", 3),
+    "dist_sampler_drop_last": (3, "--distributed-sampler", 1, "--seed", 3, "--sampler-drop-last", 1),
+    "break_early": (2, "--break-after", 2),
+}
+
+
+@pytest.fixture(scope="module")
+def untimed_jobs(tmp_path_factory):
+    return run_jobs(tmp_path_factory, UNTIMED_JOBS, parallel=2)
+
+
+def _job(jobs: dict, name: str) -> Job:
+    result = jobs[name]
+    if isinstance(result, JobFailed):
+        pytest.fail(str(result))
+    return result
+
+
+@pytest.fixture
+def two_loaders(untimed_jobs):
+    return _job(untimed_jobs, "two_loaders")
+
+
+@pytest.fixture
+def in_order_runs(untimed_jobs):
+    return [_job(untimed_jobs, "in_order_0"), _job(untimed_jobs, "in_order_1")]
+
+
+@pytest.fixture
+def memory_run(untimed_jobs):
+    return _job(untimed_jobs, "memory")
+
+
+@pytest.fixture
+def dist_sampler(untimed_jobs):
+    return _job(untimed_jobs, "dist_sampler")
+
+
+@pytest.fixture
+def dist_sampler_drop_last(untimed_jobs):
+    return _job(untimed_jobs, "dist_sampler_drop_last")
+
+
+@pytest.fixture
+def break_early(untimed_jobs):
+    return _job(untimed_jobs, "break_early")
+
+
+# ----- (a) exactly once, equal counts, one coordinator per loader, fresh order per epoch
+
+
+def test_two_ranks_exactly_once_with_two_loaders(two_loaders):
+    for epoch in range(2):
+        for loader in range(2):
+            check_epoch(two_loaders, epoch, range(103), loader)
+
+
+def test_two_loaders_two_coordinators(two_loaders):
+    check_one_coordinator_per_loader(two_loaders, 2)
+    for lg in two_loaders.ranks:
+        assert lg["held_epochs"] == [], f"rank {lg['rank']}: the coordinator still holds epochs {lg['held_epochs']}"
+
+
+def test_leaving_an_epoch_early(break_early):
+    """Every rank stops after 2 batches of epoch 0 (a step limit): the next epoch is whole, nothing leaks."""
+    job = break_early
+    assert [len(job.batches(r, 0)) for r in range(2)] == [2, 2]
+    ids = [i for b in job.all_batches(0) for i in real_ids(b)]
+    assert len(ids) == len(set(ids)), f"a sample twice in the partial epoch 0: {sorted(ids)}"
+    check_epoch(job, 1, range(103))
+    for lg in job.ranks:
+        assert lg["held_epochs"] == [], \
+            f"rank {lg['rank']}: the coordinator still holds epochs {lg['held_epochs']} that every rank left"
+
+
+def test_shuffled_order_differs_per_epoch_sequential_does_not(two_loaders):
+    assert compositions(two_loaders, 0, 0) != compositions(two_loaders, 1, 0), \
+        "the shuffled loader cut the same batches in both epochs"
+    for epoch in range(2):  # shuffle=False: the plan's consecutive chunks of 0..102
+        assert compositions(two_loaders, epoch, 1) == planned_compositions(list(range(103)), 2), \
+            f"epoch {epoch}: the sequential loader's batches are not the plan's chunks"
+
+
+def test_three_ranks_exactly_once_with_padding(in_order_runs):
+    job = in_order_runs[0]
+    for epoch in range(2):
+        check_epoch(job, epoch, range(92))
+        pads = [i for b in job.all_batches(epoch) for i in padded_ids(b)]
+        assert len(pads) == 1, f"epoch {epoch}: expected exactly one padded row, found {pads}"
+    check_one_coordinator_per_loader(job, 1)
+    assert compositions(job, 0) != compositions(job, 1), "same batches in both epochs"
+
+
+def test_in_order_follows_the_plan_per_rank(in_order_runs):
+    job = in_order_runs[0]
+    plan = split_epoch(92, BATCH, 3, False)
+    for epoch in range(2):
+        for r in range(3):
+            sizes = [len(b["ids"]) for b in job.batches(r, epoch)]
+            pads = [sum(b["pad"]) for b in job.batches(r, epoch)]
+            assert sizes == [b.rows + b.pad for b in plan.for_rank(r)], f"epoch {epoch} rank {r}: sizes {sizes}"
+            assert pads == [b.pad for b in plan.for_rank(r)], f"epoch {epoch} rank {r}: padding {pads}"
+
+
+# ----- (e) fixed seed + in_order: the same global assignment in two runs
+
+def test_fixed_seed_in_order_same_assignment_across_runs(in_order_runs):
+    a, b = in_order_runs
+    for epoch in range(2):
+        for r in range(3):
+            ours = [(x["ids"], x["pad"]) for x in a.batches(r, epoch)]
+            theirs = [(x["ids"], x["pad"]) for x in b.batches(r, epoch)]
+            assert ours == theirs, f"epoch {epoch} rank {r}: run 1 got {ours[:2]}..., run 2 got {theirs[:2]}..."
+    check_epoch(b, 0, range(92))
+
+
+# ----- (b) a rank 10x slower than the other: no deadlock, no starvation (timed: runs alone)
+
+@pytest.fixture(scope="module")
+def slow_rank(tmp_path_factory):
+    return run_job(tmp_path_factory, "slow_rank", 2, "--slow-rank", 1, "--slow-s", 0.4, "--step-s", 0.04)
+
+
+def test_slow_rank_does_not_starve_the_fast_one(slow_rank):
+    job = slow_rank
+    for epoch in range(2):
+        check_epoch(job, epoch, range(103))
+    times = [[b["t"] for e in lg["epochs"] for b in e] for lg in job.ranks]
+    fast_span = max(times[0]) - min(times[0])
+    slow_span = max(times[1]) - min(times[1])
+    assert slow_span >= 0.4 * (len(times[1]) - 1), f"the slow rank was not slow: {slow_span:.2f} s"
+    assert fast_span < 0.5 * slow_span, \
+        f"the fast rank took {fast_span:.2f} s for its batches, the 10x slower one {slow_span:.2f} s"
+    slow_epoch0_end = max(b["t"] for b in job.batches(1, 0))
+    assert max(times[0]) < slow_epoch0_end, (
+        f"the fast rank finished both epochs at {max(times[0]) - min(times[0]):.2f} s, after the slow rank "
+        f"finished epoch 0 ({slow_epoch0_end - min(times[0]):.2f} s): it waited for the slow one")
+
+
+# ----- (c) a straggler partition blocks nothing before the end of the epoch (in_order=0; alone)
+
+STRAGGLER = 55  # mid-epoch with shuffle=0: batch 5 of 12, after the block sizes are known
+
+
+@pytest.fixture(scope="module")
+def straggler(tmp_path_factory):
+    return run_job(tmp_path_factory, "straggler", 2, "--shuffle", 0, "--straggler", STRAGGLER,
+                   "--straggler-s", 5, "--epochs", 1)
+
+
+def test_straggler_does_not_block_other_batches(straggler):
+    job = straggler
+    check_epoch(job, 0, range(103))
+    [(s_rank, s_batch)] = [(r, b) for r in range(2) for b in job.batches(r, 0) if STRAGGLER in b["ids"]]
+    t_s = s_batch["t"]
+    t_first = min(b["t"] for b in job.all_batches(0))
+    assert t_s - t_first > 3.0, f"the straggler's batch came {t_s - t_first:.2f} s after the first: no delay?"
+    others = [b for b in job.all_batches(0) if b is not s_batch]
+    before = sum(1 for b in others if b["t"] < t_s)
+    assert before >= 2 / 3 * len(others), \
+        f"only {before} of {len(others)} batches arrived before the straggler's: it blocked the others"
+    for r in range(2):
+        if r == s_rank:
+            continue
+        ts = [b["t"] for b in job.batches(r, 0)]
+        gaps = [round(b - a, 2) for a, b in zip(ts, ts[1:])]
+        assert all(g <= 2.5 for g in gaps[:-1]), \
+            f"rank {r} (without the straggler) waited between batches: gaps {gaps} s"
+
+
+# ----- (d) the coordinator's memory stays flat while > 1 GB of batches flows
+
+def test_coordinator_memory_flat_over_a_gigabyte(memory_run):
+    job = memory_run
+    assert MEM_ROWS * MEM_PAYLOAD * 4 > 10**9
+    check_epoch(job, 0, range(MEM_ROWS))
+    infos = [i for lg in job.ranks for i in lg["coordinator_info"]]
+    assert len({i["pid"] for i in infos}) == 1, f"more than one coordinator process: {infos}"
+    rss = [i["rss"] for i in infos]
+    assert min(rss) > 0, f"no RSS reported: {infos}"
+    for lg in job.ranks:
+        start, end = (i["rss"] for i in lg["coordinator_info"])
+        assert end - start < 100 * 2**20, \
+            f"rank {lg['rank']}: coordinator RSS grew {(end - start) / 2**20:.0f} MiB ({start} -> {end} bytes)"
+    assert max(rss) - min(rss) < 100 * 2**20, f"coordinator RSS varied by {(max(rss) - min(rss)) / 2**20:.0f} MiB"
+
+
+# ----- (f) an unchanged DDP-style script: DistributedSampler + set_epoch
+
+def _sampler_order(n: int, seed: int, epoch: int) -> list:
+    import torch
+
+    g = torch.Generator()
+    g.manual_seed(seed + epoch)  # what DistributedSampler draws
+    return torch.randperm(n, generator=g).tolist()
+
+
+def test_distributed_sampler_exactly_once_balanced(dist_sampler):
+    job = dist_sampler
+    for epoch in range(2):
+        check_epoch(job, epoch, range(103))
+        order = _sampler_order(103, 3, epoch)
+        assert compositions(job, epoch) == planned_compositions(order, 2), \
+            f"epoch {epoch}: batches are not the plan's chunks of the sampler's permutation"
+    assert compositions(job, 0) != compositions(job, 1), "set_epoch did not change the order"
+    check_one_coordinator_per_loader(job, 1)
+
+
+def test_distributed_sampler_drop_last(dist_sampler_drop_last):
+    job = dist_sampler_drop_last
+    for epoch in range(2):
+        order = _sampler_order(103, 3, epoch)
+        kept = order[: (103 // 3) * 3]  # torch drops the cross-rank tail: 102 samples
+        check_epoch(job, epoch, kept)
+        assert order[-1] not in {i for b in job.all_batches(epoch) for i in b["ids"]}, \
+            f"epoch {epoch}: sample {order[-1]}, dropped by the sampler, was delivered"
+        assert compositions(job, epoch) == planned_compositions(kept, 3), \
+            f"epoch {epoch}: batches are not the plan's chunks of the sampler's permutation"
+    assert compositions(job, 0) != compositions(job, 1), "set_epoch did not change the order"
