@@ -223,22 +223,7 @@ def make_state(loader: "DataLoader", run: Optional[EpochRun], consumed: ledger.R
 
 def validate(loader: "DataLoader", state: Any, strict: bool = True) -> dict:
     """Check a state against this loader; raise "found X, expected Y" errors."""
-    if not isinstance(state, dict):
-        raise StateDictError(f"a DataLoader state is a dict, found {type(state).__name__}")
-    if state.get("format") != STATE_FORMAT:
-        raise StateDictError(f"state format: found {state.get('format')!r}, expected {STATE_FORMAT!r}")
-    if state.get("version") != STATE_VERSION:
-        raise StateDictError(f"state version: found {state.get('version')!r}, expected {STATE_VERSION}")
-    for key in ("epoch", "consumed", "fingerprint"):
-        if key not in state:
-            raise StateDictError(f"the state has no {key!r}: found keys {sorted(state)}")
-    if strict:
-        mine = fingerprint(loader)
-        for key, expected in mine.items():
-            found = state["fingerprint"].get(key)
-            if found != expected:
-                raise StateDictError(
-                    f"state {key}: found {found!r}, expected {expected!r} (this loader's). Load it into a "
-                    "loader over the same data and settings, or pass strict=False to load it anyway"
-                )
-    return state
+    from ._state_check import check_state
+
+    return check_state(state, fmt=STATE_FORMAT, version=STATE_VERSION, required=("consumed",),
+                       fingerprint=fingerprint(loader), strict=strict)

@@ -90,21 +90,10 @@ def make_state(loader: Any, run: Optional[PipelineRun]) -> dict:
 
 def validate(loader: Any, state: Any, strict: bool) -> dict:
     """Check a state against the loader ("found X, expected Y")."""
-    if not isinstance(state, dict):
-        raise StateDictError(f"a PipelineLoader state is a dict, found {type(state).__name__}")
-    if state.get("format") != STATE_FORMAT:
-        raise StateDictError(f"state format: found {state.get('format')!r}, expected {STATE_FORMAT!r}")
-    if state.get("version") != STATE_VERSION:
-        raise StateDictError(f"state version: found {state.get('version')!r}, expected {STATE_VERSION}")
-    if strict:
-        for key, expected in fingerprint(loader).items():
-            found = state.get("fingerprint", {}).get(key)
-            if found != expected:
-                raise StateDictError(
-                    f"state {key}: found {found!r}, expected {expected!r}. Load it into the same pipeline, "
-                    "or pass strict=False to load it anyway"
-                )
-    return state
+    from ._state_check import check_state
+
+    return check_state(state, fmt=STATE_FORMAT, version=STATE_VERSION, required=("done", "partial"),
+                       fingerprint=fingerprint(loader), strict=strict)
 
 
 def run_from_state(state: dict) -> PipelineRun:
