@@ -93,6 +93,11 @@ class ReadyBatchSource:
     def reader(self) -> Callable[[Any, Partition], Block]:
         return _read_tasks
 
+    def subset(self, keep: Sequence[int]) -> "ReadyBatchSource":
+        """The same source holding only the batches at indices ``keep`` (their ids kept)."""
+        ids = self._ids if self._ids is not None else list(range(len(self._batches)))
+        return ReadyBatchSource([self._batches[i] for i in keep], self._bpp, self._fp, [ids[i] for i in keep])
+
     def num_rows(self) -> Optional[int]:
         return len(self._batches)
 

@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 import ray
@@ -47,6 +47,9 @@ class EpochSpec:
             or None to hand out whatever is ready.
         batch_ranges: per batch (partition) id, the sample positions of its real rows.
         prior: positions consumed before this run of the epoch (a resumed epoch).
+        batch_index: the epoch's batch index of each plan position, when the plan
+            holds only some of the epoch's batches (a rebuilt coordinator); empty
+            means the identity.
     """
 
     epoch: int
@@ -59,6 +62,11 @@ class EpochSpec:
     assignment: Optional[tuple[int, ...]] = None
     batch_ranges: tuple = ()
     prior: tuple = ()
+    batch_index: tuple = ()
+
+    def index_of(self, seq: int) -> int:
+        """The epoch's batch index of the partition at plan position ``seq``."""
+        return self.batch_index[seq] if self.batch_index else seq
 
 
 @dataclass
@@ -81,7 +89,7 @@ class _Epoch:
     """
 
     def __init__(self, spec: EpochSpec, world_size: int, actor_cache: dict,
-                 estimates: Optional[list] = None, earlier: tuple = ()) -> None:
+                 estimates: Optional[list] = None, earlier: tuple = (), taken: Optional[dict] = None) -> None:
         self.spec = spec
         self.world_size = world_size
         self._actor_cache = actor_cache
@@ -94,6 +102,10 @@ class _Epoch:
         self.pool: deque[OutputBlock] = deque()  # non-deterministic: any rank
         self.queues = [deque() for _ in range(world_size)]  # deterministic: per rank
         self.logs = [_RankLog() for _ in range(world_size)]
+        for r, batches in (taken or {}).items():  # a rebuilt coordinator: what each rank already took
+            self.logs[r].delivered = list(batches)
+            self.logs[r].nbytes = [0] * len(batches)
+            self.logs[r].acked = len(batches)
         self.produced_all = False
         self.error: Optional[BaseException] = None
         self.pump = threading.Thread(target=self._pump, daemon=True, name=f"sbloader-pump-{spec.epoch}")
@@ -185,7 +197,7 @@ class _Epoch:
                 else:
                     item = q.popleft()
                 out.append(item)
-                log.delivered.append(item.meta.seq)  # the batch's index in the epoch's plan
+                log.delivered.append(self.spec.index_of(item.meta.seq))  # the epoch's batch index
                 log.nbytes.append(item.meta.nbytes)
             return out
 
@@ -241,6 +253,7 @@ class SplitCoordinator:
         self._started = threading.Condition(self._lock)
         self._actor_cache: dict[int, list] = {}
         self._estimates: Optional[list] = None
+        self._rebuilds: dict[int, dict] = {}
 
     def hello(self, world_size: int, fingerprint: dict) -> dict:
         """Check that a rank's loader matches this coordinator's."""
@@ -285,7 +298,57 @@ class SplitCoordinator:
         items = ep.take(rank, max_n, node, wait_s, self._stall_report_s)
         done = len(ep.logs[rank].delivered) >= ep.spec.per_rank
         self._collect()
-        return {"refs": [i.ref for i in items], "metas": [i.meta for i in items], "done": done}
+        return {"refs": [i.ref for i in items], "metas": [i.meta for i in items],
+                "index": [ep.spec.index_of(i.meta.seq) for i in items], "done": done}
+
+    def rebuild(self, epoch: int, rank: int, taken: list, spec: EpochSpec, timeout: float = 120.0) -> int:
+        """Rebuild an epoch after the previous coordinator died, from the ranks' own logs.
+
+        Every rank reports the batches its training loop took (their bytes reached
+        it; the rest died with the old coordinator, which owned them) and the
+        epoch's full spec (every rank plans the same). Once all ranks reported, the
+        batches nobody took are planned again, each rank owed exactly what it
+        still lacks of its count, and the ranks continue.
+
+        Returns:
+            The per-rank batch count of the epoch.
+
+        Raises:
+            SbloaderError: not every rank reported within ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            pend = self._rebuilds.setdefault(epoch, {"taken": {}, "spec": spec})
+            pend["taken"][rank] = list(taken)
+            self._started.notify_all()
+            while epoch not in self._epochs:
+                if len(pend["taken"]) == self._world_size:
+                    self._start_rebuilt(epoch, pend["spec"], pend["taken"])
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    missing = sorted(set(range(self._world_size)) - set(pend["taken"]))
+                    raise SbloaderError(
+                        f"rebuilding epoch {epoch} after the coordinator died: rank(s) {missing} did not report "
+                        f"within {timeout:.0f} s (finished or dead?); restart the job from the last checkpoint"
+                    )
+                self._started.wait(timeout=remaining)
+            return self._epochs[epoch].spec.per_rank
+
+    def _start_rebuilt(self, epoch: int, spec: EpochSpec, taken: dict) -> None:
+        """Start the part of ``spec`` that no rank took (called with the lock held)."""
+        done = {b for batches in taken.values() for b in batches}
+        keep = [i for i in range(len(spec.plan.order)) if i not in done]
+        plan = EpochPlan(spec.plan.epoch, spec.plan.epoch_seed, tuple(spec.plan.order[i] for i in keep),
+                         spec.plan.shuffle_rows)
+        assignment = tuple(spec.assignment[i] for i in keep) if spec.assignment is not None else None
+        rebuilt = replace(spec, source=spec.source.subset(keep), plan=plan, assignment=assignment,
+                          batch_index=tuple(keep))
+        ep = _Epoch(rebuilt, self._world_size, self._actor_cache, self._estimates,
+                    earlier=tuple(self._epochs.values()), taken=taken)
+        self._epochs[epoch] = ep
+        ep.start()
+        self._started.notify_all()
 
     def finish(self, epoch: int, rank: int, consumed: int) -> None:
         """A rank left the epoch having consumed ``consumed`` batches."""

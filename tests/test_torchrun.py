@@ -204,6 +204,8 @@ UNTIMED_JOBS = {  # name: (ranks, *split_job.py arguments)
     "dist_sampler": (2, "--distributed-sampler", 1, "--seed", 3),
     "dist_sampler_drop_last": (3, "--distributed-sampler", 1, "--seed", 3, "--sampler-drop-last", 1),
     "break_early": (2, "--break-after", 2),
+    # rank 0 kills the coordinator actor after 4 batches; a new one is rebuilt from the ranks' logs
+    "coordinator_killed": (2, "--rows", 200, "--kill-coordinator-at", 4, "--step-s", 0.05),
 }
 
 
@@ -247,6 +249,15 @@ def dist_sampler_drop_last(untimed_jobs):
 @pytest.fixture
 def break_early(untimed_jobs):
     return _job(untimed_jobs, "break_early")
+
+
+def test_killed_coordinator_is_rebuilt_and_the_epoch_completes_exactly_once(untimed_jobs):
+    job = _job(untimed_jobs, "coordinator_killed")
+    killed = job.ranks[0].get("killed_coordinator")
+    assert killed, "rank 0 did not kill the coordinator: the test proves nothing"
+    assert job.ranks[0]["coordinator_ids"] != [killed], "the coordinator in use at the end is the killed one"
+    for epoch in range(2):
+        check_epoch(job, epoch, range(200))
 
 
 # ----- (a) exactly once, equal counts, one coordinator per loader, fresh order per epoch

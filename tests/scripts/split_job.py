@@ -61,6 +61,8 @@ def main() -> None:
     p.add_argument("--payload", type=int, default=16)
     p.add_argument("--sample-s", type=float, default=0.0, help="seconds a worker spends per sample")
     p.add_argument("--two-loaders", type=int, default=0)
+    p.add_argument("--kill-coordinator-at", type=int, default=-1,
+                   help="rank 0 kills the coordinator actor after this many batches of epoch 0")
     p.add_argument("--worker-cpus", type=float, default=1.0)
     p.add_argument("--sampler-drop-last", type=int, default=0)
     p.add_argument("--rss", type=int, default=0, help="log the coordinator's pid and RSS at start and end")
@@ -103,6 +105,11 @@ def main() -> None:
                                 "pad": pad.tolist() if pad is not None else [False] * len(ids)})
                 if args.rss and li == 0 and not rss:
                     rss.append(_coordinator_info(ld))
+                if rank == 0 and epoch == 0 and li == 0 and len(batches) == args.kill_coordinator_at:
+                    import ray
+
+                    ray.kill(ld._coordinator, no_restart=True)
+                    log["killed_coordinator"] = ld._coordinator._actor_id.hex()
                 if rank == args.slow_rank:
                     time.sleep(args.slow_s)
                 elif args.step_s:
