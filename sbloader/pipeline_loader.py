@@ -86,10 +86,15 @@ class PipelineLoader:
         self._epoch, self._epoch_explicit = epoch, True
 
     def __len__(self) -> int:
-        if self.world.world_size > 1 and not self.dataset.num_rows_changing():
+        # One rule, with or without torchrun: without filter/flat_map, operators are
+        # taken to keep one output row per input row (a rank that runs short raises).
+        if not self.dataset.num_rows_changing():
             sizes = [p.num_rows for p in self.dataset.source.partitions(self._epoch, 0)]
             if all(n is not None for n in sizes):
-                return self._quota(sizes)
+                if self.world.world_size > 1:
+                    return self._quota(sizes)
+                n = sum(sizes)
+                return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
         n = self.dataset.num_rows()
         if n is None:
             n = self._counted_rows  # counted by the last complete epoch

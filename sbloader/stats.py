@@ -18,7 +18,9 @@ class OperatorStats:
         task_s: wall seconds spent inside tasks.
         throttled_s: seconds the stage had input but was held back by the budget.
         skipped: rows skipped under ``on_error="skip"``.
-        actors_created: actors started (actor stages only).
+        actors_created: actors launched (actor stages only).
+        actors_ready: actors whose class was constructed (a launched actor can be
+            stopped at the end of an epoch before it is ready).
     """
 
     name: str
@@ -30,6 +32,7 @@ class OperatorStats:
     throttled_s: float = 0.0
     skipped: int = 0
     actors_created: int = 0
+    actors_ready: int = 0
 
 
 @dataclass

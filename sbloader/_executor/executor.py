@@ -429,7 +429,8 @@ class StreamingExecutor:
             raise
         with self._lock:
             for r in actor_refs:
-                _, actor = self._pending_actors.pop(r)
+                i, actor = self._pending_actors.pop(r)
+                self._stats.operators[i].actors_ready += 1
                 actor.ready_ref = None
                 actor.idle_since = time.monotonic()
             for ref, meta in zip(metas_refs, metas):
