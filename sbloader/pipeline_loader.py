@@ -182,11 +182,20 @@ class PipelineLoader:
             [rows[pid] for pid in order])
 
     def _quota(self, sizes: list) -> int:
-        """Batches every rank can fill whatever the order: each rank holds at least
-        ``len(sizes) // world_size`` partitions, so at least that many of the smallest."""
-        k = len(sizes) // self.world.world_size
-        rows = sum(sorted(sizes)[:k])
-        return rows // self.batch_size if self.drop_last else math.ceil(rows / self.batch_size)
+        """Batches per rank, the same whatever the epoch's order.
+
+        Each rank holds every ``world_size``-th partition of the order. Without
+        ``drop_last`` the quota covers the largest share any rank can get (the
+        ``ceil(P / world_size)`` largest partitions): no row is left out, and a rank
+        whose share is smaller fills its last batches with repeated rows, marked
+        ``batch["sbloader_padding"]``. With ``drop_last`` it is what the smallest
+        share fills, and the rest of the longer shares is dropped.
+        """
+        w = self.world.world_size
+        ordered = sorted(sizes)
+        if self.drop_last:
+            return sum(ordered[: len(sizes) // w]) // self.batch_size
+        return math.ceil(sum(ordered[len(sizes) - math.ceil(len(sizes) / w):]) / self.batch_size)
 
     def __iter__(self) -> Iterator[Any]:
         import torch
@@ -208,18 +217,22 @@ class PipelineLoader:
         self._stalls = stalls
         batches = iter_batches(skip_consumed(iter_blocks(executor), run), self.batch_size, self.drop_last)
         yielded = 0
+        last = None
         try:
             while quota is None or yielded < quota:
                 t0 = time.perf_counter()
                 try:
                     batch = next(batches)
+                    last = batch
                 except StopIteration:
-                    if quota is not None:
+                    if quota is None:
+                        break
+                    if last is None:
                         raise SbloaderError(
-                            f"rank {self.world.rank} ran out of rows after {yielded} of its {quota} batches: "
-                            "an operator dropped rows; under torchrun native pipelines must keep row counts"
+                            f"rank {self.world.rank} received no rows but owes {quota} batches: under torchrun a "
+                            "native pipeline needs at least one partition per rank"
                         ) from None
-                    break
+                    batch = _padding_batch(last, self.batch_size)  # a shorter share: marked repeats
                 if self.collate_fn is not None:
                     out = self.collate_fn(batch)
                 else:
@@ -234,7 +247,7 @@ class PipelineLoader:
                                 out[k] = v.to(self.device, non_blocking=pin)
                 stalls.wait_ready_s += time.perf_counter() - t0
                 stalls.batches += 1
-                run.consume(batch.parts)
+                run.consume(batch.parts)  # padding batches have no parts: never consumed
                 yielded += 1
                 yield out
             run.complete = True
@@ -243,6 +256,22 @@ class PipelineLoader:
         finally:
             stalls.wall_s = time.perf_counter() - t_start
             batches.close()
+
+
+PADDING_KEY = "sbloader_padding"
+
+
+def _padding_batch(last: Any, batch_size: int) -> Any:
+    """A batch of rows repeated from ``last``, every row marked as padding."""
+    import numpy as np
+
+    from .block import Batch
+
+    n = len(next(iter(last.values())))
+    take = np.arange(batch_size) % max(1, n)
+    out = Batch({k: v[take] for k, v in last.items()})
+    out[PADDING_KEY] = np.ones(batch_size, dtype=bool)
+    return out
 
 
 def _torch_iterable_base() -> type:
