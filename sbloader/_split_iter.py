@@ -93,7 +93,10 @@ def _epoch_spec(loader: "DataLoader", run: Any) -> EpochSpec:
     source = ReadyBatchSource(batches, 1, fp, ids=run.ids)
     eplan = make_epoch_plan(run.ids, run.epoch, run.epoch_seed, shuffle=False)
     prefetch = max(2, (loader.prefetch_factor or 2) * max(1, loader.num_workers))
+    from .placement import exclusions_here
+
     options = ExecutionOptions(memory_budget=loader.memory_budget, deterministic=loader.in_order,
+                               exclude_nodes=exclusions_here(loader.allow_trainer_node),
                                prefetch_blocks=prefetch, progress=False)
     assignment = tuple(run.ranks) if loader.in_order else None
     return EpochSpec(run.epoch, run.epoch_seed, source, (loader._worker_op(),), eplan, options, run.per_rank,

@@ -108,6 +108,8 @@ class DataLoader:
         world_size: override the world size (default: ``WORLD_SIZE``).
         job_id: override the job id (default: ``TORCHELASTIC_RUN_ID``).
         stall_report_s: seconds after which a rank that stopped asking is reported.
+        allow_trainer_node: let workers run on the trainer's node even when other
+            nodes have CPUs (by default they avoid it; see :mod:`sbloader.placement`).
     """
 
     def __init__(
@@ -145,6 +147,7 @@ class DataLoader:
         world_size: Optional[int] = None,
         job_id: Optional[str] = None,
         stall_report_s: float = 60.0,
+        allow_trainer_node: bool = False,
     ) -> None:
         import torch
         from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
@@ -255,6 +258,7 @@ class DataLoader:
         self._estimates: Optional[list] = None
         self.name = name if name is not None else f"loader{next(_LOADER_COUNTER)}"
         self.stall_report_s = stall_report_s
+        self.allow_trainer_node = allow_trainer_node
         self._coordinator: Any = None
 
     def __del__(self) -> None:
@@ -345,6 +349,7 @@ class DataLoader:
         if not self._stateful:
             raise StateDictError("load_state_dict() needs a map-style dataset batched by the loader itself")
         state = _epoch_state.validate(self, state_dict, strict)
+        _epoch_state.restore_generator(self, state)
         self._resume = dict(state)
         self._run = None
         self._epoch = int(state["epoch"])
@@ -433,6 +438,12 @@ class DataLoader:
             fetch = _LocalCollate(self.dataset, self.collate_fn, True)
             run = self._run
             for j, indices in enumerate(run.batches):
+                if self.seed is not None and j % self.batches_per_partition == 0:
+                    # Seeded per partition as a remote worker is (the pool is operator 0): a resumed
+                    # epoch replays a batch with the same draws as the uninterrupted run.
+                    from .context import task_context
+
+                    seed_globals(task_context(epoch, epoch_seed, run.ids[j], "LoaderWorker", 0).ctx.seed)
                 batch = fetch(indices)
                 run.taken.append(j)
                 yield _pin_batch(batch) if pin else batch
@@ -473,7 +484,10 @@ class DataLoader:
         ids = [p.id for p in source.partitions(epoch, epoch_seed)]
         plan = make_epoch_plan(ids, epoch, epoch_seed, shuffle=False)
         prefetch = max(1, math.ceil((self.prefetch_factor or 2) * self.num_workers / self.batches_per_partition))
+        from .placement import exclusions_here
+
         options = ExecutionOptions(memory_budget=self.memory_budget, deterministic=self.in_order,
+                                   exclude_nodes=exclusions_here(self.allow_trainer_node),
                                    prefetch_blocks=prefetch, progress=False)
         cache = self._actor_cache if self.persistent_workers else None
         return StreamingExecutor(source, build_stages(source.name, [op]), plan, options, actor_cache=cache,

@@ -164,11 +164,18 @@ class Dataset:
     def execute(self, *, epoch: int = 0, seed: Optional[int] = None, shuffle: bool = False,
                 deterministic: bool = False, memory_budget: Optional[int] = None,
                 prefetch_blocks: int = 2, progress: Optional[bool] = None,
-                plan: Optional[EpochPlan] = None) -> StreamingExecutor:
-        """Start one execution and return its executor (advanced; iterate instead)."""
+                plan: Optional[EpochPlan] = None, allow_trainer_node: bool = False) -> StreamingExecutor:
+        """Start one execution and return its executor (advanced; iterate instead).
+
+        On a cluster, tasks and actors avoid this process's node when other nodes
+        have CPUs (``allow_trainer_node=True`` lets them use it too).
+        """
+        from .placement import exclusions_here
+
         ensure_initialized()
         options = ExecutionOptions(memory_budget=memory_budget, deterministic=deterministic,
-                                   prefetch_blocks=prefetch_blocks, progress=progress)
+                                   prefetch_blocks=prefetch_blocks, progress=progress,
+                                   exclude_nodes=exclusions_here(allow_trainer_node))
         plan = plan or self.plan(epoch=epoch, seed=seed, shuffle=shuffle)
         executor = StreamingExecutor(self._source, build_stages(self._source.name, self._ops), plan, options)
         self._last[0] = executor.stats()

@@ -51,6 +51,8 @@ class ExecutionOptions:
         prefetch_blocks: ready output blocks to keep ahead of the consumer.
         progress: tqdm bars per operator (None: only on a TTY).
         max_task_retries: Ray retries of a task lost to a dead worker or node.
+        exclude_nodes: node ids tasks and actors must avoid (the trainer's nodes,
+            see :mod:`sbloader.placement`).
     """
 
     memory_budget: Optional[int] = None
@@ -58,6 +60,7 @@ class ExecutionOptions:
     prefetch_blocks: int = 2
     progress: Optional[bool] = None
     max_task_retries: int = 3
+    exclude_nodes: tuple = ()
 
     def __post_init__(self) -> None:
         if self.memory_budget is not None and self.memory_budget <= 0:
@@ -166,7 +169,7 @@ class StreamingExecutor:
         missing = [pid for pid in self._plan.order if pid not in parts]
         if missing:
             raise SbloaderError(f"the epoch plan names partitions the source does not have: {missing[:5]}")
-        self._shared_ref = ray.put((self._source.reader(), self._source.shared()))
+        self._shared_ref = _shared_arg((self._source.reader(), self._source.shared()))
         for seq, pid in enumerate(self._plan.order):
             heapq.heappush(self._queues[0], (seq, next(self._counter), parts[pid]))
         self._remaining = len(self._plan.order)
@@ -348,7 +351,7 @@ class StreamingExecutor:
         if stage.kind == "read":
             part: Partition = item
             block_ref, meta_ref = read_stage_task.options(
-                max_retries=self._opts.max_task_retries, **stage.ray_options
+                max_retries=self._opts.max_task_retries, **self._placed(stage.ray_options)
             ).remote(self._shared_ref, part, stage.ops, self._info, seq, stage.name)
             self._remaining -= 1
             run = _Running(i, seq, block_ref, 0, est)
@@ -366,7 +369,7 @@ class StreamingExecutor:
             self._queued_bytes[i] -= out.meta.nbytes
             if stage.kind == "task":
                 block_ref, meta_ref = block_stage_task.options(
-                    max_retries=self._opts.max_task_retries, **stage.ray_options
+                    max_retries=self._opts.max_task_retries, **self._placed(stage.ray_options)
                 ).remote(out.ref, out.meta, stage.ops, self._info)
                 run = _Running(i, seq, block_ref, out.meta.nbytes, est)
             else:
@@ -376,6 +379,14 @@ class StreamingExecutor:
                 run = _Running(i, seq, block_ref, out.meta.nbytes, est, actor)
         self._stage_inflight[i] += 1
         self._inflight[meta_ref] = run
+
+    def _placed(self, options: dict) -> dict:
+        """Ray options with the placement policy's scheduling strategy, if any."""
+        if not self._opts.exclude_nodes:
+            return options
+        from ..placement import scheduling_strategy
+
+        return {**options, "scheduling_strategy": scheduling_strategy(self._opts.exclude_nodes)}
 
     def _scale_pools(self) -> None:
         now = time.monotonic()
@@ -399,7 +410,7 @@ class StreamingExecutor:
                 handle = MapActor.options(
                     max_restarts=self._opts.max_task_retries,
                     max_task_retries=self._opts.max_task_retries,
-                    **stage.ray_options,
+                    **self._placed(stage.ray_options),
                 ).remote(stage.ops[0], index, hi)
                 actor = _Actor(handle, handle.ready.remote())
                 actors.append(actor)
@@ -505,6 +516,26 @@ class StreamingExecutor:
         for b in self._bars:
             b.close()
         self._bars = []
+
+
+_INLINE_ARG_BYTES = 64 * 1024
+
+
+def _shared_arg(payload: Any) -> Any:
+    """The read tasks' shared argument: by value when small, else one object in the store.
+
+    By value matters for placement: a task whose argument lives in the trainer
+    node's object store can be leased there by Ray's locality-aware scheduling
+    despite a node-label constraint.
+    """
+    import ray.cloudpickle as cloudpickle
+
+    try:
+        if len(cloudpickle.dumps(payload)) <= _INLINE_ARG_BYTES:
+            return payload
+    except Exception:  # not picklable by value here: let Ray's own serialisation say why
+        pass
+    return ray.put(payload)
 
 
 def _unwrap(e: BaseException) -> BaseException:
