@@ -255,8 +255,11 @@ def test_fixed_size_actor_pool(ray_session, tmp_path):
         _Tagger, concurrency=2, fn_constructor_kwargs={"log": str(log), "delay": 0.01}
     )
     assert sorted(int(r["id"]) for r in ds.iter_rows()) == list(range(40))
-    assert len(log.read_text().splitlines()) == 2
-    assert ds.stats().operators[1].actors_created == 2
+    inits = log.read_text().splitlines()
+    stats = ds.stats().operators[1]
+    assert stats.actors_created == 2  # the pool is started at its fixed size at once
+    # on a loaded machine an actor may still be starting when the short epoch ends
+    assert 1 <= len(inits) == stats.actors_ready <= 2, (inits, stats)
 
 
 def test_first_rows_arrive_before_the_input_is_read(ray_session, tmp_path):
