@@ -195,14 +195,41 @@ def fingerprint(loader: "DataLoader") -> dict:
     }
 
 
+def _user_generator(loader: "DataLoader") -> Any:
+    """The generator the user gave the loader's own RandomSampler (None if none, or with ``seed=``)."""
+    from torch.utils.data import RandomSampler
+
+    if type(loader.sampler) is RandomSampler and not loader._seeded_sampler:
+        return _rng_of(loader.sampler)
+    return None
+
+
+def restore_generator(loader: "DataLoader", state: dict) -> None:
+    """Put the user's generator where the state's run left it, so later epochs draw as uninterrupted."""
+    gen = _user_generator(loader)
+    saved = state.get("generator")
+    if gen is None or not saved:
+        return
+    import torch
+
+    try:
+        gen.set_state(torch.frombuffer(bytearray(base64.b64decode(saved)), dtype=torch.uint8))
+    except (ValueError, RuntimeError) as e:
+        raise StateDictError(f"the state's generator state cannot be restored into this loader's generator: {e}") \
+            from None
+
+
 def make_state(loader: "DataLoader", run: Optional[EpochRun], consumed: ledger.Ranges) -> dict:
     """The JSON-serialisable state of a loader."""
+    gen = _user_generator(loader)
     base = {
         "format": STATE_FORMAT,
         "version": STATE_VERSION,
         "fingerprint": fingerprint(loader),
         "base_seed": loader._base_seed,
         "world_size": loader.world.world_size,
+        # the user's generator after the epoch's draws: a resumed job continues its sequence
+        "generator": base64.b64encode(gen.get_state().numpy().tobytes()).decode("ascii") if gen is not None else None,
     }
     if run is None:
         if loader._resume is not None:  # loaded, not iterated yet: the same state again

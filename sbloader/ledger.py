@@ -46,8 +46,8 @@ def to_positions(ranges: Sequence[Sequence[int]]) -> np.ndarray:
 
 
 def count(ranges: Sequence[Sequence[int]]) -> int:
-    """Positions covered."""
-    return int(sum(b - a for a, b in ranges))
+    """Positions covered (each once: overlapping or reversed ranges are merged first)."""
+    return int(sum(b - a for a, b in merge(ranges)))
 
 
 def complement(ranges: Sequence[Sequence[int]], total: int) -> Ranges:
@@ -56,6 +56,8 @@ def complement(ranges: Sequence[Sequence[int]], total: int) -> Ranges:
     prev = 0
     for a, b in merge(ranges):
         a, b = max(0, a), min(total, b)
+        if b <= a:  # wholly outside [0, total)
+            continue
         if a > prev:
             out.append((prev, a))
         prev = max(prev, b)
