@@ -1,13 +1,23 @@
 """A torchrun job that checkpoints its loader and may SIGKILL itself, for resume tests.
 
-Each rank appends, per step, the ids of its batch to ``OUT/run{R}.rank{r}.jsonl``;
-rank 0 saves ``{"step", "epoch", "loader"}`` to ``CKPT`` every ``--ckpt-every``
-steps (JSON, atomically). ``--kill-at S`` makes rank 0 SIGKILL the whole job
-(torchrun and every rank) at step S. With an existing CKPT the job resumes.
+Each rank appends, per step, the ids of its batch to ``OUT/run{R}.rank{r}.jsonl``
+(with the augmentation values and, when the batch has padding rows, the padding
+mask as ``pad``); rank 0 saves ``{"step", "loader"}`` to ``CKPT`` every
+``--ckpt-every`` steps (JSON, atomically) and appends every state it saves to
+``CKPT.history.jsonl``. ``--kill-at S`` makes rank 0 SIGKILL the whole job
+(torchrun and every rank: each rank runs in a session of its own, so each writes
+its process group to ``OUT/run{R}.rank{r}.pgid``) at step S. With an existing
+CKPT the job resumes.
+
+With ``--sync 1`` (the default) the ranks step in lockstep, as DDP's all-reduce
+makes them: a gloo barrier ends every step, so when rank 0 checkpoints at step
+k every rank has logged its step k (the state records every rank's first k
+batches as consumed).
 """
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import signal
@@ -34,12 +44,28 @@ class Ids(Dataset):
         return {"id": i, "aug": torch.rand(1).item()}
 
 
+def kill_job(out: str, attempt: int) -> None:
+    """SIGKILL the whole job: torchrun's group first (so it cannot react), every other rank's, then ours."""
+    own = os.getpgid(0)
+    groups = [os.getpgid(os.getppid())]
+    for path in glob.glob(os.path.join(out, f"run{attempt}.rank*.pgid")):
+        with open(path) as f:
+            groups.append(int(f.read()))
+    for g in dict.fromkeys(groups):
+        if g != own:
+            try:
+                os.killpg(g, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    os.killpg(own, signal.SIGKILL)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--ckpt", required=True)
     p.add_argument("--attempt", type=int, default=0)
-    p.add_argument("--n", type=int, default=240)
+    p.add_argument("--n", "--samples", dest="n", type=int, default=240)  # --samples: torchrun takes --n for its own
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--ckpt-every", type=int, default=3)
@@ -47,9 +73,14 @@ def main() -> None:
     p.add_argument("--in-order", type=int, default=0)
     p.add_argument("--max-delay", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--sync", type=int, default=1)
     args = p.parse_args()
 
     rank = int(os.environ["RANK"])
+    if args.sync:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
     loader = sbloader.DataLoader(Ids(args.n, args.max_delay), batch_size=args.batch_size, shuffle=True,
                                  num_workers=args.workers, persistent_workers=True, seed=args.seed,
                                  in_order=bool(args.in_order), dataset_id="ids")
@@ -60,9 +91,17 @@ def main() -> None:
         loader.load_state_dict(ckpt["loader"])
         step = ckpt["step"]
     log = open(os.path.join(args.out, f"run{args.attempt}.rank{rank}.jsonl"), "a", buffering=1)
+    # torchrun starts every rank in a session of its own: rank 0 needs each rank's group to kill the job
+    with open(os.path.join(args.out, f"run{args.attempt}.rank{rank}.pgid"), "w") as f:
+        f.write(str(os.getpgid(0)))
     for batch in loader:
         step += 1
-        log.write(json.dumps({"step": step, "ids": batch["id"].tolist(), "aug": batch["aug"].tolist()}) + "\n")
+        entry = {"step": step, "ids": batch["id"].tolist(), "aug": batch["aug"].tolist(), "t": round(time.time(), 3)}
+        if "sbloader_padding" in batch:
+            entry["pad"] = batch["sbloader_padding"].tolist()
+        log.write(json.dumps(entry) + "\n")
+        if args.sync:
+            dist.barrier()
         if step % args.ckpt_every == 0:
             state = loader.state_dict()
             if rank == 0:
@@ -70,10 +109,13 @@ def main() -> None:
                 with open(tmp, "w") as f:
                     json.dump({"step": step, "loader": state}, f)
                 os.replace(tmp, args.ckpt)
-        if rank == 0 and step == args.kill_at:  # the whole job: torchrun's group, then ours
-            os.killpg(os.getpgid(os.getppid()), signal.SIGKILL)
-            os.killpg(os.getpgid(0), signal.SIGKILL)
+                with open(args.ckpt + ".history.jsonl", "a") as f:
+                    f.write(json.dumps({"attempt": args.attempt, "step": step, "loader": state}) + "\n")
+        if rank == 0 and step == args.kill_at:
+            kill_job(args.out, args.attempt)
     log.close()
+    if args.sync:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
