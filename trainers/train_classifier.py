@@ -111,6 +111,8 @@ def main() -> None:
         step, start_epoch = ckpt["step"], ckpt["epoch"]
         if ckpt.get("loader") is not None and hasattr(loader, "load_state_dict"):
             loader.load_state_dict(ckpt["loader"])
+            # a checkpoint on an epoch's last step holds the next epoch's (clean) loader state
+            start_epoch = ckpt["loader"]["epoch"]
         if rank == 0:
             print(f"resumed at step {step}, epoch {start_epoch}")
 
