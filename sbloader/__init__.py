@@ -27,6 +27,7 @@ from .parquet import read_parquet
 from .read_api import from_items, from_torch
 from .read_api import range_dataset as range
 from .stats import ExecutionStats, OperatorStats, StallStats
+from .videos import read_videos
 
 __version__ = "0.1.0"
 
@@ -54,6 +55,7 @@ __all__ = sorted([
     "range",
     "read_images",
     "read_parquet",
+    "read_videos",
     "report_skipped",
     "shutdown",
 ])

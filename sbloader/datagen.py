@@ -1,13 +1,14 @@
 """Generated datasets for demos, tests and benchmarks (no downloads).
 
 Images are smooth random gradients with noise, encoded as JPEG, so decode costs
-what real photos of the same size cost.
+what real photos of the same size cost. Videos are drifting gradients with a
+moving square, encoded with PyAV, so every frame differs from the last.
 """
 from __future__ import annotations
 
 import io
 import os
-from typing import Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 from PIL import Image
@@ -73,3 +74,126 @@ def write_image_parquet(path: str, n: int, *, seed: int = 0, num_classes: int = 
         cols["caption"] = pa.array(texts, pa.string())
     pq.write_table(pa.table(cols), path, row_group_size=rows_per_group)
     return path
+
+
+def _video_codec(codec: str) -> str:
+    import av
+
+    if codec not in av.codecs_available:
+        usable = [c for c in ("mpeg4", "libx264", "libopenh264", "mjpeg") if c in av.codecs_available]
+        raise ValueError(f"codec {codec!r} is not available in this PyAV build; use one of {usable}")
+    return codec
+
+
+def synthetic_video_frames(frames: int, width: int, height: int, seed: int = 0) -> Iterator[np.ndarray]:
+    """The frames :func:`write_video` encodes: ``HxWx3`` ``uint8`` RGB arrays.
+
+    A colour gradient (colours from ``seed``) drifting in a seed-chosen direction,
+    a bright square crossing the picture and a fixed low-amplitude texture, so
+    every frame differs from the previous one and encodes like real footage.
+
+    Args:
+        frames: how many frames.
+        width: frame width in pixels.
+        height: frame height in pixels.
+        seed: picks the colours, the direction of motion and the texture.
+    """
+    rng = np.random.default_rng(seed)
+    colours = rng.uniform(30, 225, size=(3, 3)).astype(np.float32)
+    vx, vy = rng.uniform(-4, 4, size=2)
+    texture = rng.normal(0, 6, size=(height, width, 1)).astype(np.float32)
+    yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
+    side = max(2, min(width, height) // 4)
+    for t in range(frames):
+        u = ((xx + vx * t) % width) / width
+        v = ((yy + vy * t) % height) / height
+        img = (colours[0] * (1 - u)[..., None] * (1 - v)[..., None] + colours[1] * u[..., None]
+               + colours[2] * (v * (1 - u))[..., None] + texture)
+        x0 = int((t * 3) % max(1, width - side))
+        y0 = int((t * 2) % max(1, height - side))
+        img[y0:y0 + side, x0:x0 + side] = 240.0
+        yield np.clip(img, 0, 255).astype(np.uint8)
+
+
+def write_video(path: str, frames: int = 48, width: int = 128, height: int = 96, fps: int = 24, seed: int = 0,
+                codec: str = "mpeg4", *, gop_size: int = 12, max_b_frames: Optional[int] = None) -> str:
+    """Write a small synthetic video with PyAV (see :func:`synthetic_video_frames`).
+
+    The container is picked from the extension (``.mp4``, ``.mkv``, ``.avi``...).
+
+    Args:
+        path: the file to write (overwritten).
+        frames: how many frames.
+        width: frame width (even, for 4:2:0 chroma).
+        height: frame height (even).
+        fps: frames per second.
+        seed: picks the picture (colours, motion, texture).
+        codec: an encoder of PyAV's FFmpeg: ``"mpeg4"`` (always there) or
+            ``"libx264"`` (when the build has it).
+        gop_size: frames between keyframes (small values make seeking matter).
+        max_b_frames: B-frames between references (None: the encoder's default;
+            B-frames make decode order differ from presentation order).
+
+    Returns:
+        ``path``.
+
+    Raises:
+        ValueError: an invalid size, frame count or unavailable codec.
+    """
+    import av
+
+    if frames < 1:
+        raise ValueError(f"frames must be >= 1, found {frames!r}")
+    if width < 2 or height < 2 or width % 2 or height % 2:
+        raise ValueError(f"width and height must be even and >= 2 (4:2:0 chroma), found {width}x{height}")
+    if gop_size < 1:
+        raise ValueError(f"gop_size must be >= 1, found {gop_size!r}")
+    codec = _video_codec(codec)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with av.open(path, "w") as container:
+        stream = container.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.codec_context.gop_size = gop_size
+        if max_b_frames is not None:
+            stream.codec_context.max_b_frames = max_b_frames
+        if codec == "mpeg4":
+            # The encoder's 200 kb/s default smears larger pictures; ~0.2 bit per pixel.
+            stream.codec_context.bit_rate = max(200_000, int(0.2 * width * height * fps))
+        if codec == "libx264":
+            # Keyframes exactly every gop_size frames, so seeking is exercised.
+            stream.codec_context.options = {"preset": "veryfast", "sc_threshold": "0",
+                                            "keyint_min": str(gop_size)}
+        for arr in synthetic_video_frames(frames, width, height, seed):
+            for packet in stream.encode(av.VideoFrame.from_ndarray(arr, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
+
+
+def write_video_folder(root: str, n: int, *, seed: int = 0, **kwargs: Any) -> list[str]:
+    """Write ``n`` videos ``root/video_<i>.<ext>`` with :func:`write_video`.
+
+    Existing files are kept, so a second call is cheap: give every set of
+    parameters its own ``root``.
+
+    Args:
+        root: the folder.
+        n: how many videos.
+        seed: base seed; video ``i`` gets ``seed * 1_000_003 + i``.
+        **kwargs: :func:`write_video`'s arguments (and ``ext``, default ``".mp4"``).
+
+    Returns:
+        The paths, in index order.
+    """
+    ext = kwargs.pop("ext", ".mp4")
+    os.makedirs(root, exist_ok=True)
+    paths = []
+    for i in range(n):
+        path = os.path.join(root, f"video_{i:05d}{ext}")
+        if not os.path.exists(path):
+            tmp = os.path.join(root, f".tmp_video_{i:05d}{ext}")
+            write_video(tmp, seed=seed * 1_000_003 + i, **kwargs)
+            os.replace(tmp, path)
+        paths.append(path)
+    return paths
