@@ -1,0 +1,143 @@
+"""The image workload of ``bench_images.py``, importable by every contender's processes.
+
+JPEG decode, random-resized-crop to 224x224, random flip, uint8 CHW, batches of 64:
+``sbloader/transforms.py``'s ``decode_crop_flip`` (or, after a reader that already
+decoded, the same crop and flip on the decoded array).
+
+Only NumPy and Pillow are imported here: ``sbloader/transforms.py`` is loaded from
+its file, so torch's workers, the Pool's processes and Ray Data's workers do not
+import the ``sbloader`` package (and Ray) just for the transforms. Only the
+sbloader-native functions import ``sbloader`` (for ``get_context().rng``).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+from PIL import Image
+
+SIZE = 224
+BATCH = 64
+
+
+def _load_transforms() -> Any:
+    path = Path(__file__).resolve().parents[1] / "sbloader" / "transforms.py"
+    spec = importlib.util.spec_from_file_location("_sbloader_transforms_for_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+T = _load_transforms()
+
+_RNGS: dict[int, np.random.Generator] = {}
+
+
+def process_rng() -> np.random.Generator:
+    """One generator per process (torch workers, Pool processes, Ray Data workers)."""
+    pid = os.getpid()
+    rng = _RNGS.get(pid)
+    if rng is None:
+        rng = _RNGS[pid] = np.random.default_rng([pid, int.from_bytes(os.urandom(4), "little")])
+    return rng
+
+
+def label_of(path: str) -> int:
+    """The class index of an ImageFolder path ``.../class_007/0000123.jpg``."""
+    return int(os.path.basename(os.path.dirname(str(path))).rsplit("_", 1)[1])
+
+
+def load_file(path: str, rng: np.random.Generator) -> np.ndarray:
+    """Read one JPEG and apply the augmentation: ``3x224x224`` uint8."""
+    with open(path, "rb") as f:
+        data = f.read()
+    return T.decode_crop_flip(data, SIZE, rng)
+
+
+def crop_flip(arr: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """The augmentation on an already decoded ``HxWx3`` array (after ``read_images``)."""
+    img = Image.fromarray(arr)
+    out = np.asarray(T.random_resized_crop(img, SIZE, rng))
+    return T.to_chw(T.random_flip(out, rng))
+
+
+# ----- the function alone (ceiling) and the Pool --------------------------------
+
+def preprocess_paths(paths: Sequence[str]) -> dict[str, np.ndarray]:
+    """One batch as every loader delivers it: stacked images and labels."""
+    rng = process_rng()
+    return {"image": np.stack([load_file(p, rng) for p in paths]),
+            "label": np.array([label_of(p) for p in paths], dtype=np.int64)}
+
+
+# ----- torch map-style Dataset (torch's DataLoader and sbloader's drop-in) ----------
+
+class ImageFolderDataset:
+    """A map-style Dataset as users write one: ``(image tensor, label)`` per index."""
+
+    def __init__(self, paths: Sequence[str]) -> None:
+        self.paths = list(paths)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> tuple[Any, int]:
+        import torch
+
+        p = self.paths[i]
+        return torch.from_numpy(load_file(p, process_rng())), label_of(p)
+
+
+# ----- sbloader native pipelines --------------------------------------------------
+
+def sbl_crop_flip_batch(batch: dict) -> dict:
+    """``read_images(...).map_batches(this)``: crop and flip the decoded images."""
+    import sbloader
+
+    rng = sbloader.get_context().rng
+    return {"image": np.stack([crop_flip(a, rng) for a in batch["image"]]),
+            "label": np.array([label_of(p) for p in batch["path"]], dtype=np.int64)}
+
+
+def sbl_decode_batch(batch: dict) -> dict:
+    """``read_parquet(...).map_batches(this)``: decode the binary column, crop, flip."""
+    import sbloader
+
+    rng = sbloader.get_context().rng
+    return {"image": np.stack([T.decode_crop_flip(b, SIZE, rng) for b in batch["image"]]),
+            "label": np.asarray(batch["label"], dtype=np.int64)}
+
+
+# ----- Ray Data ---------------------------------------------------------------------
+
+def rd_crop_flip_batch(batch: dict) -> dict:
+    """``ray.data.read_images(...).map_batches(this)``."""
+    rng = process_rng()
+    return {"image": np.stack([crop_flip(a, rng) for a in batch["image"]]),
+            "label": np.array([label_of(p) for p in batch["path"]], dtype=np.int64)}
+
+
+def rd_decode_batch(batch: dict) -> dict:
+    """``ray.data.read_parquet(...).map_batches(this)``."""
+    rng = process_rng()
+    return {"image": np.stack([T.decode_crop_flip(b, SIZE, rng) for b in batch["image"]]),
+            "label": np.asarray(batch["label"], dtype=np.int64)}
+
+
+# ----- the consumer's CPU work ------------------------------------------------------
+
+_W: dict[str, Any] = {}
+
+
+def cpu_work(x: Any) -> float:
+    """Consumer mode (b): ``x.float().mean()`` plus a 384x384 matmul (a few ms, one thread)."""
+    import torch
+
+    w = _W.get("w")
+    if w is None:
+        w = _W["w"] = torch.randn(384, 384, generator=torch.Generator().manual_seed(0))
+    s = x.float().mean()
+    return float(s + (w @ w).sum() * 0)
