@@ -259,7 +259,7 @@ def test_fixed_size_actor_pool(ray_session, tmp_path):
     stats = ds.stats().operators[1]
     assert stats.actors_created == 2  # the pool is started at its fixed size at once
     # on a loaded machine an actor may still be starting when the short epoch ends
-    assert 1 <= stats.actors_ready <= len(inits) <= 2, (inits, stats)
+    assert stats.actors_ready >= 1 and stats.actors_ready <= len(inits) <= 2, (inits, stats)
 
 
 def test_first_rows_arrive_before_the_input_is_read(ray_session, tmp_path):
