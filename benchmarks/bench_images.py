@@ -102,7 +102,7 @@ QUIET_FRAC = 0.05
 def run_epoch(label: str, make_iter: Callable[[], Any], images_of: Callable[[Any], Any], mode: str,
               step_s: float, *, tree: Optional[h.ProcTree] = None, object_store: bool = False) -> h.Result:
     """One epoch: a new iterator, every batch consumed in ``mode``; the consumer's waits timed."""
-    wait = cons = 0.0
+    wait = cons = last = first_wait = 0.0
     first = None
     batches = 0
     with h.measure(label, tree=tree, object_store=object_store) as m:
@@ -113,12 +113,13 @@ def run_epoch(label: str, make_iter: Callable[[], Any], images_of: Callable[[Any
             try:
                 b = next(it)
             except StopIteration:
-                wait += time.perf_counter() - tw
+                last = time.perf_counter() - tw
+                wait += last
                 break
             now = time.perf_counter()
             wait += now - tw
             if first is None:
-                first = now - t0
+                first, first_wait = now - t0, now - tw
                 m.result.first_item_s = first
             x = images_of(b)
             m.add_items(len(x))
@@ -132,9 +133,10 @@ def run_epoch(label: str, make_iter: Callable[[], Any], images_of: Callable[[Any
         wall = time.perf_counter() - t0
     r = m.result
     first = first or 0.0
-    r.extra.update(mode=mode, batches=batches, wait_s=round(wait, 4), consumer_cpu_s=round(cons, 4),
-                   stall_frac=wait / wall if wall > 0 else None,
-                   steady_stall_frac=(wait - first) / (wall - first) if wall > first else None)
+    r.extra.update(mode=mode, batches=batches, wait_s=round(wait, 4), end_wait_s=round(last, 4),
+                   consumer_cpu_s=round(cons, 4),
+                   stall_frac=(wait + first - first_wait) / wall if wall > 0 else None,
+                   steady_stall_frac=(wait - first_wait) / (wall - first) if wall > first else None)
     return r
 
 
@@ -375,21 +377,43 @@ def calibrate(paths: list[str], cores: int) -> dict:
             "ceiling_batch_s": ceiling_batch_s, "step_s": 1.5 * ceiling_batch_s}
 
 
+def _own_ticks() -> tuple[dict[int, int], dict[int, int]]:
+    """CPU ticks of this process and all its descendants, and their parents."""
+    ppids = h._ppid_map()
+    out = {}
+    for pid in h.descendants([os.getpid()], ppids):
+        st = h._read_stat(pid)
+        if st is not None:
+            out[pid] = st[1]
+    return out, ppids
+
+
 def own_idle_cpu(seconds: float) -> float:
     """CPU fraction of the machine taken by this run's own processes (idle Rays) over ``seconds``."""
-    def ticks() -> dict[int, int]:
-        out = {}
-        for pid in h.descendants([os.getpid()]):
-            st = h._read_stat(pid)
-            if st is not None:
-                out[pid] = st[1]
-        return out
-
-    t0, c0 = ticks(), time.perf_counter()
+    t0, c0 = _own_ticks()[0], time.perf_counter()
     time.sleep(seconds)
-    t1, c1 = ticks(), time.perf_counter()
+    t1, c1 = _own_ticks()[0], time.perf_counter()
     used = sum(v - t0.get(p, v) for p, v in t1.items()) / h.CLK_TCK
     return used / ((c1 - c0) * len(os.sched_getaffinity(0)))
+
+
+def run_accounted(owner: Any, name: str, mode: str, step_s: float, server_pids: tuple) -> dict:
+    """Run one contender and split the CPU outside its tree into this benchmark's own idle
+    processes (the other Rays, this driver, idle persistent workers) and foreign processes."""
+    before, _ = _own_ticks()
+    r = owner.run(name, mode, step_s)
+    after, ppids = _own_ticks()
+    if isinstance(owner, Server):
+        measured = h.descendants([owner.pid], ppids)
+        others = {p for p in after if p not in measured}
+    else:
+        others = h.descendants(server_pids, ppids)
+    own_s = sum(after[p] - before.get(p, 0) for p in others if p in after) / h.CLK_TCK
+    cores = len(os.sched_getaffinity(0))
+    own_frac = own_s / (r["wall_s"] * cores) if r["wall_s"] > 0 else 0.0
+    r["extra"]["own_idle_frac"] = round(own_frac, 4)
+    r["extra"]["foreign_cpu_frac"] = round(max(0.0, r["outside_cpu_frac"] - own_frac), 4)
+    return r
 
 
 # ----- report ------------------------------------------------------------------------------
@@ -434,6 +458,8 @@ def summarize_runs(runs: dict[tuple[str, str], list[dict]], ceiling: list[float]
             "peak_pss_bytes": h.summarize([r["peak_pss_bytes"] for r in res]),
             "peak_object_store_bytes": h.summarize([r["peak_object_store_bytes"] for r in res]),
             "outside_cpu_frac": h.summarize([r["outside_cpu_frac"] for r in res]),
+            "foreign_cpu_frac": h.summarize([r["extra"].get("foreign_cpu_frac") for r in res]),
+            "own_idle_frac": h.summarize([r["extra"].get("own_idle_frac") for r in res]),
             "cpu_us_per_sample": {
                 "trainer_loader": _per_sample_us(res, _loader_cpu),
                 "consumer": _per_sample_us(res, lambda r: r["extra"].get("consumer_cpu_s", 0.0)),
@@ -532,8 +558,8 @@ def report(args: argparse.Namespace, cfg: dict, cal: dict, runs: dict, first: di
         f"{cfg['parquet_files']} Parquet files, decoded in `map_batches`). {args.rounds} interleaved rounds, "
         f"every contender a new iterator (one epoch) per round; median (min–max) over rounds. Torch (trainer, "
         f"consumer) on one thread. Each run waits up to {args.quiet_timeout:.0f} s for a quiet machine and is "
-        f"re-run (up to {args.retries}x, time allowing) when processes outside its tree took > "
-        f"{100 * QUIET_FRAC:.0f}% of the CPU; the least disturbed attempt is kept.",
+        f"re-run (up to {args.retries}x, time allowing) when processes foreign to this benchmark took > "
+        f"{100 * QUIET_FRAC:.0f}% of the machine's CPU during it; the least disturbed attempt is kept.",
         "",
         f"**Ceiling** = the function alone x {cores} cores = {_f(ceil_s, '{:.0f}')} images/s "
         f"(single process: {_f(h.summarize([r['items_per_s'] for r in runs[('single', 'none')]]), '{:.0f}')} images/s). "
@@ -550,12 +576,13 @@ def report(args: argparse.Namespace, cfg: dict, cal: dict, runs: dict, first: di
         "contender's process tree (its Ray's daemons and workers included). CPU µs per sample by process class: "
         "`trainer` is the loader's share of the trainer process (the consumer's own CPU work taken out), "
         "`workers` the loader's worker processes (Ray workers, torch workers, Pool processes), `Ray daemons` = "
-        "GCS + dashboard agent, runtime-env agent, log monitor. `outside` = CPU of everything outside the tree, "
-        "as a share of the machine (other sessions, and this run's idle Rays).",
+        "GCS + dashboard agent, runtime-env agent, log monitor. `foreign CPU` = CPU of processes that are not "
+        "this benchmark's, as a share of the machine (other sessions), during the run; `own idle` = this "
+        "benchmark's other processes (the idle Rays of the other contenders, the coordinator), same unit.",
         "",
     ]
     cols = ["loader", "images/s", "x ceil", "stall %", "1st batch ms", "peak PSS MiB", "peak store MiB",
-            "trainer µs", "workers µs", "raylet µs", "Ray daemons µs", "outside CPU %"]
+            "trainer µs", "workers µs", "raylet µs", "Ray daemons µs", "foreign CPU %", "own idle %"]
 
     def row(name: str, mode: str) -> dict:
         s = summary[f"{name}/{mode}"]
@@ -567,7 +594,8 @@ def report(args: argparse.Namespace, cfg: dict, cal: dict, runs: dict, first: di
                 "peak store MiB": _f(s["peak_object_store_bytes"], "{:.0f}", 2**-20),
                 "trainer µs": _f(c["trainer_loader"], "{:.0f}"), "workers µs": _f(c["workers"], "{:.0f}"),
                 "raylet µs": _f(c["raylet"], "{:.0f}"), "Ray daemons µs": _f(c["ray_daemons"], "{:.0f}"),
-                "outside CPU %": _f(s["outside_cpu_frac"], "{:.1f}", 100)}
+                "foreign CPU %": _f(s["foreign_cpu_frac"], "{:.1f}", 100),
+                "own idle %": _f(s["own_idle_frac"], "{:.1f}", 100)}
 
     md += ["### The ceiling", "", h.markdown_table([row(n, "none") for n in CEILING], cols), ""]
     for mode in MODES:
@@ -606,7 +634,7 @@ def report(args: argparse.Namespace, cfg: dict, cal: dict, runs: dict, first: di
                       "epoch images/s": f"{f['items_per_s']:.0f}",
                       "peak PSS MiB": h.mib(f["peak_pss_bytes"]),
                       "peak store MiB": h.mib(f["peak_object_store_bytes"]),
-                      "outside CPU %": f"{100 * f['outside_cpu_frac']:.1f}"})
+                      "outside CPU % (incl. own idle)": f"{100 * f['outside_cpu_frac']:.1f}"})
     md += ["## First epoch (time to first batch on a first run)", "",
            "Consumer idle. `Ray init` = `sbloader.init()` / `ray.init()` in a fresh process right before; "
            "`first batch` counts from creating the iterator. torch's persistent loader: its first epoch "
@@ -618,16 +646,17 @@ def report(args: argparse.Namespace, cfg: dict, cal: dict, runs: dict, first: di
     md += ["## Idle footprint after the rounds (each Ray process tree, driver included)", "",
            h.markdown_table(irows, ["process", "PSS MiB", "processes", "by class MiB"]), ""]
     # load
-    outs = [r["outside_cpu_frac"] for res in runs.values() for r in res]
+    outs = [r["extra"]["foreign_cpu_frac"] for res in runs.values() for r in res]
     disturbed = sum(1 for x in outs if x > QUIET_FRAC)
-    retried = sum(1 for res in runs.values() for r in res if len(r["extra"].get("attempts_outside", [])) > 1)
+    retried = sum(1 for res in runs.values() for r in res if len(r["extra"].get("attempts_foreign", [])) > 1)
     md += ["## Load during the run", "",
            f"- load average at start {load['start']}, at end {load['end']}; this run's own idle processes "
            f"(the {len(servers_info)} idle Rays and this driver) took {100 * load['own_idle_frac']:.1f}% of the "
            f"machine while nothing ran (measured over {load['own_idle_s']:.0f} s before the rounds).",
-           f"- outside CPU per kept run: median {100 * h.summarize(outs)['median']:.1f}%, max "
-           f"{100 * max(outs):.1f}%; {disturbed} of {len(outs)} kept runs above {100 * QUIET_FRAC:.0f}%; "
-           f"{retried} runs re-run because disturbed. Per-run figures in the JSON (`attempts_outside`).",
+           f"- foreign CPU (other sessions' processes) per kept run: median {100 * h.summarize(outs)['median']:.1f}%, "
+           f"max {100 * max(outs):.1f}% of the machine; {disturbed} of {len(outs)} kept runs above "
+           f"{100 * QUIET_FRAC:.0f}%; {retried} runs re-run because disturbed. Per-run figures in the JSON "
+           f"(`extra.attempts_foreign`, `extra.foreign_cpu_frac`, `extra.own_idle_frac`).",
            f"- wall time of the whole benchmark: {load['total_s']:.0f} s.", ""]
     payload = {
         "args": vars(args), "config": {k: v for k, v in cfg.items() if k not in ("paths", "parquet")},
@@ -769,19 +798,19 @@ def main() -> None:
                     if in_budget:
                         h.wait_quiet(max_busy_frac=QUIET_FRAC + load["own_idle_frac"], window_s=0.5,
                                      timeout_s=args.quiet_timeout)
-                    r = owner[name].run(name, mode, step_s)
-                    attempts.append(r["outside_cpu_frac"])
-                    if best is None or r["outside_cpu_frac"] < best["outside_cpu_frac"]:
+                    r = run_accounted(owner[name], name, mode, step_s, local.skip)
+                    attempts.append(r["extra"]["foreign_cpu_frac"])
+                    if best is None or attempts[-1] < best["extra"]["foreign_cpu_frac"]:
                         best = r
-                    if r["outside_cpu_frac"] <= QUIET_FRAC or not in_budget:
+                    if attempts[-1] <= QUIET_FRAC or not in_budget:
                         break
-                best["extra"]["attempts_outside"] = attempts
+                best["extra"]["attempts_foreign"] = attempts
                 best["extra"]["round"] = rnd
                 runs[(name, mode)].append(best)
                 e = best["extra"]
                 print(f"round {rnd} {mode:4s} {name:17s} {best['items_per_s']:6.0f} img/s  first "
                       f"{1e3 * best['first_item_s']:5.0f} ms  stall {100 * (e.get('steady_stall_frac') or 0):5.1f}%  "
-                      f"PSS {best['peak_pss_bytes'] / 2**20:5.0f} MiB  outside {100 * best['outside_cpu_frac']:4.1f}%"
+                      f"PSS {best['peak_pss_bytes'] / 2**20:5.0f} MiB  foreign CPU {100 * e['foreign_cpu_frac']:4.1f}%"
                       + (f" (attempts {['%.0f%%' % (100 * a) for a in attempts]})" if len(attempts) > 1 else ""),
                       flush=True)
         idle = {}
