@@ -57,6 +57,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 # Ray workers import make_rows from this module (by reference, not by value from __main__).
 os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+import _gitstate  # noqa: E402
 import _harness as h  # noqa: E402
 
 NAME = "memory"
@@ -343,7 +344,7 @@ def report(args: argparse.Namespace, sizes: list[int], runs: dict, idle: dict,
 
 
 def plot(sizes: list[int], summary: dict, path: Path, long: Optional[dict] = None,
-         long_mib: int = 0) -> Optional[Path]:
+         long_mib: int = 0, idle_bytes: Optional[float] = None) -> Optional[Path]:
     try:
         import matplotlib
 
@@ -366,9 +367,13 @@ def plot(sizes: list[int], summary: dict, path: Path, long: Optional[dict] = Non
             ax.plot([long_mib], [long["runs"][LONG_CONTENDER][key] / 2**20], "*", ms=11, color="C1",
                     label=f"{DISPLAY[LONG_CONTENDER]}, {long_mib} MiB (one run)")
             xs = sizes + [long_mib]
-        ax.plot(xs, xs, color="grey", lw=1, ls=":", label="dataset size")
+        if key == "peak_object_store_bytes":
+            ax.plot(xs, xs, color="grey", lw=1, ls=":", label="dataset size")
+            ax.set_yscale("log", base=2)
+        elif idle_bytes:
+            ax.plot(xs, [idle_bytes / 2**20 + x for x in xs], color="grey", lw=1, ls=":",
+                    label="idle child's PSS + dataset size")
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log", base=2)
         ax.set_xticks(xs)
         ax.set_xticklabels([str(s) for s in xs])
         ax.set_xlabel("dataset: MiB of produced blocks")
@@ -398,6 +403,7 @@ def main() -> None:
     args.quiet_timeout = args.quiet_timeout if args.quiet_timeout is not None else (3.0 if args.quick else 10.0)
     sizes = [int(s) for s in args.sizes.split(",")]
     machine = h.machine_info()
+    git_state = _gitstate.git_state()
     t0 = time.monotonic()
     runs: dict[tuple[str, int], list[dict]] = {(n, s): [] for n in CONTENDERS for s in sizes}
     idle: dict[str, int] = {}
@@ -423,8 +429,10 @@ def main() -> None:
     payload, md = report(args, sizes, runs, idle, long)
     payload["machine"] = machine
     payload["total_wall_s"] = time.monotonic() - t0
+    payload["git"] = git_state
     png = plot(sizes, {k: {int(m): v for m, v in d.items()} for k, d in payload["summary"].items()},
-               h.RESULTS_DIR / f"{args.out}.png", long, args.long_mib)
+               h.RESULTS_DIR / f"{args.out}.png", long, args.long_mib,
+               statistics.median(idle.values()) if idle else None)
     if png is not None:
         md += f"\n\n![memory]({png.name})\n"
     jpath, mpath = h.write_results(args.out, payload, md, title="Memory as the dataset grows: streaming vs bulk")

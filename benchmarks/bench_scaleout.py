@@ -54,6 +54,7 @@ from typing import Any, Optional
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import _gitstate  # noqa: E402
 import _harness as h  # noqa: E402
 import _jpeg_workload as w  # noqa: E402
 
@@ -314,6 +315,7 @@ def main() -> None:
     args.node_cores = ",".join(str(c) for c in node_cores)
     ks = list(range(len(node_cores) + 1))
     machine = h.machine_info()
+    git_state = _gitstate.git_state()
     t_begin = time.monotonic()
 
     from sbloader.datagen import write_jpeg_folder
@@ -346,6 +348,7 @@ def main() -> None:
     payload, md = report(args, ks, cals, jobs)
     payload["machine"] = machine
     payload["total_wall_s"] = time.monotonic() - t_begin
+    payload["git"] = git_state
     png = plot(ks, {c: {int(k): v for k, v in d.items()} for c, d in payload["summary"].items()}, cals,
                h.RESULTS_DIR / f"{args.out}.png")
     if png is not None:

@@ -52,6 +52,7 @@ from typing import Any, Optional
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import _gitstate  # noqa: E402
 import _harness as h  # noqa: E402
 import _jpeg_workload as w  # noqa: E402
 
@@ -311,6 +312,7 @@ def report(args: argparse.Namespace, cores: int, cals: list[dict], jobs: dict[in
                 "stall per rank % (whole epoch)": ", ".join(h.fmt_range(x, "{:.0f}", 100) for x in m["stall_frac_per_rank"]),
                 "after the first batch %": ", ".join(h.fmt_range(x, "{:.0f}", 100) for x in m["steady_stall_frac_per_rank"]),
                 "floor set by 2 cores %": f"{100 * min_stall(n, sleep, ceil['median']):.0f}",
+                "floor at the loader's idle rate %": f"{100 * min_stall(n, sleep, idle['images_per_s']['median']):.0f}",
                 "images/s": h.fmt_range(m["images_per_s"], "{:.0f}"),
                 "outside CPU %": h.fmt_range(m["outside_cpu_frac"], "{:.0f}", 100),
             })
@@ -400,7 +402,8 @@ def report(args: argparse.Namespace, cores: int, cals: list[dict], jobs: dict[in
         "",
         "Stall fraction = time the rank's loop waits in `next(it)` / the rank's epoch wall time, median over rounds "
         "(one figure per rank, rank 0 first). `floor set by 2 cores` = 1 - ceiling / demand, the stall no loader "
-        "can avoid on this machine; the first batch of an epoch (the pipeline filling) counts in the whole-epoch figure.",
+        "can avoid on this machine; `floor at the loader's idle rate` = 1 - (this N's idle images/s) / demand, the "
+        "stall this loader cannot avoid given its own rate with the consumer idle; the first batch of an epoch (the pipeline filling) counts in the whole-epoch figure.",
         "",
         "## CPU per image by process (idle consumer) and memory",
         "",
@@ -479,6 +482,7 @@ def plot(summary: dict, cals: list[dict], path: Path) -> Optional[Path]:
             ax.plot(xs, [summary[n][mode]["coordinator_cpu_ms_per_batch"]["median"] for n in xs], style, label=mode)
     ax.set_xlabel("torchrun ranks")
     ax.set_ylabel("coordinator CPU ms per batch")
+    ax.set_ylim(bottom=0)
     ax.set_xticks(ns)
     ax.legend(fontsize=8)
     ax.set_title("coordinator CPU")
@@ -507,7 +511,8 @@ def rerender(path: str, out: str) -> None:
     args = argparse.Namespace(**old["args"])
     jobs = {int(n): runs for n, runs in old["jobs"].items()}
     payload, md = report(args, old["machine"]["nproc"], old["calibration"], jobs)
-    payload.update(machine=old["machine"], command=old["command"], total_wall_s=old.get("total_wall_s"))
+    payload.update(machine=old["machine"], command=old["command"], total_wall_s=old.get("total_wall_s"),
+                   git=old.get("git"))
     png = plot({n: payload["summary"][str(n)] for n in sorted(jobs)}, old["calibration"], h.RESULTS_DIR / f"{out}.png")
     if png is not None:
         md += f"\n\n![split]({png.name})\n"
@@ -540,6 +545,7 @@ def main() -> None:
     ranks = [int(x) for x in args.ranks.split(",")]
     cores = len(os.sched_getaffinity(0))
     machine = h.machine_info()
+    git_state = _gitstate.git_state()
     t_begin = time.monotonic()
 
     from sbloader.datagen import write_jpeg_folder
@@ -580,6 +586,7 @@ def main() -> None:
     payload, md = report(args, cores, cals, jobs)
     payload["machine"] = machine
     payload["total_wall_s"] = time.monotonic() - t_begin
+    payload["git"] = git_state
     png = plot({n: payload["summary"][str(n)] for n in ranks}, cals, h.RESULTS_DIR / f"{args.out}.png")
     if png is not None:
         md += f"\n\n![split]({png.name})\n"
