@@ -318,8 +318,13 @@ class SplitCoordinator:
         """
         deadline = time.monotonic() + timeout
         with self._lock:
-            pend = self._rebuilds.setdefault(epoch, {"taken": {}, "spec": spec})
+            pend = self._rebuilds.setdefault(epoch, {"taken": {}, "spec": None})
             pend["taken"][rank] = list(taken)
+            if rank == 0:
+                # Rank 0 started the epoch: the batch indices every rank reports are
+                # positions in *its* plan. Another rank's sampler may have drawn
+                # another order (an unseeded shuffle), so only rank 0's spec counts.
+                pend["spec"] = spec
             self._started.notify_all()
             while epoch not in self._epochs:
                 if len(pend["taken"]) == self._world_size:

@@ -205,7 +205,8 @@ UNTIMED_JOBS = {  # name: (ranks, *split_job.py arguments)
     "dist_sampler_drop_last": (3, "--distributed-sampler", 1, "--seed", 3, "--sampler-drop-last", 1),
     "break_early": (2, "--break-after", 2),
     # rank 0 kills the coordinator actor after 4 batches; a new one is rebuilt from the ranks' logs
-    "coordinator_killed": (2, "--rows", 200, "--kill-coordinator-at", 4, "--step-s", 0.05),
+    "coordinator_killed": (2, "--rows", 200, "--kill-coordinator-at", 4, "--step-s", 0.05,
+                           "--after-kill-s", 2.0),
 }
 
 

@@ -61,6 +61,8 @@ def main() -> None:
     p.add_argument("--payload", type=int, default=16)
     p.add_argument("--sample-s", type=float, default=0.0, help="seconds a worker spends per sample")
     p.add_argument("--two-loaders", type=int, default=0)
+    p.add_argument("--after-kill-s", type=float, default=0.0,
+                   help="rank 0 sleeps this long after killing the coordinator")
     p.add_argument("--kill-coordinator-at", type=int, default=-1,
                    help="rank 0 kills the coordinator actor after this many batches of epoch 0")
     p.add_argument("--worker-cpus", type=float, default=1.0)
@@ -110,6 +112,9 @@ def main() -> None:
 
                     ray.kill(ld._coordinator, no_restart=True)
                     log["killed_coordinator"] = ld._coordinator._actor_id.hex()
+                    # let the other ranks notice first: the rebuild must not depend on
+                    # which rank reports first (their unseeded samplers drew other orders)
+                    time.sleep(args.after_kill_s)
                 if rank == args.slow_rank:
                     time.sleep(args.slow_s)
                 elif args.step_s:
