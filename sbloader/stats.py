@@ -47,6 +47,8 @@ class ExecutionStats:
         memory_budget: the budget in bytes.
         duplicates_dropped: re-run outputs dropped because their rows were delivered.
         stall_s: seconds the consumer waited for a ready block.
+        stuck_warnings: warnings logged because work in flight waited for resources
+            the cluster did not have free.
     """
 
     operators: list[OperatorStats] = field(default_factory=list)
@@ -56,6 +58,7 @@ class ExecutionStats:
     memory_budget: int = 0
     duplicates_dropped: int = 0
     stall_s: float = 0.0
+    stuck_warnings: int = 0
 
     @property
     def skipped(self) -> int:

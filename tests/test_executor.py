@@ -277,3 +277,41 @@ def test_first_rows_arrive_before_the_input_is_read(ray_session, tmp_path):
     rest = sum(len(b["id"]) for b in it)
     assert rest == 395
     assert reads < 40, reads
+
+
+# ----- a pipeline waiting for resources nobody frees says so (no silent hang)
+
+def test_stuck_message_names_the_stage_and_the_missing_resource():
+    from sbloader._executor.executor import resource_demand, stuck_message
+
+    need = resource_demand({"num_cpus": 1})
+    assert need == {"CPU": 1.0}
+    assert resource_demand({"num_cpus": 0.5, "num_gpus": 1, "resources": {"disk": 2}}) == \
+        {"CPU": 0.5, "GPU": 1.0, "disk": 2.0}
+    msg = stuck_message([("ReadImages->MapBatches(crop)", 3, need)], {"CPU": 0.0}, {"CPU": 2.0}, 21.0)
+    assert "ReadImages->MapBatches(crop)" in msg and "3 call(s)" in msg
+    assert "CPU 0 of 2" in msg and "persistent_workers=False" in msg
+    # tasks that are merely slow hold CPUs they asked for while others stay free: no warning
+    assert stuck_message([("Map", 2, need)], {"CPU": 1.0}, {"CPU": 4.0}, 60.0) is None
+    assert stuck_message([], {}, {}, 60.0) is None
+
+
+def test_pipeline_waiting_for_resources_nobody_has_warns_then_stops_cleanly(ray_session, monkeypatch, caplog):
+    import logging
+
+    from sbloader._executor import executor as ex
+
+    monkeypatch.setattr(ex, "_STUCK_WARN_S", 0.3)
+    ds = sbloader.range(8, num_partitions=2).map_batches(lambda b: b, resources={"sbloader_test_absent": 1})
+    executor = ds.execute()
+    try:
+        with caplog.at_level(logging.WARNING, logger="sbloader._executor.executor"):
+            deadline = time.monotonic() + 20
+            while executor.stats().stuck_warnings == 0 and time.monotonic() < deadline:
+                time.sleep(0.1)
+        assert executor.stats().stuck_warnings >= 1, "the executor waited silently"
+        assert "sbloader_test_absent 0 of 0" in caplog.text
+        with pytest.raises(TimeoutError):
+            executor.get_next(timeout=0.2)
+    finally:
+        executor.shutdown()

@@ -8,6 +8,7 @@ Block bytes never pass through this process: only refs and small metadata do.
 """
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 import logging
@@ -37,6 +38,10 @@ _IDLE_TIMEOUT_S = 5.0
 # 20 ms, later on a loaded machine); a released block still counts against the
 # budget for this long.
 _FREE_LAG_S = 0.25
+# No task finished and no actor started for this long while work is in flight: say
+# which resources the waiting work needs and what the cluster has free (a pool of
+# another loader's persistent workers holding every CPU looks like a silent hang).
+_STUCK_WARN_S = 20.0
 
 
 @dataclass(frozen=True)
@@ -148,6 +153,8 @@ class StreamingExecutor:
         self._t0 = 0.0
         self._bars: list[Any] = []
         self._throttle_mark: dict[int, float] = {}
+        self._last_progress = time.monotonic()
+        self._last_stuck_warning = 0.0
 
     # ----- consumer side -------------------------------------------------
 
@@ -310,10 +317,35 @@ class StreamingExecutor:
                 if ready:
                     ready, _ = ray.wait(waiting, num_returns=len(waiting), timeout=0)
                     self._complete(ready)
+                    self._last_progress = time.monotonic()
+                else:
+                    self._maybe_warn_stuck()
         except BaseException as e:  # carried to the consumer
             with self._lock:
                 self._error = _unwrap(e)
                 self._lock.notify_all()
+
+    def _maybe_warn_stuck(self) -> None:
+        now = time.monotonic()
+        if now - self._last_progress < _STUCK_WARN_S or now - self._last_stuck_warning < 3 * _STUCK_WARN_S:
+            return
+        self._last_stuck_warning = now
+        msg = stuck_message(self._waiting_demand(), ray.available_resources(), ray.cluster_resources(),
+                            now - self._last_progress)
+        if msg:
+            self._stats.stuck_warnings += 1
+            logger.warning(msg)
+
+    def _waiting_demand(self) -> list[tuple[str, int, dict]]:
+        """Per stage with work in flight: its name, the calls in flight, the resources one needs."""
+        with self._lock:
+            pending = collections.Counter(i for i, _ in self._pending_actors.values())
+            out = []
+            for i, stage in enumerate(self._stages):
+                n = self._stage_inflight[i] + pending.get(i, 0)
+                if n:
+                    out.append((stage.name, n, resource_demand(stage.ray_options)))
+            return out
 
     def _finished(self) -> bool:
         return (
@@ -536,6 +568,39 @@ def _shared_arg(payload: Any) -> Any:
     except Exception:  # not picklable by value here: let Ray's own serialisation say why
         pass
     return ray.put(payload)
+
+
+def resource_demand(ray_options: dict) -> dict:
+    """The Ray resources one task or actor of a stage asks for (CPU 1 unless set)."""
+    need = {"CPU": float(ray_options.get("num_cpus", 1) or 0)}
+    if ray_options.get("num_gpus"):
+        need["GPU"] = float(ray_options["num_gpus"])
+    need.update({k: float(v) for k, v in (ray_options.get("resources") or {}).items()})
+    return {k: v for k, v in need.items() if v > 0}
+
+
+def stuck_message(demand: list, available: dict, total: dict, silent_s: float) -> Optional[str]:
+    """The warning for a pipeline that made no progress for ``silent_s`` seconds, or None.
+
+    Only when some waiting stage needs a resource the cluster does not have free:
+    slow tasks that hold the CPUs they asked for are not reported.
+    """
+    short = []
+    for name, n, need in demand:
+        lacking = {k: v for k, v in need.items() if available.get(k, 0.0) + 1e-9 < v}
+        if lacking:
+            want = ", ".join(f"{k}={v:g}" for k, v in need.items())
+            have = ", ".join(f"{k} {available.get(k, 0.0):g} of {total.get(k, 0.0):g}" for k in lacking)
+            short.append(f"{name} ({n} call(s) waiting, each needs {want}; free: {have})")
+    if not short:
+        return None
+    return (
+        f"sbloader: no task finished for {silent_s:.0f} s and the pipeline waits for resources: "
+        + "; ".join(short)
+        + ". Something else holds them: another loader's persistent workers (delete that loader or use "
+        "persistent_workers=False), actors of another job, or a pool larger than the cluster. Lower "
+        "num_workers / worker_num_cpus / concurrency, or give Ray more CPUs (sbloader.init(num_cpus=...))."
+    )
 
 
 def _unwrap(e: BaseException) -> BaseException:
