@@ -23,6 +23,7 @@ from .coordinator import EpochSpec, get_coordinator
 from .errors import SbloaderError, UserFunctionError, reraise_as_torch
 from .plan import epoch_seed_from, make_epoch_plan
 from .split import batch_positions, split_epoch
+from ._fetch_ahead import FetchAhead
 from .stats import StallStats
 from .wire import from_wire
 
@@ -104,6 +105,90 @@ def _epoch_spec(loader: "DataLoader", run: Any) -> EpochSpec:
                      tuple(tuple(r) for r in run.prior))
 
 
+def _join_epoch(loader: "DataLoader", coord: Any, run: Any) -> Any:
+    """Rank 0 starts the run's epoch on the coordinator; the others wait for it (None on timeout)."""
+    if loader.world.rank == 0:
+        return ray.get(coord.start_epoch.remote(_epoch_spec(loader, run)))
+    return ray.get(coord.wait_epoch.remote(run.epoch, 300.0))
+
+
+class _Pull:
+    """(Fetch thread) Pulls this rank's batches from the coordinator, one request ahead.
+
+    It keeps its own log of the batches it fetched: those are in this process
+    (copied, or viewed), so after a coordinator death they are reported as taken
+    and only the others are planned again.
+    """
+
+    def __init__(self, loader: "DataLoader", coord: Any, run: Any, per_rank: int, stalls: StallStats) -> None:
+        self.loader, self.coord, self.run, self.per_rank, self.stalls = loader, coord, run, per_rank, stalls
+        self.fetched: list[int] = []
+
+    def _consumed(self) -> int:
+        # copies free the block's bytes at once; zero-copy batches until the loop took them
+        return len(self.fetched) if not self.loader.zero_copy else len(self.run.taken)
+
+    def produce(self) -> Iterator[tuple]:
+        loader, run, stalls = self.loader, self.run, self.stalls
+        w = loader.world
+        epoch = run.epoch
+        pin = loader._pin()
+        node = ray.get_runtime_context().get_node_id()
+        ask = max(1, loader.prefetch_factor or 2)
+        timeout = loader.timeout or None
+        ready: deque = deque()  # (block ref, batch index) received, not yet fetched
+        received = 0
+        rebuilds = 0
+
+        def request() -> Any:
+            return self.coord.next_batches.remote(epoch, w.rank, ask, self._consumed(), node)
+
+        pending = request()
+        last_batch = time.monotonic()
+        while len(self.fetched) < self.per_rank:
+            try:
+                if not ready:
+                    reply = ray.get(pending)
+                    index = reply.get("index") or [m.seq for m in reply["metas"]]
+                    ready.extend(zip(reply["refs"], index))
+                    received += len(reply["refs"])
+                    # ask for the next ones before using these: the prefetch
+                    pending = request() if received < self.per_rank else None
+                    if not reply["refs"] and timeout is not None and time.monotonic() - last_batch > timeout:
+                        raise RuntimeError(f"DataLoader timed out after {timeout} seconds")  # torch's words
+                    continue
+                ref, batch_index = ready.popleft()
+                t0 = time.perf_counter()
+                block = ray.get(ref)
+            except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as e:
+                # The coordinator died, and with it the blocks it owned. Rebuild it from
+                # what every rank holds; the rest is planned again.
+                rebuilds += 1
+                if rebuilds > 3:
+                    raise SbloaderError(
+                        f"rank {w.rank}: the split coordinator of loader {loader.name!r} died {rebuilds} times in "
+                        f"epoch {epoch}. Restart the job and load the last checkpoint's loader state"
+                    ) from e
+                logger.warning("sbloader rank %d: coordinator lost (%s); rebuilding epoch %d from %d taken "
+                               "batches", w.rank, type(e).__name__, epoch, len(self.fetched))
+                loader._coordinator = None
+                self.coord = _coordinator(loader)
+                self.per_rank = ray.get(self.coord.rebuild.remote(epoch, w.rank, list(self.fetched),
+                                                                  _epoch_spec(loader, run)))
+                ready.clear()
+                received = len(self.fetched)
+                pending = request()
+                continue
+            last_batch = time.monotonic()
+            batches = [from_wire(wire, pin=pin, copy=not loader.zero_copy) for wire in block["batch"]]
+            del block
+            stalls.fetch_s += time.perf_counter() - t0
+            for batch in batches:
+                self.fetched.append(batch_index)
+                yield batch, batch_index
+            batches = []
+
+
 def cut(loader: "DataLoader", run: Any, timeout: float = 60.0) -> list:
     """The consumed ledger of the job after this rank's batches taken so far (every rank's first k)."""
     from . import ledger
@@ -124,10 +209,19 @@ def iter_split(loader: "DataLoader") -> Iterator[Any]:
     loader._run = run
     epoch = run.epoch
     coord = _coordinator(loader)
-    if w.rank == 0:
-        per_rank = ray.get(coord.start_epoch.remote(_epoch_spec(loader, run)))
-    else:
-        per_rank = ray.get(coord.wait_epoch.remote(epoch, 300.0))
+    try:
+        per_rank = _join_epoch(loader, coord, run)
+    except ray.exceptions.RayActorError:
+        # The coordinator died after this rank had taken all of its previous epoch:
+        # say so to the new one (ranks still in that epoch wait for every rank's
+        # report to rebuild it), then start this epoch there.
+        loader._coordinator = None
+        coord = _coordinator(loader)
+        last = loader._last_split_run
+        if last is not None:
+            coord.rebuild.remote(last.epoch, w.rank, list(last.taken), _epoch_spec(loader, last), wait=False)
+        per_rank = _join_epoch(loader, coord, run)
+    if w.rank != 0:
         if per_rank is None:
             raise SbloaderError(f"rank 0 did not start epoch {epoch} within 300 s; is rank 0 iterating this loader?")
     if per_rank != run.per_rank:
@@ -137,70 +231,31 @@ def iter_split(loader: "DataLoader") -> Iterator[Any]:
         )
     stalls = StallStats()
     loader._last_stalls = stalls
-    pin = loader._pin()
-    node = ray.get_runtime_context().get_node_id()
-    ask = max(1, loader.prefetch_factor or 2)
-    ready: deque = deque()  # (block ref, batch index) received, not yet fetched
-    received = 0
-    rebuilds = 0
-
-    def request() -> Any:
-        return coord.next_batches.remote(epoch, w.rank, ask, len(run.taken), node)
-
-    pending = request()
+    pulled = _Pull(loader, coord, run, per_rank, stalls)
+    fetch = FetchAhead(pulled.produce(), depth=max(1, loader.prefetch_factor or 2))
     try:
-        while len(run.taken) < per_rank:
-            t0 = time.perf_counter()
+        while len(run.taken) < pulled.per_rank:
             try:
-                if not ready:
-                    reply = ray.get(pending)
-                    index = reply.get("index") or [m.seq for m in reply["metas"]]
-                    ready.extend(zip(reply["refs"], index))
-                    received += len(reply["refs"])
-                    # ask for the next ones before using these: the prefetch
-                    pending = request() if received < per_rank else None
-                    stalls.wait_ready_s += time.perf_counter() - t0
-                    continue
-                ref, batch_index = ready.popleft()
-                block = ray.get(ref)
+                batch, batch_index = next(fetch)
+            except StopIteration:
+                raise SbloaderError(f"rank {w.rank}: the fetch thread ended after {len(run.taken)} of "
+                                    f"{pulled.per_rank} batches; this is a bug") from None
             except ray.exceptions.RayTaskError as e:
                 if isinstance(e.cause, UserFunctionError):
                     reraise_as_torch(e.cause)
                 raise
-            except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as e:
-                # The coordinator died, and with it the blocks it owned. Rebuild it from
-                # what every rank took; the rest is planned again.
-                rebuilds += 1
-                if rebuilds > 3:
-                    raise SbloaderError(
-                        f"rank {w.rank}: the split coordinator of loader {loader.name!r} died {rebuilds} times in "
-                        f"epoch {epoch}. Restart the job and load the last checkpoint's loader state"
-                    ) from e
-                logger.warning("sbloader rank %d: coordinator lost (%s); rebuilding epoch %d from %d taken "
-                               "batches", w.rank, type(e).__name__, epoch, len(run.taken))
-                loader._coordinator = None
-                coord = _coordinator(loader)
-                per_rank = ray.get(coord.rebuild.remote(epoch, w.rank, list(run.taken),
-                                                        _epoch_spec(loader, run)))
-                ready.clear()
-                received = len(run.taken)
-                pending = request()
-                continue
-            t1 = time.perf_counter()
-            stalls.fetch_s += t1 - t0
-            for wire in block["batch"]:
-                t2 = time.perf_counter()
-                batch = from_wire(wire, pin=pin, copy=not loader.zero_copy)
-                stalls.fetch_s += time.perf_counter() - t2
-                stalls.batches += 1
-                run.taken.append(batch_index)
-                yield batch
-            del block
+            finally:
+                stalls.wait_ready_s = fetch.wait_s
+            stalls.batches += 1
+            run.taken.append(batch_index)
+            yield batch
         run.complete = True
+        loader._last_split_run = run
     finally:
         stalls.wall_s = time.perf_counter() - t_start
+        fetch.close()
         try:
-            coord.finish.remote(epoch, w.rank, len(run.taken))
+            pulled.coord.finish.remote(epoch, w.rank, len(run.taken))
         except Exception:
             pass
         if loader.report_stalls:

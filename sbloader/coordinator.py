@@ -7,10 +7,16 @@ DDP never hangs on an uneven split. In deterministic mode the plan fixes which
 rank gets which batch; otherwise a rank gets whatever is ready, preferring
 batches produced on its own node. The coordinator logs, per rank, the ordered
 list of what it delivered and how much of it the rank acknowledged as consumed.
+
+That log is the consumed ledger ``state_dict()`` cuts. ``SBLOADER_NO_LEDGER=1`` in
+the environment of the rank that creates the coordinator switches it off (an
+internal switch, for ``benchmarks/bench_resume.py`` to measure what the ledger
+costs): the coordinator then keeps only counts, and ``state_dict()`` raises.
 """
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -29,6 +35,12 @@ from .split import pick_local
 logger = logging.getLogger(__name__)
 
 NAMESPACE = "sbloader"
+NO_LEDGER_ENV = "SBLOADER_NO_LEDGER"
+
+
+def ledger_enabled() -> bool:
+    """False when ``SBLOADER_NO_LEDGER=1`` (benchmarks only): coordinators keep counts, no ledger."""
+    return os.environ.get(NO_LEDGER_ENV, "") != "1"
 
 
 @dataclass(frozen=True)
@@ -71,9 +83,13 @@ class EpochSpec:
 
 @dataclass
 class _RankLog:
-    delivered: list = field(default_factory=list)  # batch (plan) indices, in delivery order
-    nbytes: list = field(default_factory=list)
+    """What one rank received. With the ledger off, ``delivered`` stays empty and
+    ``nbytes`` holds only the batches not yet acknowledged (a queue)."""
+
+    delivered: list = field(default_factory=list)  # batch (plan) indices, in delivery order: the ledger
+    nbytes: Any = field(default_factory=list)  # bytes per delivered batch (ledger off: per unacked batch)
     acked: int = 0
+    count: int = 0  # batches delivered
     last_seen: float = field(default_factory=time.monotonic)
     node: Optional[str] = None
 
@@ -89,8 +105,10 @@ class _Epoch:
     """
 
     def __init__(self, spec: EpochSpec, world_size: int, actor_cache: dict,
-                 estimates: Optional[list] = None, earlier: tuple = (), taken: Optional[dict] = None) -> None:
+                 estimates: Optional[list] = None, earlier: tuple = (), taken: Optional[dict] = None,
+                 ledger: bool = True) -> None:
         self.spec = spec
+        self.ledger = ledger
         self.world_size = world_size
         self._actor_cache = actor_cache
         self._estimates = estimates
@@ -101,11 +119,12 @@ class _Epoch:
         self.cond = threading.Condition()
         self.pool: deque[OutputBlock] = deque()  # non-deterministic: any rank
         self.queues = [deque() for _ in range(world_size)]  # deterministic: per rank
-        self.logs = [_RankLog() for _ in range(world_size)]
+        self.logs = [_RankLog() if ledger else _RankLog(nbytes=deque()) for _ in range(world_size)]
         for r, batches in (taken or {}).items():  # a rebuilt coordinator: what each rank already took
-            self.logs[r].delivered = list(batches)
-            self.logs[r].nbytes = [0] * len(batches)
-            self.logs[r].acked = len(batches)
+            if ledger:
+                self.logs[r].delivered = list(batches)
+                self.logs[r].nbytes = [0] * len(batches)
+            self.logs[r].count = self.logs[r].acked = len(batches)
         self.produced_all = False
         self.error: Optional[BaseException] = None
         self.pump = threading.Thread(target=self._pump, daemon=True, name=f"sbloader-pump-{spec.epoch}")
@@ -167,7 +186,7 @@ class _Epoch:
         log = self.logs[rank]
         log.last_seen = time.monotonic()
         log.node = node
-        quota = self.spec.per_rank - len(log.delivered)
+        quota = self.spec.per_rank - log.count
         if quota <= 0:
             return []
         deadline = time.monotonic() + wait_s
@@ -197,23 +216,25 @@ class _Epoch:
                 else:
                     item = q.popleft()
                 out.append(item)
-                log.delivered.append(self.spec.index_of(item.meta.seq))  # the epoch's batch index
+                if self.ledger:
+                    log.delivered.append(self.spec.index_of(item.meta.seq))  # the epoch's batch index
                 log.nbytes.append(item.meta.nbytes)
+                log.count += 1
             return out
 
     def ack(self, rank: int, consumed: int) -> None:
         """Rank ``rank`` has consumed its first ``consumed`` batches: release their bytes."""
         log = self.logs[rank]
-        consumed = min(consumed, len(log.delivered))
+        consumed = min(consumed, log.count)
         for i in range(log.acked, consumed):
-            self.executor.release(log.nbytes[i])
+            self.executor.release(log.nbytes[i] if self.ledger else log.nbytes.popleft())
         log.acked = max(log.acked, consumed)
 
     def _check_stuck(self, rank: int, stall_report_s: float) -> None:
         now = time.monotonic()
         silent = [r for r, lg in enumerate(self.logs)
                   if r != rank and now - lg.last_seen > stall_report_s
-                  and len(lg.delivered) < self.spec.per_rank]
+                  and lg.count < self.spec.per_rank]
         if silent:
             logger.warning(
                 "sbloader epoch %d: rank(s) %s stopped asking for batches %.0f s ago while rank %d waits; "
@@ -224,7 +245,7 @@ class _Epoch:
     def silent_ranks(self, stall_report_s: float) -> list[int]:
         now = time.monotonic()
         return [r for r, lg in enumerate(self.logs)
-                if now - lg.last_seen > stall_report_s and len(lg.delivered) < self.spec.per_rank]
+                if now - lg.last_seen > stall_report_s and lg.count < self.spec.per_rank]
 
     @property
     def finished(self) -> bool:
@@ -242,10 +263,14 @@ class SplitCoordinator:
         world_size: ranks of the job.
         fingerprint: describes the loader; a rank with another fingerprint is refused.
         stall_report_s: seconds of silence after which a rank is reported by number.
+        ledger: keep the per-rank delivery logs that ``cut`` reads (the consumed
+            ledger); False keeps counts only and ``cut`` raises (benchmarks only).
     """
 
-    def __init__(self, world_size: int, fingerprint: dict, stall_report_s: float = 60.0) -> None:
+    def __init__(self, world_size: int, fingerprint: dict, stall_report_s: float = 60.0,
+                 ledger: bool = True) -> None:
         self._world_size = world_size
+        self._ledger = ledger
         self._fingerprint = fingerprint
         self._stall_report_s = stall_report_s
         self._epochs: dict[int, _Epoch] = {}
@@ -262,11 +287,27 @@ class SplitCoordinator:
         return {"ok": True}
 
     def start_epoch(self, spec: EpochSpec) -> int:
-        """Rank 0 starts an epoch (idempotent); returns the per-rank batch count."""
+        """Rank 0 starts an epoch (idempotent); returns the per-rank batch count.
+
+        An earlier epoch still being rebuilt (this coordinator replaced a dead one
+        while other ranks were in that epoch) goes first: its pool must get the
+        workers before this epoch's.
+        """
+        deadline = time.monotonic() + 120.0
         with self._lock:
+            while any(e < spec.epoch and e not in self._epochs for e in self._rebuilds):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise SbloaderError(
+                        f"epoch {spec.epoch} cannot start: the rebuild of an earlier epoch after the coordinator "
+                        f"died still waits for ranks that did not report within 120 s "
+                        f"({ {e: sorted(p['taken']) for e, p in self._rebuilds.items() if e not in self._epochs} }). "
+                        "Restart the job from the last checkpoint"
+                    )
+                self._started.wait(timeout=min(remaining, 1.0))
             if spec.epoch not in self._epochs:
                 ep = _Epoch(spec, self._world_size, self._actor_cache, self._estimates,
-                            earlier=tuple(self._epochs.values()))
+                            earlier=tuple(self._epochs.values()), ledger=self._ledger)
                 self._epochs[spec.epoch] = ep
                 ep.start()
                 self._started.notify_all()
@@ -296,12 +337,13 @@ class SplitCoordinator:
             raise SbloaderError(f"epoch {epoch} was not started by rank 0 (known: {sorted(self._epochs)})")
         ep.ack(rank, consumed)
         items = ep.take(rank, max_n, node, wait_s, self._stall_report_s)
-        done = len(ep.logs[rank].delivered) >= ep.spec.per_rank
+        done = ep.logs[rank].count >= ep.spec.per_rank
         self._collect()
         return {"refs": [i.ref for i in items], "metas": [i.meta for i in items],
                 "index": [ep.spec.index_of(i.meta.seq) for i in items], "done": done}
 
-    def rebuild(self, epoch: int, rank: int, taken: list, spec: EpochSpec, timeout: float = 120.0) -> int:
+    def rebuild(self, epoch: int, rank: int, taken: list, spec: EpochSpec, timeout: float = 120.0,
+                wait: bool = True) -> Optional[int]:
         """Rebuild an epoch after the previous coordinator died, from the ranks' own logs.
 
         Every rank reports the batches its training loop took (their bytes reached
@@ -310,8 +352,12 @@ class SplitCoordinator:
         batches nobody took are planned again, each rank owed exactly what it
         still lacks of its count, and the ranks continue.
 
+        A rank that had already finished the epoch when the coordinator died
+        notices only at its next epoch; it reports with ``wait=False`` (all its
+        batches taken) so the ranks still in the epoch can go on.
+
         Returns:
-            The per-rank batch count of the epoch.
+            The per-rank batch count of the epoch (None with ``wait=False``).
 
         Raises:
             SbloaderError: not every rank reported within ``timeout`` seconds.
@@ -326,6 +372,10 @@ class SplitCoordinator:
                 # another order (an unseeded shuffle), so only rank 0's spec counts.
                 pend["spec"] = spec
             self._started.notify_all()
+            if not wait:
+                if epoch not in self._epochs and len(pend["taken"]) == self._world_size:
+                    self._start_rebuilt(epoch, pend["spec"], pend["taken"])
+                return None
             while epoch not in self._epochs:
                 if len(pend["taken"]) == self._world_size:
                     self._start_rebuilt(epoch, pend["spec"], pend["taken"])
@@ -350,7 +400,7 @@ class SplitCoordinator:
         rebuilt = replace(spec, source=spec.source.subset(keep), plan=plan, assignment=assignment,
                           batch_index=tuple(keep))
         ep = _Epoch(rebuilt, self._world_size, self._actor_cache, self._estimates,
-                    earlier=tuple(self._epochs.values()), taken=taken)
+                    earlier=tuple(self._epochs.values()), taken=taken, ledger=self._ledger)
         self._epochs[epoch] = ep
         ep.start()
         self._started.notify_all()
@@ -364,11 +414,12 @@ class SplitCoordinator:
             self._collect()
 
     def delivery_log(self, epoch: int) -> list[dict]:
-        """Per rank: the ordered partition ids delivered and the count acknowledged."""
+        """Per rank: the ordered partition ids delivered (empty with the ledger off), their count
+        and the count acknowledged."""
         ep = self._epochs.get(epoch)
         if ep is None:
             return []
-        return [{"delivered": list(lg.delivered), "acked": lg.acked} for lg in ep.logs]
+        return [{"delivered": list(lg.delivered), "count": lg.count, "acked": lg.acked} for lg in ep.logs]
 
     def cut(self, epoch: int, k: int, timeout: float = 60.0) -> Optional[list]:
         """The consumed ledger after every rank's first ``k`` batches of ``epoch``.
@@ -379,10 +430,17 @@ class SplitCoordinator:
             Merged position ranges, or None when the epoch is already over on every rank.
 
         Raises:
-            SbloaderError: after ``timeout`` seconds, naming the ranks still short.
+            SbloaderError: after ``timeout`` seconds, naming the ranks still short; or at
+                once when this coordinator keeps no ledger.
         """
         from . import ledger
 
+        if not self._ledger:
+            raise SbloaderError(
+                f"state_dict() needs the consumed ledger, but this loader's coordinator was created with "
+                f"{NO_LEDGER_ENV}=1 (a benchmark switch) and keeps no delivery logs; unset {NO_LEDGER_ENV} "
+                "in the job's environment to checkpoint"
+            )
         deadline = time.monotonic() + timeout
         while True:
             ep = self._epochs.get(epoch)
@@ -461,7 +519,7 @@ def get_coordinator(job_id: str, loader_name: str, world_size: int, fingerprint:
     name = coordinator_name(job_id, loader_name, restart_count)
     handle = SplitCoordinator.options(
         name=name, namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
-    ).remote(world_size, fingerprint, stall_report_s)
+    ).remote(world_size, fingerprint, stall_report_s, ledger_enabled())
     reply = ray.get(handle.hello.remote(world_size, fingerprint))
     if not reply["ok"]:
         raise SbloaderError(

@@ -24,6 +24,7 @@ from .dataset import draw_epoch_seed
 from .ops import Op
 from .plan import epoch_seed_from, make_epoch_plan
 from .errors import StateDictError, UserFunctionError, reraise_as_torch
+from ._fetch_ahead import FetchAhead
 from .stats import ExecutionStats, StallStats
 from .wire import from_wire, tensors, to_device
 
@@ -260,6 +261,7 @@ class DataLoader:
         self.stall_report_s = stall_report_s
         self.allow_trainer_node = allow_trainer_node
         self._coordinator: Any = None
+        self._last_split_run: Any = None  # the last epoch this rank finished under torchrun
 
     def __del__(self) -> None:
         for handles in getattr(self, "_actor_cache", {}).values():
@@ -507,49 +509,76 @@ class DataLoader:
         self._last_stats = executor.stats()
         stalls = StallStats()
         self._last_stalls = stalls
-        pin = self._pin()
         stream = None
         if self.device is not None and str(self.device).startswith("cuda"):
             stream = self._torch.cuda.Stream(device=self.device)
-        held: list[int] = []
+        # A background thread takes ready blocks and makes the writable (or pinned)
+        # tensors, up to ``prefetch_factor`` batches ahead; this loop only hands them on.
+        fetch = FetchAhead(self._produce(executor, self._pin(), stalls), depth=max(1, self.prefetch_factor or 2))
+        held: list[int] = []  # zero-copy blocks the loop still views
         try:
             while True:
-                t0 = time.perf_counter()
                 try:
-                    item = executor.get_next(timeout=self.timeout or None)
+                    batch, index, nbytes = next(fetch)
+                except StopIteration:
+                    break
                 except TimeoutError:
                     raise RuntimeError(f"DataLoader timed out after {self.timeout} seconds") from None
                 except UserFunctionError as e:
                     reraise_as_torch(e)
-                t1 = time.perf_counter()
-                stalls.wait_ready_s += t1 - t0
-                while len(held) > 1 or (item is None and held):
-                    executor.release(held.pop(0))
-                if item is None:
-                    break
-                block = ray.get(item.ref)
-                held.append(item.meta.nbytes)
-                stalls.fetch_s += time.perf_counter() - t1
-                for i, wire in enumerate(block["batch"]):
-                    t2 = time.perf_counter()
-                    batch = from_wire(wire, pin=pin, copy=not self.zero_copy)
-                    if stream is not None:
-                        batch = self._to_device(batch, stream)
-                    stalls.fetch_s += time.perf_counter() - t2
-                    stalls.batches += 1
-                    if run is not None:
-                        run.taken.append(item.meta.seq * self.batches_per_partition + i)
-                    yield batch
+                finally:
+                    stalls.wait_ready_s = fetch.wait_s
+                if nbytes:
+                    held.append(nbytes)
+                    while len(held) > 2:  # the loop holds the previous batch while it asks for the next
+                        executor.release(held.pop(0))
+                if stream is not None:
+                    batch = self._to_device(batch, stream)
+                stalls.batches += 1
+                if run is not None:
+                    run.taken.append(index)
+                yield batch
             if run is not None:
                 run.complete = True
         finally:
             stalls.wall_s = time.perf_counter() - t_start
+            fetch.close(timeout=0)
+            executor.shutdown()  # wakes a fetch thread waiting for the next block
+            fetch.close()
             for n in held:
                 executor.release(n)
             self._estimates = executor.estimates()
-            executor.shutdown()
             if self.report_stalls:
                 print(f"sbloader epoch {epoch}: {stalls}")
+
+    def _produce(self, executor: StreamingExecutor, pin: bool, stalls: StallStats) -> Iterator[tuple]:
+        """(Fetch thread) Each ready batch as ``(tensors, batch index in the epoch, bytes to release)``.
+
+        With copies (the default) a block's bytes are released as soon as its
+        batches are copied out; zero-copy batches view the block, so the consumer
+        releases it once the training loop moved on.
+        """
+        copy = not self.zero_copy
+        while True:
+            item = executor.get_next(timeout=self.timeout or None)
+            if item is None:
+                return
+            t0 = time.perf_counter()
+            block = ray.get(item.ref)
+            wires = block["batch"]
+            del block
+            out = []
+            for i, wire in enumerate(wires):
+                last = i == len(wires) - 1
+                out.append((from_wire(wire, pin=pin, copy=copy),
+                            item.meta.seq * self.batches_per_partition + i,
+                            item.meta.nbytes if last and not copy else 0))
+            del wires
+            if copy:
+                executor.release(item.meta.nbytes)
+            stalls.fetch_s += time.perf_counter() - t0
+            yield from out
+            out = []
 
     def _to_device(self, batch: Any, stream: Any) -> Any:
         torch = self._torch
