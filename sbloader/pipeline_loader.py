@@ -197,6 +197,18 @@ class PipelineLoader:
             return sum(ordered[: len(sizes) // w]) // self.batch_size
         return math.ceil(sum(ordered[len(sizes) - math.ceil(len(sizes) / w):]) / self.batch_size)
 
+    def _prefetch_blocks(self, plan: Any) -> int:
+        """``prefetch_blocks``, raised to two batches' worth when a batch spans several blocks."""
+        source = self.dataset.source
+        rows = source.num_rows()
+        try:
+            parts = len(source.partitions(plan.epoch, plan.epoch_seed))
+        except Exception:  # a source that cannot list cheaply: blocks as given
+            return self.prefetch_blocks
+        if not rows or not parts or self.batch_size is None:
+            return self.prefetch_blocks
+        return max(self.prefetch_blocks, 2 * math.ceil(self.batch_size / max(1.0, rows / parts)))
+
     def __iter__(self) -> Iterator[Any]:
         import torch
 
@@ -211,7 +223,7 @@ class PipelineLoader:
         t_start = time.perf_counter()
         executor = self.dataset.execute(plan=plan, deterministic=self.deterministic,
                                         memory_budget=self.memory_budget,
-                                        prefetch_blocks=self.prefetch_blocks, progress=False)
+                                        prefetch_blocks=self._prefetch_blocks(plan), progress=False)
         self._stats = executor.stats()
         stalls = StallStats()
         self._stalls = stalls

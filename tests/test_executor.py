@@ -315,3 +315,52 @@ def test_pipeline_waiting_for_resources_nobody_has_warns_then_stops_cleanly(ray_
             executor.get_next(timeout=0.2)
     finally:
         executor.shutdown()
+
+
+def test_operators_are_pickled_once_per_execution_and_unpickled_once_per_worker(ray_session):
+    from sbloader._executor.tasks import Packed, pack, unpack
+
+    scale = 3
+
+    def times(batch):  # a closure from a test module: pickled by value
+        return {"id": batch["id"] * scale}
+
+    packed = pack((times,))
+    assert isinstance(packed, Packed)
+    assert unpack(packed) is unpack(packed), "a worker must reuse the unpickled operators"
+    assert unpack(packed)[0]({"id": np.arange(3)})["id"].tolist() == [0, 3, 6]
+    # object refs and actor handles keep Ray's own serialisation (it tracks them)
+    ref = ray.put(1)
+    assert pack((ref,)) == (ref,)
+    rows = sorted(r["id"] for r in sbloader.range(40, num_partitions=8).map_batches(times).iter_rows())
+    assert rows == [3 * i for i in range(40)]
+
+
+def _quarter_mib(batch):
+    return {"id": batch["id"], "x": np.zeros((len(batch["id"]), 64 * 1024), dtype=np.uint8)}
+
+
+@pytest.mark.parametrize("partitions", [24, 96])
+def test_default_budget_holds_a_flat_number_of_blocks_ahead_of_a_slow_consumer(ray_session, partitions):
+    """The default budget is a quarter of the store; blocks ahead are capped, so a slow
+    consumer never makes the pipeline hold more as the dataset grows."""
+    from sbloader._executor import executor as ex
+    from sbloader._executor.policy import blocks_ahead_cap
+
+    executor = sbloader.range(4 * partitions, num_partitions=partitions).map_batches(_quarter_mib).execute(
+        prefetch_blocks=2)
+    block = 4 * 64 * 1024
+    n = 0
+    try:
+        while (item := executor.get_next(timeout=60)) is not None:
+            time.sleep(0.01)
+            executor.release(item.meta.nbytes)
+            n += 1
+    finally:
+        executor.shutdown()
+    assert n == partitions
+    cap = blocks_ahead_cap(2, sum(executor._slots))
+    # + the block the consumer holds, + released blocks still counted until Ray frees them
+    freeing = int(ex._FREE_LAG_S / 0.01) + 2
+    assert executor.stats().peak_held_bytes <= (cap + 1 + freeing) * block * 1.1, \
+        (executor.stats().peak_held_bytes / block, cap)

@@ -384,3 +384,23 @@ def test_simulation_overlaps_stages_with_room() -> None:
     sim.complete_one = spy  # type: ignore[method-assign]
     sim.run(consumer_speed=0.5)
     assert max(concurrency) >= 4
+
+
+# ----- blocks ahead of the consumer ------------------------------------------------
+
+
+@pytest.mark.parametrize("prefetch,slots", [(1, 1), (2, 2), (4, 16), (0, 0)])
+def test_blocks_ahead_cap_covers_every_slot_and_the_prefetch(prefetch: int, slots: int) -> None:
+    from sbloader._executor.policy import blocks_ahead_cap
+
+    cap = blocks_ahead_cap(prefetch, slots)
+    assert cap >= max(1, prefetch) + max(1, slots), "a cap below the slots would idle workers"
+    assert cap == max(1, prefetch) + 2 * max(1, slots)
+
+
+def test_source_blocked_stops_only_the_source_stage() -> None:
+    stages = [StageView(0, 5, 3, 1, 1, 10.0), StageView(1, 2, 1, 0, 1, 10.0)]
+    assert select_stage(stages, 10**9, 0, source_blocked=True).launch == 1
+    only_source = [StageView(0, 5, 3, 1, 1, 10.0), StageView(1, 0, None, 0, 1, 10.0)]
+    assert select_stage(only_source, 10**9, 0, source_blocked=True).launch is None
+    assert select_stage(only_source, 10**9, 0, source_blocked=False).launch == 0

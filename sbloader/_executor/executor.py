@@ -26,9 +26,9 @@ from ..errors import ExecutorShutdownError, MemoryBudgetError, SbloaderError
 from ..plan import EpochPlan
 from ..sources import Partition, Source
 from ..stats import ExecutionStats, OperatorStats
-from .policy import PoolView, StageView, min_budget_bytes, pool_delta, select_stage
+from .policy import PoolView, StageView, blocks_ahead_cap, min_budget_bytes, pool_delta, select_stage
 from .stages import Stage, stage_concurrency
-from .tasks import EpochInfo, MapActor, block_stage_task, read_stage_task
+from .tasks import EpochInfo, MapActor, Packed, block_stage_task, pack, read_stage_task
 
 logger = logging.getLogger(__name__)
 
@@ -177,6 +177,7 @@ class StreamingExecutor:
         if missing:
             raise SbloaderError(f"the epoch plan names partitions the source does not have: {missing[:5]}")
         self._shared_ref = _shared_arg((self._source.reader(), self._source.shared()))
+        self._ops_arg = [pack(s.ops) if s.kind != "actor" else None for s in self._stages]
         for seq, pid in enumerate(self._plan.order):
             heapq.heappush(self._queues[0], (seq, next(self._counter), parts[pid]))
         self._remaining = len(self._plan.order)
@@ -366,7 +367,8 @@ class StreamingExecutor:
         now = time.perf_counter()
         while True:
             views = [self._stage_view(i) for i in range(len(self._stages))]
-            decision = select_stage(views, self._budget, self._held(), self._consumer_ready())
+            decision = select_stage(views, self._budget, self._held(), self._consumer_ready(),
+                                    source_blocked=self._blocks_ahead() >= self._ahead_cap())
             for i in range(len(self._stages)):
                 if i in decision.throttled:
                     self._throttle_mark.setdefault(i, now)
@@ -376,6 +378,16 @@ class StreamingExecutor:
                 return
             self._launch_one(decision.launch)
 
+    def _blocks_ahead(self) -> int:
+        """Blocks not yet taken by the consumer: in flight, between stages, or ready."""
+        ready = len(self._ordered) if self._opts.deterministic else len(self._outputs)
+        return len(self._inflight) + sum(len(q) for q in self._queues[1:]) + ready
+
+    def _ahead_cap(self) -> int:
+        slots = sum(self._slots[i] for i in range(len(self._stages)) if i not in self._pools)
+        slots += sum(self._pool_bounds[i][1] * _ACTOR_SLOTS for i in self._pools)
+        return blocks_ahead_cap(self._opts.prefetch_blocks, slots)
+
     def _launch_one(self, i: int) -> None:
         stage = self._stages[i]
         seq, _, item = heapq.heappop(self._queues[i])
@@ -384,7 +396,7 @@ class StreamingExecutor:
             part: Partition = item
             block_ref, meta_ref = read_stage_task.options(
                 max_retries=self._opts.max_task_retries, **self._placed(stage.ray_options)
-            ).remote(self._shared_ref, part, stage.ops, self._info, seq, stage.name)
+            ).remote(self._shared_ref, part, self._ops_arg[i], self._info, seq, stage.name)
             self._remaining -= 1
             run = _Running(i, seq, block_ref, 0, est)
         elif stage.reads:  # an actor pool that reads its partitions itself
@@ -402,7 +414,7 @@ class StreamingExecutor:
             if stage.kind == "task":
                 block_ref, meta_ref = block_stage_task.options(
                     max_retries=self._opts.max_task_retries, **self._placed(stage.ray_options)
-                ).remote(out.ref, out.meta, stage.ops, self._info)
+                ).remote(out.ref, out.meta, self._ops_arg[i], self._info)
                 run = _Running(i, seq, block_ref, out.meta.nbytes, est)
             else:
                 actor = min((a for a in self._pools[i] if a.ready_ref is None), key=lambda a: a.inflight)
@@ -560,9 +572,12 @@ def _shared_arg(payload: Any) -> Any:
     node's object store can be leased there by Ray's locality-aware scheduling
     despite a node-label constraint.
     """
+    packed = pack(payload)  # pickled once here, not once per task
+    if isinstance(packed, Packed):
+        return packed if len(packed.data) <= _INLINE_ARG_BYTES else ray.put(payload)
     import ray.cloudpickle as cloudpickle
 
-    try:
+    try:  # it holds Ray handles: by value through Ray's serialisation when small
         if len(cloudpickle.dumps(payload)) <= _INLINE_ARG_BYTES:
             return payload
     except Exception:  # not picklable by value here: let Ray's own serialisation say why

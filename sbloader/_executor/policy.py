@@ -61,8 +61,21 @@ def runnable(stage: StageView) -> bool:
     return stage.est_out_bytes is not None or stage.inflight == 0
 
 
+def blocks_ahead_cap(prefetch_blocks: int, total_slots: int) -> int:
+    """Most blocks the pipeline may hold ahead of the consumer (in flight, between
+    stages, or ready): every slot busy with one finished block behind it, plus the
+    consumer's prefetch.
+
+    More would not make the pipeline faster (the slots are full) and, with a slow
+    consumer, would only fill memory up to the budget: with this cap the memory
+    held stays flat as the dataset grows, whatever the budget.
+    """
+    return max(1, prefetch_blocks) + 2 * max(1, total_slots)
+
+
 def select_stage(
-    stages: Sequence[StageView], budget_bytes: int, held_bytes: float, consumer_ready: bool = False
+    stages: Sequence[StageView], budget_bytes: int, held_bytes: float, consumer_ready: bool = False,
+    source_blocked: bool = False,
 ) -> Decision:
     """Pick the stage to start one more task in.
 
@@ -81,11 +94,14 @@ def select_stage(
         consumer_ready: memory will be freed without starting a task (a block is
             ready for the consumer, or released blocks are being freed), so the
             liveness rule is not needed.
+        source_blocked: the pipeline already holds :func:`blocks_ahead_cap`
+            blocks ahead of the consumer: the source stage (index 0) starts no new
+            partition; later stages still run (they add no block).
 
     Returns:
         The decision.
     """
-    candidates = [s for s in stages if runnable(s)]
+    candidates = [s for s in stages if runnable(s) and not (source_blocked and s.index == 0)]
     if not candidates:
         return Decision(None)
     throttled = []
