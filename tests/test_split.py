@@ -1,5 +1,7 @@
 """The split arithmetic (pure, no Ray): equal per-rank batch counts, exactly-once
-coverage, full batches first, a balanced tail, marked padding only when needed."""
+coverage, full batches first, a balanced tail, marked padding only when needed.
+Also the coordinator's ledger switch (``SBLOADER_NO_LEDGER``): pure over a fake
+executor, and once end to end over two in-process ranks (the session's Ray)."""
 from __future__ import annotations
 
 import itertools
@@ -8,6 +10,10 @@ import random
 import pytest
 
 from sbloader.split import BatchSpec, SplitPlan, batch_positions, pick_local, split_epoch
+from sbloader.block import BlockMeta
+from sbloader.coordinator import EpochSpec, _Epoch
+from sbloader.errors import SbloaderError
+from sbloader.plan import EpochPlan
 
 NUM_ROWS = range(0, 301)
 BATCH_SIZES = (1, 2, 3, 7, 10, 64)
@@ -171,3 +177,76 @@ def test_pick_local_empty_is_an_error():
         pick_local([], "a")
     with pytest.raises(ValueError, match="at least one ready batch"):
         pick_local([], None)
+
+
+# ----- the coordinator's ledger switch -------------------------------------------------
+
+class _FakeExecutor:
+    def __init__(self) -> None:
+        self.released: list[int] = []
+
+    def release(self, nbytes: int) -> None:
+        self.released.append(nbytes)
+
+
+class _Item:
+    def __init__(self, seq: int) -> None:
+        self.ref = None
+        self.meta = BlockMeta(epoch=0, partition_id=seq, seq=seq, num_rows=1, nbytes=100 + seq, row_range=(seq, seq + 1))
+
+
+def _epoch_with_ready_batches(ledger: bool, n: int = 12, ws: int = 2) -> _Epoch:
+    spec = EpochSpec(0, 0, None, (), EpochPlan(0, 0, tuple(range(n)), False), None, n // ws,
+                     assignment=tuple(i % ws for i in range(n)))
+    ep = _Epoch(spec, ws, {}, ledger=ledger)
+    ep.executor = _FakeExecutor()
+    for i in range(n):
+        ep.queues[i % ws].append(_Item(i))
+    return ep
+
+
+@pytest.mark.parametrize("ledger", [True, False])
+def test_epoch_counts_and_releases_the_same_with_and_without_ledger(ledger):
+    ep = _epoch_with_ready_batches(ledger)
+    got = {0: [], 1: []}
+    for rank, take, consumed in [(0, 2, 0), (1, 3, 0), (0, 2, 1), (1, 5, 3), (0, 9, 4), (1, 1, 6), (0, 1, 6)]:
+        ep.ack(rank, consumed)
+        got[rank] += [i.meta.seq for i in ep.take(rank, take, None, 0.0, 60.0)]
+    assert got == {0: [0, 2, 4, 6, 8, 10], 1: [1, 3, 5, 7, 9, 11]}
+    assert [lg.count for lg in ep.logs] == [6, 6]
+    assert ep.take(0, 1, None, 0.0, 60.0) == []  # quota reached
+    assert ep.finished
+    assert sorted(ep.executor.released) == sorted(100 + i for i in range(12))  # every batch's bytes once
+    assert [lg.delivered for lg in ep.logs] == ([[0, 2, 4, 6, 8, 10], [1, 3, 5, 7, 9, 11]] if ledger else [[], []])
+    if not ledger:
+        assert all(len(lg.nbytes) == 0 for lg in ep.logs)  # only the unacknowledged batches are kept
+
+
+def test_no_ledger_switch_end_to_end(ray_session, monkeypatch):
+    """Two ranks in one process (rank/world_size overrides): with SBLOADER_NO_LEDGER=1 every batch
+    still arrives once and state_dict() says the ledger is off; without it state_dict() works."""
+    import sbloader
+
+    def ranks(name):
+        return [sbloader.DataLoader(list(range(40)), batch_size=4, num_workers=1, rank=r, world_size=2,
+                                    job_id="test-no-ledger", name=name) for r in range(2)]
+
+    for off in (True, False):
+        if off:
+            monkeypatch.setenv("SBLOADER_NO_LEDGER", "1")
+        else:
+            monkeypatch.delenv("SBLOADER_NO_LEDGER", raising=False)
+        loaders = ranks(f"ledger-{'off' if off else 'on'}")
+        its = [iter(lo) for lo in loaders]
+        seen = []
+        for _ in range(2):
+            for it in its:
+                seen += next(it).tolist()
+        if off:
+            with pytest.raises(SbloaderError, match="SBLOADER_NO_LEDGER"):
+                loaders[0].state_dict()
+        else:
+            assert loaders[0].state_dict()["consumed"]  # the cut of both ranks' first 2 batches
+        for it in its:
+            seen += [x for b in it for x in b.tolist()]
+        assert sorted(seen) == list(range(40))
