@@ -29,8 +29,8 @@ noise-prediction loss under DDP (gloo on CPU, NCCL on GPU). Checkpoints
 the model, the optimiser and the loader's position (``loader.state_dict()``, called on
 every rank, saved by rank 0); ``--resume`` continues from the latest one at its step.
 Rank 0 shows a progress bar and prints the throughput (samples/s) and the loader's stall
-fraction at the end: the share of the training loop spent waiting for the next batch,
-plus, for the baseline, encoding it in the trainer.
+fraction at the end: the share of the training loop spent waiting for the next batch
+(for the baseline that wait includes encoding it in the trainer).
 
 The embedded Ray gets enough logical CPUs for every rank's encoder pool at full size
 plus two decode tasks (``--ray-cpus`` overrides): otherwise, on a small machine, the
@@ -732,7 +732,7 @@ def latest_checkpoint(args: argparse.Namespace) -> tuple[str, dict]:
 
 
 def train(args: argparse.Namespace, rank: int, world: int, device: torch.device,
-          resume: Optional[tuple[str, dict]] = None) -> dict[str, Any]:
+          resume: Optional[tuple[str, dict]] = None, source: Optional[BatchSource] = None) -> dict[str, Any]:
     """Build the loader and the model, train to ``--steps`` and return the run's figures (per rank).
 
     Args:
@@ -741,6 +741,8 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device,
         world: number of ranks.
         device: the trainer's device.
         resume: ``(path, checkpoint)`` to continue from (see :func:`latest_checkpoint`).
+        source: batches from this instead of the loader ``--loader`` names (a benchmark's
+            own loader, or one of the two wrapped to time each step).
     """
     path = dataset_path(args)
     if rank == 0:
@@ -749,8 +751,10 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device,
     if args.images // world < args.batch_size:
         raise ValueError(f"--images {args.images} over {world} rank(s) cannot fill one batch of "
                          f"--batch-size {args.batch_size} per rank")
-    if args.loader == "sbloader":
-        source: BatchSource = PipelineSource(args, path, device)
+    if source is not None:
+        pass
+    elif args.loader == "sbloader":
+        source = PipelineSource(args, path, device)
     else:
         source = TorchSource(args, path, rank, world, device)
 
@@ -820,7 +824,7 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device,
         bar.close()
     done = step - start_step
     samples = done * args.batch_size * world
-    stall = (wait_s + source.encode_s) / wall if wall > 0 else 0.0
+    stall = wait_s / wall if wall > 0 else 0.0  # the baseline encodes inside next(): wait_s includes it
     steady = None
     if done > 1 and first_batch_s is not None and wall > first_batch_s:
         steady = (done - 1) * args.batch_size * world / (wall - first_batch_s)
@@ -864,7 +868,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
               f"rank(s) in {r['wall_s']:.2f}s = {r['samples_per_s']:.1f} samples/s{steady}; first batch after "
               f"{r['first_batch_s']:.2f}s; last loss {last if last is None else f'{last:.4f}'}", flush=True)
         print(f"[{args.loader}] stall fraction (rank 0): {r['stall_fraction']:.1%} of the loop "
-              f"(waiting for batches {r['wait_s']:.2f}s, encoding in the trainer {r['encode_in_trainer_s']:.2f}s); "
+              f"(waiting for batches {r['wait_s']:.2f}s, of which encoding in the trainer "
+              f"{r['encode_in_trainer_s']:.2f}s); "
               f"latents {r['shapes']['latents']['shape'] if r['shapes'] else None}, "
               f"text_emb {r['shapes']['text_emb']['shape'] if r['shapes'] else None}", flush=True)
         if r["loader_stalls"]:
