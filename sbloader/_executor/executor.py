@@ -384,6 +384,11 @@ class StreamingExecutor:
         return len(self._inflight) + sum(len(q) for q in self._queues[1:]) + ready
 
     def _ahead_cap(self) -> int:
+        if self._pools:
+            # Not with an actor pool: a pool sized to the CPUs it may use (or left
+            # with only those after a node died) would starve the reads it waits for
+            # once they are held back; there the memory budget alone bounds it.
+            return sys.maxsize
         slots = sum(self._slots[i] for i in range(len(self._stages)) if i not in self._pools)
         slots += sum(self._pool_bounds[i][1] * _ACTOR_SLOTS for i in self._pools)
         return blocks_ahead_cap(self._opts.prefetch_blocks, slots)
