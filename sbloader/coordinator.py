@@ -278,7 +278,8 @@ class SplitCoordinator:
         self._started = threading.Condition(self._lock)
         self._actor_cache: dict[int, list] = {}
         self._estimates: Optional[list] = None
-        self._rebuilds: dict[int, dict] = {}
+        self._rebuilds: dict[int, dict] = {}  # epochs waiting for every rank's report
+        self._rebuilt: set[int] = set()  # epochs rebuilt here (finished ones leave _epochs)
 
     def hello(self, world_size: int, fingerprint: dict) -> dict:
         """Check that a rank's loader matches this coordinator's."""
@@ -295,13 +296,13 @@ class SplitCoordinator:
         """
         deadline = time.monotonic() + 120.0
         with self._lock:
-            while any(e < spec.epoch and e not in self._epochs for e in self._rebuilds):
+            while any(e < spec.epoch for e in self._rebuilds):  # an entry leaves once rebuilt
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise SbloaderError(
                         f"epoch {spec.epoch} cannot start: the rebuild of an earlier epoch after the coordinator "
                         f"died still waits for ranks that did not report within 120 s "
-                        f"({ {e: sorted(p['taken']) for e, p in self._rebuilds.items() if e not in self._epochs} }). "
+                        f"({ {e: sorted(p['taken']) for e, p in self._rebuilds.items()} }). "
                         "Restart the job from the last checkpoint"
                     )
                 self._started.wait(timeout=min(remaining, 1.0))
@@ -364,6 +365,9 @@ class SplitCoordinator:
         """
         deadline = time.monotonic() + timeout
         with self._lock:
+            if epoch in self._rebuilt:  # a late report: the epoch was rebuilt (and maybe finished)
+                ep = self._epochs.get(epoch)
+                return ep.spec.per_rank if ep is not None and wait else None
             pend = self._rebuilds.setdefault(epoch, {"taken": {}, "spec": None})
             pend["taken"][rank] = list(taken)
             if rank == 0:
@@ -392,6 +396,8 @@ class SplitCoordinator:
 
     def _start_rebuilt(self, epoch: int, spec: EpochSpec, taken: dict) -> None:
         """Start the part of ``spec`` that no rank took (called with the lock held)."""
+        self._rebuilds.pop(epoch, None)
+        self._rebuilt.add(epoch)
         done = {b for batches in taken.values() for b in batches}
         keep = [i for i in range(len(spec.plan.order)) if i not in done]
         plan = EpochPlan(spec.plan.epoch, spec.plan.epoch_seed, tuple(spec.plan.order[i] for i in keep),
