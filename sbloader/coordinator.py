@@ -27,6 +27,7 @@ import ray
 
 from ._executor.executor import ExecutionOptions, OutputBlock, StreamingExecutor
 from ._executor.stages import build_stages
+from . import ledger as _ledger
 from .errors import SbloaderError
 from .ops import Op
 from .plan import EpochPlan
@@ -127,6 +128,8 @@ class _Epoch:
             self.logs[r].count = self.logs[r].acked = len(batches)
         self.produced_all = False
         self.error: Optional[BaseException] = None
+        self._cut_lock = threading.Lock()
+        self._cut_at: tuple[int, list] = (0, _ledger.merge(spec.prior))  # (k, ranges) of the last cut
         self.pump = threading.Thread(target=self._pump, daemon=True, name=f"sbloader-pump-{spec.epoch}")
 
     def start(self) -> None:
@@ -229,6 +232,28 @@ class _Epoch:
         for i in range(log.acked, consumed):
             self.executor.release(log.nbytes[i] if self.ledger else log.nbytes.popleft())
         log.acked = max(log.acked, consumed)
+
+    def cut(self, k: int) -> list:
+        """The consumed ledger after every rank's first ``k`` batches (every log holds ``k``).
+
+        Incremental: the logs only grow, so the cut at ``k`` is the last cut's ranges
+        merged with the batches between the two ``k``; the same ``k`` again (every
+        rank's ``state_dict()`` at one checkpoint) costs a copy. A ``k`` below the
+        last is computed from scratch. Equal to :func:`sbloader.ledger.cut`.
+        """
+        with self._cut_lock:
+            k0, ranges = self._cut_at
+            if k < k0:
+                return _ledger.cut([lg.delivered[:k] for lg in self.logs], k, self.spec.batch_ranges,
+                                   self.spec.prior)
+            if k > k0:
+                pieces = list(ranges)
+                for lg in self.logs:
+                    for b in lg.delivered[k0:k]:
+                        pieces.extend(self.spec.batch_ranges[b])
+                ranges = _ledger.merge(pieces)
+                self._cut_at = (k, ranges)
+            return list(ranges)
 
     def _check_stuck(self, rank: int, stall_report_s: float) -> None:
         now = time.monotonic()
@@ -439,8 +464,6 @@ class SplitCoordinator:
             SbloaderError: after ``timeout`` seconds, naming the ranks still short; or at
                 once when this coordinator keeps no ledger.
         """
-        from . import ledger
-
         if not self._ledger:
             raise SbloaderError(
                 f"state_dict() needs the consumed ledger, but this loader's coordinator was created with "
@@ -452,10 +475,9 @@ class SplitCoordinator:
             ep = self._epochs.get(epoch)
             if ep is None:
                 return None
-            logs = [list(lg.delivered) for lg in ep.logs]
-            short = [r for r, log in enumerate(logs) if len(log) < k]
+            short = [r for r, lg in enumerate(ep.logs) if len(lg.delivered) < k]
             if not short:
-                return [list(r) for r in ledger.cut(logs, k, ep.spec.batch_ranges, ep.spec.prior)]
+                return [list(r) for r in ep.cut(k)]
             if time.monotonic() > deadline:
                 raise SbloaderError(
                     f"state_dict() at batch {k} of epoch {epoch} waited {timeout:.0f} s for rank(s) {short} "

@@ -250,3 +250,37 @@ def test_no_ledger_switch_end_to_end(ray_session, monkeypatch):
         for it in its:
             seen += [x for b in it for x in b.tolist()]
         assert sorted(seen) == list(range(40))
+
+
+def test_epoch_cut_is_incremental_and_equals_the_ledger_cut():
+    """_Epoch.cut (the coordinator's, incremental across calls) against ledger.cut from scratch:
+    random logs of out-of-order batches, random ranges per batch, a prior, k rising, repeating, falling."""
+    from sbloader import ledger
+
+    rng = random.Random(1)
+    for case in range(60):
+        ws = rng.randint(1, 5)
+        n = rng.randint(0, 40) * ws
+        pos = 0
+        batch_ranges = []
+        for _ in range(n):  # a batch: one or two ranges, sometimes touching the previous one
+            a = pos + rng.choice([0, 0, 1, 3])
+            b = a + rng.randint(0, 5)
+            extra = ((b + 2, b + 2 + rng.randint(1, 3)),) if rng.random() < 0.2 else ()
+            batch_ranges.append(((a, b),) + extra)
+            pos = (extra[0][1] if extra else b)
+        prior = ((pos + 10, pos + 20),) if rng.random() < 0.5 else ()
+        order = list(range(n))
+        rng.shuffle(order)
+        logs = [order[r::ws] for r in range(ws)]
+        per_rank = n // ws
+        spec = EpochSpec(0, 0, None, (), EpochPlan(0, 0, tuple(range(n)), False), None, per_rank,
+                         batch_ranges=tuple(batch_ranges), prior=prior)
+        ep = _Epoch(spec, ws, {})
+        for r in range(ws):
+            ep.logs[r].delivered = list(logs[r])
+        ks = sorted(rng.randint(0, per_rank) for _ in range(6))
+        ks = ks + [ks[-1]] + [rng.randint(0, per_rank) for _ in range(3)] + [per_rank]  # again, below, the end
+        for k in ks:
+            expected = ledger.cut(logs, k, batch_ranges, prior)
+            assert ep.cut(k) == expected, f"case {case}: k={k}, ws={ws}, n={n}"
