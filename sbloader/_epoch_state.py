@@ -46,6 +46,8 @@ class EpochRun:
         complete: the epoch ran to its end.
         ids: a stable id per batch: the position of its first real row (seeds
             the batch's augmentations, so the same batch replays identically).
+        cut_at: ``(k, ranges)`` of this rank's last local cut (see
+            :func:`sbloader._split_iter.local_cut`).
     """
 
     epoch: int
@@ -61,6 +63,7 @@ class EpochRun:
     taken: list = field(default_factory=list)
     complete: bool = False
     ids: list = field(default_factory=list)
+    cut_at: Optional[tuple] = None
 
 
 def _rng_of(sampler: Any) -> Any:

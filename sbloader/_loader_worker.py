@@ -148,6 +148,12 @@ class LoaderWorker:
     """Callable class of the loader's actor pool: fetch samples and collate.
 
     Args:
+        config: a :class:`~sbloader._executor.tasks.Packed` dict (or the dict) of
+            the keyword arguments below. Packed by the trainer, so the coordinator
+            that creates the pool under torchrun forwards bytes and never unpickles
+            the dataset (which would import torch there: ~1 s on the resume path).
+
+    Keyword arguments in ``config``:
         dataset: the user's dataset (a copy per actor, as torch's workers have).
         collate_fn: applied to each list of samples (or each sample when
             auto-batching is off).
@@ -158,9 +164,14 @@ class LoaderWorker:
         drop_last: drop a short final batch of an ``IterableDataset`` shard.
     """
 
-    def __init__(self, dataset: Any, collate_fn: Callable, auto_collation: bool, num_workers: int,
-                 worker_init_fn: Optional[Callable[[int], None]] = None,
-                 batch_size: Optional[int] = None, drop_last: bool = False) -> None:
+    def __init__(self, config: Any) -> None:
+        from ._executor.tasks import unpack
+
+        self._setup(**unpack(config))
+
+    def _setup(self, dataset: Any, collate_fn: Callable, auto_collation: bool, num_workers: int,
+               worker_init_fn: Optional[Callable[[int], None]] = None,
+               batch_size: Optional[int] = None, drop_last: bool = False) -> None:
         info = actor_info()
         self._id = info[0] if info else 0
         self._dataset = dataset

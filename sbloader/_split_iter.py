@@ -189,14 +189,51 @@ class _Pull:
             batches = []
 
 
-def cut(loader: "DataLoader", run: Any, timeout: float = 60.0) -> list:
-    """The consumed ledger of the job after this rank's batches taken so far (every rank's first k)."""
+def local_cut(run: Any, k: int, world_size: int) -> list:
+    """The consumed ledger after every rank's first ``k`` batches, from the plan alone.
+
+    With ``in_order=True`` (the default) the plan fixes which batches each rank
+    receives and in what order (``run.ranks``), the same plan on every rank, so
+    every rank's first ``k`` batches are known here without asking the
+    coordinator: a ``state_dict()`` costs no Ray call. Incremental like the
+    coordinator's cut: the last cut's ranges merged with the batches since.
+    Equal to :func:`sbloader.ledger.cut` over the coordinator's delivery logs.
+    """
     from . import ledger
 
+    k0, ranges = run.cut_at if run.cut_at is not None and run.cut_at[0] <= k else (0, ledger.merge(run.prior))
+    if k > k0:
+        seen = [0] * world_size
+        pieces = list(ranges)
+        for b, r in enumerate(run.ranks):
+            seen[r] += 1
+            if k0 < seen[r] <= k:
+                pieces.extend(tuple(x) for x in run.batch_ranges[b])
+        ranges = ledger.merge(pieces)
+        run.cut_at = (k, ranges)
+    return list(ranges)
+
+
+def cut(loader: "DataLoader", run: Any, timeout: float = 60.0) -> list:
+    """The consumed ledger of the job after this rank's batches taken so far (every rank's first k).
+
+    In order, computed here from the plan (:func:`local_cut`); otherwise (batches
+    go to whichever rank asks first) the coordinator's delivery logs decide.
+    """
+    from . import ledger
+
+    if loader.in_order and not _no_ledger():
+        return local_cut(run, len(run.taken), loader.world.world_size)
     consumed = ray.get(_coordinator(loader).cut.remote(run.epoch, len(run.taken), timeout))
     if consumed is None:  # every rank finished the epoch
         return [(0, len(run.order))]
     return ledger.merge(consumed)
+
+
+def _no_ledger() -> bool:
+    from .coordinator import ledger_enabled
+
+    return not ledger_enabled()
 
 
 def iter_split(loader: "DataLoader") -> Iterator[Any]:

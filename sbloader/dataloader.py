@@ -314,9 +314,12 @@ class DataLoader:
         """A small JSON-serialisable state: what the training loop consumed so far.
 
         Taken after the loop received its k-th batch of the epoch, it records the
-        first k batches of every rank (waiting, bounded, for a rank that has not
-        received its k-th yet). Prefetched batches are never in it. Rank 0 can save
-        it alone; every rank of the resumed job loads it.
+        first k batches of every rank. Prefetched batches are never in it. Rank 0
+        can save it alone; every rank of the resumed job loads it. Under torchrun
+        with ``in_order=True`` (the default) the plan fixes each rank's batches and
+        the cut is computed here, with no call to the coordinator; with
+        ``in_order=False`` the coordinator's delivery logs decide (one actor call,
+        waiting, bounded, for a rank that has not received its k-th batch yet).
         """
         from . import _epoch_state, ledger
 
@@ -464,13 +467,20 @@ class DataLoader:
             "map_batches", LoaderWorker, "LoaderWorker", index=0,
             num_cpus=self.worker_num_cpus, resources=self.worker_resources,
             concurrency=(workers, workers),
-            fn_constructor_kwargs=dict(
-                dataset=self.dataset, collate_fn=self.collate_fn, auto_collation=self._auto_collation,
-                num_workers=workers, worker_init_fn=self.worker_init_fn,
-                batch_size=self.batch_size, drop_last=self.drop_last,
-            ),
+            fn_constructor_args=(self._worker_config(workers),),
             fuse_read=True,
         )
+
+    def _worker_config(self, workers: int) -> Any:
+        """The pool's constructor arguments, pickled once per epoch here (as torch's
+        workers see the dataset as it is when the epoch's iterator is made)."""
+        from ._executor.tasks import pack
+
+        return pack(dict(
+            dataset=self.dataset, collate_fn=self.collate_fn, auto_collation=self._auto_collation,
+            num_workers=workers, worker_init_fn=self.worker_init_fn,
+            batch_size=self.batch_size, drop_last=self.drop_last,
+        ))
 
     def _build(self, epoch: int, epoch_seed: int) -> StreamingExecutor:
         ensure_initialized()

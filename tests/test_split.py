@@ -284,3 +284,52 @@ def test_epoch_cut_is_incremental_and_equals_the_ledger_cut():
         for k in ks:
             expected = ledger.cut(logs, k, batch_ranges, prior)
             assert ep.cut(k) == expected, f"case {case}: k={k}, ws={ws}, n={n}"
+
+
+def test_local_cut_equals_the_ledger_cut_over_plans():
+    """In order, state_dict() cuts from the plan alone (no coordinator call): over split plans of
+    several sizes, world sizes, drop_last and a prior, at k rising, repeating and falling, the
+    local cut equals ledger.cut over the delivery logs the coordinator would keep (plan order per rank)."""
+    from types import SimpleNamespace
+
+    from sbloader import ledger
+    from sbloader._split_iter import local_cut
+    from sbloader.split import split_epoch
+
+    rng = random.Random(3)
+    for n, bs, w, drop in [(40, 4, 2, False), (37, 4, 3, False), (37, 4, 3, True), (5, 4, 4, False),
+                           (101, 8, 2, False)]:
+        offset = rng.randrange(0, 20)  # positions before the remaining ones: a resumed epoch's prior
+        plan = split_epoch(n, bs, w, drop)
+        ranges = [[(offset + s.start, offset + s.stop)] if s.stop > s.start else [] for s in plan.batches]
+        ranks = [s.rank for s in plan.batches]
+        prior = [(0, offset)] if offset else []
+        logs = [[b for b, r in enumerate(ranks) if r == rank] for rank in range(w)]
+        run = SimpleNamespace(ranks=ranks, batch_ranges=ranges, prior=prior, cut_at=None)
+        ks = sorted(rng.randrange(0, plan.per_rank + 1) for _ in range(4)) + [plan.per_rank, 1, 0]
+        for k in ks:
+            assert local_cut(run, k, w) == ledger.cut(logs, k, ranges, prior), (n, bs, w, drop, k)
+
+
+def test_local_cut_matches_the_coordinator(ray_session):
+    """Two ranks in one process, in order: every rank's state_dict() (local, no actor call) equals
+    the coordinator's own cut of its delivery logs at the same k."""
+    import ray
+
+    import sbloader
+    from sbloader import ledger
+
+    loaders = [sbloader.DataLoader(list(range(60)), batch_size=4, shuffle=True, num_workers=1, rank=r,
+                                   world_size=2, job_id="test-local-cut", name="local-cut") for r in range(2)]
+    its = [iter(lo) for lo in loaders]
+    for k in range(1, 7):
+        for it in its:
+            next(it)
+        coord = loaders[0]._coordinator
+        states = [lo.state_dict() for lo in loaders]
+        theirs = ledger.merge(ray.get(coord.cut.remote(states[0]["epoch"], k)))
+        assert [tuple(r) for r in states[0]["consumed"]] == [tuple(r) for r in theirs]
+        assert states[0]["consumed"] == states[1]["consumed"]
+        assert ledger.count(theirs) == 2 * 4 * k
+    for it in its:
+        list(it)
