@@ -41,13 +41,21 @@ def _decide_split(split: Optional[bool], world: Any, dataset: Any, iterable: boo
         return False
     known = sampler is None or type(sampler) in (RandomSampler, SequentialSampler, DistributedSampler)
     if split is None:
-        if iterable or batch_sampler is not None or not known:
-            what = ("an IterableDataset" if iterable else "a batch_sampler" if batch_sampler is not None
-                    else f"a custom sampler ({type(sampler).__name__})")
+        if iterable or batch_sampler is not None:
+            what = ("an IterableDataset" if iterable
+                    else f"a batch_sampler ({type(batch_sampler).__name__})")
             raise ValueError(
-                f"world size is {world.world_size} and the loader has {what}: say split=True to let the "
-                "coordinator split its order across ranks, or split=False if it already shards per rank "
-                "(every rank then iterates what it yields)"
+                f"world size is {world.world_size} and the loader has {what}, which the coordinator cannot "
+                f"split across ranks: pass split=False and make the "
+                f"{'dataset' if iterable else 'batch_sampler'} shard itself by rank (every rank then "
+                "iterates its own shard, as under torch)"
+            )
+        if not known:
+            raise ValueError(
+                f"world size is {world.world_size} and the loader has a custom sampler "
+                f"({type(sampler).__name__}): pass split=True to let the coordinator split its order "
+                "across ranks, or split=False if it already shards per rank (every rank then iterates "
+                "what it yields)"
             )
         return True
     if split and (iterable or batch_sampler is not None):

@@ -113,6 +113,10 @@ def main() -> None:
             loader.load_state_dict(ckpt["loader"])
             # a checkpoint on an epoch's last step holds the next epoch's (clean) loader state
             start_epoch = ckpt["loader"]["epoch"]
+        elif step % len(loader) == 0:
+            # no loader state (torch's DataLoader): a checkpoint on an epoch's last step starts the
+            # next epoch, not that one again (a mid-epoch checkpoint restarts its epoch)
+            start_epoch = ckpt["epoch"] + 1
         if rank == 0:
             print(f"resumed at step {step}, epoch {start_epoch}")
 
@@ -123,8 +127,11 @@ def main() -> None:
         bar = tqdm(total=args.epochs * len(loader), initial=step, unit="step", disable=None)
     t0 = time.perf_counter()
     seen = 0
-    done = False
+    loss = None  # stays None when a resumed run has no step left to do
+    done = bool(args.max_steps and step >= args.max_steps)  # a checkpoint at or past --max-steps
     for epoch in range(start_epoch, args.epochs):
+        if done:
+            break
         if hasattr(loader, "set_epoch"):
             loader.set_epoch(epoch)
         elif hasattr(getattr(loader, "sampler", None), "set_epoch"):
@@ -148,12 +155,11 @@ def main() -> None:
             if args.max_steps and step >= args.max_steps:
                 done = True
                 break
-        if done:
-            break
     if bar is not None:
         bar.close()
         dt = time.perf_counter() - t0
-        print(f"trained {step} steps, {seen} samples in {dt:.1f}s ({seen / dt:.0f} samples/s), last loss {loss.item():.3f}")
+        last = f"last loss {loss.item():.3f}" if loss is not None else "no step left to train"
+        print(f"trained {step} steps, {seen} samples in {dt:.1f}s ({seen / dt:.0f} samples/s), {last}")
         stalls = getattr(loader, "stall_stats", lambda: None)()
         if stalls is not None:
             print(f"loader (rank 0, last epoch): {stalls}")
