@@ -77,6 +77,7 @@ def _fingerprint(loader: "DataLoader") -> dict:
 
 
 def _coordinator(loader: "DataLoader") -> Any:
+    """The loader's coordinator: found, or created (then rank 0 has it start the worker pool)."""
     if loader._coordinator is None:
         from ._runtime import ensure_initialized
 
@@ -84,7 +85,19 @@ def _coordinator(loader: "DataLoader") -> Any:
         w = loader.world
         loader._coordinator = get_coordinator(w.job_id, loader.name, w.world_size, _fingerprint(loader),
                                               w.restart_count, loader.stall_report_s)
+        if w.rank == 0:  # not awaited: the pool starts while the ranks plan the epoch
+            loader._coordinator.prewarm.remote(ReadyBatchSource.name, (loader._worker_op(),), _options(loader))
     return loader._coordinator
+
+
+def _options(loader: "DataLoader") -> ExecutionOptions:
+    """The execution options of the loader's epochs on the coordinator."""
+    from .placement import exclusions_here
+
+    prefetch = max(2, (loader.prefetch_factor or 2) * max(1, loader.num_workers))
+    return ExecutionOptions(memory_budget=loader.memory_budget, deterministic=loader.in_order,
+                            exclude_nodes=exclusions_here(loader.allow_trainer_node),
+                            prefetch_blocks=prefetch, progress=False)
 
 
 def _epoch_spec(loader: "DataLoader", run: Any) -> EpochSpec:
@@ -93,12 +106,7 @@ def _epoch_spec(loader: "DataLoader", run: Any) -> EpochSpec:
     fp = {"type": type(loader.dataset).__name__, "len": len(loader.dataset), "dataset_id": loader.dataset_id}
     source = ReadyBatchSource(batches, 1, fp, ids=run.ids)
     eplan = make_epoch_plan(run.ids, run.epoch, run.epoch_seed, shuffle=False)
-    prefetch = max(2, (loader.prefetch_factor or 2) * max(1, loader.num_workers))
-    from .placement import exclusions_here
-
-    options = ExecutionOptions(memory_budget=loader.memory_budget, deterministic=loader.in_order,
-                               exclude_nodes=exclusions_here(loader.allow_trainer_node),
-                               prefetch_blocks=prefetch, progress=False)
+    options = _options(loader)
     assignment = tuple(run.ranks) if loader.in_order else None
     return EpochSpec(run.epoch, run.epoch_seed, source, (loader._worker_op(),), eplan, options, run.per_rank,
                      assignment, tuple(tuple(map(tuple, r)) for r in run.batch_ranges),

@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 import ray
 
-from ._executor.executor import ExecutionOptions, OutputBlock, StreamingExecutor
+from ._executor.executor import ExecutionOptions, OutputBlock, StreamingExecutor, prestart_pools
 from ._executor.stages import build_stages
 from . import ledger as _ledger
 from .errors import SbloaderError
@@ -312,6 +312,21 @@ class SplitCoordinator:
             return {"ok": False, "world_size": self._world_size, "fingerprint": self._fingerprint}
         return {"ok": True}
 
+    def prewarm(self, source_name: str, ops: tuple, options: ExecutionOptions) -> int:
+        """Start the worker pool before the first epoch (rank 0, right after creating this).
+
+        The actors start and construct their callable class (import torch, unpickle
+        the dataset) while the ranks plan their epoch; ``start_epoch``'s executor
+        adopts them. A no-op once any epoch started or actors are cached.
+
+        Returns:
+            The number of actors started.
+        """
+        with self._lock:
+            if self._epochs or any(self._actor_cache.values()):
+                return 0
+            return prestart_pools(source_name, ops, options, self._actor_cache)
+
     def start_epoch(self, spec: EpochSpec) -> int:
         """Rank 0 starts an epoch (idempotent); returns the per-rank batch count.
 
@@ -530,7 +545,7 @@ class SplitCoordinator:
             for handles in self._actor_cache.values():
                 for h in handles:
                     try:
-                        ray.kill(h)
+                        ray.kill(getattr(h, "handle", h))  # a PrestartedActor or a handle
                     except Exception:
                         pass
             self._actor_cache.clear()

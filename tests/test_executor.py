@@ -364,3 +364,51 @@ def test_default_budget_holds_a_flat_number_of_blocks_ahead_of_a_slow_consumer(r
     freeing = int(ex._FREE_LAG_S / 0.01) + 2
     assert executor.stats().peak_held_bytes <= (cap + 1 + freeing) * block * 1.1, \
         (executor.stats().peak_held_bytes / block, cap)
+
+
+class _PidTagger:
+    """Pool class that records how many times it was constructed (a file per construction)."""
+
+    def __init__(self, marker_dir: str) -> None:
+        import os
+        import uuid
+
+        open(os.path.join(marker_dir, uuid.uuid4().hex), "w").close()
+        self.pid = os.getpid()
+
+    def __call__(self, batch: dict) -> dict:
+        batch["pid"] = np.full(len(batch["item"]), self.pid)
+        return batch
+
+
+def test_prestarted_pool_actors_are_adopted_not_duplicated(ray_session, tmp_path):
+    """prestart_pools starts a pool's minimum actors ahead of the epoch; the epoch's executor adopts
+    them (they run its blocks; it creates no more), and they are constructed once each."""
+    import os
+
+    import ray
+
+    from sbloader._executor.executor import ExecutionOptions, PrestartedActor, StreamingExecutor, prestart_pools
+    from sbloader._executor.stages import build_stages
+    from sbloader.iterators import iter_blocks
+
+    ds = sbloader.from_items(list(range(64)), rows_per_partition=8).map_batches(
+        _PidTagger, concurrency=(2, 2), num_cpus=0.5, fn_constructor_args=(str(tmp_path),))
+    source, ops = ds._source, ds._ops
+    options = ExecutionOptions()
+    cache: dict = {}
+    assert prestart_pools(source.name, ops, options, cache) == 2
+    assert prestart_pools(source.name, ops, options, cache) == 0  # the pool already has its actors
+    started = [a for handles in cache.values() for a in handles]
+    assert len(started) == 2 and all(isinstance(a, PrestartedActor) for a in started)
+    pids = {ray.get(a.handle.__ray_call__.remote(lambda self: self._instance.pid)) for a in started}
+    ex = StreamingExecutor(source, build_stages(source.name, ops), ds.plan(epoch=0), options, actor_cache=cache)
+    seen = set()
+    items = []
+    for block, _ in iter_blocks(ex.start()):
+        seen.update(int(p) for p in block["pid"])
+        items.extend(int(x) for x in block["item"])
+    assert sorted(items) == list(range(64))
+    assert seen <= pids and seen  # only the prestarted actors ran blocks
+    assert ex.stats().operators[-1].actors_created == 2
+    assert len(os.listdir(tmp_path)) == 2  # constructed once per actor, no third actor

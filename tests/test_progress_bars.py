@@ -119,10 +119,6 @@ def test_bars_default_to_a_terminal_and_follow_the_option(ray_session, bars, mon
     assert len(bars) == (1 if shown else 0)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known bug: the read stage's bar gets the source's row count as its total even when "
-    "a fused filter/flat_map changes the count, and counts the stage's output rows "
-    "(sbloader/_executor/executor.py, _make_bars): 60 rows filtered to 15 end at 15/60"))
 def test_a_bar_with_a_total_ends_at_it_when_a_fused_filter_drops_rows(ray_session, bars):
     ds = sbloader.range(60, num_partitions=6).filter(_multiple_of_four)
     assert len(list(ds.iter_rows(progress=True))) == 15

@@ -17,7 +17,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import ray
 
@@ -27,7 +27,7 @@ from ..plan import EpochPlan
 from ..sources import Partition, Source
 from ..stats import ExecutionStats, OperatorStats
 from .policy import PoolView, StageView, blocks_ahead_cap, min_budget_bytes, pool_delta, select_stage
-from .stages import Stage, stage_concurrency
+from .stages import Stage, build_stages, stage_concurrency
 from .tasks import EpochInfo, MapActor, Packed, block_stage_task, pack, read_stage_task
 
 logger = logging.getLogger(__name__)
@@ -82,6 +82,66 @@ class OutputBlock:
     meta: BlockMeta
 
 
+@dataclass(frozen=True)
+class PrestartedActor:
+    """A pool actor started before its epoch's executor (see :func:`prestart_pools`).
+
+    Attributes:
+        handle: the actor.
+        ready_ref: resolves once its callable class is constructed.
+    """
+
+    handle: Any
+    ready_ref: ray.ObjectRef
+
+
+def _placed(options: dict, opts: "ExecutionOptions") -> dict:
+    """Ray options with the placement policy's scheduling strategy, if any."""
+    if not opts.exclude_nodes:
+        return options
+    from ..placement import scheduling_strategy
+
+    return {**options, "scheduling_strategy": scheduling_strategy(opts.exclude_nodes)}
+
+
+def _new_pool_actor(stage: Stage, index: int, pool_size: int, opts: "ExecutionOptions") -> Any:
+    """Create one actor of an actor stage's pool (its constructor runs in the background)."""
+    return MapActor.options(
+        max_restarts=opts.max_task_retries,
+        max_task_retries=opts.max_task_retries,
+        **_placed(stage.ray_options, opts),
+    ).remote(stage.ops[0], index, pool_size)
+
+
+def prestart_pools(source_name: str, ops: Sequence[Any], options: "ExecutionOptions",
+                   actor_cache: dict[int, list]) -> int:
+    """Start the minimum number of actors of each actor pool of a pipeline ahead of its epoch.
+
+    They go into ``actor_cache`` (as :class:`PrestartedActor`), where the epoch's
+    :class:`StreamingExecutor` adopts them: the actors' process start and the
+    callable class's construction (for the drop-in loader: importing torch and
+    unpickling the dataset, about a second each) overlap with whatever comes
+    before the epoch starts. A pool that already has cached actors is left alone.
+
+    Returns:
+        The number of actors started.
+    """
+    from .._runtime import cluster_cpus
+
+    stages = build_stages(source_name, list(ops))
+    cpus = cluster_cpus()
+    started = 0
+    for i, stage in enumerate(stages):
+        if stage.kind != "actor" or actor_cache.get(i):
+            continue
+        lo, hi = stage.ops[0].pool_bounds(cpus)
+        for index in range(lo):
+            handle = _new_pool_actor(stage, index, hi, options)
+            actor_cache.setdefault(i, []).append(PrestartedActor(handle, handle.ready.remote()))
+            started += 1
+    return started
+
+
 @dataclass
 class _Actor:
     handle: Any
@@ -134,11 +194,19 @@ class StreamingExecutor:
             list(estimates) if estimates is not None and len(estimates) == len(stages) else [None] * len(stages)
         )
         self._pools: dict[int, list[_Actor]] = {i: [] for i, s in enumerate(stages) if s.kind == "actor"}
-        for i, handles in (actor_cache or {}).items():
-            if i in self._pools:  # persistent workers: actors kept from an earlier epoch
-                self._pools[i] = [_Actor(h, None) for h in handles]
-                handles.clear()
+        self._stats = ExecutionStats(operators=[OperatorStats(s.name) for s in stages])
         self._pending_actors: dict[ray.ObjectRef, tuple[int, _Actor]] = {}
+        for i, handles in (actor_cache or {}).items():
+            if i in self._pools:  # persistent workers kept from an earlier epoch, or started ahead
+                for h in handles:
+                    if isinstance(h, PrestartedActor):  # may still be constructing
+                        actor = _Actor(h.handle, h.ready_ref)
+                        self._pending_actors[h.ready_ref] = (i, actor)
+                        self._stats.operators[i].actors_created += 1
+                    else:
+                        actor = _Actor(h, None)
+                    self._pools[i].append(actor)
+                handles.clear()
         self._outputs: deque[OutputBlock] = deque()
         self._ordered: dict[int, OutputBlock] = {}
         self._next_seq = 0
@@ -149,7 +217,6 @@ class StreamingExecutor:
         self._remaining = 0
         self._done = False
         self._budget_checked = False
-        self._stats = ExecutionStats(operators=[OperatorStats(s.name) for s in stages])
         self._t0 = 0.0
         self._bars: list[Any] = []
         self._throttle_mark: dict[int, float] = {}
@@ -431,11 +498,7 @@ class StreamingExecutor:
 
     def _placed(self, options: dict) -> dict:
         """Ray options with the placement policy's scheduling strategy, if any."""
-        if not self._opts.exclude_nodes:
-            return options
-        from ..placement import scheduling_strategy
-
-        return {**options, "scheduling_strategy": scheduling_strategy(self._opts.exclude_nodes)}
+        return _placed(options, self._opts)
 
     def _scale_pools(self) -> None:
         now = time.monotonic()
@@ -456,11 +519,7 @@ class StreamingExecutor:
             stage = self._stages[i]
             for _ in range(max(0, delta)):
                 index = self._stats.operators[i].actors_created
-                handle = MapActor.options(
-                    max_restarts=self._opts.max_task_retries,
-                    max_task_retries=self._opts.max_task_retries,
-                    **self._placed(stage.ray_options),
-                ).remote(stage.ops[0], index, hi)
+                handle = _new_pool_actor(stage, index, hi, self._opts)
                 actor = _Actor(handle, handle.ready.remote())
                 actors.append(actor)
                 self._pending_actors[actor.ready_ref] = (i, actor)
@@ -555,7 +614,10 @@ class StreamingExecutor:
             return
         from tqdm.auto import tqdm
 
-        total = self._source.num_rows()
+        # the first stage counts its output rows: the source's count is its total
+        # unless a fused filter/flat_map changes the number of rows
+        keeps_rows = not any(op.kind in ("filter", "flat_map") for op in self._stages[0].ops)
+        total = self._source.num_rows() if keeps_rows else None
         self._bars = [
             tqdm(total=total if i == 0 else None, desc=s.name[:30], unit="row", position=i, leave=False)
             for i, s in enumerate(self._stages)
