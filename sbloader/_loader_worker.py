@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from .block import Block, to_column
+from .block import BATCH_ROWS_COLUMN, Block, to_column
 from .context import actor_info, get_context
 from .sources import Partition
 from .wire import to_wire
@@ -190,15 +190,18 @@ class LoaderWorker:
     def __call__(self, batch: dict) -> dict:
         ctx = get_context()
         seed = ctx.seed if ctx is not None else 0
-        out = []
+        out, rows = [], []  # wire batches, and the samples in each (for the split of a stream)
         for task in batch["task"]:
             if isinstance(task, tuple) and len(task) == 2 and task[0] == "shard":
                 _set_torch_worker_info(task[1], self._num_workers, seed, self._dataset)
-                out.extend(self._iterate_shard())
+                for wire, n in self._iterate_shard():
+                    out.append(wire)
+                    rows.append(n)
             elif isinstance(task, PaddedBatch):
                 _set_torch_worker_info(self._id, self._num_workers, seed, self._dataset)
                 batch = self._collate([self._dataset[i] for i in task.indices])
                 out.append(to_wire(_mark_padding(batch, task)))
+                rows.append(len(task.indices))
             else:
                 _set_torch_worker_info(self._id, self._num_workers, seed, self._dataset)
                 if self._auto:
@@ -206,18 +209,20 @@ class LoaderWorker:
                 else:
                     samples = self._dataset[task]
                 out.append(to_wire(self._collate(samples)))
+                rows.append(len(task) if self._auto else 1)
         col = np.empty((len(out),), dtype=object)
         for i, x in enumerate(out):
             col[i] = x
-        return {"batch": col}
+        return {"batch": col, BATCH_ROWS_COLUMN: np.asarray(rows, dtype=np.int64)}
 
     def _iterate_shard(self) -> list:
+        """The shard's batches as ``(wire batch, samples in it)``."""
         it = iter(self._dataset)
         out = []
         if self._batch_size is None:
-            return [to_wire(self._collate(x)) for x in it]
+            return [(to_wire(self._collate(x)), 1) for x in it]
         while True:
             chunk = list(itertools.islice(it, self._batch_size))
             if not chunk or (self._drop_last and len(chunk) < self._batch_size):
                 return out
-            out.append(to_wire(self._collate(chunk)))
+            out.append((to_wire(self._collate(chunk)), len(chunk)))

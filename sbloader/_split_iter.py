@@ -5,6 +5,10 @@ torch); rank 0 sends the epoch's order to the coordinator, which cuts it into
 equal per-rank batch counts (:mod:`sbloader.split`) and runs the pipeline. Each
 rank pulls its batches as object refs, one request ahead (the prefetch), and
 acknowledges what its training loop consumed.
+
+An ``IterableDataset`` with ``split=True`` (:func:`iter_split_stream`) has no
+order to send: the coordinator iterates it once for the job and equalises the
+ranks' counts as the batches come (:func:`sbloader.split.stream_allowance`).
 """
 from __future__ import annotations
 
@@ -12,13 +16,13 @@ import logging
 import math
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import numpy as np
 import ray
 
 from ._executor.executor import ExecutionOptions
-from ._loader_worker import PaddedBatch, ReadyBatchSource
+from ._loader_worker import PaddedBatch, ReadyBatchSource, ShardSource
 from .coordinator import EpochSpec, get_coordinator
 from .errors import SbloaderError, UserFunctionError, reraise_as_torch
 from .plan import epoch_seed_from, make_epoch_plan
@@ -72,12 +76,15 @@ def split_len(loader: "DataLoader") -> int:
 
 
 def _fingerprint(loader: "DataLoader") -> dict:
-    return {"dataset": type(loader.dataset).__name__, "len": len(loader.dataset),
+    from .dataloader import _safe_len
+
+    return {"dataset": type(loader.dataset).__name__, "len": _safe_len(loader.dataset),
             "batch_size": loader.batch_size, "drop_last": loader.drop_last, "dataset_id": loader.dataset_id}
 
 
-def _coordinator(loader: "DataLoader") -> Any:
-    """The loader's coordinator: found, or created (then rank 0 has it start the worker pool)."""
+def _coordinator(loader: "DataLoader", stream: bool = False) -> Any:
+    """The loader's coordinator: found, or created (then rank 0 has it start the worker pool;
+    ``stream``: the pool of an ``IterableDataset``'s shards)."""
     if loader._coordinator is None:
         from ._runtime import ensure_initialized
 
@@ -86,7 +93,8 @@ def _coordinator(loader: "DataLoader") -> Any:
         loader._coordinator = get_coordinator(w.job_id, loader.name, w.world_size, _fingerprint(loader),
                                               w.restart_count, loader.stall_report_s)
         if w.rank == 0:  # not awaited: the pool starts while the ranks plan the epoch
-            loader._coordinator.prewarm.remote(ReadyBatchSource.name, (loader._worker_op(),), _options(loader))
+            source = ShardSource.name if stream else ReadyBatchSource.name
+            loader._coordinator.prewarm.remote(source, (loader._worker_op(),), _options(loader))
     return loader._coordinator
 
 
@@ -301,6 +309,129 @@ def iter_split(loader: "DataLoader") -> Iterator[Any]:
         fetch.close()
         try:
             pulled.coord.finish.remote(epoch, w.rank, len(run.taken))
+        except Exception:
+            pass
+        if loader.report_stalls:
+            print(f"sbloader rank {w.rank} epoch {epoch}: {stalls}")
+
+
+# ----- an IterableDataset split by the coordinator (the total is unknown) ---------------------
+
+
+_KEEP_BLOCKS = 4  # fetched blocks a rank keeps while it takes their batches
+
+
+def _stream_spec(loader: "DataLoader", epoch: int, epoch_seed: int) -> EpochSpec:
+    """Rank 0's epoch of a stream: the dataset iterated once for the job, one shard per worker."""
+    from ._loader_worker import ShardSource
+    from .dataloader import _safe_len
+
+    fp = {"type": type(loader.dataset).__name__, "len": _safe_len(loader.dataset), "dataset_id": loader.dataset_id}
+    source = ShardSource(max(1, loader.num_workers), fp)
+    ids = [p.id for p in source.partitions(epoch, epoch_seed)]
+    eplan = make_epoch_plan(ids, epoch, epoch_seed, shuffle=False)
+    return EpochSpec(epoch, epoch_seed, source, (loader._worker_op(),), eplan, _options(loader), None,
+                     drop_last=loader.drop_last)
+
+
+def stream_batch(item: Any, pin: bool, copy: bool, blocks: Optional[dict] = None) -> Any:
+    """A :class:`~sbloader.coordinator.StreamBatch` as a batch of tensors: fetched, cut and joined here.
+
+    ``blocks`` keeps the last few fetched blocks by ref: a block holds a whole
+    worker shard's batches, fetched (deserialised) once rather than once per batch.
+    """
+    from ._batch_slice import concat_rows, mark_padding, slice_rows
+
+    blocks = {} if blocks is None else blocks
+
+    def wire(ref: Any, pos: int) -> Any:
+        if ref not in blocks:
+            while len(blocks) >= _KEEP_BLOCKS:
+                blocks.pop(next(iter(blocks)))
+            blocks[ref] = ray.get(ref)["batch"]
+        return blocks[ref][pos]
+
+    if item.whole:
+        ref, pos, _, _ = item.pieces[0]
+        return from_wire(wire(ref, pos), pin=pin, copy=copy)
+    parts = [slice_rows(from_wire(wire(ref, pos), copy=False), a, z) for ref, pos, a, z in item.pieces]
+    batch = mark_padding(concat_rows(parts), item.rows, item.pad)
+    if pin:
+        from .wire import to_wire
+
+        batch = from_wire(to_wire(batch), pin=True)
+    return batch
+
+
+def _pull_stream(loader: "DataLoader", coord: Any, epoch: int, stalls: StallStats, fetched: list) -> Iterator[Any]:
+    """(Fetch thread) This rank's batches of a stream epoch, one request ahead, until told done."""
+    w = loader.world
+    pin = loader._pin()
+    node = ray.get_runtime_context().get_node_id()
+    ask = max(1, loader.prefetch_factor or 2)
+    timeout = loader.timeout or None
+
+    def request() -> Any:
+        consumed = len(fetched) if not loader.zero_copy else stalls.batches
+        return coord.next_batches.remote(epoch, w.rank, ask, consumed, node)
+
+    blocks: dict = {}  # the last blocks fetched, by ref
+    pending = request()
+    last_batch = time.monotonic()
+    while pending is not None:
+        reply = ray.get(pending)
+        pending = None if reply["done"] else request()  # ask for the next ones first: the prefetch
+        if not reply["batches"] and timeout is not None and time.monotonic() - last_batch > timeout:
+            raise RuntimeError(f"DataLoader timed out after {timeout} seconds")  # torch's words
+        for item in reply["batches"]:
+            t0 = time.perf_counter()
+            batch = stream_batch(item, pin, not loader.zero_copy, blocks)
+            stalls.fetch_s += time.perf_counter() - t0
+            last_batch = time.monotonic()
+            fetched.append(item)
+            yield batch
+            batch = None
+
+
+def iter_split_stream(loader: "DataLoader") -> Iterator[Any]:
+    """One epoch of an ``IterableDataset`` split by the coordinator: this rank's share.
+
+    The coordinator iterates the dataset once for the job (``num_workers`` shards,
+    as torch's workers); every rank pulls whole batches while every other rank
+    can still get as many, then one short last batch (or none with
+    ``drop_last``), until the coordinator says it has all of its share.
+    """
+    t_start = time.perf_counter()
+    w = loader.world
+    epoch, epoch_seed = loader._next_epoch()
+    coord = _coordinator(loader, stream=True)
+    if w.rank == 0:
+        ray.get(coord.start_epoch.remote(_stream_spec(loader, epoch, epoch_seed)))
+    elif ray.get(coord.wait_epoch.remote(epoch, 300.0)) is None:
+        raise SbloaderError(f"rank 0 did not start epoch {epoch} within 300 s; is rank 0 iterating this loader?")
+    stalls = StallStats()
+    loader._last_stalls = stalls
+    fetched: list = []
+    fetch = FetchAhead(_pull_stream(loader, coord, epoch, stalls, fetched), depth=max(1, loader.prefetch_factor or 2))
+    try:
+        while True:
+            try:
+                batch = next(fetch)
+            except StopIteration:
+                break
+            except ray.exceptions.RayTaskError as e:
+                if isinstance(e.cause, UserFunctionError):
+                    reraise_as_torch(e.cause)
+                raise
+            finally:
+                stalls.wait_ready_s = fetch.wait_s
+            stalls.batches += 1
+            yield batch
+    finally:
+        stalls.wall_s = time.perf_counter() - t_start
+        fetch.close()
+        try:
+            coord.finish.remote(epoch, w.rank, stalls.batches)
         except Exception:
             pass
         if loader.report_stalls:

@@ -18,6 +18,10 @@ Block = dict  # dict[str, np.ndarray]
 #: Hidden column holding each row's index inside its source partition.
 ROW_COLUMN = "_sb_row"
 
+#: Optional column a producer fills with the samples in each row (a drop-in
+#: loader's row is a collated batch); :attr:`BlockMeta.batch_rows` carries it.
+BATCH_ROWS_COLUMN = "_sb_batch_rows"
+
 
 @dataclass(frozen=True)
 class Provenance:
@@ -54,6 +58,8 @@ class BlockMeta:
         node_id: the Ray node that produced the block.
         skipped: rows the producing task skipped under ``on_error="skip"``.
         pid: the process that produced the block.
+        batch_rows: samples in each row, when the producer said (its
+            ``BATCH_ROWS_COLUMN``); empty otherwise.
     """
 
     epoch: int
@@ -66,6 +72,7 @@ class BlockMeta:
     node_id: str = ""
     skipped: int = 0
     pid: int = 0
+    batch_rows: tuple = ()
 
     def __post_init__(self) -> None:
         if self.num_rows < 0 or self.nbytes < 0:

@@ -3,7 +3,9 @@
 It runs the epoch's streaming executor and hands ready batches to the ranks that
 ask for them, as object refs: the bytes go from the producing node to the rank,
 never through the coordinator. Every rank receives the plan's per-rank count, so
-DDP never hangs on an uneven split. In deterministic mode the plan fixes which
+DDP never hangs on an uneven split (an epoch of unknown length, an
+``IterableDataset``, is equalised as it goes: :func:`sbloader.split.stream_allowance`).
+In deterministic mode the plan fixes which
 rank gets which batch; otherwise a rank gets whatever is ready, preferring
 batches produced on its own node. The coordinator logs, per rank, the ordered
 list of what it delivered and how much of it the rank acknowledged as consumed.
@@ -31,7 +33,7 @@ from . import ledger as _ledger
 from .errors import SbloaderError
 from .ops import Op
 from .plan import EpochPlan
-from .split import pick_local
+from .split import pick_local, stream_allowance, stream_tail
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +57,8 @@ class EpochSpec:
         ops: the operators (the loader's worker pool).
         plan: the epoch plan (partition order).
         options: executor options.
-        per_rank: batches each rank receives.
+        per_rank: batches each rank receives; None when the total is unknown (an
+            ``IterableDataset``'s stream, equalised as it is produced).
         assignment: rank of each partition, by plan position (deterministic mode),
             or None to hand out whatever is ready.
         batch_ranges: per batch (partition) id, the sample positions of its real rows.
@@ -63,6 +66,8 @@ class EpochSpec:
         batch_index: the epoch's batch index of each plan position, when the plan
             holds only some of the epoch's batches (a rebuilt coordinator); empty
             means the identity.
+        drop_last: (unknown total) drop the batches left after the equal whole
+            batches instead of spreading their rows as short last batches.
     """
 
     epoch: int
@@ -71,11 +76,12 @@ class EpochSpec:
     ops: tuple
     plan: EpochPlan
     options: ExecutionOptions
-    per_rank: int
+    per_rank: Optional[int]
     assignment: Optional[tuple[int, ...]] = None
     batch_ranges: tuple = ()
     prior: tuple = ()
     batch_index: tuple = ()
+    drop_last: bool = False
 
     def index_of(self, seq: int) -> int:
         """The epoch's batch index of the partition at plan position ``seq``."""
@@ -93,6 +99,37 @@ class _RankLog:
     count: int = 0  # batches delivered
     last_seen: float = field(default_factory=time.monotonic)
     node: Optional[str] = None
+    left: bool = False  # the rank left the epoch (finish)
+
+
+@dataclass(frozen=True)
+class StreamBatch:
+    """(Unknown total) one batch a rank receives, as pieces of produced batches.
+
+    Attributes:
+        pieces: ``(block ref, batch position in the block, row start, row stop)``;
+            one whole batch, or the pieces of a short last batch.
+        rows: rows of the batch, padding included.
+        pad: the last ``pad`` rows repeat earlier rows (marked as padding).
+        whole: a produced batch as is (no cutting on the rank).
+    """
+
+    pieces: tuple
+    rows: int
+    pad: int = 0
+    whole: bool = True
+
+
+@dataclass(frozen=True)
+class _Produced:
+    """(Unknown total) a produced batch: batch ``pos`` of block ``ref``."""
+
+    ref: Any
+    pos: int
+    rows: int
+    nbytes: int
+    node: str
+    id: int  # production order: the batch's id in the delivery logs
 
 
 class _Epoch:
@@ -127,6 +164,9 @@ class _Epoch:
                 self.logs[r].nbytes = [0] * len(batches)
             self.logs[r].count = self.logs[r].acked = len(batches)
         self.produced_all = False
+        self.stream = spec.per_rank is None  # the total is unknown: equalise as it goes
+        self.produced = 0  # (stream) batches produced so far
+        self.tail: Optional[list] = None  # (stream) per rank its short last batch, once production ended
         self.error: Optional[BaseException] = None
         self._cut_lock = threading.Lock()
         self._cut_at: tuple[int, list] = (0, _ledger.merge(spec.prior))  # (k, ranges) of the last cut
@@ -172,10 +212,14 @@ class _Epoch:
                 item = self.executor.get_next()
                 with self.cond:
                     if item is None:
+                        if self.stream:
+                            self._plan_tail()
                         self.produced_all = True
                         self.cond.notify_all()
                         return
-                    if self.spec.assignment is not None:
+                    if self.stream:
+                        self._add_batches(item)
+                    elif self.spec.assignment is not None:
                         self.queues[self.spec.assignment[item.meta.seq]].append(item)
                     else:
                         self.pool.append(item)
@@ -185,7 +229,107 @@ class _Epoch:
                 self.error = e
                 self.cond.notify_all()
 
+    # ----- an epoch of unknown length (stream) -------------------------------------------------
+
+    def _add_batches(self, item: OutputBlock) -> None:
+        """(Pump, lock held) A produced block's batches join the pool, its bytes shared among them."""
+        meta = item.meta
+        rows = meta.batch_rows or (1,) * meta.num_rows
+        n = len(rows)
+        if n == 0:  # a shard that yielded nothing: no rank will acknowledge its bytes
+            self.executor.release(meta.nbytes)
+        for pos, r in enumerate(rows):
+            share = meta.nbytes // n + (meta.nbytes % n if pos == 0 else 0)
+            self.pool.append(_Produced(item.ref, pos, int(r), share, meta.node_id, self.produced))
+            self.produced += 1
+
+    def _plan_tail(self) -> None:
+        """(Pump, lock held) Production ended: set the left-over batches aside as the tail.
+
+        Every rank's quota is ``produced // world_size`` whole batches; the rest
+        (the shortest undelivered batches, so the whole batches stay full) is
+        dropped with ``drop_last`` or cut into one short last batch per rank.
+        """
+        ws = self.world_size
+        quota = self.produced // ws
+        left = self.produced - quota * ws
+        if left == 0:
+            self.tail = [None] * ws
+            return
+        by_rows = sorted(range(len(self.pool)), key=lambda i: (self.pool[i].rows, i))[:left]
+        spare = [self.pool[i] for i in sorted(by_rows)]
+        keep = set(by_rows)
+        self.pool = deque(b for i, b in enumerate(self.pool) if i not in keep)
+        for b in spare:  # out of the budget: nothing more is produced
+            self.executor.release(b.nbytes)
+        if self.spec.drop_last:
+            self.tail = [None] * ws
+            return
+        plan = stream_tail([b.rows for b in spare], ws)
+        self.tail = [StreamBatch(tuple((spare[i].ref, spare[i].pos, a, z) for i, a, z in pieces),
+                                 sum(z - a for _, a, z in pieces), pad, whole=False)
+                     for pieces, pad in zip(plan.pieces, plan.pad)]
+
+    @property
+    def per_rank(self) -> Optional[int]:
+        """Batches each rank receives: None while a stream's total is unknown."""
+        if not self.stream:
+            return self.spec.per_rank
+        if self.tail is None:
+            return None
+        return self.produced // self.world_size + (1 if self.tail[0] is not None else 0)
+
+    def take_stream(self, rank: int, max_n: int, node: Optional[str], wait_s: float,
+                    stall_report_s: float) -> list:
+        """(Unknown total) up to ``max_n`` batches for ``rank`` as :class:`StreamBatch`; waits at
+        most ``wait_s`` for one (an empty list: nothing yet; see :meth:`done`)."""
+        log = self.logs[rank]
+        log.last_seen = time.monotonic()
+        log.node = node
+        deadline = time.monotonic() + wait_s
+        with self.cond:
+            while True:
+                if self.error is not None:
+                    raise self.error
+                whole = self.produced // self.world_size if self.produced_all else None
+                allow = stream_allowance(self.produced, [lg.count for lg in self.logs], rank, self.produced_all)
+                if whole is not None and log.count >= whole:  # its whole batches: the short last one
+                    allow = 0
+                    last = self.tail[rank]
+                    if last is None or log.count > whole:
+                        return []
+                    self._log(log, -1, 0)
+                    return [last]
+                if allow > 0:
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self._check_stuck(rank, stall_report_s)
+                    return []
+                self.cond.wait(timeout=remaining)
+            out = []
+            while self.pool and len(out) < min(max_n, allow):
+                idx = pick_local([b.node for b in self.pool], node)
+                b = self.pool[idx]
+                del self.pool[idx]
+                out.append(StreamBatch(((b.ref, b.pos, 0, b.rows),), b.rows))
+                self._log(log, b.id, b.nbytes)
+            return out
+
+    def _log(self, log: _RankLog, batch_id: int, nbytes: int) -> None:
+        if self.ledger:
+            log.delivered.append(batch_id)
+        log.nbytes.append(nbytes)
+        log.count += 1
+
+    def done(self, rank: int) -> bool:
+        """Whether ``rank`` received every batch of the epoch."""
+        pr = self.per_rank
+        return pr is not None and self.logs[rank].count >= pr
+
     def take(self, rank: int, max_n: int, node: Optional[str], wait_s: float, stall_report_s: float) -> list:
+        if self.stream:
+            return self.take_stream(rank, max_n, node, wait_s, stall_report_s)
         log = self.logs[rank]
         log.last_seen = time.monotonic()
         log.node = node
@@ -258,8 +402,7 @@ class _Epoch:
     def _check_stuck(self, rank: int, stall_report_s: float) -> None:
         now = time.monotonic()
         silent = [r for r, lg in enumerate(self.logs)
-                  if r != rank and now - lg.last_seen > stall_report_s
-                  and lg.count < self.spec.per_rank]
+                  if r != rank and now - lg.last_seen > stall_report_s and not self.done(r)]
         if silent:
             logger.warning(
                 "sbloader epoch %d: rank(s) %s stopped asking for batches %.0f s ago while rank %d waits; "
@@ -270,11 +413,12 @@ class _Epoch:
     def silent_ranks(self, stall_report_s: float) -> list[int]:
         now = time.monotonic()
         return [r for r, lg in enumerate(self.logs)
-                if now - lg.last_seen > stall_report_s and lg.count < self.spec.per_rank]
+                if now - lg.last_seen > stall_report_s and not self.done(r)]
 
     @property
     def finished(self) -> bool:
-        return all(lg.acked >= self.spec.per_rank for lg in self.logs)
+        pr = self.per_rank
+        return all(lg.left or (pr is not None and lg.acked >= pr) for lg in self.logs)
 
     def shutdown(self) -> None:
         self.stop_executor()
@@ -328,7 +472,7 @@ class SplitCoordinator:
             return prestart_pools(source_name, ops, options, self._actor_cache)
 
     def start_epoch(self, spec: EpochSpec) -> int:
-        """Rank 0 starts an epoch (idempotent); returns the per-rank batch count.
+        """Rank 0 starts an epoch (idempotent); returns the per-rank batch count (-1: unknown).
 
         An earlier epoch still being rebuilt (this coordinator replaced a dead one
         while other ranks were in that epoch) goes first: its pool must get the
@@ -352,10 +496,10 @@ class SplitCoordinator:
                 self._epochs[spec.epoch] = ep
                 ep.start()
                 self._started.notify_all()
-            return self._epochs[spec.epoch].spec.per_rank
+            return _count(self._epochs[spec.epoch].spec.per_rank)
 
     def wait_epoch(self, epoch: int, timeout: float) -> Optional[int]:
-        """Wait until rank 0 started ``epoch``; its per-rank count, or None on timeout."""
+        """Wait until rank 0 started ``epoch``; its per-rank count (-1: unknown), or None on timeout."""
         deadline = time.monotonic() + timeout
         with self._lock:
             while epoch not in self._epochs:
@@ -363,7 +507,7 @@ class SplitCoordinator:
                 if remaining <= 0:
                     return None
                 self._started.wait(timeout=remaining)
-            return self._epochs[epoch].spec.per_rank
+            return _count(self._epochs[epoch].spec.per_rank)
 
     def next_batches(self, epoch: int, rank: int, max_n: int, consumed: int,
                      node: Optional[str] = None, wait_s: float = 1.0) -> dict:
@@ -371,15 +515,18 @@ class SplitCoordinator:
 
         Returns:
             ``{"refs": [...], "metas": [...], "done": bool}``; refs are object refs of
-            blocks (bytes never pass through here).
+            blocks (bytes never pass through here). In an epoch of unknown length,
+            ``{"batches": [StreamBatch, ...], "done": bool}`` instead.
         """
         ep = self._epochs.get(epoch)
         if ep is None:
             raise SbloaderError(f"epoch {epoch} was not started by rank 0 (known: {sorted(self._epochs)})")
         ep.ack(rank, consumed)
         items = ep.take(rank, max_n, node, wait_s, self._stall_report_s)
-        done = ep.logs[rank].count >= ep.spec.per_rank
+        done = ep.done(rank)
         self._collect()
+        if ep.stream:
+            return {"batches": items, "done": done}
         return {"refs": [i.ref for i in items], "metas": [i.meta for i in items],
                 "index": [ep.spec.index_of(i.meta.seq) for i in items], "done": done}
 
@@ -456,7 +603,7 @@ class SplitCoordinator:
         ep = self._epochs.get(epoch)
         if ep is not None:
             ep.ack(rank, consumed)
-            ep.logs[rank].acked = max(ep.logs[rank].acked, ep.spec.per_rank)
+            ep.logs[rank].left = True
             self._collect()
 
     def delivery_log(self, epoch: int) -> list[dict]:
@@ -549,6 +696,10 @@ class SplitCoordinator:
                     except Exception:
                         pass
             self._actor_cache.clear()
+
+
+def _count(per_rank: Optional[int]) -> int:
+    return -1 if per_rank is None else per_rank
 
 
 def coordinator_name(job_id: str, loader_name: str, restart_count: int = 0) -> str:

@@ -41,14 +41,19 @@ def _decide_split(split: Optional[bool], world: Any, dataset: Any, iterable: boo
         return False
     known = sampler is None or type(sampler) in (RandomSampler, SequentialSampler, DistributedSampler)
     if split is None:
-        if iterable or batch_sampler is not None:
-            what = ("an IterableDataset" if iterable
-                    else f"a batch_sampler ({type(batch_sampler).__name__})")
+        if iterable:
             raise ValueError(
-                f"world size is {world.world_size} and the loader has {what}, which the coordinator cannot "
-                f"split across ranks: pass split=False and make the "
-                f"{'dataset' if iterable else 'batch_sampler'} shard itself by rank (every rank then "
+                f"world size is {world.world_size} and the loader has an IterableDataset: pass split=True "
+                "(the coordinator iterates it once for the job and splits its output across ranks, equal "
+                "batch counts on every rank) or split=False (it shards itself by rank: every rank then "
                 "iterates its own shard, as under torch)"
+            )
+        if batch_sampler is not None:
+            raise ValueError(
+                f"world size is {world.world_size} and the loader has a batch_sampler "
+                f"({type(batch_sampler).__name__}), which the coordinator cannot split across ranks: pass "
+                "split=False and make the batch_sampler shard itself by rank (every rank then iterates its "
+                "own shard, as under torch)"
             )
         if not known:
             raise ValueError(
@@ -58,10 +63,10 @@ def _decide_split(split: Optional[bool], world: Any, dataset: Any, iterable: boo
                 "what it yields)"
             )
         return True
-    if split and (iterable or batch_sampler is not None):
+    if split and batch_sampler is not None:
         raise ValueError(
-            "split=True needs a map-style dataset and a sampler (not a batch_sampler or an IterableDataset); "
-            "use split=False for a dataset or batch_sampler that shards itself per rank"
+            "split=True needs a sampler or an IterableDataset, not a batch_sampler; use split=False for a "
+            "batch_sampler that shards itself per rank"
         )
     return bool(split)
 
@@ -101,8 +106,15 @@ class DataLoader:
         in_order: deliver batches in sampler order (deterministic); False
             delivers them as they are ready.
         seed: fixes the epoch seed to ``f(seed, epoch)`` instead of drawing it.
-        split: split batches across ranks (world size above 1); only ``False``
-            is supported so far: every rank iterates the whole dataset.
+        split: split each epoch across ranks (world size above 1) through the
+            job's split coordinator, equal batch counts on every rank. Default:
+            True for a map-style dataset with no sampler or torch's Random,
+            Sequential or DistributedSampler; anything else (an
+            ``IterableDataset``, a custom sampler) must say. ``True`` with an
+            ``IterableDataset``: the coordinator iterates it once for the job
+            (sharded by ``get_worker_info()`` over ``num_workers`` workers) and
+            splits its batches, so ``len()`` raises ``TypeError``; ``False``:
+            every rank iterates what its dataset or sampler yields, as under torch.
         memory_budget: bytes the pipeline may hold in the object store.
         batches_per_partition: batches per unit of work (and of replay).
         worker_num_cpus: CPUs per worker actor.
@@ -212,6 +224,11 @@ class DataLoader:
 
         self.world = World.detect(rank=rank, world_size=world_size, job_id=job_id)
         self.split = _decide_split(split, self.world, dataset, self._iterable, sampler, batch_sampler)
+        if self.split and self._iterable and batch_size is None:
+            raise ValueError(
+                "split=True with an IterableDataset needs batch_size (auto-batching): the coordinator equalises "
+                "the ranks by cutting the last rows into short batches; pass batch_size= or split=False"
+            )
         if multiprocessing_context is not None:
             warnings.warn(
                 "multiprocessing_context has no meaning for sbloader (workers are Ray actors); it is ignored",
@@ -290,6 +307,9 @@ class DataLoader:
         return self.batch_sampler if self._auto_collation and not self._iterable else self.sampler
 
     def __len__(self) -> int:
+        if self.split and self._iterable:  # the coordinator splits a stream whose total it learns at the end
+            raise TypeError(f"object of type '{type(self).__name__}' has no len(): it splits an IterableDataset "
+                            "across ranks, and the per-rank count is known only once the dataset is exhausted")
         if self.split:
             from ._split_iter import split_len
 
@@ -379,6 +399,10 @@ class DataLoader:
         return self._last_stalls
 
     def __iter__(self) -> Iterator[Any]:
+        if self.split and self._iterable:
+            from ._split_iter import iter_split_stream
+
+            return iter_split_stream(self)
         if self.split:
             from ._split_iter import iter_split
 

@@ -122,3 +122,88 @@ def pick_local(ready_nodes: Sequence[str], rank_node: Optional[str]) -> int:
             if node == rank_node:
                 return i
     return 0
+
+
+# ----- an epoch of unknown length (an IterableDataset split by the coordinator) -------------
+
+
+def stream_allowance(produced: int, delivered: Sequence[int], rank: int, ended: bool) -> int:
+    """How many more whole batches ``rank`` may take now, in an epoch whose total is unknown.
+
+    While the pipeline produces, rank ``r`` may take its ``k``-th batch only if
+    ``produced >= sum_s max(delivered[s], k)``: every other rank can still reach
+    ``k`` from what was produced, so a fast rank never takes a batch a slow rank
+    will need to keep the counts equal. That keeps every rank at or below
+    ``produced // world_size``; once production ended with ``produced`` batches in
+    all, each rank's quota of whole batches is ``produced // world_size``.
+
+    Args:
+        produced: batches produced so far (the total once ``ended``).
+        delivered: whole batches delivered to each rank so far.
+        rank: the asking rank.
+        ended: whether the pipeline produced everything.
+    """
+    if ended:
+        return max(0, produced // len(delivered) - delivered[rank])
+    more = 0
+    while produced >= sum(max(d, delivered[rank] + more + 1) for d in delivered):
+        more += 1
+    return more
+
+
+@dataclass(frozen=True)
+class StreamTail:
+    """How the rows of the batches left after the equal whole batches are spread over the ranks.
+
+    The rows of the left-over batches, taken in order, are cut into one short last
+    batch per rank, as evenly as possible. A rank with no row left (fewer rows
+    than ranks) gets one repeated row, marked as padding.
+
+    Attributes:
+        pieces: per rank, its short batch as ``(left-over batch, row start, row stop)``
+            pieces in order (padding pieces last); empty when nothing is left over.
+        pad: per rank, how many of its rows are repeats (at the end of its batch).
+    """
+
+    pieces: tuple[tuple[tuple[int, int, int], ...], ...]
+    pad: tuple[int, ...]
+
+
+def stream_tail(rows: Sequence[int], world_size: int) -> StreamTail:
+    """Spread the rows of the left-over batches (``rows[i]`` rows each) as one short batch per rank.
+
+    Args:
+        rows: rows of each left-over batch, in order (each at least 1); empty: no tail.
+        world_size: ranks.
+    """
+    if world_size < 1 or any(n < 1 for n in rows):
+        raise ValueError(f"need world_size >= 1 and batches of at least one row; found {world_size}, {list(rows)}")
+    total = sum(rows)
+    if total == 0:
+        return StreamTail(tuple(() for _ in range(world_size)), (0,) * world_size)
+    starts = [0]
+    for n in rows:
+        starts.append(starts[-1] + n)
+
+    def cut(a: int, b: int) -> tuple:
+        """Pieces covering positions ``[a, b)`` of the left-over rows."""
+        out = []
+        for i, n in enumerate(rows):
+            lo, hi = max(a, starts[i]), min(b, starts[i] + n)
+            if lo < hi:
+                out.append((i, lo - starts[i], hi - starts[i]))
+        return tuple(out)
+
+    base, extra = divmod(total, world_size)
+    pieces, pads, pos = [], [], 0
+    for t in range(world_size):
+        size = base + (1 if t < extra else 0)
+        if size:
+            pieces.append(cut(pos, pos + size))
+            pads.append(0)
+            pos += size
+        else:  # fewer rows than ranks: repeat a row, cycling over the left-over rows
+            r = t % total
+            pieces.append(cut(r, r + 1))
+            pads.append(1)
+    return StreamTail(tuple(pieces), tuple(pads))

@@ -7,7 +7,8 @@ torchrun's variables in the environment): no Ray is started, which the
 A loader the coordinator can split safely (no sampler, or torch's RandomSampler,
 SequentialSampler, DistributedSampler) splits by default; anything else must say
 ``split=`` or the constructor raises, naming what it found and only the choices
-that work for it.
+that work for it (an IterableDataset: split=True, the coordinator splits its
+output, or split=False, it shards itself; a batch_sampler: split=False only).
 """
 from __future__ import annotations
 
@@ -134,19 +135,24 @@ def test_custom_sampler_with_split_is_accepted(split):
     assert lo.sampler is not None and type(lo.sampler) is EveryOther
 
 
-def test_iterable_dataset_without_split_says_split_false_only():
+def test_iterable_dataset_without_split_names_both_choices():
     with pytest.raises(ValueError) as info:
         loader(Stream(), batch_size=4)
     msg = str(info.value)
     assert "IterableDataset" in msg and "world size is 2" in msg, msg
-    assert "split=False" in msg and "shard itself by rank" in msg, msg
-    # split=True is refused for an IterableDataset: the message must not suggest it
-    assert "split=True" not in msg, msg
-    with pytest.raises(ValueError, match="split=True needs a map-style dataset"):
-        loader(Stream(), batch_size=4, split=True)
+    assert "split=True" in msg and "splits its output across ranks" in msg, msg
+    assert "split=False" in msg and "shards itself by rank" in msg, msg
     # what the message says works
-    lo = loader(Stream(), batch_size=4, split=False)
-    assert lo.split is False
+    assert loader(Stream(), batch_size=4, split=False).split is False
+    lo = loader(Stream(), batch_size=4, split=True)
+    assert lo.split is True
+    with pytest.raises(TypeError, match="has no len()"):  # the per-rank count is unknown until the end
+        len(lo)
+    with pytest.raises(sbloader.errors.StateDictError):
+        lo.state_dict()
+    # the short last batches need rows to cut: no auto-batching is refused
+    with pytest.raises(ValueError, match="needs batch_size"):
+        loader(Stream(), batch_size=None, split=True)
 
 
 def test_batch_sampler_without_split_says_split_false_only():
@@ -155,7 +161,7 @@ def test_batch_sampler_without_split_says_split_false_only():
     msg = str(info.value)
     assert "batch_sampler (PairBatches)" in msg and "world size is 2" in msg, msg
     assert "split=False" in msg and "split=True" not in msg, msg
-    with pytest.raises(ValueError, match="split=True needs a map-style dataset"):
+    with pytest.raises(ValueError, match="split=True needs a sampler or an IterableDataset"):
         loader(batch_sampler=PairBatches(), split=True)
     assert loader(batch_sampler=PairBatches(), split=False).split is False
     # torch's own BatchSampler over a known sampler is still a user's batch_sampler

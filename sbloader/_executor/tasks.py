@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import ray
 
-from ..block import ROW_COLUMN, Block, BlockMeta, block_nbytes, num_rows, take
+from ..block import BATCH_ROWS_COLUMN, ROW_COLUMN, Block, BlockMeta, block_nbytes, num_rows, take
 from ..context import task_context
 from ..errors import SourceReadError, UserFunctionError, picklable
 from ..ops import Op, apply_op
@@ -127,6 +127,7 @@ def _make_meta(block: Block, info: EpochInfo, partition_id: int, seq: int, t0: f
         node_id=_node_id(),
         skipped=skipped,
         pid=os.getpid(),
+        batch_rows=tuple(int(n) for n in block[BATCH_ROWS_COLUMN]) if BATCH_ROWS_COLUMN in block else (),
     )
 
 

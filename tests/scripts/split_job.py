@@ -10,7 +10,7 @@ import os
 import time
 
 import torch
-from torch.utils.data import Dataset, DistributedSampler
+from torch.utils.data import Dataset, DistributedSampler, IterableDataset, get_worker_info
 
 import sbloader
 
@@ -31,6 +31,21 @@ class Ids(Dataset):
         if i == self.straggler:
             time.sleep(self.straggler_s)
         return {"id": i, "x": torch.full((self.payload,), float(i))}
+
+
+class FilteredIds(IterableDataset):
+    """``{"id": i, "x": ...}`` for ``i < n`` except the multiples of 7 (the loader cannot know the
+    total), sharded over the loader's workers by ``get_worker_info()``, as under torch."""
+
+    def __init__(self, n: int, payload: int = 16) -> None:
+        self.n, self.payload = n, payload
+
+    def __iter__(self):
+        info = get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        for i in range(wid, self.n, nw):
+            if i % 7:
+                yield {"id": i, "x": torch.full((self.payload,), float(i))}
 
 
 def _coordinator_info(loader: sbloader.DataLoader) -> dict:
@@ -70,6 +85,8 @@ def main() -> None:
     p.add_argument("--rss", type=int, default=0, help="log the coordinator's pid and RSS at start and end")
     p.add_argument("--break-after", type=int, default=-1,
                    help="every rank leaves epoch 0 after this many batches (a step limit)")
+    p.add_argument("--iterable", type=int, default=0,
+                   help="an IterableDataset (FilteredIds) with split=True: len(loader) is logged as None")
     args = p.parse_args()
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -79,7 +96,9 @@ def main() -> None:
                   in_order=bool(args.in_order), seed=args.seed, persistent_workers=True,
                   worker_num_cpus=args.worker_cpus)
     sampler = None
-    if args.distributed_sampler:  # as a DDP script does: a process group, then the sampler
+    if args.iterable:
+        loader = sbloader.DataLoader(FilteredIds(args.n, args.payload), split=True, **kwargs)
+    elif args.distributed_sampler:  # as a DDP script does: a process group, then the sampler
         import torch.distributed as dist
 
         dist.init_process_group("gloo")
@@ -91,7 +110,11 @@ def main() -> None:
     loaders = [loader]
     if args.two_loaders:
         loaders.append(sbloader.DataLoader(ds, shuffle=False, **kwargs))
-    log = {"rank": rank, "world": world, "len": len(loader), "epochs": [], "pid": os.getpid(),
+    try:
+        length = len(loader)
+    except TypeError:  # an IterableDataset split by the coordinator: unknown until the end
+        length = None
+    log = {"rank": rank, "world": world, "len": length, "epochs": [], "pid": os.getpid(),
            "t_start": time.time()}
     rss = []
     for epoch in range(args.epochs):
