@@ -789,8 +789,10 @@ def report(args: argparse.Namespace, jobs: list[dict], cut: list[dict], inproc: 
         f"rank) every {args.every} batches. "
         + (f"**Verdict: {summary['verdict_a']} — +{100 * est:.1f}%**, from its parts timed separately (below): "
            f"the ledger's bookkeeping adds {book['ledger_adds_us_per_batch']:.2f} µs per batch (nothing), the "
-           f"`state_dict()` calls {1e3 * per_batch_calls:.0f} µs per batch: one Ray actor call per rank per "
-           "checkpoint, most of it what any call on the actor costs. "
+           f"`state_dict()` calls {1e3 * per_batch_calls:.0f} µs per batch (with `in_order=True`, the default, "
+           "`state_dict()` cuts from the plan on the rank and makes no call to the coordinator; with "
+           "`in_order=False` it is one Ray actor call per rank per checkpoint, about what any call on the actor "
+           "costs). "
            + (f"With checkpoints {summary['every_for_target']} or more batches apart it is within 2%. "
               if summary["every_for_target"] else "") if est is not None else "")
         + f"The direct A/B ratio with/without = {h.fmt_range(ratio, '{:.3f}')} (median over rounds) is "
@@ -889,8 +891,8 @@ def report(args: argparse.Namespace, jobs: list[dict], cut: list[dict], inproc: 
         f"rows_per_partition={8 * BATCH}).map_batches(add_square).to_dataloader(batch_size={BATCH}, shuffle=True, "
         f"seed=0)`. Contenders interleaved, {args.reps} rounds." if inproc is not None else "",
         "- `of which: coordinator found or created` = `_split_iter._coordinator(loader)`, called inside the timed "
-        "window where `iter()` would call it first: a fresh loader's coordinator actor starts there; its worker "
-        "actors start after it, in `next()`.",
+        "window where `iter()` would call it first: a fresh loader's coordinator actor starts there, and rank 0 "
+        "has it start the worker actors at once (`prewarm`), while the ranks plan the epoch.",
         f"- torchrun: per rank, in each round's job after (a) ({args.job_reps} repetitions per job). Before the timed "
         "window rank 0 waits until the coordinator has dropped the abandoned epoch (see the notes); `fresh` "
         "loaders run with `worker_num_cpus=0.5` like (a)'s.",
