@@ -21,9 +21,9 @@ Contenders, interleaved in one run (BENCHMARKING.md):
   num_workers=nproc, persistent_workers=True)``;
 - ``Ray Data read_images`` / ``Ray Data read_parquet``: ``ray.data.read_images`` /
   ``read_parquet`` (``shuffle="files"``) + ``map_batches`` + ``iter_torch_batches(64)``;
-- ``sbloader read_images, 64 files/partition``: the folder pipeline with
-  ``files_per_partition=64`` (one block per batch) instead of the default 16, to show
-  the per-block cost in the trainer.
+- ``sbloader read_images, 16 files/partition``: the folder pipeline with
+  ``files_per_partition=16`` (the default before 2026-11-22) instead of the default 64
+  (one block per batch), to show the per-block cost in the trainer.
 
 The Ray contenders run in persistent child processes, each with its own Ray
 (sbloader's native pipelines; the drop-in, whose persistent actors hold the CPUs;
@@ -74,7 +74,7 @@ MODE_TITLES = {
     "cpu": "CPU work in the consumer",
 }
 LOADERS = ("torch", "torch-persistent", "sbloader-folder", "sbloader-parquet", "sbloader-dropin",
-           "raydata-folder", "raydata-parquet", "sbloader-folder64")
+           "raydata-folder", "raydata-parquet", "sbloader-folder16")
 CEILING = ("single", "pool")
 DISPLAY = {
     "single": "function x1 (ceiling / N)",
@@ -86,11 +86,11 @@ DISPLAY = {
     "sbloader-dropin": "sbloader DataLoader (drop-in, persistent)",
     "raydata-folder": "Ray Data read_images",
     "raydata-parquet": "Ray Data read_parquet",
-    "sbloader-folder64": "sbloader read_images, 64 files/partition",
+    "sbloader-folder16": "sbloader read_images, 16 files/partition",
 }
 # child process -> (kind, contenders it serves, in the order of their first runs)
 SERVERS = {
-    "sbl": ("sbloader", ("sbloader-folder", "sbloader-parquet", "sbloader-folder64")),
+    "sbl": ("sbloader", ("sbloader-folder", "sbloader-parquet", "sbloader-folder16")),
     "dropin": ("sbloader", ("sbloader-dropin",)),
     "rd": ("raydata", ("raydata-folder", "raydata-parquet")),
 }
@@ -154,7 +154,7 @@ def _build(name: str, cfg: dict) -> tuple[Callable[[], Any], Callable[[Any], Any
         import sbloader
 
         if name.startswith("sbloader-folder"):
-            fpp = BATCH if name == "sbloader-folder64" else None  # None: read_images' default (16)
+            fpp = 16 if name == "sbloader-folder16" else None  # None: read_images' default (64)
             loader = (sbloader.read_images(paths, files_per_partition=fpp).map_batches(w.sbl_crop_flip_batch)
                       .to_dataloader(BATCH, shuffle=True))
         elif name == "sbloader-parquet":
