@@ -252,6 +252,19 @@ def _no_ledger() -> bool:
     return not ledger_enabled()
 
 
+def _next_from(fetch: FetchAhead, stalls: StallStats) -> Any:
+    """The fetch thread's next item (StopIteration at its end); a user function's error
+    is raised as torch's DataLoader raises it; the wait is added to ``stalls``."""
+    try:
+        return next(fetch)
+    except ray.exceptions.RayTaskError as e:
+        if isinstance(e.cause, UserFunctionError):
+            reraise_as_torch(e.cause)
+        raise
+    finally:
+        stalls.wait_ready_s = fetch.wait_s
+
+
 def iter_split(loader: "DataLoader") -> Iterator[Any]:
     """One epoch on this rank: pull batches from the coordinator, yield tensors."""
     t_start = time.perf_counter()
@@ -289,16 +302,10 @@ def iter_split(loader: "DataLoader") -> Iterator[Any]:
     try:
         while len(run.taken) < pulled.per_rank:
             try:
-                batch, batch_index = next(fetch)
+                batch, batch_index = _next_from(fetch, stalls)
             except StopIteration:
                 raise SbloaderError(f"rank {w.rank}: the fetch thread ended after {len(run.taken)} of "
                                     f"{pulled.per_rank} batches; this is a bug") from None
-            except ray.exceptions.RayTaskError as e:
-                if isinstance(e.cause, UserFunctionError):
-                    reraise_as_torch(e.cause)
-                raise
-            finally:
-                stalls.wait_ready_s = fetch.wait_s
             stalls.batches += 1
             run.taken.append(batch_index)
             yield batch
@@ -416,15 +423,9 @@ def iter_split_stream(loader: "DataLoader") -> Iterator[Any]:
     try:
         while True:
             try:
-                batch = next(fetch)
+                batch = _next_from(fetch, stalls)
             except StopIteration:
                 break
-            except ray.exceptions.RayTaskError as e:
-                if isinstance(e.cause, UserFunctionError):
-                    reraise_as_torch(e.cause)
-                raise
-            finally:
-                stalls.wait_ready_s = fetch.wait_s
             stalls.batches += 1
             yield batch
     finally:
