@@ -75,6 +75,8 @@ def main() -> None:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
+    if args.ckpt_every < 1:
+        p.error(f"--ckpt-every must be a positive number of steps, found {args.ckpt_every}")
 
     rank, world, device = setup_distributed()
     torch.manual_seed(args.seed)
