@@ -721,4 +721,27 @@ def get_coordinator(job_id: str, loader_name: str, world_size: int, fingerprint:
             f"{reply['world_size']} and {reply['fingerprint']}, expected world_size={world_size} and "
             f"{fingerprint}. Give the loader a distinct name= or a fresh job id."
         )
+    if restart_count > 0:
+        _retire(coordinator_name(job_id, loader_name, restart_count - 1))
     return handle
+
+
+def _retire(name: str) -> None:
+    """Kill the coordinator of the job's previous (elastic) restart and its worker pool.
+
+    Coordinators are detached, so they outlive the rank that created them; after
+    torchrun restarts the workers, the previous restart's coordinator serves
+    nobody (the new job resumes from a checkpoint) but would keep its pool's CPUs.
+    """
+    try:
+        old = ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:  # none, or already retired by another rank
+        return
+    try:
+        ray.get(old.shutdown.remote(), timeout=10)
+    except Exception:  # dead or stuck: the kill below is enough (its pool actors die with it)
+        pass
+    try:
+        ray.kill(old)
+    except Exception:
+        pass

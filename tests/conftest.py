@@ -27,3 +27,33 @@ def ray_session():
     info = sbloader.init(num_cpus=TEST_CPUS, object_store_memory=512 * 2**20)
     yield info
     sbloader.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _free_split_coordinators():
+    """Kill the split coordinators a test left in the session's Ray.
+
+    A coordinator is a detached actor that keeps its worker pool for the rest of
+    its job; in this one-Ray session every test's job ends with the test, and
+    without this the pools of earlier tests would pile up until no CPU is free
+    (the executor then warns and waits).
+    """
+    yield
+    import ray
+
+    if not ray.is_initialized():
+        return
+    from sbloader.coordinator import NAMESPACE
+
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] != NAMESPACE or not entry["name"].startswith("sbloader-coordinator:"):
+            continue
+        try:
+            handle = ray.get_actor(entry["name"], namespace=NAMESPACE)
+        except ValueError:  # already gone
+            continue
+        try:
+            ray.get(handle.shutdown.remote(), timeout=10)  # kills its cached pool actors
+        except Exception:
+            pass
+        ray.kill(handle)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 
 import pytest
 
@@ -333,3 +334,27 @@ def test_local_cut_matches_the_coordinator(ray_session):
         assert ledger.count(theirs) == 2 * 4 * k
     for it in its:
         list(it)
+
+
+def test_a_restarted_job_retires_the_previous_restarts_coordinator(ray_session):
+    """After torchrun restarts the workers (restart_count + 1), the first coordinator of the new
+    restart kills the previous restart's (detached, so it outlived its ranks) and its pool."""
+    import ray
+
+    from sbloader.coordinator import NAMESPACE, coordinator_name, get_coordinator
+
+    fp = {"dataset": "x"}
+    old = get_coordinator("test-retire", "loader", 2, fp, restart_count=0)
+    ray.get(old.hello.remote(2, fp))
+    get_coordinator("test-retire", "loader", 2, fp, restart_count=1)
+
+    def names() -> set:
+        return {e["name"] for e in ray.util.list_named_actors(all_namespaces=True) if e["namespace"] == NAMESPACE}
+
+    deadline = time.monotonic() + 15  # the kill is asynchronous
+    while coordinator_name("test-retire", "loader", 0) in names() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert coordinator_name("test-retire", "loader", 0) not in names()
+    assert coordinator_name("test-retire", "loader", 1) in names()
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(old.hello.remote(2, fp), timeout=30)
