@@ -302,11 +302,8 @@ class _Epoch:
                     return [last]
                 if allow > 0:
                     break
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    self._check_stuck(rank, stall_report_s)
+                if not self._wait(deadline, rank, stall_report_s):
                     return []
-                self.cond.wait(timeout=remaining)
             out = []
             while self.pool and len(out) < min(max_n, allow):
                 idx = pick_local([b.node for b in self.pool], node)
@@ -349,11 +346,8 @@ class _Epoch:
                         f"epoch {self.spec.epoch}: rank {rank} is owed {quota} more batches but the "
                         "pipeline produced everything; this is a bug in the split plan"
                     )
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    self._check_stuck(rank, stall_report_s)
+                if not self._wait(deadline, rank, stall_report_s):
                     return []
-                self.cond.wait(timeout=remaining)
             out = []
             while q and len(out) < min(max_n, quota):
                 if self.spec.assignment is None:
@@ -398,6 +392,16 @@ class _Epoch:
                 ranges = _ledger.merge(pieces)
                 self._cut_at = (k, ranges)
             return list(ranges)
+
+    def _wait(self, deadline: float, rank: int, stall_report_s: float) -> bool:
+        """(``cond`` held) Wait for the pump until ``deadline``; False once it has passed
+        (after reporting the ranks that stopped asking)."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            self._check_stuck(rank, stall_report_s)
+            return False
+        self.cond.wait(timeout=remaining)
+        return True
 
     def _check_stuck(self, rank: int, stall_report_s: float) -> None:
         now = time.monotonic()
