@@ -39,6 +39,23 @@ logger = logging.getLogger(__name__)
 
 NAMESPACE = "sbloader"
 NO_LEDGER_ENV = "SBLOADER_NO_LEDGER"
+IDLE_EXIT_ENV = "SBLOADER_COORDINATOR_IDLE_EXIT_S"
+#: A coordinator no rank has called for this long retires itself (and its pool).
+DEFAULT_IDLE_EXIT_S = 3600.0
+
+
+def idle_exit_s() -> float:
+    """Seconds without a call after which a coordinator exits (``SBLOADER_COORDINATOR_IDLE_EXIT_S``)."""
+    raw = os.environ.get(IDLE_EXIT_ENV)
+    if raw is None:
+        return DEFAULT_IDLE_EXIT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SbloaderError(f"{IDLE_EXIT_ENV} must be a number of seconds, found {raw!r}") from None
+    if value <= 0:
+        raise SbloaderError(f"{IDLE_EXIT_ENV} must be positive, found {raw!r}")
+    return value
 
 
 def ledger_enabled() -> bool:
@@ -438,10 +455,19 @@ class SplitCoordinator:
         stall_report_s: seconds of silence after which a rank is reported by number.
         ledger: keep the per-rank delivery logs that ``cut`` reads (the consumed
             ledger); False keeps counts only and ``cut`` raises (benchmarks only).
+        idle_exit_s: after this long without a call from any rank the job is taken
+            to be over: the coordinator kills its worker pool and itself. It is a
+            detached actor (a rank's death must not take the others' data with it),
+            so on a cluster that outlives the job nothing else would free them. A
+            job that comes back later (a long evaluation between epochs) gets a new
+            one, as after a coordinator death.
     """
 
     def __init__(self, world_size: int, fingerprint: dict, stall_report_s: float = 60.0,
-                 ledger: bool = True) -> None:
+                 ledger: bool = True, idle_exit_s: float = DEFAULT_IDLE_EXIT_S) -> None:
+        self._idle_exit_s = float(idle_exit_s)
+        self._last_call = time.monotonic()
+        threading.Thread(target=self._reap_when_idle, daemon=True, name="sbloader-idle-exit").start()
         self._world_size = world_size
         self._ledger = ledger
         self._fingerprint = fingerprint
@@ -456,6 +482,7 @@ class SplitCoordinator:
 
     def hello(self, world_size: int, fingerprint: dict) -> dict:
         """Check that a rank's loader matches this coordinator's."""
+        self._last_call = time.monotonic()
         if world_size != self._world_size or fingerprint != self._fingerprint:
             return {"ok": False, "world_size": self._world_size, "fingerprint": self._fingerprint}
         return {"ok": True}
@@ -470,6 +497,7 @@ class SplitCoordinator:
         Returns:
             The number of actors started.
         """
+        self._last_call = time.monotonic()
         with self._lock:
             if self._epochs or any(self._actor_cache.values()):
                 return 0
@@ -482,6 +510,7 @@ class SplitCoordinator:
         while other ranks were in that epoch) goes first: its pool must get the
         workers before this epoch's.
         """
+        self._last_call = time.monotonic()
         deadline = time.monotonic() + 120.0
         with self._lock:
             while any(e < spec.epoch for e in self._rebuilds):  # an entry leaves once rebuilt
@@ -504,6 +533,7 @@ class SplitCoordinator:
 
     def wait_epoch(self, epoch: int, timeout: float) -> Optional[int]:
         """Wait until rank 0 started ``epoch``; its per-rank count (-1: unknown), or None on timeout."""
+        self._last_call = time.monotonic()
         deadline = time.monotonic() + timeout
         with self._lock:
             while epoch not in self._epochs:
@@ -522,6 +552,7 @@ class SplitCoordinator:
             blocks (bytes never pass through here). In an epoch of unknown length,
             ``{"batches": [StreamBatch, ...], "done": bool}`` instead.
         """
+        self._last_call = time.monotonic()
         ep = self._epochs.get(epoch)
         if ep is None:
             raise SbloaderError(f"epoch {epoch} was not started by rank 0 (known: {sorted(self._epochs)})")
@@ -554,6 +585,7 @@ class SplitCoordinator:
         Raises:
             SbloaderError: not every rank reported within ``timeout`` seconds.
         """
+        self._last_call = time.monotonic()
         deadline = time.monotonic() + timeout
         with self._lock:
             if epoch in self._rebuilt:  # a late report: the epoch was rebuilt (and maybe finished)
@@ -604,6 +636,7 @@ class SplitCoordinator:
 
     def finish(self, epoch: int, rank: int, consumed: int) -> None:
         """A rank left the epoch having consumed ``consumed`` batches."""
+        self._last_call = time.monotonic()
         ep = self._epochs.get(epoch)
         if ep is not None:
             ep.ack(rank, consumed)
@@ -630,6 +663,7 @@ class SplitCoordinator:
             SbloaderError: after ``timeout`` seconds, naming the ranks still short; or at
                 once when this coordinator keeps no ledger.
         """
+        self._last_call = time.monotonic()
         if not self._ledger:
             raise SbloaderError(
                 f"state_dict() needs the consumed ledger, but this loader's coordinator was created with "
@@ -672,6 +706,20 @@ class SplitCoordinator:
         except OSError:
             pass
         return {"pid": os.getpid(), "rss": rss}
+
+    def _reap_when_idle(self) -> None:
+        """(Thread) Kill the pool and this actor once no rank has called for ``idle_exit_s``."""
+        while True:
+            idle = time.monotonic() - self._last_call
+            if idle >= self._idle_exit_s:
+                break
+            time.sleep(min(30.0, max(0.2, self._idle_exit_s - idle)))
+        logger.warning("sbloader coordinator: no rank called for %.0f s; the job is taken to be over, "
+                       "releasing the worker pool and exiting", self._idle_exit_s)
+        try:
+            self.shutdown()
+        finally:
+            ray.kill(ray.get_runtime_context().current_actor)
 
     def _collect(self) -> None:
         """Shut down epochs every rank has finished (actors stay cached for the next).
@@ -717,7 +765,7 @@ def get_coordinator(job_id: str, loader_name: str, world_size: int, fingerprint:
     name = coordinator_name(job_id, loader_name, restart_count)
     handle = SplitCoordinator.options(
         name=name, namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
-    ).remote(world_size, fingerprint, stall_report_s, ledger_enabled())
+    ).remote(world_size, fingerprint, stall_report_s, ledger_enabled(), idle_exit_s())
     reply = ray.get(handle.hello.remote(world_size, fingerprint))
     if not reply["ok"]:
         raise SbloaderError(

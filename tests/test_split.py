@@ -358,3 +358,34 @@ def test_a_restarted_job_retires_the_previous_restarts_coordinator(ray_session):
     assert coordinator_name("test-retire", "loader", 1) in names()
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(old.hello.remote(2, fp), timeout=30)
+
+
+def test_an_idle_coordinator_retires_itself(ray_session, monkeypatch):
+    """No rank called for SBLOADER_COORDINATOR_IDLE_EXIT_S: the job is over; the coordinator (detached,
+    it would outlive the job on a kept cluster) kills its prestarted pool and itself. A call keeps it."""
+    import ray
+
+    from sbloader._executor.executor import ExecutionOptions
+    from sbloader.coordinator import NAMESPACE, coordinator_name, get_coordinator
+
+    import sbloader
+
+    monkeypatch.setenv("SBLOADER_COORDINATOR_IDLE_EXIT_S", "3")
+    lo = sbloader.DataLoader(list(range(8)), batch_size=2, num_workers=1, rank=0, world_size=2,
+                             job_id="test-idle", name="idle")
+    fp = {"dataset": "x"}
+    coord = get_coordinator("test-idle", "idle", 2, fp)
+    assert ray.get(coord.prewarm.remote("Batches", (lo._worker_op(),), ExecutionOptions())) == 1
+    pool = ray.get(coord.__ray_call__.remote(lambda self: [a.handle for a in self._actor_cache[0]]))
+    for _ in range(4):  # calls keep it alive past the idle time
+        time.sleep(1.0)
+        assert ray.get(coord.hello.remote(2, fp))["ok"]
+    deadline = time.monotonic() + 30
+    name = coordinator_name("test-idle", "idle")
+    while time.monotonic() < deadline and name in {
+            e["name"] for e in ray.util.list_named_actors(all_namespaces=True) if e["namespace"] == NAMESPACE}:
+        time.sleep(0.2)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(coord.hello.remote(2, fp), timeout=10)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(pool[0].ready.remote(), timeout=10)  # its pool went with it
