@@ -30,7 +30,7 @@ import ray
 from ._executor.executor import ExecutionOptions, OutputBlock, StreamingExecutor, prestart_pools
 from ._executor.stages import build_stages
 from . import ledger as _ledger
-from .errors import SbloaderError
+from .errors import ExecutorShutdownError, SbloaderError
 from .ops import Op
 from .plan import EpochPlan
 from .split import pick_local, stream_allowance, stream_tail
@@ -185,6 +185,7 @@ class _Epoch:
         self.produced = 0  # (stream) batches produced so far
         self.tail: Optional[list] = None  # (stream) per rank its short last batch, once production ended
         self.error: Optional[BaseException] = None
+        self.closed = False  # the executor was shut down on purpose before producing everything
         self._cut_lock = threading.Lock()
         self._cut_at: tuple[int, list] = (0, _ledger.merge(spec.prior))  # (k, ranges) of the last cut
         self.pump = threading.Thread(target=self._pump, daemon=True, name=f"sbloader-pump-{spec.epoch}")
@@ -241,6 +242,13 @@ class _Epoch:
                     else:
                         self.pool.append(item)
                     self.cond.notify_all()
+        except ExecutorShutdownError:
+            # closed on purpose (every rank finished or left the epoch, or the job's
+            # coordinator shut down): a request still in flight gets an empty reply,
+            # not an error nobody reads (Ray would log it as unhandled)
+            with self.cond:
+                self.closed = True
+                self.cond.notify_all()
         except BaseException as e:  # carried to every rank's next request
             with self.cond:
                 self.error = e
@@ -308,6 +316,8 @@ class _Epoch:
             while True:
                 if self.error is not None:
                     raise self.error
+                if self.closed:
+                    return []
                 whole = self.produced // self.world_size if self.produced_all else None
                 allow = stream_allowance(self.produced, [lg.count for lg in self.logs], rank, self.produced_all)
                 if whole is not None and log.count >= whole:  # its whole batches: the short last one
@@ -355,6 +365,8 @@ class _Epoch:
             while True:
                 if self.error is not None:
                     raise self.error
+                if self.closed:
+                    return []
                 q = self.queues[rank] if self.spec.assignment is not None else self.pool
                 if q:
                     break

@@ -389,3 +389,30 @@ def test_an_idle_coordinator_retires_itself(ray_session, monkeypatch):
         ray.get(coord.hello.remote(2, fp), timeout=10)
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(pool[0].ready.remote(), timeout=10)  # its pool went with it
+
+
+@pytest.mark.parametrize("raised, closed", [("shutdown", True), ("error", False)])
+def test_a_closed_epoch_answers_empty_and_a_failed_one_raises(raised, closed):
+    """An epoch whose executor was shut down on purpose (every rank finished or left) answers a
+    request still in flight with nothing, not an error nobody reads; a pipeline error still reaches
+    every rank's next request."""
+    from sbloader.errors import ExecutorShutdownError
+
+    class _Stopping(_FakeExecutor):
+        def get_next(self):
+            if raised == "shutdown":
+                raise ExecutorShutdownError("the execution was shut down; start a new iteration")
+            raise RuntimeError("decode failed")
+
+    spec = EpochSpec(0, 0, None, (), EpochPlan(0, 0, tuple(range(4)), False), None, 2,
+                     assignment=(0, 1, 0, 1))
+    ep = _Epoch(spec, 2, {})
+    ep.executor = _Stopping()
+    ep._build_executor = lambda: True
+    ep._pump()  # runs to the exception, in this thread
+    assert ep.closed is closed
+    if closed:
+        assert ep.take(0, 1, None, 0.0, 60.0) == []
+    else:
+        with pytest.raises(RuntimeError, match="decode failed"):
+            ep.take(0, 1, None, 0.0, 60.0)
