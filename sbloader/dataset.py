@@ -164,8 +164,12 @@ class Dataset:
     def execute(self, *, epoch: int = 0, seed: Optional[int] = None, shuffle: bool = False,
                 deterministic: bool = False, memory_budget: Optional[int] = None,
                 prefetch_blocks: int = 2, progress: Optional[bool] = None,
-                plan: Optional[EpochPlan] = None, allow_trainer_node: bool = False) -> StreamingExecutor:
+                plan: Optional[EpochPlan] = None, allow_trainer_node: bool = False,
+                actor_cache: Optional[dict] = None) -> StreamingExecutor:
         """Start one execution and return its executor (advanced; iterate instead).
+
+        ``actor_cache`` (a dict kept by the caller) keeps the actor pools' actors
+        for the next execution instead of killing them at the end.
 
         On a cluster, tasks and actors avoid this process's node when other nodes
         have CPUs (``allow_trainer_node=True`` lets them use it too).
@@ -177,7 +181,8 @@ class Dataset:
                                    prefetch_blocks=prefetch_blocks, progress=progress,
                                    exclude_nodes=exclusions_here(allow_trainer_node))
         plan = plan or self.plan(epoch=epoch, seed=seed, shuffle=shuffle)
-        executor = StreamingExecutor(self._source, build_stages(self._source.name, self._ops), plan, options)
+        executor = StreamingExecutor(self._source, build_stages(self._source.name, self._ops), plan, options,
+                                     actor_cache=actor_cache)
         self._last[0] = executor.stats()
         return executor.start()
 
@@ -222,7 +227,8 @@ class Dataset:
             batch_size: rows per batch.
             **kwargs: :class:`~sbloader.pipeline_loader.PipelineLoader` options
                 (shuffle, seed, drop_last, deterministic, memory_budget,
-                prefetch_blocks, pin_memory, device, zero_copy, dtypes, collate_fn).
+                prefetch_blocks, pin_memory, device, zero_copy, dtypes, collate_fn,
+                persistent_workers, allow_trainer_node).
         """
         from .pipeline_loader import PipelineLoader
 

@@ -12,6 +12,8 @@ import time
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
 
+import ray
+
 from .errors import SbloaderError, StateDictError
 from .iterators import iter_batches, iter_blocks, to_torch
 from .stats import ExecutionStats, StallStats
@@ -44,6 +46,13 @@ class PipelineLoader:
         world_size: override the world size (default: ``WORLD_SIZE``); above 1 each
             rank gets every ``world_size``-th partition of the epoch's plan and the
             same number of batches (the longer ranks' extra rows are not delivered).
+        persistent_workers: keep the actor pools' actors (callable classes of
+            ``map_batches``, e.g. a model) from one epoch to the next, as torch's
+            ``persistent_workers`` keeps its worker processes: constructed once for
+            the loader's life instead of once per epoch. They hold their CPUs/GPUs
+            between epochs; they go when the loader is deleted.
+        allow_trainer_node: on a cluster, let tasks and actors run on this
+            process's node too (by default they avoid it when other nodes have CPUs).
     """
 
     def __init__(self, dataset: "Dataset", batch_size: int = 256, *, shuffle: bool = False,
@@ -51,7 +60,8 @@ class PipelineLoader:
                  memory_budget: Optional[int] = None, prefetch_blocks: int = 2, pin_memory: bool = False,
                  device: Any = None, zero_copy: bool = False, dtypes: Optional[Mapping[str, Any]] = None,
                  collate_fn: Optional[Callable] = None, generator: Any = None,
-                 rank: Optional[int] = None, world_size: Optional[int] = None) -> None:
+                 rank: Optional[int] = None, world_size: Optional[int] = None,
+                 persistent_workers: bool = False, allow_trainer_node: bool = False) -> None:
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, found {batch_size}")
         self.dataset = dataset
@@ -68,6 +78,9 @@ class PipelineLoader:
         self.dtypes = dtypes
         self.collate_fn = collate_fn
         self.generator = generator
+        self.persistent_workers = persistent_workers
+        self.allow_trainer_node = allow_trainer_node
+        self._actor_cache: Optional[dict] = {} if persistent_workers else None
         self._epoch = 0
         self._epoch_explicit = False
         self._stats: Optional[ExecutionStats] = None
@@ -84,6 +97,17 @@ class PipelineLoader:
         if epoch < 0:
             raise ValueError(f"epoch must be >= 0, found {epoch}")
         self._epoch, self._epoch_explicit = epoch, True
+
+    def __del__(self) -> None:
+        cache = getattr(self, "_actor_cache", None)
+        if not cache:
+            return
+        for handles in cache.values():
+            for h in handles:
+                try:
+                    ray.kill(getattr(h, "handle", h))
+                except Exception:
+                    pass
 
     def __len__(self) -> int:
         # One rule, with or without torchrun: without filter/flat_map, operators are
@@ -223,7 +247,9 @@ class PipelineLoader:
         t_start = time.perf_counter()
         executor = self.dataset.execute(plan=plan, deterministic=self.deterministic,
                                         memory_budget=self.memory_budget,
-                                        prefetch_blocks=self._prefetch_blocks(plan), progress=False)
+                                        prefetch_blocks=self._prefetch_blocks(plan), progress=False,
+                                        allow_trainer_node=self.allow_trainer_node,
+                                        actor_cache=self._actor_cache)
         self._stats = executor.stats()
         stalls = StallStats()
         self._stalls = stalls

@@ -523,6 +523,7 @@ class PipelineSource(BatchSource):
         self.loader = self.dataset.to_dataloader(
             batch_size=args.batch_size, shuffle=True, seed=args.seed, drop_last=True,
             deterministic=args.deterministic, pin_memory=device.type == "cuda",
+            persistent_workers=True,  # the encoders are built once, not once per epoch
             memory_budget=args.memory_budget_mb * 2**20 if args.memory_budget_mb else None)
         self.epoch_stats: list[dict] = []
 
