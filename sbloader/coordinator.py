@@ -314,9 +314,7 @@ class _Epoch:
         deadline = time.monotonic() + wait_s
         with self.cond:
             while True:
-                if self.error is not None:
-                    raise self.error
-                if self.closed:
+                if not self._open():
                     return []
                 whole = self.produced // self.world_size if self.produced_all else None
                 allow = stream_allowance(self.produced, [lg.count for lg in self.logs], rank, self.produced_all)
@@ -363,9 +361,7 @@ class _Epoch:
         deadline = time.monotonic() + wait_s
         with self.cond:
             while True:
-                if self.error is not None:
-                    raise self.error
-                if self.closed:
+                if not self._open():
                     return []
                 q = self.queues[rank] if self.spec.assignment is not None else self.pool
                 if q:
@@ -421,6 +417,12 @@ class _Epoch:
                 ranges = _ledger.merge(pieces)
                 self._cut_at = (k, ranges)
             return list(ranges)
+
+    def _open(self) -> bool:
+        """(``cond`` held) Raise the pipeline's error, if any; False once the epoch was closed."""
+        if self.error is not None:
+            raise self.error
+        return not self.closed
 
     def _wait(self, deadline: float, rank: int, stall_report_s: float) -> bool:
         """(``cond`` held) Wait for the pump until ``deadline``; False once it has passed
