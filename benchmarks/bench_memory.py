@@ -308,8 +308,8 @@ def report(args: argparse.Namespace, sizes: list[int], runs: dict, idle: dict,
         f"({STORE_BYTES // 4 // 2**20} MiB with the {STORE_BYTES // 2**30} GiB store set here; with the store an embedded "
         f"Ray gets by default on this machine now, ~{(default_store_bytes() or 0) / 2**30:.1f} GiB, the default budget "
         f"would be ~{(default_store_bytes() or 0) / 4 / 2**30:.1f} GiB, more than the largest dataset here); "
-        "`prefetch_blocks` does not bound what the executor runs ahead, so with a producer faster than the consumer it "
-        "fills that budget: flat only once the dataset is larger than the budget.",
+        "the executor also keeps at most `prefetch_blocks` + 2 x its task slots blocks ahead of the consumer "
+        "(`blocks_ahead_cap`), so a producer faster than the consumer does not fill that budget: flat at every size.",
         "- Throughput at the largest size: " + ", ".join(
             f"{DISPLAY[n]} {h.fmt_range(summary[n][hi]['rows_per_s'], '{:.0f}', ROW_BYTES / 2**20)} MiB/s"
             for n in ("streaming-16MiB", "streaming-64MiB", "streaming-default"))
