@@ -292,7 +292,7 @@ class DataLoader:
         for handles in getattr(self, "_actor_cache", {}).values():
             for h in handles:
                 try:
-                    ray.kill(h)
+                    ray.kill(getattr(h, "handle", h))  # a handle, or a PrestartedActor
                 except Exception:
                     pass
 

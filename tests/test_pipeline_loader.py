@@ -7,9 +7,11 @@ import uuid
 
 import numpy as np
 import pytest
-import torch
 
 import sbloader
+
+# No module-level torch import: Ray workers import this module to run the functions
+# below (pickled by reference), and they need no torch for that.
 
 
 def _square(batch: dict) -> dict:
@@ -33,6 +35,8 @@ class _Counted:
 
 
 def test_batches_are_dicts_of_tensors_with_a_length(ray_session):
+    import torch
+
     loader = sbloader.range(100, rows_per_partition=16).map_batches(_square).to_dataloader(8, shuffle=True, seed=1)
     assert len(loader) == 13
     batches = list(loader)
@@ -65,8 +69,8 @@ def test_persistent_workers_construct_the_pool_once(ray_session, tmp_path, persi
         rows = [x for b in loader for x in b["twice"].tolist()]
         assert sorted(rows) == [2 * i for i in range(64)]
         built.append(len(os.listdir(tmp_path)))
-    if persistent:
-        assert built[0] >= 1 and built == [built[0]] * 3, built  # none after the first epoch
+    if persistent:  # at most the pool's 2 actors for the loader's life (one may finish starting late)
+        assert 1 <= built[0] and built[2] <= 2, built
     else:
         assert built[0] >= 1 and built[1] > built[0] and built[2] > built[1], built  # every epoch
     del loader  # a persistent loader's actors go with it

@@ -309,8 +309,9 @@ class StreamingExecutor:
         self._inflight.clear()
         for i, actors in self._pools.items():
             for a in actors:
-                if self._actor_cache is not None and a.ready_ref is None:
-                    self._actor_cache.setdefault(i, []).append(a.handle)  # kept for the next epoch
+                if self._actor_cache is not None:  # kept for the next epoch, even if still starting
+                    kept = a.handle if a.ready_ref is None else PrestartedActor(a.handle, a.ready_ref)
+                    self._actor_cache.setdefault(i, []).append(kept)
                     continue
                 try:
                     ray.kill(a.handle)
