@@ -27,11 +27,10 @@ from typing import Any, Optional
 
 import ray
 
-from ._executor.executor import ExecutionOptions, OutputBlock, StreamingExecutor, prestart_pools
+from ._executor.executor import ExecutionOptions, OutputBlock, StreamingExecutor, kill_cached, prestart_pools
 from ._executor.stages import build_stages
 from . import ledger as _ledger
 from .errors import ExecutorShutdownError, SbloaderError
-from .ops import Op
 from .plan import EpochPlan
 from .split import pick_local, stream_allowance, stream_tail
 
@@ -755,12 +754,7 @@ class SplitCoordinator:
             for ep in self._epochs.values():
                 ep.shutdown()
             self._epochs.clear()
-            for handles in self._actor_cache.values():
-                for h in handles:
-                    try:
-                        ray.kill(getattr(h, "handle", h))  # a PrestartedActor or a handle
-                    except Exception:
-                        pass
+            kill_cached(self._actor_cache)
             self._actor_cache.clear()
 
 

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import ray
 
-from ._executor.executor import ExecutionOptions, StreamingExecutor
+from ._executor.executor import ExecutionOptions, StreamingExecutor, kill_cached
 from ._executor.stages import build_stages
 from ._loader_worker import LoaderWorker, ReadyBatchSource, ShardSource
 from ._runtime import ensure_initialized
@@ -289,12 +289,7 @@ class DataLoader:
         self._last_split_run: Any = None  # the last epoch this rank finished under torchrun
 
     def __del__(self) -> None:
-        for handles in getattr(self, "_actor_cache", {}).values():
-            for h in handles:
-                try:
-                    ray.kill(getattr(h, "handle", h))  # a handle, or a PrestartedActor
-                except Exception:
-                    pass
+        kill_cached(getattr(self, "_actor_cache", None))
 
     # ----- torch-compatible surface -------------------------------------------
 

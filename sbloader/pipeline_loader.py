@@ -12,8 +12,7 @@ import time
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
 
-import ray
-
+from ._executor.executor import kill_cached
 from .errors import SbloaderError, StateDictError
 from .iterators import iter_batches, iter_blocks, to_torch
 from .stats import ExecutionStats, StallStats
@@ -99,15 +98,7 @@ class PipelineLoader:
         self._epoch, self._epoch_explicit = epoch, True
 
     def __del__(self) -> None:
-        cache = getattr(self, "_actor_cache", None)
-        if not cache:
-            return
-        for handles in cache.values():
-            for h in handles:
-                try:
-                    ray.kill(getattr(h, "handle", h))
-                except Exception:
-                    pass
+        kill_cached(getattr(self, "_actor_cache", None))
 
     def __len__(self) -> int:
         # One rule, with or without torchrun: without filter/flat_map, operators are

@@ -95,6 +95,17 @@ class PrestartedActor:
     ready_ref: ray.ObjectRef
 
 
+def kill_cached(actor_cache: Optional[dict]) -> None:
+    """Kill every actor kept in an actor cache (handles or :class:`PrestartedActor`) and empty it."""
+    for handles in (actor_cache or {}).values():
+        for h in handles:
+            try:
+                ray.kill(h.handle if isinstance(h, PrestartedActor) else h)
+            except Exception:  # already dead, or Ray is shutting down
+                pass
+        handles.clear()
+
+
 def _placed(options: dict, opts: "ExecutionOptions") -> dict:
     """Ray options with the placement policy's scheduling strategy, if any."""
     if not opts.exclude_nodes:
