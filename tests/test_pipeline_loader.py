@@ -24,13 +24,16 @@ def _keep_odd(row: dict) -> bool:
 
 
 class _Counted:
-    """A pool class that leaves one marker file per construction."""
+    """A pool class that leaves one marker file per construction (named by its pid) and
+    stamps its pid on every row it maps."""
 
     def __init__(self, marker_dir: str) -> None:
-        open(os.path.join(marker_dir, uuid.uuid4().hex), "w").close()
+        self.pid = os.getpid()
+        open(os.path.join(marker_dir, f"{self.pid}-{uuid.uuid4().hex}"), "w").close()
 
     def __call__(self, batch: dict) -> dict:
         batch["twice"] = batch["id"] * 2
+        batch["pid"] = np.full(len(batch["id"]), self.pid)
         return batch
 
 
@@ -64,15 +67,23 @@ def test_persistent_workers_construct_the_pool_once(ray_session, tmp_path, persi
     ds = sbloader.range(64, rows_per_partition=8).map_batches(
         _Counted, concurrency=(2, 2), num_cpus=0.5, fn_constructor_args=(str(tmp_path),))
     loader = ds.to_dataloader(16, shuffle=True, seed=0, persistent_workers=persistent)
-    built = []
+    served = []  # per epoch, the pids of the actors that mapped its rows
     for _ in range(3):
-        rows = [x for b in loader for x in b["twice"].tolist()]
+        rows, pids = [], set()
+        for b in loader:
+            rows += b["twice"].tolist()
+            pids.update(int(p) for p in b["pid"])
         assert sorted(rows) == [2 * i for i in range(64)]
-        built.append(len(os.listdir(tmp_path)))
-    if persistent:  # at most the pool's 2 actors for the loader's life (one may finish starting late)
-        assert 1 <= built[0] and built[2] <= 2, built
-    else:
-        assert built[0] >= 1 and built[1] > built[0] and built[2] > built[1], built  # every epoch
+        served.append(pids)
+    constructed = [int(name.split("-")[0]) for name in os.listdir(tmp_path)]
+    assert len(constructed) == len(set(constructed)), "an actor constructed its class twice"
+    assert set().union(*served) <= set(constructed)
+    if persistent:  # the first epoch's actors map the last epoch's rows; no more than the pool's 2, ever
+        assert served[0] & served[2], served
+        assert len(constructed) <= 2, constructed
+    else:  # every epoch its own actors, as torch's non-persistent workers
+        assert not (served[0] & served[1]) and not (served[1] & served[2]), served
+        assert len(constructed) >= 3, constructed
     del loader  # a persistent loader's actors go with it
 
 
