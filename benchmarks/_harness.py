@@ -591,6 +591,16 @@ def mib(nbytes: Optional[float]) -> str:
     return "–" if nbytes is None else f"{nbytes / 2**20:.0f}"
 
 
+def save_figure(fig: Any, path: Path) -> Path:
+    """Lay out, save (110 dpi) and close a matplotlib figure; returns ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def write_results(name: str, payload: Mapping[str, Any], markdown: str, *,
                   title: Optional[str] = None, results_dir: Path = RESULTS_DIR) -> tuple[Path, Path]:
     """Write ``<name>.json`` (payload + command + machine) and ``<name>.md``.

@@ -725,10 +725,7 @@ def chart(summary: dict, path: Path) -> Optional[Path]:
     ax.set_ylabel("images/s / ceiling")
     ax.set_title("Image loaders against the ceiling (median, min–max over rounds)")
     ax.legend(fontsize=7, loc="upper right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return h.save_figure(fig, path)
 
 
 # ----- main ------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 # glibc raises its mmap threshold after a large block is freed, after which freed
 # batches stay in the heap and the trainer's PSS would carry one contender's peak
@@ -381,10 +381,7 @@ def plot(sizes: list[int], summary: dict, path: Path, long: Optional[dict] = Non
         ax.set_title(title, fontsize=10)
         ax.legend(fontsize=7)
     fig.suptitle("sbloader: streaming vs bulk as the dataset grows (2 cores, 2 GiB object store)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return h.save_figure(fig, path)
 
 
 def main() -> None:

@@ -285,10 +285,7 @@ def plot(ks: list[int], summary: dict, cals: list[dict], path: Path) -> Optional
     ax.set_ylabel("images/s (warm epochs)")
     ax.set_title("scale-out emulated by taskset on one 2-core host (dotted: linear from 0 extra)", fontsize=9)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return h.save_figure(fig, path)
 
 
 def main() -> None:

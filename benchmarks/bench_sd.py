@@ -1056,10 +1056,7 @@ def plot(s: dict, cals: list[dict], path: Path, target: float) -> Optional[Path]
     ax2.set_xticks(range(len(names)))
     ax2.set_xticklabels(names, rotation=25, ha="right", fontsize=8)
     ax2.set_ylabel("stall fraction % (waiting in next())")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return h.save_figure(fig, path)
 
 
 def main() -> None:

@@ -499,10 +499,7 @@ def plot(summary: dict, cals: list[dict], path: Path) -> Optional[Path]:
     ax.legend(fontsize=8)
     ax.set_title("stall at the simulated step")
     fig.suptitle("sbloader split coordinator, image workload, 2 cores (ranks share them)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return h.save_figure(fig, path)
 
 
 def rerender(path: str, out: str) -> None:
