@@ -102,6 +102,15 @@ def sbl_crop_flip_batch(batch: dict) -> dict:
             "label": np.array([label_of(p) for p in batch["path"]], dtype=np.int64)}
 
 
+def sbl_decode_files_batch(batch: dict) -> dict:
+    """``read_images(..., decode=False).map_batches(this)``: decode, crop, flip in one pass."""
+    import sbloader
+
+    rng = sbloader.get_context().rng
+    return {"image": np.stack([T.decode_crop_flip(b, SIZE, rng) for b in batch["image"]]),
+            "label": np.array([label_of(p) for p in batch["path"]], dtype=np.int64)}
+
+
 def sbl_decode_batch(batch: dict) -> dict:
     """``read_parquet(...).map_batches(this)``: decode the binary column, crop, flip."""
     import sbloader

@@ -28,6 +28,7 @@ from .read_api import from_items, from_torch
 from .read_api import range_dataset as range
 from .stats import ExecutionStats, OperatorStats, StallStats
 from .videos import read_videos
+from . import transforms  # noqa: E402  (sbloader.transforms: Pillow/NumPy augmentations)
 
 __version__ = "0.1.0"
 
@@ -58,4 +59,5 @@ __all__ = sorted([
     "read_videos",
     "report_skipped",
     "shutdown",
+    "transforms",
 ])

@@ -229,26 +229,37 @@ def _decode(path: str, size: Optional[tuple[int, int]], mode: Optional[str]) -> 
     return np.ascontiguousarray(arr)
 
 
+def _read_bytes(path: str) -> bytes:
+    """The file's encoded bytes (``decode=False``)."""
+    with open(path, "rb") as f:
+        return f.read()
+
+
 def _read_image_files(shared: Any, partition: Partition, *, size: Optional[tuple[int, int]],
-                      mode: Optional[str], on_error: str) -> Block:
-    """Decode the files of one partition into columns ``image`` and ``path``."""
+                      mode: Optional[str], on_error: str, decode: bool = True) -> Block:
+    """Decode (or, with ``decode=False``, read) the files of one partition into columns
+    ``image`` and ``path``."""
     paths: Sequence[str] = partition.payload
-    images: list[np.ndarray] = []
+    images: list[Any] = []
     kept: list[str] = []
     rows: list[int] = []
     for i, path in enumerate(paths):
         try:
-            arr = _decode(path, size, mode)
+            arr = _decode(path, size, mode) if decode else _read_bytes(path)
         except Exception as e:
+            what = "decode the image" if decode else "read the file"
             if on_error == "skip":
-                report_skipped(path, f"cannot decode the image: {e!r}")
+                report_skipped(path, f"cannot {what}: {e!r}")
                 continue
-            raise read_error(partition, path, e, "check the file, or pass on_error='skip' to skip "
-                                                 "undecodable images") from e
+            raise read_error(partition, path, e, f"check the file, or pass on_error='skip' to skip "
+                                                 f"{'undecodable images' if decode else 'unreadable files'}") from e
         images.append(arr)
         kept.append(path)
         rows.append(i)
-    if images:
+    if not decode:
+        image_col = np.empty((len(images),), dtype=object)
+        image_col[:] = images
+    elif images:
         image_col = to_column(images)
     elif size is not None and mode is not None:
         image_col = np.empty((0, size[1], size[0], len(mode)), dtype=np.uint8)
@@ -272,12 +283,14 @@ class ImageSource:
         size: target ``(width, height)``, or None to keep each image's size.
         mode: Pillow mode of the output (``"RGB"``, ``"RGBA"``, ``"L"``) or None.
         on_error: ``"raise"`` or ``"skip"``.
+        decode: decode in the read (``image`` arrays), or hand on the encoded bytes.
     """
 
     name = "Images"
 
     def __init__(self, paths: Sequence[str], files_per_partition: int, size: Optional[tuple[int, int]],
-                 mode: Optional[str], on_error: str) -> None:
+                 mode: Optional[str], on_error: str, decode: bool = True) -> None:
+        self._decode = bool(decode)
         self._paths = list(paths)
         self._fpp = int(files_per_partition)
         self._size = size
@@ -307,7 +320,8 @@ class ImageSource:
 
     def reader(self) -> Callable[[Any, Partition], Block]:
         """The module-level decode function with this source's options bound."""
-        return functools.partial(_read_image_files, size=self._size, mode=self._mode, on_error=self._on_error)
+        return functools.partial(_read_image_files, size=self._size, mode=self._mode, on_error=self._on_error,
+                                 decode=self._decode)
 
     def num_rows(self) -> Optional[int]:
         """Files listed (rows delivered, unless some are skipped under ``on_error="skip"``)."""
@@ -321,6 +335,7 @@ class ImageSource:
             "num_rows": len(self._paths),
             "num_partitions": math.ceil(len(self._paths) / self._fpp),
             "files_per_partition": self._fpp,
+            "decode": self._decode,
             "files_sha1": digest,
         }
 
@@ -334,6 +349,7 @@ def read_images(
     files_per_partition: Optional[int] = None,
     num_partitions: Optional[int] = None,
     extensions: Optional[Sequence[str]] = IMAGE_EXTENSIONS,
+    decode: bool = True,
 ) -> Dataset:
     """A dataset of images decoded with Pillow: columns ``image`` and ``path``.
 
@@ -366,6 +382,16 @@ def read_images(
         num_partitions: or cut into this many partitions.
         extensions: extensions kept when listing a directory or a glob (case-
             insensitive); None keeps every file. Files named explicitly are always read.
+        decode: False hands on each file's encoded bytes in ``image`` (an object
+            column of ``bytes``) for a following ``map_batches`` to decode together
+            with its augmentation, e.g. :func:`sbloader.transforms.decode_crop_flip`.
+            That is the fastest path when the augmentation starts from a Pillow
+            image (a random crop, a resize): it skips the decoded array that
+            ``decode=True`` builds and the augmentation converts back, two passes
+            over every full-size image (in ``benchmarks/results/images.md`` about
+            0.2 ms of a 1.3 ms image). ``size`` and ``mode`` then do not apply, and
+            ``on_error`` covers reading the file only: a corrupt image raises (or is
+            skipped) where the ``map_batches`` function decodes it.
 
     Returns:
         A lazy :class:`~sbloader.dataset.Dataset`.
@@ -375,6 +401,9 @@ def read_images(
         FileNotFoundError: a path does not exist or a glob matches nothing.
     """
     check_on_error(on_error)
+    if not decode and size is not None:
+        raise ValueError(f"size={size!r} needs decode=True: with decode=False the files' bytes are handed "
+                         "on undecoded; resize where the map_batches function decodes them")
     if mode not in _MODES:
         raise ValueError(f"mode must be one of {list(_MODES)}, found {mode!r}")
     if size is not None:
@@ -389,4 +418,4 @@ def read_images(
         extensions = (extensions,)
     files = list_files(paths_or_dir, extensions, "image")
     fpp = files_per_partition_for(len(files), files_per_partition, num_partitions, DEFAULT_FILES_PER_PARTITION)
-    return Dataset(ImageSource(files, fpp, size, mode, on_error))
+    return Dataset(ImageSource(files, fpp, size, mode, on_error, decode))

@@ -254,3 +254,46 @@ def test_missing_inputs(tmp_path):
     (tmp_path / "empty" / "a.txt").write_text("x")
     with pytest.raises(ValueError, match="found no image files"):
         sbloader.read_images(tmp_path / "empty")
+
+
+def test_decode_false_hands_on_the_files_bytes_once_each(ray_session, tmp_path):
+    expected = _tree(tmp_path / "data", 13)
+
+    def decode_mean(batch):
+        # the augmentation decodes the bytes itself (one pass from the file to its output)
+        batch["mean"] = np.array([float(np.asarray(sbloader.transforms.decode(b)).mean()) for b in batch["image"]])
+        return batch
+
+    ds = sbloader.read_images(tmp_path / "data", files_per_partition=4, decode=False).map_batches(decode_mean)
+    rows = _collect_rows(ds)
+    counts = collections.Counter(str(r["path"]) for r in rows)
+    assert counts == collections.Counter(expected.keys())
+    for r in rows:
+        assert isinstance(r["image"], bytes) and r["image"] == Path(r["path"]).read_bytes()
+        assert r["mean"] == pytest.approx(expected[str(r["path"])] + 1)
+
+
+def test_decode_false_reads_undecodable_files_and_skips_unreadable_ones(tmp_path):
+    files = _unusual(tmp_path / "u")
+    names = [files["ok"], files["truncated"], files["empty"], files["text"]]
+    source = sbloader.read_images(names, decode=False).source
+    block = source.reader()(None, source.partitions(0, 0)[0])
+    # nothing is decoded in the read: the bytes of every file, the empty one included
+    assert [len(b) for b in block["image"]] == [os.path.getsize(p) for p in names]
+    assert source.fingerprint()["decode"] is False
+    # a file that cannot be read (deleted after the listing) raises naming it, or is skipped
+    gone = _png(tmp_path / "gone.png", 1)
+    raising = sbloader.read_images([files["ok"], gone], decode=False).source
+    skipping = sbloader.read_images([files["ok"], gone], decode=False, on_error="skip").source
+    gone.unlink()
+    with pytest.raises(SourceReadError, match="gone.png"):
+        raising.reader()(None, raising.partitions(0, 0)[0])
+    block = skipping.reader()(None, skipping.partitions(0, 0)[0])
+    assert [os.path.basename(p) for p in block["path"]] == [files["ok"].name]
+    assert block["_sb_row"].tolist() == [0]
+
+
+def test_decode_false_refuses_size(tmp_path):
+    _tree(tmp_path / "data", 2)
+    with pytest.raises(ValueError, match="size=.*needs decode=True"):
+        sbloader.read_images(tmp_path / "data", size=(8, 8), decode=False)
