@@ -80,6 +80,9 @@ class PipelineLoader:
         self.persistent_workers = persistent_workers
         self.allow_trainer_node = allow_trainer_node
         self._actor_cache: Optional[dict] = {} if persistent_workers else None
+        # The stages' output block sizes measured by the last epoch: the next starts
+        # every slot at once instead of one task per stage until a block is measured.
+        self._estimates: Optional[list] = None
         self._epoch = 0
         self._epoch_explicit = False
         self._stats: Optional[ExecutionStats] = None
@@ -240,7 +243,7 @@ class PipelineLoader:
                                         memory_budget=self.memory_budget,
                                         prefetch_blocks=self._prefetch_blocks(plan), progress=False,
                                         allow_trainer_node=self.allow_trainer_node,
-                                        actor_cache=self._actor_cache)
+                                        actor_cache=self._actor_cache, estimates=self._estimates)
         self._stats = executor.stats()
         stalls = StallStats()
         self._stalls = stalls
@@ -285,6 +288,9 @@ class PipelineLoader:
         finally:
             stalls.wall_s = time.perf_counter() - t_start
             batches.close()
+            est = executor.estimates()
+            if all(e is not None for e in est):
+                self._estimates = est
 
 
 PADDING_KEY = "sbloader_padding"

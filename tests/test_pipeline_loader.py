@@ -52,6 +52,29 @@ def test_batches_are_dicts_of_tensors_with_a_length(ray_session):
     assert len(dropped) == 12 and all(len(b["id"]) == 8 for b in dropped)
 
 
+def test_a_later_epoch_starts_from_the_last_epochs_block_size_estimates(ray_session, monkeypatch):
+    """Without estimates a stage runs one task until its first block is measured: every
+    epoch would start on one core. The loader hands the last epoch's to the next."""
+    ds = sbloader.range(64, rows_per_partition=8).map_batches(_square)
+    loader = ds.to_dataloader(8, shuffle=True, seed=3)
+    seen = []
+    execute = sbloader.Dataset.execute
+
+    def spy(self, **kwargs):
+        executor = execute(self, **kwargs)
+        seen.append((kwargs.get("estimates"), executor))
+        return executor
+
+    monkeypatch.setattr(sbloader.Dataset, "execute", spy)
+    for _ in range(2):
+        assert sum(len(b["id"]) for b in loader) == 64
+    (first_given, first), (second_given, _) = seen
+    assert first_given is None
+    measured = first.estimates()
+    assert len(measured) == 1 and measured[0] > 0  # bytes per output block of the fused stage
+    assert second_given == measured
+
+
 def test_unknown_length_raises_type_error_until_an_epoch_counted_it(ray_session):
     loader = sbloader.range(40, rows_per_partition=8).filter(_keep_odd).to_dataloader(4)
     with pytest.raises(TypeError, match="no length known"):
