@@ -39,6 +39,13 @@ class PipelineRun:
     totals: dict = field(default_factory=dict)
     complete: bool = False
 
+    def see(self, partition_id: int, rows: int) -> None:
+        """Record a partition's output rows (it is done at once when nothing of it is left)."""
+        self.totals[partition_id] = rows
+        if rows == 0 or self.taken.get(partition_id, 0) >= rows:
+            self.done.add(partition_id)
+            self.taken.pop(partition_id, None)
+
     def consume(self, parts: tuple) -> None:
         """Record a batch handed to the training loop."""
         for pid, n in parts:
@@ -48,15 +55,23 @@ class PipelineRun:
                 del self.taken[pid]
 
 
-def skip_consumed(blocks: Iterator[tuple[Block, BlockMeta]], run: PipelineRun) -> Iterator[tuple[Block, BlockMeta]]:
-    """Drop the rows a resumed partition had already delivered; record partition sizes."""
+def skip_consumed(blocks: Iterator[tuple[Block, BlockMeta]], run: PipelineRun,
+                  facts: Optional[list] = None) -> Iterator[tuple[Block, BlockMeta]]:
+    """Drop the rows a resumed partition had already delivered; record partition sizes.
+
+    With ``facts`` (a list) the sizes are appended there as ``(partition id, rows)``
+    for the consumer to record with :meth:`PipelineRun.see` (this generator then
+    runs in a fetch thread and leaves ``run`` to the consumer); otherwise they are
+    recorded in ``run`` at once.
+    """
     for block, meta in blocks:
         pid = meta.partition_id
-        run.totals[pid] = meta.num_rows
         skip = run.taken.get(pid, 0)
+        if facts is None:
+            run.see(pid, meta.num_rows)
+        else:
+            facts.append((pid, meta.num_rows))
         if meta.num_rows == 0 or skip >= meta.num_rows:
-            run.done.add(pid)
-            run.taken.pop(pid, None)
             continue
         if skip:
             block = slice_block(block, skip, meta.num_rows)

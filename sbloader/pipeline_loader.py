@@ -3,7 +3,8 @@
 Each iteration is one epoch: a fresh execution of the pipeline whose epoch seed is
 drawn as torch draws its base seed (or fixed by ``seed``), so every iteration
 reshuffles. Batches are dicts of tensors (writable; one copy of the bytes, into
-pinned memory with ``pin_memory``) with ``.provenance``.
+pinned memory with ``pin_memory``) with ``.provenance``, made in a background
+thread up to ``prefetch_blocks`` batches ahead of the training loop.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
 
 from ._executor.executor import kill_cached
 from .errors import SbloaderError, StateDictError
+from ._fetch_ahead import FetchAhead
 from .iterators import iter_batches, iter_blocks, to_torch
 from .stats import ExecutionStats, StallStats
 from .wire import from_wire, to_wire
@@ -34,7 +36,8 @@ class PipelineLoader:
         drop_last: drop a final short batch.
         deterministic: fixed delivery order for a given epoch seed.
         memory_budget: bytes the pipeline may hold in the object store.
-        prefetch_blocks: ready blocks kept ahead of the consumer.
+        prefetch_blocks: ready blocks kept ahead of the consumer, and batches the
+            fetch thread makes ahead of the training loop.
         pin_memory: copy batches into page-locked memory (with an accelerator).
         device: move batches to this device.
         zero_copy: read-only tensors over the object store's buffers.
@@ -230,8 +233,6 @@ class PipelineLoader:
     def __iter__(self) -> Iterator[Any]:
         import torch
 
-        from ._pipeline_state import skip_consumed
-
         run = self._start_run()
         self._run = run
         plan, quota = self._plan(run)
@@ -247,12 +248,54 @@ class PipelineLoader:
         self._stats = executor.stats()
         stalls = StallStats()
         self._stalls = stalls
-        batches = iter_batches(skip_consumed(iter_blocks(executor), run), self.batch_size, self.drop_last)
+        # A background thread takes ready blocks, cuts the batches and makes the
+        # writable (or pinned) tensors, ``prefetch_blocks`` batches ahead, as the
+        # drop-in DataLoader does: the training loop only takes them (and moves them
+        # to the device), so a GPU step does not wait for the copy.
+        fetch = FetchAhead(self._produce(executor, run, quota, pin), depth=max(1, self.prefetch_blocks))
+        try:
+            while True:
+                try:
+                    out, parts, seen = next(fetch)
+                except StopIteration:
+                    break
+                finally:
+                    stalls.wait_ready_s = fetch.wait_s
+                for pid, rows in seen:  # partition sizes the fetch thread saw, recorded here
+                    run.see(pid, rows)
+                if out is None:
+                    continue
+                if self.device is not None:
+                    for k, v in list(out.items()):
+                        if isinstance(v, torch.Tensor):
+                            out[k] = v.to(self.device, non_blocking=pin)
+                stalls.batches += 1
+                run.consume(parts)  # padding batches have no parts: never consumed
+                yield out
+            run.complete = True
+            if quota is None:
+                self._counted_rows = self._stats.operators[-1].rows
+        finally:
+            stalls.wall_s = time.perf_counter() - t_start
+            fetch.close(timeout=0)
+            executor.shutdown()  # wakes a fetch thread waiting for the next block
+            fetch.close()
+            est = executor.estimates()
+            if all(e is not None for e in est):
+                self._estimates = est
+
+    def _produce(self, executor: Any, run: "PipelineRun", quota: Optional[int], pin: bool) -> Iterator[tuple]:
+        """(Fetch thread) ``(tensors, parts, partition sizes seen)`` per batch, ``quota``
+        batches under torchrun; a last ``(None, (), sizes)`` for sizes seen after the last
+        batch. ``run`` is only read here: the consumer records what it took."""
+        from ._pipeline_state import skip_consumed
+
+        seen: list = []
+        batches = iter_batches(skip_consumed(iter_blocks(executor), run, seen), self.batch_size, self.drop_last)
         yielded = 0
         last = None
         try:
             while quota is None or yielded < quota:
-                t0 = time.perf_counter()
                 try:
                     batch = next(batches)
                     last = batch
@@ -273,24 +316,13 @@ class PipelineLoader:
                         prov, parts = batch.provenance, batch.parts
                         out = from_wire(to_wire(out), pin=True)
                         out.provenance, out.parts = prov, parts
-                    if self.device is not None:
-                        for k, v in list(out.items()):
-                            if isinstance(v, torch.Tensor):
-                                out[k] = v.to(self.device, non_blocking=pin)
-                stalls.wait_ready_s += time.perf_counter() - t0
-                stalls.batches += 1
-                run.consume(batch.parts)  # padding batches have no parts: never consumed
                 yielded += 1
-                yield out
-            run.complete = True
-            if quota is None:
-                self._counted_rows = self._stats.operators[-1].rows
+                facts, seen[:] = list(seen), []
+                yield out, getattr(batch, "parts", ()), facts
+            if seen:
+                yield None, (), list(seen)
         finally:
-            stalls.wall_s = time.perf_counter() - t_start
             batches.close()
-            est = executor.estimates()
-            if all(e is not None for e in est):
-                self._estimates = est
 
 
 PADDING_KEY = "sbloader_padding"

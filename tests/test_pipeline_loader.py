@@ -133,3 +133,55 @@ def test_resume_mid_epoch_delivers_exactly_the_rest(ray_session, deterministic):
     nxt = [x for b in resumed for x in b["id"].tolist()]  # epoch 1: whole, reshuffled
     assert sorted(nxt) == list(range(203))
     assert np.array_equal(np.sort(nxt), np.arange(203)) and nxt != sorted(nxt)
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_ranks_get_equal_batch_counts_every_row_once_and_padding_marked(ray_session, drop_last):
+    """world_size > 1 without torchrun (rank/world_size given): each rank takes every
+    world_size-th partition; the quota is the same on every rank, a shorter share is
+    padded with marked repeats (or, with drop_last, the longer shares are cut)."""
+    import torch
+
+    world = 3
+    ds = sbloader.range(100, rows_per_partition=10).map_batches(_square)  # 10 partitions: shares 4, 3, 3
+    seen = []
+    counts = []
+    for rank in range(world):
+        loader = ds.to_dataloader(8, shuffle=True, seed=5, rank=rank, world_size=world, drop_last=drop_last)
+        batches = list(loader)
+        counts.append(len(batches))
+        assert len(batches) == len(loader)
+        for b in batches:
+            assert torch.equal(b["sq"], b["id"] * b["id"])
+            pad = b.get("sbloader_padding")
+            keep = ~pad if pad is not None else torch.ones(len(b["id"]), dtype=torch.bool)
+            seen.extend(b["id"][keep].tolist())
+    assert len(set(counts)) == 1
+    assert len(seen) == len(set(seen))  # no row twice across ranks
+    if drop_last:
+        assert counts[0] == 30 // 8  # what the smallest share fills
+    else:
+        assert counts[0] == 5 and sorted(seen) == list(range(100))  # ceil(40 / 8); no row left out
+
+
+def test_batches_are_made_ahead_in_a_fetch_thread_that_ends_with_the_iteration(ray_session):
+    import threading
+
+    made_in = []
+
+    def collate(batch):
+        made_in.append(threading.current_thread().name)
+        return dict(batch)
+
+    loader = sbloader.range(64, rows_per_partition=8).to_dataloader(8, collate_fn=collate)
+    it = iter(loader)
+    first = next(it)
+    assert len(first["id"]) == 8
+    assert made_in and all(name == "sbloader-fetch" for name in made_in)
+    next(it)
+    it.close()  # the training loop breaks out early
+    assert not [t for t in threading.enumerate() if t.name == "sbloader-fetch" and t.is_alive()]
+    from sbloader import ledger
+
+    state = loader.state_dict()  # what the loop took, not what the thread made ahead
+    assert sum(state["partial"].values()) + 8 * len(ledger.to_positions(state["done"])) == 16
