@@ -56,21 +56,17 @@ class PipelineRun:
 
 
 def skip_consumed(blocks: Iterator[tuple[Block, BlockMeta]], run: PipelineRun,
-                  facts: Optional[list] = None) -> Iterator[tuple[Block, BlockMeta]]:
-    """Drop the rows a resumed partition had already delivered; record partition sizes.
+                  facts: list) -> Iterator[tuple[Block, BlockMeta]]:
+    """Drop the rows a resumed partition had already delivered.
 
-    With ``facts`` (a list) the sizes are appended there as ``(partition id, rows)``
-    for the consumer to record with :meth:`PipelineRun.see` (this generator then
-    runs in a fetch thread and leaves ``run`` to the consumer); otherwise they are
-    recorded in ``run`` at once.
+    Each partition's output rows are appended to ``facts`` as ``(partition id,
+    rows)`` for the consumer to record with :meth:`PipelineRun.see`: this generator
+    runs in the fetch thread and only reads ``run``.
     """
     for block, meta in blocks:
         pid = meta.partition_id
         skip = run.taken.get(pid, 0)
-        if facts is None:
-            run.see(pid, meta.num_rows)
-        else:
-            facts.append((pid, meta.num_rows))
+        facts.append((pid, meta.num_rows))
         if meta.num_rows == 0 or skip >= meta.num_rows:
             continue
         if skip:
