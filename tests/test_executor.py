@@ -412,3 +412,43 @@ def test_prestarted_pool_actors_are_adopted_not_duplicated(ray_session, tmp_path
     assert seen <= pids and seen  # only the prestarted actors ran blocks
     assert ex.stats().operators[-1].actors_created == 2
     assert len(os.listdir(tmp_path)) == 2  # constructed once per actor, no third actor
+
+
+
+class _Twice:
+    """A callable class for an actor pool."""
+
+    def __call__(self, batch: dict) -> dict:
+        batch["twice"] = batch["id"] * 2
+        return batch
+
+
+def test_shutdown_from_two_threads_at_once_runs_once(ray_session):
+    """A loader's consumer and its fetch thread may both shut the executor down: the
+    second call must neither fail on the first's cleared state nor cache actors twice."""
+    from sbloader._executor.executor import kill_cached
+
+    cache: dict = {}
+    ds = sbloader.range(400, rows_per_partition=10).map_batches(_Twice, concurrency=(1, 2))
+    try:
+        for _ in range(3):
+            executor = ds.execute(actor_cache=cache)
+            assert executor.get_next(timeout=60) is not None  # running, calls in flight
+            errors: list = []
+
+            def stop() -> None:
+                try:
+                    executor.shutdown()
+                except BaseException as e:  # noqa: BLE001 - asserted below
+                    errors.append(e)
+
+            threads = [threading.Thread(target=stop) for _ in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert not errors
+            handles = [getattr(h, "handle", h) for hs in cache.values() for h in hs]
+            assert 1 <= len(handles) <= 2 and len(set(map(id, handles))) == len(handles)
+    finally:
+        kill_cached(cache)
