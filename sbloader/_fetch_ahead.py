@@ -17,7 +17,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 _END = object()
 
@@ -95,11 +95,15 @@ class FetchAhead:
             raise StopIteration
         return item
 
-    def close(self, timeout: Optional[float] = 10.0) -> None:
+    def close(self, timeout: Optional[float] = 10.0, wake: Optional[Callable[[], Any]] = None) -> None:
         """Stop the thread: it finishes the item in hand, then runs the producer's cleanup.
 
-        A producer blocked waiting for its source must be woken by the caller (shut
-        the source down) before this returns quickly.
+        Args:
+            timeout: seconds to wait for the thread.
+            wake: called after the thread is told to stop, before waiting for it: it
+                must wake a producer blocked on its source (shut the source down),
+                or the wait lasts until the source answers. It may run again in the
+                producer's own cleanup, so it must be idempotent.
         """
         self._stop.set()
         self._done = True
@@ -108,5 +112,7 @@ class FetchAhead:
                 self._queue.get_nowait()
             except queue.Empty:
                 break
+        if wake is not None:
+            wake()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=timeout)

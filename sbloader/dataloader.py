@@ -579,9 +579,7 @@ class DataLoader:
                 run.complete = True
         finally:
             stalls.wall_s = time.perf_counter() - t_start
-            fetch.close(timeout=0)
-            executor.shutdown()  # wakes a fetch thread waiting for the next block
-            fetch.close()
+            fetch.close(wake=executor.shutdown)  # shutting down wakes a thread waiting for a block
             for n in held:
                 executor.release(n)
             self._estimates = executor.estimates()

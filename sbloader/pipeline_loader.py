@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
 from ._executor.executor import kill_cached
 from .errors import SbloaderError, StateDictError
 from ._fetch_ahead import FetchAhead
+from .block import PADDING_KEY
 from .iterators import iter_batches, iter_blocks, to_torch
 from .stats import ExecutionStats, StallStats
 from .wire import from_wire, to_wire
@@ -277,12 +278,8 @@ class PipelineLoader:
                 self._counted_rows = self._stats.operators[-1].rows
         finally:
             stalls.wall_s = time.perf_counter() - t_start
-            fetch.close(timeout=0)
-            executor.shutdown()  # wakes a fetch thread waiting for the next block
-            fetch.close()
-            est = executor.estimates()
-            if all(e is not None for e in est):
-                self._estimates = est
+            fetch.close(wake=executor.shutdown)  # shutting down wakes a thread waiting for a block
+            self._estimates = executor.estimates()
 
     def _produce(self, executor: Any, run: "PipelineRun", quota: Optional[int], pin: bool) -> Iterator[tuple]:
         """(Fetch thread) ``(tensors, parts, partition sizes seen)`` per batch, ``quota``
@@ -325,7 +322,6 @@ class PipelineLoader:
             batches.close()
 
 
-PADDING_KEY = "sbloader_padding"
 
 
 def _padding_batch(last: Any, batch_size: int) -> Any:

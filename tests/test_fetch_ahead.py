@@ -78,3 +78,25 @@ def test_wait_counts_only_the_consumer_waiting():
 def test_depth_must_be_positive():
     with pytest.raises(ValueError, match="depth"):
         FetchAhead(iter(()), depth=0)
+
+
+def test_close_wakes_a_producer_blocked_on_its_source_and_runs_its_cleanup():
+    source_closed = threading.Event()
+    cleaned = threading.Event()
+
+    def produce():
+        try:
+            yield 1
+            source_closed.wait(30)  # blocked on its source (an executor waiting for a block)
+            yield 2
+        finally:
+            cleaned.set()
+
+    fetch = FetchAhead(produce(), depth=1)
+    assert next(fetch) == 1
+    t0 = time.monotonic()
+    fetch.close(wake=source_closed.set)
+    assert time.monotonic() - t0 < 5  # not the source's 30 s
+    assert cleaned.is_set()
+    with pytest.raises(StopIteration):
+        next(fetch)

@@ -191,8 +191,7 @@ class StreamingExecutor:
         self._opts = options
         self._info = EpochInfo(plan.epoch, plan.epoch_seed, plan.shuffle_rows)
         self._lock = threading.Condition()
-        self._stop = False
-        self._shut = False  # shutdown() ran (it may be called from two threads)
+        self._stop = False  # set once, by shutdown()
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self._counter = itertools.count()
@@ -309,9 +308,8 @@ class StreamingExecutor:
         the actor cache). Idempotent and thread-safe: the first call does the work (a
         loader's consumer and its fetch thread may both call it)."""
         with self._lock:
-            self._stop = True
+            first, self._stop = not self._stop, True
             self._lock.notify_all()
-            first, self._shut = not self._shut, True
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
         if not first:
