@@ -11,21 +11,15 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .block import PADDING_KEY
+from .wire import _rebuild
+
 _SCALARS = (str, bytes, int, float, bool, complex, type(None))
 
 
 def _is_column(x: Any) -> bool:
     """A list or tuple of plain values: one value per row."""
     return isinstance(x, (list, tuple)) and not hasattr(x, "_fields") and all(isinstance(v, _SCALARS) for v in x)
-
-
-def _rebuild(x: Any, items: list) -> Any:
-    if hasattr(x, "_fields"):
-        return type(x)(*items)
-    try:
-        return type(x)(items)
-    except TypeError:
-        return list(items) if isinstance(x, list) else tuple(items)
 
 
 def _refuse(x: Any) -> TypeError:
@@ -80,8 +74,6 @@ def _rebuild_dict(x: dict, out: dict) -> dict:
 def mark_padding(batch: Any, rows: int, pad: int) -> Any:
     """Add the padding mask (True = repeated row: the last ``pad`` of ``rows``) to a dict batch."""
     import torch
-
-    from ._loader_worker import PADDING_KEY
 
     if not pad or not isinstance(batch, dict):
         return batch

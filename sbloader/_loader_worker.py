@@ -13,14 +13,14 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from .block import BATCH_ROWS_COLUMN, Block, to_column
+from ._batch_slice import mark_padding
+from .block import BATCH_ROWS_COLUMN, Block
 from .context import actor_info, get_context
 from .sources import Partition
 from .wire import to_wire
 
 
 #: Key of the padding mask added to a dict batch that contains repeated rows.
-PADDING_KEY = "sbloader_padding"
 
 
 @dataclass(frozen=True)
@@ -34,18 +34,6 @@ class PaddedBatch:
 
     indices: tuple
     pad: int
-
-
-def _mark_padding(batch: Any, task: PaddedBatch) -> Any:
-    """Add the padding mask (True = repeated row) to a dict batch."""
-    import torch
-
-    if isinstance(batch, dict):
-        mask = torch.zeros(len(task.indices), dtype=torch.bool)
-        mask[len(task.indices) - task.pad:] = True
-        batch = dict(batch)
-        batch[PADDING_KEY] = mask
-    return batch
 
 
 def _read_tasks(shared: Any, partition: Partition) -> Block:
@@ -200,7 +188,7 @@ class LoaderWorker:
             elif isinstance(task, PaddedBatch):
                 _set_torch_worker_info(self._id, self._num_workers, seed, self._dataset)
                 batch = self._collate([self._dataset[i] for i in task.indices])
-                out.append(to_wire(_mark_padding(batch, task)))
+                out.append(to_wire(mark_padding(batch, len(task.indices), task.pad)))
                 rows.append(len(task.indices))
             else:
                 _set_torch_worker_info(self._id, self._num_workers, seed, self._dataset)

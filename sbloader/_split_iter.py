@@ -13,7 +13,6 @@ ranks' counts as the batches come (:func:`sbloader.split.stream_allowance`).
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Iterator, Optional
@@ -25,8 +24,8 @@ from ._executor.executor import ExecutionOptions
 from ._loader_worker import PaddedBatch, ReadyBatchSource, ShardSource
 from .coordinator import EpochSpec, get_coordinator
 from .errors import SbloaderError, UserFunctionError, reraise_as_torch
-from .plan import epoch_seed_from, make_epoch_plan
-from .split import batch_positions, split_epoch
+from .plan import make_epoch_plan
+from .split import split_epoch
 from ._fetch_ahead import FetchAhead
 from .stats import StallStats
 from .wire import from_wire
@@ -370,7 +369,7 @@ def stream_batch(item: Any, pin: bool, copy: bool, blocks: Optional[dict] = None
     return batch
 
 
-def _pull_stream(loader: "DataLoader", coord: Any, epoch: int, stalls: StallStats, fetched: list) -> Iterator[Any]:
+def _pull_stream(loader: "DataLoader", coord: Any, epoch: int, stalls: StallStats) -> Iterator[Any]:
     """(Fetch thread) This rank's batches of a stream epoch, one request ahead, until told done."""
     w = loader.world
     pin = loader._pin()
@@ -378,8 +377,10 @@ def _pull_stream(loader: "DataLoader", coord: Any, epoch: int, stalls: StallStat
     ask = max(1, loader.prefetch_factor or 2)
     timeout = loader.timeout or None
 
+    fetched = 0  # batches made (copies: their blocks are no longer needed)
+
     def request() -> Any:
-        consumed = len(fetched) if not loader.zero_copy else stalls.batches
+        consumed = fetched if not loader.zero_copy else stalls.batches
         return coord.next_batches.remote(epoch, w.rank, ask, consumed, node)
 
     blocks: dict = {}  # the last blocks fetched, by ref
@@ -395,7 +396,7 @@ def _pull_stream(loader: "DataLoader", coord: Any, epoch: int, stalls: StallStat
             batch = stream_batch(item, pin, not loader.zero_copy, blocks)
             stalls.fetch_s += time.perf_counter() - t0
             last_batch = time.monotonic()
-            fetched.append(item)
+            fetched += 1
             yield batch
             batch = None
 
@@ -418,8 +419,7 @@ def iter_split_stream(loader: "DataLoader") -> Iterator[Any]:
         raise SbloaderError(f"rank 0 did not start epoch {epoch} within 300 s; is rank 0 iterating this loader?")
     stalls = StallStats()
     loader._last_stalls = stalls
-    fetched: list = []
-    fetch = FetchAhead(_pull_stream(loader, coord, epoch, stalls, fetched), depth=max(1, loader.prefetch_factor or 2))
+    fetch = FetchAhead(_pull_stream(loader, coord, epoch, stalls), depth=max(1, loader.prefetch_factor or 2))
     try:
         while True:
             try:

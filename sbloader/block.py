@@ -22,6 +22,10 @@ ROW_COLUMN = "_sb_row"
 #: loader's row is a collated batch); :attr:`BlockMeta.batch_rows` carries it.
 BATCH_ROWS_COLUMN = "_sb_batch_rows"
 
+#: Key of the boolean mask a padded batch carries (True = a repeated row that only
+#: evens out the ranks' batch counts; train on the others).
+PADDING_KEY = "sbloader_padding"
+
 
 @dataclass(frozen=True)
 class Provenance:

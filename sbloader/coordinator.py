@@ -316,14 +316,13 @@ class _Epoch:
                 if not self._open():
                     return []
                 whole = self.produced // self.world_size if self.produced_all else None
-                allow = stream_allowance(self.produced, [lg.count for lg in self.logs], rank, self.produced_all)
                 if whole is not None and log.count >= whole:  # its whole batches: the short last one
-                    allow = 0
                     last = self.tail[rank]
                     if last is None or log.count > whole:
                         return []
                     self._log(log, -1, 0)
                     return [last]
+                allow = stream_allowance(self.produced, [lg.count for lg in self.logs], rank, self.produced_all)
                 if allow > 0:
                     break
                 if not self._wait(deadline, rank, stall_report_s):
@@ -381,10 +380,7 @@ class _Epoch:
                 else:
                     item = q.popleft()
                 out.append(item)
-                if self.ledger:
-                    log.delivered.append(self.spec.index_of(item.meta.seq))  # the epoch's batch index
-                log.nbytes.append(item.meta.nbytes)
-                log.count += 1
+                self._log(log, self.spec.index_of(item.meta.seq), item.meta.nbytes)  # the epoch's batch index
             return out
 
     def ack(self, rank: int, consumed: int) -> None:

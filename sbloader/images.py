@@ -256,11 +256,8 @@ def _read_image_files(shared: Any, partition: Partition, *, size: Optional[tuple
         images.append(arr)
         kept.append(path)
         rows.append(i)
-    if not decode:
-        image_col = np.empty((len(images),), dtype=object)
-        image_col[:] = images
-    elif images:
-        image_col = to_column(images)
+    if images:
+        image_col = to_column(images)  # bytes (decode=False): an object column
     elif size is not None and mode is not None:
         image_col = np.empty((0, size[1], size[0], len(mode)), dtype=np.uint8)
     else:
