@@ -64,13 +64,22 @@ def crop_flip(arr: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return T.to_chw(T.random_flip(out, rng))
 
 
+def labels_of(paths: Sequence[str]) -> np.ndarray:
+    """The class indices of a batch's paths."""
+    return np.array([label_of(p) for p in paths], dtype=np.int64)
+
+
+def decode_stack(encoded: Sequence[Any], rng: np.random.Generator) -> np.ndarray:
+    """Decode, crop and flip every encoded image of a batch: ``Nx3x224x224`` uint8."""
+    return np.stack([T.decode_crop_flip(b, SIZE, rng) for b in encoded])
+
+
 # ----- the function alone (ceiling) and the Pool --------------------------------
 
 def preprocess_paths(paths: Sequence[str]) -> dict[str, np.ndarray]:
     """One batch as every loader delivers it: stacked images and labels."""
     rng = process_rng()
-    return {"image": np.stack([load_file(p, rng) for p in paths]),
-            "label": np.array([label_of(p) for p in paths], dtype=np.int64)}
+    return {"image": np.stack([load_file(p, rng) for p in paths]), "label": labels_of(paths)}
 
 
 # ----- torch map-style Dataset (torch's DataLoader and sbloader's drop-in) ----------
@@ -98,25 +107,21 @@ def sbl_crop_flip_batch(batch: dict) -> dict:
     import sbloader
 
     rng = sbloader.get_context().rng
-    return {"image": np.stack([crop_flip(a, rng) for a in batch["image"]]),
-            "label": np.array([label_of(p) for p in batch["path"]], dtype=np.int64)}
+    return {"image": np.stack([crop_flip(a, rng) for a in batch["image"]]), "label": labels_of(batch["path"])}
 
 
 def sbl_decode_files_batch(batch: dict) -> dict:
     """``read_images(..., decode=False).map_batches(this)``: decode, crop, flip in one pass."""
     import sbloader
 
-    rng = sbloader.get_context().rng
-    return {"image": np.stack([T.decode_crop_flip(b, SIZE, rng) for b in batch["image"]]),
-            "label": np.array([label_of(p) for p in batch["path"]], dtype=np.int64)}
+    return {"image": decode_stack(batch["image"], sbloader.get_context().rng), "label": labels_of(batch["path"])}
 
 
 def sbl_decode_batch(batch: dict) -> dict:
     """``read_parquet(...).map_batches(this)``: decode the binary column, crop, flip."""
     import sbloader
 
-    rng = sbloader.get_context().rng
-    return {"image": np.stack([T.decode_crop_flip(b, SIZE, rng) for b in batch["image"]]),
+    return {"image": decode_stack(batch["image"], sbloader.get_context().rng),
             "label": np.asarray(batch["label"], dtype=np.int64)}
 
 
@@ -125,15 +130,12 @@ def sbl_decode_batch(batch: dict) -> dict:
 def rd_crop_flip_batch(batch: dict) -> dict:
     """``ray.data.read_images(...).map_batches(this)``."""
     rng = process_rng()
-    return {"image": np.stack([crop_flip(a, rng) for a in batch["image"]]),
-            "label": np.array([label_of(p) for p in batch["path"]], dtype=np.int64)}
+    return {"image": np.stack([crop_flip(a, rng) for a in batch["image"]]), "label": labels_of(batch["path"])}
 
 
 def rd_decode_batch(batch: dict) -> dict:
     """``ray.data.read_parquet(...).map_batches(this)``."""
-    rng = process_rng()
-    return {"image": np.stack([T.decode_crop_flip(b, SIZE, rng) for b in batch["image"]]),
-            "label": np.asarray(batch["label"], dtype=np.int64)}
+    return {"image": decode_stack(batch["image"], process_rng()), "label": np.asarray(batch["label"], dtype=np.int64)}
 
 
 # ----- the consumer's CPU work ------------------------------------------------------
