@@ -304,9 +304,16 @@ class StreamingExecutor:
             self._lock.notify_all()
 
     def shutdown(self) -> None:
-        """Stop the loop, cancel running tasks and kill the pool actors (or keep them in
+        """Stop the loop, drop the running tasks and kill the pool actors (or keep them in
         the actor cache). Idempotent and thread-safe: the first call does the work (a
-        loader's consumer and its fetch thread may both call it)."""
+        loader's consumer and its fetch thread may both call it).
+
+        Running tasks are not cancelled: they finish (at most one task per slot) and
+        their outputs are freed with the dropped refs. ``ray.cancel`` racing with a
+        task's completion aborts the driver in Ray 2.60 (``Check failed: it !=
+        submissible_tasks_.end()`` in ``TaskManager::CompletePendingTask``, the race of
+        ray-project/ray#54798); the CI saw it once when a loop broke out mid-epoch.
+        """
         with self._lock:
             first, self._stop = not self._stop, True
             self._lock.notify_all()
@@ -314,13 +321,6 @@ class StreamingExecutor:
             self._thread.join(timeout=10)
         if not first:
             return
-        for ref in list(self._inflight):
-            run = self._inflight[ref]
-            if run.actor is None:
-                try:
-                    ray.cancel(ref, force=False)
-                except Exception:  # already finished or owner gone
-                    pass
         self._inflight.clear()
         for i, actors in self._pools.items():
             for a in actors:
