@@ -375,7 +375,7 @@ def read_images(
             an image) raises :class:`~sbloader.errors.SourceReadError` naming the
             file and partition in the consumer; ``"skip"``: the file is skipped,
             logged and counted in ``stats().skipped``.
-        files_per_partition: files per partition (default 64: one typical batch per task).
+        files_per_partition: files per partition (default 64: one typical batch per partition).
         num_partitions: or cut into this many partitions.
         extensions: extensions kept when listing a directory or a glob (case-
             insensitive); None keeps every file. Files named explicitly are always read.

@@ -345,7 +345,7 @@ def test_default_budget_holds_a_flat_number_of_blocks_ahead_of_a_slow_consumer(r
     """The default budget is a quarter of the store; blocks ahead are capped, so a slow
     consumer never makes the pipeline hold more as the dataset grows."""
     from sbloader._executor import executor as ex
-    from sbloader._executor.policy import blocks_ahead_cap
+    from sbloader._executor.policy import MAX_PARTITIONS_PER_TASK, blocks_ahead_cap
 
     executor = sbloader.range(4 * partitions, num_partitions=partitions).map_batches(_quarter_mib).execute(
         prefetch_blocks=2)
@@ -359,7 +359,9 @@ def test_default_budget_holds_a_flat_number_of_blocks_ahead_of_a_slow_consumer(r
     finally:
         executor.shutdown()
     assert n == partitions
-    cap = blocks_ahead_cap(2, sum(executor._slots))
+    # a read task takes up to MAX_PARTITIONS_PER_TASK partitions, each its own block
+    assert 1 <= executor._max_group <= MAX_PARTITIONS_PER_TASK
+    cap = blocks_ahead_cap(2, sum(executor._slots), executor._max_group)
     # + the block the consumer holds, + released blocks still counted until Ray frees them
     freeing = int(ex._FREE_LAG_S / 0.01) + 2
     assert executor.stats().peak_held_bytes <= (cap + 1 + freeing) * block * 1.1, \
@@ -454,3 +456,59 @@ def test_shutdown_from_two_threads_at_once_runs_once(ray_session):
             assert sorted(set(actor_ids)) == sorted(actor_ids), f"an actor cached twice: {actor_ids}"
     finally:
         kill_cached(cache)
+
+
+def _a_little_work(batch):
+    time.sleep(0.02)
+    return batch
+
+
+def _drain(executor) -> dict:
+    """partition id -> (seconds from the start to its delivery, its ids)."""
+    t0, out = time.monotonic(), {}
+    try:
+        while (item := executor.get_next(timeout=60)) is not None:
+            assert item.meta.partition_id not in out, f"partition {item.meta.partition_id} delivered twice"
+            out[item.meta.partition_id] = (time.monotonic() - t0, ray.get(item.ref)["id"])
+            executor.release(item.meta.nbytes)
+    finally:
+        executor.shutdown()
+    return out
+
+
+def test_read_tasks_take_several_partitions_each_its_own_block(ray_session):
+    """Once a partition's time is known a read task reads several (fewer Ray calls);
+    every partition still comes back once, as its own block with its own metadata."""
+    executor = sbloader.range(480, num_partitions=60).map_batches(_a_little_work).execute()
+    got = _drain(executor)
+    assert sorted(got) == list(range(60))
+    assert sorted(np.concatenate([ids for _, ids in got.values()]).tolist()) == list(range(480))
+    for pid, (_, ids) in got.items():
+        assert sorted(ids.tolist()) == list(range(8 * pid, 8 * pid + 8))
+    op = executor.stats().operators[0]
+    assert op.blocks == 60
+    assert op.tasks < 60 and executor._max_group > 1, (op.tasks, executor._max_group)
+
+
+_STRAGGLER_PARTITION = 30
+
+
+def _straggle(batch):
+    time.sleep(6.0 if 8 * _STRAGGLER_PARTITION in batch["id"] else 0.02)
+    return batch
+
+
+def test_a_straggling_partition_does_not_hold_back_the_others_of_its_task(ray_session):
+    """A read task of several partitions returns their blocks together; when it runs
+    far longer than expected, its partitions are launched again one per task and the
+    first copy back is delivered: the others arrive long before the straggler."""
+    executor = sbloader.range(480, num_partitions=60).map_batches(_straggle).execute()
+    got = _drain(executor)
+    assert sorted(got) == list(range(60))
+    assert sorted(np.concatenate([ids for _, ids in got.values()]).tolist()) == list(range(480))
+    st = executor.stats()
+    assert executor._max_group > 1
+    assert st.speculative_partitions >= 1, "the straggler's task was not launched again"
+    slow = got.pop(_STRAGGLER_PARTITION)[0]
+    latest = max(t for t, _ in got.values())
+    assert latest < slow - 2.0, f"the other partitions came at up to {latest:.2f} s, the straggler at {slow:.2f} s"

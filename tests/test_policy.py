@@ -404,3 +404,45 @@ def test_source_blocked_stops_only_the_source_stage() -> None:
     only_source = [StageView(0, 5, 3, 1, 1, 10.0), StageView(1, 0, None, 0, 1, 10.0)]
     assert select_stage(only_source, 10**9, 0, source_blocked=True).launch is None
     assert select_stage(only_source, 10**9, 0, source_blocked=False).launch == 0
+
+
+@pytest.mark.parametrize("prefetch,slots,per_task", [(2, 3, 1), (2, 3, 4), (1, 16, 16)])
+def test_blocks_ahead_cap_scales_with_blocks_per_task(prefetch: int, slots: int, per_task: int) -> None:
+    from sbloader._executor.policy import blocks_ahead_cap
+
+    assert blocks_ahead_cap(prefetch, slots, per_task) == prefetch + 2 * slots * per_task
+
+
+# ----- partitions per read task -----------------------------------------------------
+
+
+def test_partitions_per_task_one_while_the_time_is_unknown() -> None:
+    from sbloader._executor.policy import partitions_per_task
+
+    assert partitions_per_task(None, 100, 3) == 1
+    assert partitions_per_task(0.01, 1, 3) == 1
+    assert partitions_per_task(0.01, 0, 3) == 1
+
+
+@pytest.mark.parametrize("est_s", [0.001, 0.02, 0.08, 0.2, 0.5, 3.0])
+@pytest.mark.parametrize("queued", [2, 7, 31, 200])
+@pytest.mark.parametrize("slots", [1, 3, 17])
+def test_partitions_per_task_grid(est_s: float, queued: int, slots: int) -> None:
+    from sbloader._executor.policy import MAX_PARTITIONS_PER_TASK, TARGET_TASK_S, partitions_per_task
+
+    k = partitions_per_task(est_s, queued, slots)
+    assert 1 <= k <= MAX_PARTITIONS_PER_TASK
+    # never more than the target's worth of work, unless a single partition is already more
+    assert k == 1 or k * est_s <= TARGET_TASK_S + 1e-9
+    # every slot still gets a call while partitions remain
+    assert k == 1 or k * slots <= queued
+    # as many as the target, the tail and the cap allow
+    assert k == max(1, min(MAX_PARTITIONS_PER_TASK, int(TARGET_TASK_S / est_s), queued // slots))
+
+
+def test_partitions_per_task_bounded_by_bytes() -> None:
+    from sbloader._executor.policy import partitions_per_task
+
+    assert partitions_per_task(0.01, 1000, 2, est_block_bytes=10e6, max_task_bytes=35e6) == 3
+    assert partitions_per_task(0.01, 1000, 2, est_block_bytes=10e6, max_task_bytes=5e6) == 1
+    assert partitions_per_task(0.01, 1000, 2, est_block_bytes=None, max_task_bytes=5e6) == 16

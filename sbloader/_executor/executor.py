@@ -26,7 +26,8 @@ from ..errors import ExecutorShutdownError, MemoryBudgetError, SbloaderError
 from ..plan import EpochPlan
 from ..sources import Partition, Source
 from ..stats import ExecutionStats, OperatorStats
-from .policy import PoolView, StageView, blocks_ahead_cap, min_budget_bytes, pool_delta, select_stage
+from .policy import (MAX_CALL_BYTES, PoolView, StageView, blocks_ahead_cap, min_budget_bytes, partitions_per_task, pool_delta,
+                     select_stage)
 from .stages import Stage, build_stages, stage_concurrency
 from .tasks import EpochInfo, MapActor, Packed, block_stage_task, pack, read_stage_task
 
@@ -42,6 +43,13 @@ _FREE_LAG_S = 0.25
 # which resources the waiting work needs and what the cluster has free (a pool of
 # another loader's persistent workers holding every CPU looks like a silent hang).
 _STUCK_WARN_S = 20.0
+# A read call of several partitions returns their blocks together, so one slow
+# partition would hold back the others of its call. A call running this many
+# times longer than expected (and at least _SPECULATE_MIN_S) has its partitions
+# launched again, one per call; whichever copy of a partition finishes first is
+# delivered, the other dropped (the straggler then delays only itself).
+_SPECULATE_FACTOR = 4.0
+_SPECULATE_MIN_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -162,13 +170,33 @@ class _Actor:
 
 
 @dataclass
+class _Call:
+    """One Ray task or actor call; a read call may cover several partitions."""
+
+    left: int  # its partitions whose metadata has not come back yet
+    actor: Optional[_Actor] = None
+    items: tuple = ()  # a read call: its (seq, Partition) pairs
+    started: float = 0.0  # time.monotonic() at launch
+    expected_s: float = 0.0  # its partitions' estimated seconds
+    speculated: bool = False
+
+
+@dataclass(frozen=True)
+class _Solo:
+    """A partition launched again on its own (its first call straggles)."""
+
+    part: Partition
+
+
+@dataclass
 class _Running:
     stage: int
     seq: int
     block_ref: ray.ObjectRef
     input_bytes: int
     est_bytes: float
-    actor: Optional[_Actor] = None
+    call: _Call
+    partition_id: int = -1  # source stage: the partition it reads
 
 
 class StreamingExecutor:
@@ -204,6 +232,11 @@ class StreamingExecutor:
         self._est: list[Optional[float]] = (
             list(estimates) if estimates is not None and len(estimates) == len(stages) else [None] * len(stages)
         )
+        # Seconds one partition takes in the source stage, measured afresh every epoch
+        # (so an epoch's first tasks read one partition each: a quick first batch).
+        self._est_partition_s: Optional[float] = None
+        self._max_group = 1  # the most partitions one call has read this epoch
+        self._read_done: set[int] = set()  # partitions whose source-stage block came back
         self._pools: dict[int, list[_Actor]] = {i: [] for i, s in enumerate(stages) if s.kind == "actor"}
         self._stats = ExecutionStats(operators=[OperatorStats(s.name) for s in stages])
         self._pending_actors: dict[ray.ObjectRef, tuple[int, _Actor]] = {}
@@ -385,6 +418,7 @@ class StreamingExecutor:
                     if self._stop:
                         return
                     self._scale_pools()
+                    self._speculate()
                     self._launch()
                     if self._finished():
                         self._done = True
@@ -434,9 +468,27 @@ class StreamingExecutor:
     def _finished(self) -> bool:
         return (
             self._remaining == 0
-            and not self._inflight
             and not any(self._queues)
+            and all(self._moot(r) for r in self._inflight.values())
         )
+
+    def _moot(self, run: _Running) -> bool:
+        """A source-stage copy of a partition whose other copy already came back."""
+        return run.stage == 0 and run.partition_id in self._read_done
+
+    def _speculate(self) -> None:
+        """Launch again, one per task, the partitions of read tasks that straggle."""
+        now = time.monotonic()
+        calls = {id(r.call): r.call for r in self._inflight.values() if r.stage == 0 and len(r.call.items) > 1}
+        for call in calls.values():
+            if call.speculated or now - call.started < max(_SPECULATE_MIN_S, _SPECULATE_FACTOR * call.expected_s):
+                continue
+            call.speculated = True
+            for seq, part in call.items:
+                if part.id not in self._read_done:
+                    heapq.heappush(self._queues[0], (seq, next(self._counter), _Solo(part)))
+                    self._remaining += 1
+                    self._stats.speculative_partitions += 1
 
     def _stage_view(self, i: int) -> StageView:
         q = self._queues[i]
@@ -444,7 +496,28 @@ class StreamingExecutor:
             free = sum(max(0, _ACTOR_SLOTS - a.inflight) for a in self._pools[i] if a.ready_ref is None)
         else:
             free = max(0, self._slots[i] - self._stage_inflight[i])
-        return StageView(i, len(q), q[0][0] if q else None, self._stage_inflight[i], free, self._est[i])
+        est = self._est[i]
+        if i == 0 and est is not None:  # the next call's output: one block per partition it reads
+            est *= self._group_size()
+        return StageView(i, len(q), q[0][0] if q else None, self._stage_inflight[i], free, est)
+
+    def _group_size(self) -> int:
+        """Partitions the source stage's next call reads (see :func:`partitions_per_task`).
+
+        One per call for a pool that reads (the drop-in's workers): an actor runs its
+        calls one after another, so a call queued behind a straggling one would wait
+        for it, and a relaunched straggler would block the actor it lands on. Actor
+        calls cost Ray about half what tasks do (no lease), and grouping them showed
+        no gain (see docs/architecture.md).
+        """
+        stage = self._stages[0]
+        if stage.kind == "actor":
+            return 1
+        slots = self._slots[0]
+        # one call's output: at most its share of the budget when every slot runs one and
+        # has one finished behind it, and at most MAX_CALL_BYTES
+        share = min(self._budget / (2 * slots + self._opts.prefetch_blocks), MAX_CALL_BYTES)
+        return partitions_per_task(self._est_partition_s, len(self._queues[0]), slots, self._est[0], share)
 
     def _launch(self) -> None:
         now = time.perf_counter()
@@ -474,43 +547,60 @@ class StreamingExecutor:
             return sys.maxsize
         slots = sum(self._slots[i] for i in range(len(self._stages)) if i not in self._pools)
         slots += sum(self._pool_bounds[i][1] * _ACTOR_SLOTS for i in self._pools)
-        return blocks_ahead_cap(self._opts.prefetch_blocks, slots)
+        return blocks_ahead_cap(self._opts.prefetch_blocks, slots, self._max_group)
 
     def _launch_one(self, i: int) -> None:
         stage = self._stages[i]
-        seq, _, item = heapq.heappop(self._queues[i])
+        if i == 0:  # the source stage: a "read" task stage, or an actor pool that reads
+            self._launch_read(i)
+            return
+        seq, _, out = heapq.heappop(self._queues[i])
         est = self._est[i] or 0.0
-        if stage.kind == "read":
-            part: Partition = item
-            block_ref, meta_ref = read_stage_task.options(
+        self._queued_bytes[i] -= out.meta.nbytes
+        if stage.kind == "task":
+            block_ref, meta_ref = block_stage_task.options(
                 max_retries=self._opts.max_task_retries, **self._placed(stage.ray_options)
-            ).remote(self._shared_ref, part, self._ops_arg[i], self._info, seq, stage.name)
-            self._remaining -= 1
-            run = _Running(i, seq, block_ref, 0, est)
-        elif stage.reads:  # an actor pool that reads its partitions itself
-            part = item
+            ).remote(out.ref, out.meta, self._ops_arg[i], self._info)
+            call = _Call(1)
+        else:
             actor = min((a for a in self._pools[i] if a.ready_ref is None), key=lambda a: a.inflight)
             actor.inflight += 1
-            block_ref, meta_ref = actor.handle.read_process.remote(
-                self._shared_ref, part, self._info, seq, stage.name
-            )
-            self._remaining -= 1
-            run = _Running(i, seq, block_ref, 0, est, actor)
-        else:
-            out: OutputBlock = item
-            self._queued_bytes[i] -= out.meta.nbytes
-            if stage.kind == "task":
-                block_ref, meta_ref = block_stage_task.options(
-                    max_retries=self._opts.max_task_retries, **self._placed(stage.ray_options)
-                ).remote(out.ref, out.meta, self._ops_arg[i], self._info)
-                run = _Running(i, seq, block_ref, out.meta.nbytes, est)
-            else:
-                actor = min((a for a in self._pools[i] if a.ready_ref is None), key=lambda a: a.inflight)
-                actor.inflight += 1
-                block_ref, meta_ref = actor.handle.process.remote(out.ref, out.meta, self._info)
-                run = _Running(i, seq, block_ref, out.meta.nbytes, est, actor)
+            block_ref, meta_ref = actor.handle.process.remote(out.ref, out.meta, self._info)
+            call = _Call(1, actor)
         self._stage_inflight[i] += 1
-        self._inflight[meta_ref] = run
+        self._inflight[meta_ref] = _Running(i, seq, block_ref, out.meta.nbytes, est, call)
+
+    def _launch_read(self, i: int) -> None:
+        """One call of the source stage: a task (or a pool actor's call) that reads the
+        next few partitions of the plan, each returned as its own block and metadata."""
+        stage = self._stages[i]
+        q = self._queues[i]
+        k = 1 if isinstance(q[0][2], _Solo) else self._group_size()
+        items = []
+        while q and len(items) < k and not (items and isinstance(q[0][2], _Solo)):
+            seq, _, item = heapq.heappop(q)
+            items.append((seq, item.part if isinstance(item, _Solo) else item))
+        seqs = tuple(seq for seq, _ in items)
+        parts = tuple(part for _, part in items)
+        if stage.kind == "read":
+            refs = read_stage_task.options(
+                num_returns=2 * len(parts), max_retries=self._opts.max_task_retries,
+                **self._placed(stage.ray_options)
+            ).remote(self._shared_ref, parts, self._ops_arg[i], self._info, seqs, stage.name)
+            actor = None
+        else:  # an actor pool that reads its partitions itself
+            actor = min((a for a in self._pools[i] if a.ready_ref is None), key=lambda a: a.inflight)
+            actor.inflight += 1
+            refs = actor.handle.read_process.options(num_returns=2 * len(parts)).remote(
+                self._shared_ref, parts, self._info, seqs, stage.name
+            )
+        call = _Call(len(parts), actor, tuple(items), time.monotonic(), len(parts) * (self._est_partition_s or 0.0))
+        self._remaining -= len(parts)
+        self._max_group = max(self._max_group, len(parts))
+        self._stage_inflight[i] += 1
+        est = self._est[i] or 0.0
+        for j, (seq, part) in enumerate(items):
+            self._inflight[refs[2 * j + 1]] = _Running(i, seq, refs[2 * j], 0, est, call, part.id)
 
     def _placed(self, options: dict) -> dict:
         """Ray options with the placement policy's scheduling strategy, if any."""
@@ -575,19 +665,29 @@ class StreamingExecutor:
 
     def _on_done(self, run: _Running, meta: BlockMeta) -> None:
         i = run.stage
-        self._stage_inflight[i] -= 1
-        if run.actor is not None:
-            run.actor.inflight -= 1
-            run.actor.idle_since = time.monotonic()
         st = self._stats.operators[i]
+        run.call.left -= 1
+        if run.call.left == 0:  # the call's last partition: its slot is free
+            self._stage_inflight[i] -= 1
+            st.tasks += 1
+            if run.call.actor is not None:
+                run.call.actor.inflight -= 1
+                run.call.actor.idle_since = time.monotonic()
+        if i == 0:
+            if meta.partition_id in self._read_done:  # the other copy of a speculated partition won
+                self._stats.duplicates_dropped += 1
+                return
+            self._read_done.add(meta.partition_id)
         st.rows += meta.num_rows
         st.blocks += 1
         st.bytes += meta.nbytes
-        st.tasks += 1
         st.task_s += meta.task_s
         st.skipped += meta.skipped
-        n = st.tasks
+        n = st.blocks
         self._est[i] = meta.nbytes if self._est[i] is None else self._est[i] + (meta.nbytes - self._est[i]) / n
+        if i == 0:
+            s_ = self._est_partition_s
+            self._est_partition_s = meta.task_s if s_ is None else s_ + (meta.task_s - s_) / n
         if self._bars:
             self._bars[i].update(meta.num_rows)
         out = OutputBlock(run.block_ref, meta)

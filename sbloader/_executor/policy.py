@@ -61,16 +61,57 @@ def runnable(stage: StageView) -> bool:
     return stage.est_out_bytes is not None or stage.inflight == 0
 
 
-def blocks_ahead_cap(prefetch_blocks: int, total_slots: int) -> int:
+def blocks_ahead_cap(prefetch_blocks: int, total_slots: int, blocks_per_task: int = 1) -> int:
     """Most blocks the pipeline may hold ahead of the consumer (in flight, between
-    stages, or ready): every slot busy with one finished block behind it, plus the
-    consumer's prefetch.
+    stages, or ready): every slot busy with one finished task's blocks behind it
+    (``blocks_per_task`` each, see :func:`partitions_per_task`), plus the consumer's
+    prefetch.
 
     More would not make the pipeline faster (the slots are full) and, with a slow
     consumer, would only fill memory up to the budget: with this cap the memory
     held stays flat as the dataset grows, whatever the budget.
     """
-    return max(1, prefetch_blocks) + 2 * max(1, total_slots)
+    return max(1, prefetch_blocks) + 2 * max(1, total_slots) * max(1, blocks_per_task)
+
+
+# A read task takes several partitions once one partition's time is known, so that
+# Ray's fixed cost per task (about 6 ms of CPU across the trainer, the raylet and
+# the worker; see docs/architecture.md) is spread over about this many seconds of work.
+TARGET_TASK_S = 0.35
+MAX_PARTITIONS_PER_TASK = 16
+MAX_CALL_BYTES = 128 * 2**20  # output of one call (Ray Data's largest target block size)
+
+
+def partitions_per_task(est_partition_s: Optional[float], queued: int, slots: int,
+                        est_block_bytes: Optional[float] = None, max_task_bytes: Optional[float] = None,
+                        target_s: float = TARGET_TASK_S, max_k: int = MAX_PARTITIONS_PER_TASK) -> int:
+    """How many queued partitions the source stage's next task reads (each is still its
+    own block, with its own metadata: replay and exactly-once stay per partition).
+
+    One while a partition's time is unknown (the first tasks of every epoch, so the
+    first batch waits for one partition only); then enough partitions for about
+    ``target_s`` seconds of work, but never so many that a slot would go without
+    work while partitions remain (at most ``queued // slots``), nor more output than
+    ``max_task_bytes``.
+
+    Args:
+        est_partition_s: measured seconds one partition takes in a task (None: unknown).
+        queued: partitions waiting.
+        slots: tasks the stage may have in flight.
+        est_block_bytes: estimated bytes of one output block (None: unknown).
+        max_task_bytes: the most output bytes one task may produce (None: no limit).
+        target_s: seconds of work one task aims at.
+        max_k: the most partitions one task reads.
+
+    Returns:
+        A count in ``[1, max(1, queued)]``.
+    """
+    if est_partition_s is None or queued <= 1:
+        return 1
+    k = min(max_k, int(target_s / max(est_partition_s, 1e-6)), queued // max(1, slots))
+    if est_block_bytes and max_task_bytes is not None:
+        k = min(k, int(max_task_bytes // est_block_bytes))
+    return max(1, k)
 
 
 def select_stage(

@@ -1,8 +1,9 @@
 """Code that runs remotely: the read/task stage function and the pool actor.
 
-Each call produces exactly one output block plus its :class:`BlockMeta` (two
-return objects), so the executor schedules on metadata without touching bytes,
-and a retried task replaces its result instead of adding rows.
+Each partition produces exactly one output block plus its :class:`BlockMeta` (two
+return objects; a read call may take several partitions and returns two objects
+per partition), so the executor schedules on metadata without touching bytes, and
+a retried task replaces its results instead of adding rows.
 """
 from __future__ import annotations
 
@@ -176,14 +177,26 @@ def read_partition(reader_and_shared: tuple, partition: Partition, info: EpochIn
     return block, c.skipped
 
 
-@ray.remote(num_returns=2)
-def read_stage_task(reader_and_shared: tuple, partition: Partition, ops: tuple, info: EpochInfo,
-                    seq: int, name: str) -> tuple[Block, BlockMeta]:
-    """Read one partition and apply the fused operators after the read."""
-    t0 = time.perf_counter()
-    block, skipped = read_partition(unpack(reader_and_shared), partition, info, name)
-    block, skipped2 = apply_ops(unpack(ops), block, info, partition.id)
-    return block, _make_meta(block, info, partition.id, seq, t0, skipped + skipped2)
+def read_partitions(reader_and_shared: tuple, partitions: Sequence[Partition], seqs: Sequence[int],
+                    info: EpochInfo, name: str, ops: Sequence[Op], fns: Optional[Sequence[Callable]] = None) -> tuple:
+    """Read partitions one after another, each through the operators on its own:
+    ``(block_1, meta_1, ..., block_k, meta_k)``."""
+    rs = unpack(reader_and_shared)
+    out: list = []
+    for part, seq in zip(partitions, seqs):
+        t0 = time.perf_counter()
+        block, skipped = read_partition(rs, part, info, name)
+        block, skipped2 = apply_ops(ops, block, info, part.id, fns=fns)
+        out += [block, _make_meta(block, info, part.id, seq, t0, skipped + skipped2)]
+    return tuple(out)
+
+
+@ray.remote
+def read_stage_task(reader_and_shared: tuple, partitions: tuple, ops: tuple, info: EpochInfo,
+                    seqs: tuple, name: str) -> tuple:
+    """Read partitions and apply the fused operators after the read: a block and its
+    metadata per partition (launched with ``num_returns=2 * len(partitions)``)."""
+    return read_partitions(reader_and_shared, partitions, seqs, info, name, unpack(ops))
 
 
 @ray.remote(num_returns=2)
@@ -211,14 +224,11 @@ class MapActor:
         set_actor_info(actor_index, pool_size)
         self._instance = op.fn(*op.fn_constructor_args, **dict(op.fn_constructor_kwargs))
 
-    @ray.method(num_returns=2)
-    def read_process(self, reader_and_shared: tuple, partition: Partition, info: EpochInfo,
-                     seq: int, name: str) -> tuple[Block, BlockMeta]:
-        """Read a partition, then apply the callable (the read is fused into the pool)."""
-        t0 = time.perf_counter()
-        block, skipped = read_partition(unpack(reader_and_shared), partition, info, name)
-        out, skipped2 = apply_ops((self._op,), block, info, partition.id, fns=(self._instance,))
-        return out, _make_meta(out, info, partition.id, seq, t0, skipped + skipped2)
+    def read_process(self, reader_and_shared: tuple, partitions: tuple, info: EpochInfo,
+                     seqs: tuple, name: str) -> tuple:
+        """Read partitions, then apply the callable to each (the read is fused into the
+        pool): a block and its metadata per partition (``num_returns=2 * len(partitions)``)."""
+        return read_partitions(reader_and_shared, partitions, seqs, info, name, (self._op,), fns=(self._instance,))
 
     def ready(self) -> tuple[str, int]:
         """Node id and pid once the instance is constructed."""
