@@ -237,6 +237,7 @@ class StreamingExecutor:
         self._est_partition_s: Optional[float] = None
         self._max_group = 1  # the most partitions one call has read this epoch
         self._read_done: set[int] = set()  # partitions whose source-stage block came back
+        self._solo_queued: set[int] = set()  # partitions queued again (see _speculate)
         self._pools: dict[int, list[_Actor]] = {i: [] for i, s in enumerate(stages) if s.kind == "actor"}
         self._stats = ExecutionStats(operators=[OperatorStats(s.name) for s in stages])
         self._pending_actors: dict[ray.ObjectRef, tuple[int, _Actor]] = {}
@@ -487,8 +488,21 @@ class StreamingExecutor:
             for seq, part in call.items:
                 if part.id not in self._read_done:
                     heapq.heappush(self._queues[0], (seq, next(self._counter), _Solo(part)))
+                    self._solo_queued.add(part.id)
                     self._remaining += 1
                     self._stats.speculative_partitions += 1
+
+    def _drop_solo(self, partition_id: int) -> None:
+        """A partition came back: its second copy, if still queued, is not launched."""
+        if partition_id not in self._solo_queued:
+            return
+        self._solo_queued.discard(partition_id)
+        q = self._queues[0]
+        keep = [e for e in q if not (isinstance(e[2], _Solo) and e[2].part.id == partition_id)]
+        if len(keep) < len(q):
+            self._remaining -= len(q) - len(keep)
+            q[:] = keep
+            heapq.heapify(q)
 
     def _stage_view(self, i: int) -> StageView:
         q = self._queues[i]
@@ -579,7 +593,10 @@ class StreamingExecutor:
         items = []
         while q and len(items) < k and not (items and isinstance(q[0][2], _Solo)):
             seq, _, item = heapq.heappop(q)
-            items.append((seq, item.part if isinstance(item, _Solo) else item))
+            if isinstance(item, _Solo):
+                self._solo_queued.discard(item.part.id)
+                item = item.part
+            items.append((seq, item))
         seqs = tuple(seq for seq, _ in items)
         parts = tuple(part for _, part in items)
         if stage.kind == "read":
@@ -678,6 +695,7 @@ class StreamingExecutor:
                 self._stats.duplicates_dropped += 1
                 return
             self._read_done.add(meta.partition_id)
+            self._drop_solo(meta.partition_id)
         st.rows += meta.num_rows
         st.blocks += 1
         st.bytes += meta.nbytes
