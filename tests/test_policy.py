@@ -446,3 +446,12 @@ def test_partitions_per_task_bounded_by_bytes() -> None:
     assert partitions_per_task(0.01, 1000, 2, est_block_bytes=10e6, max_task_bytes=35e6) == 3
     assert partitions_per_task(0.01, 1000, 2, est_block_bytes=10e6, max_task_bytes=5e6) == 1
     assert partitions_per_task(0.01, 1000, 2, est_block_bytes=None, max_task_bytes=5e6) == 16
+
+
+@pytest.mark.parametrize("ahead,slots,expected", [(0, 3, 1), (2, 3, 1), (3, 3, 2), (8, 3, 3), (100, 3, 4), (5, 1, 4)])
+def test_partitions_per_task_grows_with_the_blocks_ahead(ahead: int, slots: int, expected: int) -> None:
+    """A consumer that keeps up is never left waiting for a big first task: the group
+    grows only as blocks pile up ahead of it (here the target allows 4)."""
+    from sbloader._executor.policy import partitions_per_task
+
+    assert partitions_per_task(0.08, 1000, slots, blocks_ahead=ahead) == expected

@@ -531,7 +531,8 @@ class StreamingExecutor:
         # one call's output: at most its share of the budget when every slot runs one and
         # has one finished behind it, and at most MAX_CALL_BYTES
         share = min(self._budget / (2 * slots + self._opts.prefetch_blocks), MAX_CALL_BYTES)
-        return partitions_per_task(self._est_partition_s, len(self._queues[0]), slots, self._est[0], share)
+        return partitions_per_task(self._est_partition_s, len(self._queues[0]), slots, self._est[0], share,
+                                   blocks_ahead=self._blocks_ahead())
 
     def _launch(self) -> None:
         now = time.perf_counter()

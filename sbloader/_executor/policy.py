@@ -84,7 +84,8 @@ MAX_CALL_BYTES = 128 * 2**20  # output of one call (Ray Data's largest target bl
 
 def partitions_per_task(est_partition_s: Optional[float], queued: int, slots: int,
                         est_block_bytes: Optional[float] = None, max_task_bytes: Optional[float] = None,
-                        target_s: float = TARGET_TASK_S, max_k: int = MAX_PARTITIONS_PER_TASK) -> int:
+                        target_s: float = TARGET_TASK_S, max_k: int = MAX_PARTITIONS_PER_TASK,
+                        blocks_ahead: Optional[int] = None) -> int:
     """How many queued partitions the source stage's next task reads (each is still its
     own block, with its own metadata: replay and exactly-once stay per partition).
 
@@ -92,7 +93,10 @@ def partitions_per_task(est_partition_s: Optional[float], queued: int, slots: in
     first batch waits for one partition only); then enough partitions for about
     ``target_s`` seconds of work, but never so many that a slot would go without
     work while partitions remain (at most ``queued // slots``), nor more output than
-    ``max_task_bytes``.
+    ``max_task_bytes``. It grows as the pipeline gets ahead of the consumer (at most
+    ``1 + blocks_ahead // slots``): a task of ``k`` partitions delivers nothing for
+    ``k`` partitions' time, which the blocks already ahead must cover, or a consumer
+    that keeps up (a training step per batch) would wait at every epoch's start.
 
     Args:
         est_partition_s: measured seconds one partition takes in a task (None: unknown).
@@ -102,6 +106,8 @@ def partitions_per_task(est_partition_s: Optional[float], queued: int, slots: in
         max_task_bytes: the most output bytes one task may produce (None: no limit).
         target_s: seconds of work one task aims at.
         max_k: the most partitions one task reads.
+        blocks_ahead: blocks in flight or ready, not yet taken by the consumer (None:
+            no such limit).
 
     Returns:
         A count in ``[1, max(1, queued)]``.
@@ -111,6 +117,8 @@ def partitions_per_task(est_partition_s: Optional[float], queued: int, slots: in
     k = min(max_k, int(target_s / max(est_partition_s, 1e-6)), queued // max(1, slots))
     if est_block_bytes and max_task_bytes is not None:
         k = min(k, int(max_task_bytes // est_block_bytes))
+    if blocks_ahead is not None:
+        k = min(k, 1 + blocks_ahead // max(1, slots))
     return max(1, k)
 
 
