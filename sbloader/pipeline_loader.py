@@ -254,6 +254,10 @@ class PipelineLoader:
         # drop-in DataLoader does: the training loop only takes them (and moves them
         # to the device), so a GPU step does not wait for the copy.
         fetch = FetchAhead(self._produce(executor, run, quota, pin), depth=max(1, self.prefetch_blocks))
+        # The loop's own time per batch (its waits left out) tells the executor whether
+        # the pipeline is the bottleneck: the fetch thread cannot see it.
+        pace = executor.consumer_pace
+        pace.external = True
         try:
             while True:
                 try:
@@ -272,7 +276,9 @@ class PipelineLoader:
                             out[k] = v.to(self.device, non_blocking=pin)
                 stalls.batches += 1
                 run.consume(parts)  # padding batches have no parts: never consumed
+                t_out = time.perf_counter()
                 yield out
+                pace.add(time.perf_counter() - t_out, self.batch_size)
             run.complete = True
             if quota is None:
                 self._counted_rows = self._stats.operators[-1].rows

@@ -46,8 +46,10 @@ class ExecutionStats:
         peak_held_bytes: the executor's peak count of bytes held in the object store.
         memory_budget: the budget in bytes.
         duplicates_dropped: re-run outputs dropped because their rows were delivered.
-        speculative_partitions: partitions launched a second time because the call
+        speculative_partitions: partitions launched a second time because the task
             reading them with others straggled (the first copy back is delivered).
+        failed_copies: failed copies of speculated partitions whose other copy
+            delivered them or still could (a partition fails only when every copy does).
         stall_s: seconds the consumer waited for a ready block.
         stuck_warnings: warnings logged because work in flight waited for resources
             the cluster did not have free.
@@ -60,6 +62,7 @@ class ExecutionStats:
     memory_budget: int = 0
     duplicates_dropped: int = 0
     speculative_partitions: int = 0
+    failed_copies: int = 0
     stall_s: float = 0.0
     stuck_warnings: int = 0
 

@@ -436,8 +436,9 @@ def test_partitions_per_task_grid(est_s: float, queued: int, slots: int) -> None
     assert k == 1 or k * est_s <= TARGET_TASK_S + 1e-9
     # every slot still gets a call while partitions remain
     assert k == 1 or k * slots <= queued
-    # as many as the target, the tail and the cap allow
-    assert k == max(1, min(MAX_PARTITIONS_PER_TASK, int(TARGET_TASK_S / est_s), queued // slots))
+    # and the most those allow: one more would break one of them
+    more = k + 1
+    assert more > MAX_PARTITIONS_PER_TASK or more * est_s > TARGET_TASK_S or more * slots > queued
 
 
 def test_partitions_per_task_bounded_by_bytes() -> None:
@@ -455,3 +456,12 @@ def test_partitions_per_task_grows_with_the_blocks_ahead(ahead: int, slots: int,
     from sbloader._executor.policy import partitions_per_task
 
     assert partitions_per_task(0.08, 1000, slots, blocks_ahead=ahead) == expected
+
+
+@pytest.mark.parametrize("consumer_s,expected", [(None, 4), (0.001, 4), (0.039, 4), (0.04, 1), (0.06, 1)])
+def test_partitions_per_task_only_while_the_pipeline_is_the_bottleneck(consumer_s, expected) -> None:
+    """Two workers make a 0.08 s partition every 0.04 s: a consumer that needs at least
+    that per block (a training step) gets one partition per task."""
+    from sbloader._executor.policy import partitions_per_task
+
+    assert partitions_per_task(0.08, 1000, 3, consumer_block_s=consumer_s, workers=2) == expected

@@ -168,7 +168,7 @@ def test_map_flat_map_filter_end_to_end(ray_session):
     # the three row operators fuse with the read: one stage, whose row count is the output's
     stats = ds.stats()
     assert [o.name for o in stats.operators] == ["ReadRange->Map(_with_square)->FlatMap(_twice)->Filter(_odd_id)"]
-    assert stats.operators[0].rows == 40 and stats.operators[0].tasks == 5
+    assert (stats.operators[0].rows, stats.operators[0].blocks) == (40, 5)
 
 
 def test_flat_map_may_yield_nothing_and_filter_may_drop_whole_partitions(ray_session):

@@ -169,6 +169,47 @@ class _Actor:
     idle_since: float = field(default_factory=time.monotonic)
 
 
+class ConsumerPace:
+    """Seconds the consumer spends per row between taking rows and asking for more (a
+    moving average): the training loop's own time, its waits for data left out.
+
+    The executor measures it at :meth:`StreamingExecutor.get_next` (after the first
+    ``skip`` blocks) unless a loader reports it itself (``external``): a loader whose
+    fetch thread takes blocks ahead of the loop must report the loop's pace, since
+    the thread asks again at once while its queue has room.
+
+    Args:
+        skip: blocks taken before the executor's own measurement starts.
+        alpha: weight of the newest interval in the average.
+    """
+
+    def __init__(self, skip: int = 4, alpha: float = 0.25) -> None:
+        self._skip, self._alpha = skip, alpha
+        self.external = False
+        self._taken = 0
+        self._last: Optional[float] = None
+        self._last_rows = 0
+        self.row_s: Optional[float] = None
+
+    def asked(self, t: float) -> None:
+        """(Executor) the consumer asks for a block at ``t`` (``time.perf_counter()``)."""
+        if self.external or self._last is None or self._taken <= self._skip:
+            return
+        self.add(t - self._last, self._last_rows)
+
+    def took(self, t: float, rows: int) -> None:
+        """(Executor) the consumer got a block of ``rows`` rows at ``t``."""
+        self._taken += 1
+        self._last, self._last_rows = t, rows
+
+    def add(self, seconds: float, rows: int) -> None:
+        """The consumer spent ``seconds`` on ``rows`` rows."""
+        if rows <= 0:
+            return
+        v = seconds / rows
+        self.row_s = v if self.row_s is None else self.row_s + self._alpha * (v - self.row_s)
+
+
 @dataclass
 class _Call:
     """One Ray task or actor call; a read call may cover several partitions."""
@@ -177,7 +218,6 @@ class _Call:
     actor: Optional[_Actor] = None
     items: tuple = ()  # a read call: its (seq, Partition) pairs
     started: float = 0.0  # time.monotonic() at launch
-    expected_s: float = 0.0  # its partitions' estimated seconds
     speculated: bool = False
 
 
@@ -235,9 +275,10 @@ class StreamingExecutor:
         # Seconds one partition takes in the source stage, measured afresh every epoch
         # (so an epoch's first tasks read one partition each: a quick first batch).
         self._est_partition_s: Optional[float] = None
-        self._max_group = 1  # the most partitions one call has read this epoch
         self._read_done: set[int] = set()  # partitions whose source-stage block came back
         self._solo_queued: set[int] = set()  # partitions queued again (see _speculate)
+        self._consumer = ConsumerPace(skip=2 + options.prefetch_blocks)
+        self._est_out_rows: Optional[float] = None  # rows per output block
         self._pools: dict[int, list[_Actor]] = {i: [] for i, s in enumerate(stages) if s.kind == "actor"}
         self._stats = ExecutionStats(operators=[OperatorStats(s.name) for s in stages])
         self._pending_actors: dict[ray.ObjectRef, tuple[int, _Actor]] = {}
@@ -308,6 +349,7 @@ class StreamingExecutor:
         deadline = None if timeout is None else time.monotonic() + timeout
         t_wait = time.perf_counter()
         with self._lock:
+            self._consumer.asked(t_wait)
             while True:
                 if self._error is not None:
                     raise self._error
@@ -317,7 +359,9 @@ class StreamingExecutor:
                     self._consumer_bytes += item.meta.nbytes
                     if self._stats.first_block_s is None:
                         self._stats.first_block_s = time.perf_counter() - self._t0
-                    self._stats.stall_s += time.perf_counter() - t_wait
+                    now = time.perf_counter()
+                    self._stats.stall_s += now - t_wait
+                    self._consumer.took(now, item.meta.num_rows)
                     self._lock.notify_all()
                     return item
                 if self._done:
@@ -480,9 +524,11 @@ class StreamingExecutor:
     def _speculate(self) -> None:
         """Launch again, one per task, the partitions of read tasks that straggle."""
         now = time.monotonic()
+        per = self._est_partition_s or 0.0  # the current estimate: it follows the machine's load
         calls = {id(r.call): r.call for r in self._inflight.values() if r.stage == 0 and len(r.call.items) > 1}
         for call in calls.values():
-            if call.speculated or now - call.started < max(_SPECULATE_MIN_S, _SPECULATE_FACTOR * call.expected_s):
+            limit = max(_SPECULATE_MIN_S, _SPECULATE_FACTOR * per * len(call.items))
+            if call.speculated or now - call.started < limit:
                 continue
             call.speculated = True
             for seq, part in call.items:
@@ -490,7 +536,6 @@ class StreamingExecutor:
                     heapq.heappush(self._queues[0], (seq, next(self._counter), _Solo(part)))
                     self._solo_queued.add(part.id)
                     self._remaining += 1
-                    self._stats.speculative_partitions += 1
 
     def _drop_solo(self, partition_id: int) -> None:
         """A partition came back: its second copy, if still queued, is not launched."""
@@ -522,17 +567,38 @@ class StreamingExecutor:
         calls one after another, so a call queued behind a straggling one would wait
         for it, and a relaunched straggler would block the actor it lands on. Actor
         calls cost Ray about half what tasks do (no lease), and grouping them showed
-        no gain (see docs/architecture.md).
+        no gain (see docs/architecture.md). One for a partition launched again.
         """
-        stage = self._stages[0]
-        if stage.kind == "actor":
+        q = self._queues[0]
+        if self._stages[0].kind == "actor" or (q and isinstance(q[0][2], _Solo)):
             return 1
         slots = self._slots[0]
-        # one call's output: at most its share of the budget when every slot runs one and
-        # has one finished behind it, and at most MAX_CALL_BYTES
-        share = min(self._budget / (2 * slots + self._opts.prefetch_blocks), MAX_CALL_BYTES)
-        return partitions_per_task(self._est_partition_s, len(self._queues[0]), slots, self._est[0], share,
-                                   blocks_ahead=self._blocks_ahead())
+        if self._consumer.row_s is None or self._est_out_rows is None:  # pace unknown: small tasks
+            return 1
+        return partitions_per_task(self._est_partition_s, len(q), slots, self._est[0], self._call_bytes(slots),
+                                   blocks_ahead=self._blocks_ahead(),
+                                   consumer_block_s=self._consumer.row_s * self._est_out_rows,
+                                   workers=max(1, slots - 1))
+
+    @property
+    def consumer_pace(self) -> ConsumerPace:
+        """The consumer's pace, which decides whether read tasks take several partitions
+        (a loader with a fetch thread sets ``external`` and reports the loop's pace)."""
+        return self._consumer
+
+    def _cap_group(self) -> int:
+        """The group size the partition time and block size allow, whatever the queue
+        and the consumer: what the blocks-ahead cap allows per source slot. It does
+        not grow with the dataset or with the blocks already ahead (no ratchet)."""
+        if self._stages[0].kind == "actor":
+            return 1
+        slots = self._slots[0]
+        return partitions_per_task(self._est_partition_s, sys.maxsize, 1, self._est[0], self._call_bytes(slots))
+
+    def _call_bytes(self, slots: int) -> float:
+        """Most output bytes of one read task: its share of the budget when every slot
+        runs one and has one finished behind it, and at most MAX_CALL_BYTES."""
+        return min(self._budget / (2 * slots + self._opts.prefetch_blocks), MAX_CALL_BYTES)
 
     def _launch(self) -> None:
         now = time.perf_counter()
@@ -560,9 +626,11 @@ class StreamingExecutor:
             # with only those after a node died) would starve the reads it waits for
             # once they are held back; there the memory budget alone bounds it.
             return sys.maxsize
-        slots = sum(self._slots[i] for i in range(len(self._stages)) if i not in self._pools)
-        slots += sum(self._pool_bounds[i][1] * _ACTOR_SLOTS for i in self._pools)
-        return blocks_ahead_cap(self._opts.prefetch_blocks, slots, self._max_group)
+        # the source stage's slots count its calls' blocks (several partitions per task
+        # at the partition time's target, see _cap_group); later stages one block per task
+        slots = sum(self._slots[i] for i in range(1, len(self._stages)) if i not in self._pools)
+        slots += sum(self._pool_bounds[i][1] * _ACTOR_SLOTS for i in self._pools if i > 0)
+        return blocks_ahead_cap(self._opts.prefetch_blocks, self._slots[0] * self._cap_group() + slots)
 
     def _launch_one(self, i: int) -> None:
         stage = self._stages[i]
@@ -590,12 +658,13 @@ class StreamingExecutor:
         next few partitions of the plan, each returned as its own block and metadata."""
         stage = self._stages[i]
         q = self._queues[i]
-        k = 1 if isinstance(q[0][2], _Solo) else self._group_size()
+        k = self._group_size()
         items = []
         while q and len(items) < k and not (items and isinstance(q[0][2], _Solo)):
             seq, _, item = heapq.heappop(q)
             if isinstance(item, _Solo):
                 self._solo_queued.discard(item.part.id)
+                self._stats.speculative_partitions += 1
                 item = item.part
             items.append((seq, item))
         seqs = tuple(seq for seq, _ in items)
@@ -612,9 +681,8 @@ class StreamingExecutor:
             refs = actor.handle.read_process.options(num_returns=2 * len(parts)).remote(
                 self._shared_ref, parts, self._info, seqs, stage.name
             )
-        call = _Call(len(parts), actor, tuple(items), time.monotonic(), len(parts) * (self._est_partition_s or 0.0))
+        call = _Call(len(parts), actor, tuple(items), time.monotonic())
         self._remaining -= len(parts)
-        self._max_group = max(self._max_group, len(parts))
         self._stage_inflight[i] += 1
         est = self._est[i] or 0.0
         for j, (seq, part) in enumerate(items):
@@ -662,14 +730,7 @@ class StreamingExecutor:
         try:
             metas = ray.get(metas_refs) if metas_refs else []
         except Exception:
-            # The failed task's block ref holds the same error; fetch it so Ray does
-            # not also print it as an "unhandled error" when the ref is dropped.
-            for r in metas_refs:
-                try:
-                    ray.get(self._inflight[r].block_ref, timeout=0)
-                except Exception:
-                    pass
-            raise
+            metas_refs, metas = self._sort_failures(metas_refs)
         with self._lock:
             for r in actor_refs:
                 i, actor = self._pending_actors.pop(r)
@@ -678,19 +739,57 @@ class StreamingExecutor:
                 actor.idle_since = time.monotonic()
             for ref, meta in zip(metas_refs, metas):
                 run = self._inflight.pop(ref)
+                if meta is None:  # a failed copy of a partition another copy still covers
+                    self._free_slot(run)
+                    self._stats.failed_copies += 1
+                    continue
                 self._on_done(run, meta)
             self._lock.notify_all()
+
+    def _sort_failures(self, refs: list) -> tuple[list, list]:
+        """After a failed batch ``ray.get``: each ref's metadata, or None for a failed
+        copy of a partition that another copy delivered or may still deliver (a
+        speculated partition). Any other failure is raised."""
+        metas = []
+        for r in refs:
+            try:
+                metas.append(ray.get(r))
+            except Exception:
+                run = self._inflight[r]
+                # The failed task's block ref holds the same error; fetch it so Ray does
+                # not also print it as an "unhandled error" when the ref is dropped.
+                try:
+                    ray.get(run.block_ref, timeout=0)
+                except Exception:
+                    pass
+                if not self._other_copy(run):
+                    raise
+                metas.append(None)
+        return refs, metas
+
+    def _other_copy(self, run: _Running) -> bool:
+        """Another copy of this source-stage partition came back, is queued or runs."""
+        if run.stage != 0:
+            return False
+        pid = run.partition_id
+        if pid in self._read_done or pid in self._solo_queued:
+            return True
+        return any(o is not run and o.stage == 0 and o.partition_id == pid for o in self._inflight.values())
+
+    def _free_slot(self, run: _Running) -> None:
+        """One of the call's partitions came back: on its last, the call's slot is free."""
+        run.call.left -= 1
+        if run.call.left == 0:
+            self._stage_inflight[run.stage] -= 1
+            self._stats.operators[run.stage].tasks += 1
+            if run.call.actor is not None:
+                run.call.actor.inflight -= 1
+                run.call.actor.idle_since = time.monotonic()
 
     def _on_done(self, run: _Running, meta: BlockMeta) -> None:
         i = run.stage
         st = self._stats.operators[i]
-        run.call.left -= 1
-        if run.call.left == 0:  # the call's last partition: its slot is free
-            self._stage_inflight[i] -= 1
-            st.tasks += 1
-            if run.call.actor is not None:
-                run.call.actor.inflight -= 1
-                run.call.actor.idle_since = time.monotonic()
+        self._free_slot(run)
         if i == 0:
             if meta.partition_id in self._read_done:  # the other copy of a speculated partition won
                 self._stats.duplicates_dropped += 1
@@ -718,6 +817,8 @@ class StreamingExecutor:
                 self._stats.duplicates_dropped += 1
                 return
             self._delivered_partitions.add(meta.partition_id)
+            r_ = self._est_out_rows
+            self._est_out_rows = meta.num_rows if r_ is None else r_ + 0.25 * (meta.num_rows - r_)
             self._output_bytes += meta.nbytes
             if self._opts.deterministic:
                 self._ordered[run.seq] = out

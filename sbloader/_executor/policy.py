@@ -20,7 +20,9 @@ class StageView:
         head_seq: plan position of the first waiting input (None if none).
         inflight: tasks running (or queued in Ray) for this stage.
         free_slots: how many more tasks the stage may start now.
-        est_out_bytes: running mean of output block bytes (None before the first).
+        est_out_bytes: estimated output bytes of the stage's next call (None before
+            the first block): one block, or for the source stage one block per
+            partition its next task reads.
     """
 
     index: int
@@ -85,7 +87,8 @@ MAX_CALL_BYTES = 128 * 2**20  # output of one call (Ray Data's largest target bl
 def partitions_per_task(est_partition_s: Optional[float], queued: int, slots: int,
                         est_block_bytes: Optional[float] = None, max_task_bytes: Optional[float] = None,
                         target_s: float = TARGET_TASK_S, max_k: int = MAX_PARTITIONS_PER_TASK,
-                        blocks_ahead: Optional[int] = None) -> int:
+                        blocks_ahead: Optional[int] = None, consumer_block_s: Optional[float] = None,
+                        workers: int = 1) -> int:
     """How many queued partitions the source stage's next task reads (each is still its
     own block, with its own metadata: replay and exactly-once stay per partition).
 
@@ -93,10 +96,14 @@ def partitions_per_task(est_partition_s: Optional[float], queued: int, slots: in
     first batch waits for one partition only); then enough partitions for about
     ``target_s`` seconds of work, but never so many that a slot would go without
     work while partitions remain (at most ``queued // slots``), nor more output than
-    ``max_task_bytes``. It grows as the pipeline gets ahead of the consumer (at most
-    ``1 + blocks_ahead // slots``): a task of ``k`` partitions delivers nothing for
-    ``k`` partitions' time, which the blocks already ahead must cover, or a consumer
-    that keeps up (a training step per batch) would wait at every epoch's start.
+    ``max_task_bytes``.
+
+    Only while the pipeline is the bottleneck: when the consumer spends at least as
+    long per block as the pipeline needs to make one (``est_partition_s / workers``,
+    a training loop with a GPU step), the pipeline has CPU to spare and one partition
+    per task keeps every block's latency low. And it grows as the pipeline gets ahead
+    of the consumer (at most ``1 + blocks_ahead // slots``): a task of ``k``
+    partitions delivers nothing for ``k`` partitions' time.
 
     Args:
         est_partition_s: measured seconds one partition takes in a task (None: unknown).
@@ -108,11 +115,15 @@ def partitions_per_task(est_partition_s: Optional[float], queued: int, slots: in
         max_k: the most partitions one task reads.
         blocks_ahead: blocks in flight or ready, not yet taken by the consumer (None:
             no such limit).
+        consumer_block_s: seconds the consumer spends per block (None: no such limit).
+        workers: tasks of the stage that run at once (its CPUs).
 
     Returns:
         A count in ``[1, max(1, queued)]``.
     """
     if est_partition_s is None or queued <= 1:
+        return 1
+    if consumer_block_s is not None and consumer_block_s >= est_partition_s / max(1, workers):
         return 1
     k = min(max_k, int(target_s / max(est_partition_s, 1e-6)), queued // max(1, slots))
     if est_block_bytes and max_task_bytes is not None:

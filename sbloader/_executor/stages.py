@@ -1,7 +1,8 @@
 """Physical stages: the dataset's operators grouped into what runs together.
 
 The source read and the function operators after it fuse into one Ray task per
-partition when their resources match; an operator with other resources starts a
+partition (or per few partitions, see ``policy.partitions_per_task``) when their
+resources match; an operator with other resources starts a
 new task stage; a callable class gets an actor-pool stage of its own.
 """
 from __future__ import annotations
