@@ -471,6 +471,15 @@ def _a_little_work(batch):
     return batch
 
 
+def _eager(executor):
+    """Report a consumer that never spends time on a block: the pipeline is the
+    bottleneck, so read tasks take several partitions whatever this machine's timing."""
+    pace = executor.consumer_pace
+    pace.external = True
+    pace.add(0.0, 1)
+    return executor
+
+
 def _drain(executor) -> dict:
     """partition id -> (seconds from the start to its delivery, its ids)."""
     t0, out = time.monotonic(), {}
@@ -487,7 +496,7 @@ def _drain(executor) -> dict:
 def test_read_tasks_take_several_partitions_each_its_own_block(ray_session):
     """Once a partition's time is known a read task reads several (fewer Ray calls);
     every partition still comes back once, as its own block with its own metadata."""
-    executor = sbloader.range(480, num_partitions=60).map_batches(_a_little_work).execute()
+    executor = _eager(sbloader.range(480, num_partitions=60).map_batches(_a_little_work).execute())
     got = _drain(executor)
     assert sorted(got) == list(range(60))
     assert sorted(np.concatenate([ids for _, ids in got.values()]).tolist()) == list(range(480))
@@ -510,7 +519,7 @@ def test_a_straggling_partition_does_not_hold_back_the_others_of_its_task(ray_se
     """A read task of several partitions returns their blocks together; when it runs
     far longer than expected, its partitions are launched again one per task and the
     first copy back is delivered: the others arrive long before the straggler."""
-    executor = sbloader.range(480, num_partitions=60).map_batches(_straggle).execute()
+    executor = _eager(sbloader.range(480, num_partitions=60).map_batches(_straggle).execute())
     got = _drain(executor)
     assert sorted(got) == list(range(60))
     assert sorted(np.concatenate([ids for _, ids in got.values()]).tolist()) == list(range(480))
@@ -534,13 +543,13 @@ def _fails_on_40(batch):
 
 def test_an_error_in_a_task_of_several_partitions_names_its_partition(ray_session):
     with pytest.raises(UserFunctionError) as info:
-        _drain(sbloader.range(480, num_partitions=60).map_batches(_fails_on_40).execute())
+        _drain(_eager(sbloader.range(480, num_partitions=60).map_batches(_fails_on_40).execute()))
     assert info.value.partition_id == _FAILING_PARTITION
     assert "partition 40 is bad" in str(info.value)
 
 
 def test_speculated_partitions_keep_plan_order_when_deterministic(ray_session):
-    executor = sbloader.range(480, num_partitions=60).map_batches(_straggle).execute(deterministic=True)
+    executor = _eager(sbloader.range(480, num_partitions=60).map_batches(_straggle).execute(deterministic=True))
     order = []
     try:
         while (item := executor.get_next(timeout=60)) is not None:
@@ -571,7 +580,7 @@ def _first_copy_straggles_then_fails(batch, marker_dir):
 def test_a_failed_copy_of_a_delivered_partition_does_not_fail_the_epoch(ray_session, tmp_path):
     ds = sbloader.range(480, num_partitions=60).map_batches(
         _first_copy_straggles_then_fails, fn_kwargs={"marker_dir": str(tmp_path)})
-    executor = ds.execute()
+    executor = _eager(ds.execute())
     got = _drain(executor)
     assert sorted(got) == list(range(60))
     st = executor.stats()
@@ -609,3 +618,16 @@ def test_consumer_pace_reported_by_a_loader_replaces_the_executors_own():
     assert pace.row_s is None
     pace.add(0.064, 64)
     assert pace.row_s == pytest.approx(0.001)
+
+
+def test_a_consumer_slower_than_the_pipeline_keeps_one_partition_per_task(ray_session):
+    """A training loop that needs longer per block than the pipeline takes to make one
+    (a GPU step) leaves the pipeline CPU to spare: small tasks keep blocks' latency low."""
+    executor = sbloader.range(480, num_partitions=60).map_batches(_a_little_work).execute()
+    pace = executor.consumer_pace
+    pace.external = True
+    pace.add(1.0, 8)  # 1 s per 8-row block: far slower than 0.02 s partitions on several slots
+    got = _drain(executor)
+    assert sorted(got) == list(range(60))
+    op = executor.stats().operators[0]
+    assert op.tasks == op.blocks == 60
