@@ -431,14 +431,15 @@ def test_partitions_per_task_grid(est_s: float, queued: int, slots: int) -> None
     from sbloader._executor.policy import MAX_PARTITIONS_PER_TASK, TARGET_TASK_S, partitions_per_task
 
     k = partitions_per_task(est_s, queued, slots)
-    assert 1 <= k <= MAX_PARTITIONS_PER_TASK
-    # never more than the target's worth of work, unless a single partition is already more
-    assert k == 1 or k * est_s <= TARGET_TASK_S + 1e-9
-    # every slot still gets a call while partitions remain
-    assert k == 1 or k * slots <= queued
-    # and the most those allow: one more would break one of them
-    more = k + 1
-    assert more > MAX_PARTITIONS_PER_TASK or more * est_s > TARGET_TASK_S or more * slots > queued
+
+    def fits(n: int) -> bool:
+        """One partition always fits; more only within the cap, the target's worth of
+        work, and so that every slot still gets a task while partitions remain."""
+        return n == 1 or (n <= MAX_PARTITIONS_PER_TASK and n * est_s <= TARGET_TASK_S + 1e-9
+                          and n * slots <= queued)
+
+    # the largest group that fits
+    assert fits(k) and not fits(k + 1), k
 
 
 def test_partitions_per_task_bounded_by_bytes() -> None:
