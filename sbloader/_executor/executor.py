@@ -169,6 +169,11 @@ class _Actor:
     idle_since: float = field(default_factory=time.monotonic)
 
 
+def _toward(prev: Optional[float], x: float, weight: float) -> float:
+    """A running estimate moved ``weight`` of the way to ``x`` (``x`` itself when there is none)."""
+    return x if prev is None else prev + weight * (x - prev)
+
+
 class ConsumerPace:
     """Seconds the consumer spends per row between taking rows and asking for more (a
     moving average): the training loop's own time, its waits for data left out.
@@ -206,8 +211,7 @@ class ConsumerPace:
         """The consumer spent ``seconds`` on ``rows`` rows."""
         if rows <= 0:
             return
-        v = seconds / rows
-        self.row_s = v if self.row_s is None else self.row_s + self._alpha * (v - self.row_s)
+        self.row_s = _toward(self.row_s, seconds / rows, self._alpha)
 
 
 @dataclass
@@ -730,7 +734,7 @@ class StreamingExecutor:
         try:
             metas = ray.get(metas_refs) if metas_refs else []
         except Exception:
-            metas_refs, metas = self._sort_failures(metas_refs)
+            metas = self._sort_failures(metas_refs)
         with self._lock:
             for r in actor_refs:
                 i, actor = self._pending_actors.pop(r)
@@ -746,7 +750,7 @@ class StreamingExecutor:
                 self._on_done(run, meta)
             self._lock.notify_all()
 
-    def _sort_failures(self, refs: list) -> tuple[list, list]:
+    def _sort_failures(self, refs: list) -> list:
         """After a failed batch ``ray.get``: each ref's metadata, or None for a failed
         copy of a partition that another copy delivered or may still deliver (a
         speculated partition). Any other failure is raised."""
@@ -765,7 +769,7 @@ class StreamingExecutor:
                 if not self._other_copy(run):
                     raise
                 metas.append(None)
-        return refs, metas
+        return metas
 
     def _other_copy(self, run: _Running) -> bool:
         """Another copy of this source-stage partition came back, is queued or runs."""
@@ -802,10 +806,9 @@ class StreamingExecutor:
         st.task_s += meta.task_s
         st.skipped += meta.skipped
         n = st.blocks
-        self._est[i] = meta.nbytes if self._est[i] is None else self._est[i] + (meta.nbytes - self._est[i]) / n
+        self._est[i] = _toward(self._est[i], meta.nbytes, 1 / n)
         if i == 0:
-            s_ = self._est_partition_s
-            self._est_partition_s = meta.task_s if s_ is None else s_ + (meta.task_s - s_) / n
+            self._est_partition_s = _toward(self._est_partition_s, meta.task_s, 1 / n)
         if self._bars:
             self._bars[i].update(meta.num_rows)
         out = OutputBlock(run.block_ref, meta)
@@ -817,8 +820,7 @@ class StreamingExecutor:
                 self._stats.duplicates_dropped += 1
                 return
             self._delivered_partitions.add(meta.partition_id)
-            r_ = self._est_out_rows
-            self._est_out_rows = meta.num_rows if r_ is None else r_ + 0.25 * (meta.num_rows - r_)
+            self._est_out_rows = _toward(self._est_out_rows, meta.num_rows, 0.25)
             self._output_bytes += meta.nbytes
             if self._opts.deterministic:
                 self._ordered[run.seq] = out
