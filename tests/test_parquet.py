@@ -117,6 +117,43 @@ def test_partition_reread_is_identical(tmp_path):
         assert (a["vec"][:, 0] == a["id"]).all()
 
 
+def test_footer_parsed_once_per_process_while_the_file_is_unchanged(tmp_path, monkeypatch):
+    from sbloader import parquet as sp
+
+    path = _write(tmp_path / "a.parquet", range(40), row_group_size=5)
+    source = sbloader.read_parquet(path).source
+    monkeypatch.setattr(sp, "_FOOTERS", collections.OrderedDict())
+    calls = []
+    real = pq.read_metadata
+    monkeypatch.setattr(pq, "read_metadata", lambda p, *a, **k: calls.append(p) or real(p, *a, **k))
+    reader = source.reader()
+    blocks = [reader(None, part) for part in source.partitions(0, 0)]
+    assert len(blocks) == 8 and calls == [str(path)]
+    assert np.concatenate([b["id"] for b in blocks]).tolist() == list(range(40))
+
+    # rewritten (another size): parsed again, never read with the old footer
+    _write(path, range(100, 140), row_group_size=5, extra=np.zeros(40, np.int8))
+    fresh = sbloader.read_parquet(path).source
+    block = fresh.reader()(None, fresh.partitions(0, 0)[3])
+    assert block["id"].tolist() == list(range(115, 120)) and "extra" in block
+    assert len(calls) == 3  # the new dataset's footer, then the read's
+
+
+def test_footer_cache_is_bounded_by_footer_bytes(tmp_path, monkeypatch):
+    from sbloader import parquet as sp
+
+    paths = _files(tmp_path / "d", n_files=4, rows=10, row_group_size=5)
+    monkeypatch.setattr(sp, "_FOOTERS", collections.OrderedDict())
+    one = pq.read_metadata(paths[0]).serialized_size
+    monkeypatch.setattr(sp, "FOOTER_CACHE_BYTES", 2 * one + one // 2)  # room for two footers
+    for p in paths:
+        sp.cached_footer(str(p))
+    assert [k[0] for k in sp._FOOTERS] == [str(p) for p in paths[2:]]  # the newest two
+    monkeypatch.setattr(sp, "FOOTER_CACHE_BYTES", 1)
+    sp.cached_footer(str(paths[0]))
+    assert [k[0] for k in sp._FOOTERS] == [str(paths[0])]  # always the newest one
+
+
 def test_reader_is_small_and_picklable(tmp_path):
     _files(tmp_path / "d", n_files=3, rows=10, row_group_size=5)
     source = sbloader.read_parquet(tmp_path / "d", columns=["id"]).source
