@@ -20,6 +20,7 @@ from .errors import (
     SbloaderError,
     SourceReadError,
     StateDictError,
+    TaskLostError,
     UserFunctionError,
 )
 from .images import read_images
@@ -48,6 +49,7 @@ __all__ = sorted([
     "StallStats",
     "StateDictError",
     "TaskContext",
+    "TaskLostError",
     "UserFunctionError",
     "from_items",
     "from_torch",

@@ -59,6 +59,42 @@ class SourceReadError(UserFunctionError):
     """A source could not read its input (a corrupt file, a missing column...)."""
 
 
+class TaskLostError(SbloaderError, RuntimeError):
+    """A task (or pool actor call) failed outside the user's functions: its worker
+    process died (killed, out of memory, a crash in native code such as a decoder)
+    and Ray's retries ran out, its node went away, or Ray could not run it or store
+    its output. The Ray error is the ``__cause__``.
+
+    Attributes:
+        stage: name of the stage the task ran.
+        epoch: the epoch of the execution.
+        partition_ids: the partitions the task covered.
+        labels: their names (files, row ranges) where the source gives them.
+        cause_repr: the Ray error, shortened.
+    """
+
+    def __init__(self, stage: str, epoch: int, partition_ids: tuple, labels: tuple = (),
+                 cause_repr: str = "") -> None:
+        self.stage = stage
+        self.epoch = epoch
+        self.partition_ids = tuple(partition_ids)
+        self.labels = tuple(labels)
+        self.cause_repr = cause_repr
+        named = [str(x) for x in self.labels if x][:3]
+        reading = f" (reading {', '.join(named)}{', ...' if len(self.labels) > 3 else ''})" if named else ""
+        super().__init__(
+            f"a {stage!r} task on partition(s) {list(self.partition_ids)} (epoch {epoch}){reading} failed "
+            f"outside the user's functions: {cause_repr}. A task whose worker died was retried before this "
+            "(max_task_retries); the worker's log in Ray's session folder (logs/worker-*.err, e.g. under /tmp/ray/session_latest) "
+            "says why: a worker killed for memory needs smaller partitions or fewer concurrent tasks "
+            "(concurrency=, num_cpus=); a crash in native code such as a decoder points at the input named "
+            "here (on_error='skip' cannot catch a crash: remove or re-encode that input)."
+        )
+
+    def __reduce__(self):
+        return (type(self), (self.stage, self.epoch, self.partition_ids, self.labels, self.cause_repr))
+
+
 class MemoryBudgetError(SbloaderError, ValueError):
     """The memory budget cannot hold what the pipeline needs to make progress."""
 

@@ -549,6 +549,34 @@ def test_an_error_in_a_task_of_several_partitions_names_its_partition(ray_sessio
     assert "partition 40 is bad" in str(info.value)
 
 
+def _dies_on_5(batch):
+    if 8 * 5 in batch["id"]:
+        os._exit(3)  # the worker process dies, as one killed for memory or crashing in a decoder
+    return batch
+
+
+def test_a_task_whose_worker_dies_raises_an_error_naming_its_partitions(ray_session):
+    import pickle
+
+    from sbloader._executor.executor import ExecutionOptions, StreamingExecutor
+    from sbloader._executor.stages import build_stages
+    from sbloader.errors import TaskLostError
+
+    ds = sbloader.range(80, num_partitions=10).map_batches(_dies_on_5)
+    ex = StreamingExecutor(ds._source, build_stages(ds._source.name, ds._ops), ds.plan(epoch=2),
+                           ExecutionOptions(max_task_retries=0))
+    with pytest.raises(TaskLostError) as info:
+        _drain(ex.start())
+    err = info.value
+    assert 5 in err.partition_ids and err.epoch == 2
+    assert isinstance(err.__cause__, ray.exceptions.RayError)  # Ray's own error kept as the cause
+    msg = str(err)
+    assert "partition(s) [" in msg and "epoch 2" in msg and "worker-*.err" in msg
+    assert type(err.__cause__).__name__ in msg
+    again = pickle.loads(pickle.dumps(err))
+    assert again.partition_ids == err.partition_ids and str(again) == msg
+
+
 def test_speculated_partitions_keep_plan_order_when_deterministic(ray_session):
     executor = _eager(sbloader.range(480, num_partitions=60).map_batches(_straggle).execute(deterministic=True))
     order = []

@@ -22,7 +22,7 @@ from typing import Any, Optional, Sequence
 import ray
 
 from ..block import BlockMeta
-from ..errors import ExecutorShutdownError, MemoryBudgetError, SbloaderError
+from ..errors import ExecutorShutdownError, MemoryBudgetError, SbloaderError, TaskLostError
 from ..plan import EpochPlan
 from ..sources import Partition, Source
 from ..stats import ExecutionStats, OperatorStats
@@ -240,7 +240,7 @@ class _Running:
     input_bytes: int
     est_bytes: float
     call: _Call
-    partition_id: int = -1  # source stage: the partition it reads
+    partition_id: int = -1  # the partition it reads (source stage) or maps
 
 
 class StreamingExecutor:
@@ -655,7 +655,7 @@ class StreamingExecutor:
             block_ref, meta_ref = actor.handle.process.remote(out.ref, out.meta, self._info)
             call = _Call(1, actor)
         self._stage_inflight[i] += 1
-        self._inflight[meta_ref] = _Running(i, seq, block_ref, out.meta.nbytes, est, call)
+        self._inflight[meta_ref] = _Running(i, seq, block_ref, out.meta.nbytes, est, call, out.meta.partition_id)
 
     def _launch_read(self, i: int) -> None:
         """One call of the source stage: a task (or a pool actor's call) that reads the
@@ -758,7 +758,7 @@ class StreamingExecutor:
         for r in refs:
             try:
                 metas.append(ray.get(r))
-            except Exception:
+            except Exception as e:
                 run = self._inflight[r]
                 # The failed task's block ref holds the same error; fetch it so Ray does
                 # not also print it as an "unhandled error" when the ref is dropped.
@@ -767,9 +767,21 @@ class StreamingExecutor:
                 except Exception:
                     pass
                 if not self._other_copy(run):
-                    raise
+                    raise self._lost(run, e) if _unwrap(e) is e else e
                 metas.append(None)
         return metas
+
+    def _lost(self, run: _Running, e: BaseException) -> BaseException:
+        """A task's failure outside the user's functions, as a :class:`TaskLostError`
+        naming the call's partitions (Ray's own error names none)."""
+        parts = [part for _, part in run.call.items] if run.call.items else []
+        ids = tuple(p.id for p in parts) or (run.partition_id,)
+        labels = tuple(p.label for p in parts)
+        first = (str(e).strip().splitlines() or [""])[0]
+        cause = f"{type(e).__name__}: {first[:300]}" if first else type(e).__name__
+        err = TaskLostError(self._stages[run.stage].name, self._plan.epoch, ids, labels, cause)
+        err.__cause__ = e
+        return err
 
     def _other_copy(self, run: _Running) -> bool:
         """Another copy of this source-stage partition came back, is queued or runs."""
