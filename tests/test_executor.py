@@ -298,6 +298,21 @@ def test_stuck_message_names_the_stage_and_the_missing_resource():
     assert stuck_message([], {}, {}, 60.0) is None
 
 
+def test_stuck_message_counts_only_the_nodes_the_pipeline_may_use():
+    from sbloader._executor.executor import stuck_message, sum_resources
+
+    per_node = {"trainer": {"CPU": 6.0, "GPU": 1.0}, "cpu-a": {"CPU": 0.0}, "cpu-b": {"CPU": 0.0}}
+    totals = {"trainer": {"CPU": 8.0, "GPU": 1.0}, "cpu-a": {"CPU": 4.0}, "cpu-b": {"CPU": 4.0}}
+    assert sum_resources(per_node) == {"CPU": 6.0, "GPU": 1.0}
+    free, total = sum_resources(per_node, ("trainer",)), sum_resources(totals, ("trainer",))
+    assert free == {"CPU": 0.0} and total == {"CPU": 8.0}
+    demand = [("Map", 2, {"CPU": 1.0})]
+    # the trainer's free CPUs hid the shortage before; counted without it, the warning comes
+    assert stuck_message(demand, sum_resources(per_node), sum_resources(totals), 30.0) is None
+    msg = stuck_message(demand, free, total, 30.0, excluded=1)
+    assert "CPU 0 of 8" in msg and "1 trainer node(s) left out" in msg and "allow_trainer_node=True" in msg
+
+
 def test_pipeline_waiting_for_resources_nobody_has_warns_then_stops_cleanly(ray_session, monkeypatch, caplog):
     import logging
 
@@ -662,3 +677,14 @@ def test_a_consumer_slower_than_the_pipeline_keeps_one_partition_per_task(ray_se
     assert sorted(got) == list(range(60))
     op = executor.stats().operators[0]
     assert op.tasks == op.blocks == 60
+
+
+def test_usable_resources_leave_out_the_excluded_nodes(ray_session):
+    from sbloader._executor.executor import usable_resources
+
+    here = ray.get_runtime_context().get_node_id()
+    _, everything = usable_resources(())
+    _, others = usable_resources(("not-a-node",))
+    _, without_here = usable_resources((here,))
+    assert everything["CPU"] == others["CPU"] == ray.cluster_resources()["CPU"] > 0
+    assert without_here.get("CPU", 0.0) == 0.0  # the session's only node left out

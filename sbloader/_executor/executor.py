@@ -497,8 +497,9 @@ class StreamingExecutor:
         if now - self._last_progress < _STUCK_WARN_S or now - self._last_stuck_warning < 3 * _STUCK_WARN_S:
             return
         self._last_stuck_warning = now
-        msg = stuck_message(self._waiting_demand(), ray.available_resources(), ray.cluster_resources(),
-                            now - self._last_progress)
+        available, total = usable_resources(self._opts.exclude_nodes)
+        msg = stuck_message(self._waiting_demand(), available, total, now - self._last_progress,
+                            excluded=len(self._opts.exclude_nodes))
         if msg:
             self._stats.stuck_warnings += 1
             logger.warning(msg)
@@ -911,11 +912,36 @@ def resource_demand(ray_options: dict) -> dict:
     return {k: v for k, v in need.items() if v > 0}
 
 
-def stuck_message(demand: list, available: dict, total: dict, silent_s: float) -> Optional[str]:
+def sum_resources(per_node: dict, exclude: Sequence[str] = ()) -> dict:
+    """Resources summed over the nodes of ``per_node`` (node id -> resources) not in ``exclude``."""
+    out: dict = collections.defaultdict(float)
+    for node, res in per_node.items():
+        if node not in exclude:
+            for k, v in res.items():
+                out[k] += float(v)
+    return dict(out)
+
+
+def usable_resources(exclude: Sequence[str]) -> tuple[dict, dict]:
+    """(free, total) resources of the nodes the pipeline may use (all but ``exclude``)."""
+    if exclude:
+        try:
+            from ray._private import state
+
+            return (sum_resources(state.available_resources_per_node(), exclude),
+                    sum_resources(state.total_resources_per_node(), exclude))
+        except Exception:  # an internal API moved: count the whole cluster
+            pass
+    return ray.available_resources(), ray.cluster_resources()
+
+
+def stuck_message(demand: list, available: dict, total: dict, silent_s: float, excluded: int = 0) -> Optional[str]:
     """The warning for a pipeline that made no progress for ``silent_s`` seconds, or None.
 
-    Only when some waiting stage needs a resource the cluster does not have free:
-    slow tasks that hold the CPUs they asked for are not reported.
+    Only when some waiting stage needs a resource the nodes it may use do not have
+    free (``available``/``total`` count those nodes; ``excluded`` nodes, the
+    trainer's, are left out): slow tasks that hold the CPUs they asked for are not
+    reported.
     """
     short = []
     for name, n, need in demand:
@@ -926,8 +952,10 @@ def stuck_message(demand: list, available: dict, total: dict, silent_s: float) -
             short.append(f"{name} ({n} call(s) waiting, each needs {want}; free: {have})")
     if not short:
         return None
+    where = (f" on the nodes it may use ({excluded} trainer node(s) left out; allow_trainer_node=True "
+             "lets tasks run there too)") if excluded else ""
     return (
-        f"sbloader: no task finished for {silent_s:.0f} s and the pipeline waits for resources: "
+        f"sbloader: no task finished for {silent_s:.0f} s and the pipeline waits for resources{where}: "
         + "; ".join(short)
         + ". Something else holds them: another loader's persistent workers (delete that loader or use "
         "persistent_workers=False), actors of another job, or a pool larger than the cluster. Lower "
