@@ -103,13 +103,18 @@ NATIVE = {"sbloader-folder": "raydata-folder", "sbloader-files": "raydata-folder
 # ----- the consumer -----------------------------------------------------------------
 
 def run_epoch(label: str, make_iter: Callable[[], Any], images_of: Callable[[Any], Any], mode: str,
-              step_s: float, *, tree: Optional[h.ProcTree] = None, object_store: bool = False) -> h.Result:
-    """One epoch: a new iterator, every batch consumed in ``mode``; the consumer's waits timed."""
+              step_s: float, *, tree: Optional[h.ProcTree] = None, object_store: bool = False,
+              sample: bool = True) -> h.Result:
+    """One epoch: a new iterator, every batch consumed in ``mode``; the consumer's waits timed.
+
+    ``sample=False``: nothing is sampled during the epoch (CPU by process from its
+    start and end, no PSS peak, no object-store peak): a throughput run."""
     wait = cons = last = first_wait = 0.0
     first = None
     waits: list[float] = []
     batches = 0
-    with h.measure(label, tree=tree, object_store=object_store) as m:
+    with h.measure(label, tree=tree, object_store=object_store and sample,
+                   interval_s=0.25 if sample else None) as m:
         t0 = time.perf_counter()
         it = iter(make_iter())
         while True:
@@ -241,9 +246,9 @@ def serve(kind: str, names: tuple, cfg: dict, conn: Any) -> None:
             if msg is None:
                 break
             if msg[0] == "run":
-                _, name, mode, step_s = msg
+                _, name, mode, step_s, sample = msg
                 make_iter, images_of, loader = built[name]
-                r = run_epoch(name, make_iter, images_of, mode, step_s, object_store=True)
+                r = run_epoch(name, make_iter, images_of, mode, step_s, object_store=True, sample=sample)
                 r.extra.update(_loader_extra(loader))
                 conn.send(r.as_dict())
             elif msg[0] == "snapshot":
@@ -273,8 +278,8 @@ class Server:
             raise RuntimeError(f"server {self.key} failed:\n{msg['error']}")
         return msg
 
-    def run(self, name: str, mode: str, step_s: float) -> dict:
-        self.conn.send(("run", name, mode, step_s))
+    def run(self, name: str, mode: str, step_s: float, sample: bool = True) -> dict:
+        self.conn.send(("run", name, mode, step_s, sample))
         return self._recv()
 
     def snapshot(self) -> dict:
@@ -325,23 +330,24 @@ class Local:
     def tree(self) -> LocalTree:
         return LocalTree(include_ray_session=False, ray=False, skip_roots=self.skip)
 
-    def run(self, name: str, mode: str, step_s: float) -> dict:
+    def run(self, name: str, mode: str, step_s: float, sample: bool = True) -> dict:
         tree = self.tree()
         if name == "single":
             def batches() -> Any:
                 return (w.preprocess_paths(c) for c in self.chunks)
-            return run_epoch(name, batches, lambda b: b["image"], mode, step_s, tree=tree).as_dict()
+            return run_epoch(name, batches, lambda b: b["image"], mode, step_s, tree=tree, sample=sample).as_dict()
         if name == "pool":
             with mp.get_context("spawn").Pool(self.cores) as pool:
                 pool.map(w.preprocess_paths, [self.chunks[0][:1]] * self.cores)  # started and warm
                 return run_epoch(name, lambda: pool.imap(w.preprocess_paths, self.chunks), lambda b: b["image"],
-                                 mode, step_s, tree=tree).as_dict()
+                                 mode, step_s, tree=tree, sample=sample).as_dict()
         if name == "torch":
             loader = self._DataLoader(w.ImageFolderDataset(self.paths), batch_size=BATCH, shuffle=True,
                                       num_workers=self.cores)
         else:
             loader = self.persistent
-        return run_epoch(name, lambda: iter(loader), lambda b: b[0], mode, step_s, tree=tree).as_dict()
+        return run_epoch(name, lambda: iter(loader), lambda b: b[0], mode, step_s, tree=tree,
+                         sample=sample).as_dict()
 
 
 # ----- set-up -------------------------------------------------------------------------
@@ -407,11 +413,12 @@ def own_idle_cpu(seconds: float) -> float:
     return used / ((c1 - c0) * len(os.sched_getaffinity(0)))
 
 
-def run_accounted(owner: Any, name: str, mode: str, step_s: float, server_pids: tuple) -> dict:
+def run_accounted(owner: Any, name: str, mode: str, step_s: float, server_pids: tuple,
+                  sample: bool = True) -> dict:
     """Run one contender and split the CPU outside its tree into this benchmark's own idle
     processes (the other Rays, this driver, idle persistent workers) and foreign processes."""
     before, _ = _own_ticks()
-    r = owner.run(name, mode, step_s)
+    r = owner.run(name, mode, step_s, sample)
     after, ppids = _own_ticks()
     if isinstance(owner, Server):
         measured = h.descendants([owner.pid], ppids)
@@ -455,9 +462,13 @@ def _ratio(a: list[dict], b: list[dict], key: Callable[[dict], Optional[float]])
     return h.summarize(vals)
 
 
-def summarize_runs(runs: dict[tuple[str, str], list[dict]], ceiling: float) -> dict:
+def summarize_runs(runs: dict[tuple[str, str], list[dict]], ceiling: float,
+                   mem: Optional[dict[tuple[str, str], list[dict]]] = None) -> dict:
+    """Per contender and mode: medians over the rounds; peak PSS and object-store bytes
+    from the memory runs ``mem`` (the throughput runs sample neither), else from ``runs``."""
     out = {}
     for (name, mode), res in runs.items():
+        mres = (mem or {}).get((name, mode)) or res
         out[f"{name}/{mode}"] = {
             "name": name, "mode": mode,
             "samples_per_s": h.summarize([r["items_per_s"] for r in res]),
@@ -468,8 +479,8 @@ def summarize_runs(runs: dict[tuple[str, str], list[dict]], ceiling: float) -> d
             "stall_frac": h.summarize([r["extra"].get("stall_frac") for r in res]),
             "steady_stall_frac": h.summarize([r["extra"].get("steady_stall_frac") for r in res]),
             "first_batch_s": h.summarize([r["first_item_s"] for r in res]),
-            "peak_pss_bytes": h.summarize([r["peak_pss_bytes"] for r in res]),
-            "peak_object_store_bytes": h.summarize([r["peak_object_store_bytes"] for r in res]),
+            "peak_pss_bytes": h.summarize([r["peak_pss_bytes"] for r in mres]),
+            "peak_object_store_bytes": h.summarize([r["peak_object_store_bytes"] for r in mres]),
             "outside_cpu_frac": h.summarize([r["outside_cpu_frac"] for r in res]),
             "foreign_cpu_frac": h.summarize([r["extra"].get("foreign_cpu_frac") for r in res]),
             "own_idle_frac": h.summarize([r["extra"].get("own_idle_frac") for r in res]),
@@ -493,9 +504,10 @@ def _verdict(ok: Optional[bool]) -> str:
     return "–" if ok is None else ("**pass**" if ok else "**FAIL**")
 
 
-def targets(summary: dict, runs: dict, first: dict, cores: int) -> list[dict]:
-    """The targets of issues #3/#4 against the measured figures."""
+def targets(summary: dict, runs: dict, first: dict, cores: int, mem: Optional[dict] = None) -> list[dict]:
+    """The targets of issues #3/#4 against the measured figures (memory from ``mem``'s runs)."""
     rows = []
+    mem = mem or runs
 
     def med(key: str, field: str) -> Optional[float]:
         s = summary.get(key, {}).get(field)
@@ -541,7 +553,7 @@ def targets(summary: dict, runs: dict, first: dict, cores: int) -> list[dict]:
                          "verdict": _verdict(f["first_item_s"] <= 3.0)})
     for name in NATIVE:
         for mode in MODES:
-            s = _ratio(runs[(name, mode)], runs[(NATIVE[name], mode)], lambda r: r["peak_pss_bytes"])
+            s = _ratio(mem[(name, mode)], mem[(NATIVE[name], mode)], lambda r: r["peak_pss_bytes"])
             rows.append({"target": f"peak PSS ≤ half of Ray Data's ({DISPLAY[name]}, consumer {mode})",
                          "figure": f"{_f(s)}x Ray Data's", "verdict": _verdict(None if s["median"] is None
                                                                               else s["median"] <= 0.5)})
@@ -560,13 +572,13 @@ def targets(summary: dict, runs: dict, first: dict, cores: int) -> list[dict]:
 
 
 def report(args: argparse.Namespace, cfg: dict, cal: dict, runs: dict, first: dict, servers_info: dict,
-           idle: dict, load: dict) -> tuple[dict, str]:
+           idle: dict, load: dict, mem: Optional[dict] = None) -> tuple[dict, str]:
     cores = cfg["cores"]
     singles = runs[("single", "none")]
     clean = [r for r in singles if r["extra"]["foreign_cpu_frac"] <= QUIET_FRAC] or singles
     ceil_s = h.summarize([r["items_per_s"] * cores for r in clean])
     ceiling_ref = ceil_s["median"]
-    summary = summarize_runs(runs, ceiling_ref)
+    summary = summarize_runs(runs, ceiling_ref, mem)
     step_ms = cal["step_s"] * 1e3
     md = [
         f"Workload: JPEG decode + random-resized-crop 224 + random flip, uint8 CHW, batches of {BATCH}, "
@@ -576,7 +588,15 @@ def report(args: argparse.Namespace, cfg: dict, cal: dict, runs: dict, first: di
         f"consumer) on one thread. Each run waits up to {args.quiet_timeout:.0f} s for a quiet machine; runs during "
         f"which processes foreign to this benchmark took > {100 * QUIET_FRAC:.0f}% of the machine's CPU are re-run "
         f"after the rounds (up to {args.retries} make-up passes, waiting up to {3 * args.quiet_timeout:.0f} s for "
-        f"quiet, until {args.budget_s:.0f} s into the benchmark) and the less disturbed attempt is kept.",
+        f"quiet, until {args.budget_s:.0f} s into the benchmark) and the less disturbed attempt is kept. "
+        + ("Every run samples PSS (every 0.25 s) and, for the Ray contenders, the object store (every 0.25 s) "
+           "while it runs (--sample-throughput: the method of runs before 2026-11-22 14:30)."
+           if args.sample_throughput else
+           f"The rounds sample nothing while an epoch runs (CPU by process from its start and end); peak PSS and "
+           f"object-store bytes come from {args.memory_rounds} separate memory round(s) after them, sampled every "
+           f"0.25 s: reading PSS of a Ray process tree and Ray's store stats every 0.25 s slowed sbloader's "
+           f"pipeline by ~4% (PSS) and ~9% (PSS + store) in a side-by-side check, and the Ray contenders, with 10+ "
+           f"processes, paid more for it than torch's 3."),
         "",
         f"**Ceiling** = the function alone x {cores} cores = {_f(ceil_s, '{:.0f}')} images/s over the "
         f"{len(clean)} undisturbed rounds of the single process (all rounds: "
@@ -626,7 +646,7 @@ def report(args: argparse.Namespace, cfg: dict, cal: dict, runs: dict, first: di
     md += ["### The ceiling", "", h.markdown_table([row(n, "none") for n in CEILING], cols), ""]
     for mode in MODES:
         md += [f"### Consumer: {MODE_TITLES[mode]}", "", h.markdown_table([row(n, mode) for n in LOADERS], cols), ""]
-    md += ["## Targets (issues #3, #4)", "", h.markdown_table(targets(summary, runs, first, cores),
+    md += ["## Targets (issues #3, #4)", "", h.markdown_table(targets(summary, runs, first, cores, mem),
                                                               ["target", "figure", "verdict"]), ""]
     # drop-in: trainer vs remote CPU per batch
     drows = []
@@ -697,6 +717,7 @@ def report(args: argparse.Namespace, cfg: dict, cal: dict, runs: dict, first: di
         "calibration": cal, "ceiling_images_per_s": ceil_s, "summary": summary, "first_runs": first,
         "servers": servers_info, "idle_footprint": idle, "load": load,
         "runs": {f"{k[0]}/{k[1]}": v for k, v in runs.items()},
+        "memory_runs": {f"{k[0]}/{k[1]}": v for k, v in (mem or {}).items()},
     }
     return payload, "\n".join(md)
 
@@ -747,8 +768,17 @@ def main() -> None:
     p.add_argument("--budget-s", type=float, default=None,
                    help="no re-runs nor waits for quiet after this many seconds (default 720; quick 150)")
     p.add_argument("--data", default=os.environ.get("SBLOADER_BENCH_DATA", "/tmp/sbloader_bench_images"))
+    p.add_argument("--memory-rounds", type=int, default=None,
+                   help="rounds sampled for peak PSS and object-store bytes, after the throughput rounds "
+                        "(default 2; quick 1)")
+    p.add_argument("--sample-throughput", action="store_true",
+                   help="sample PSS and the object store during the throughput rounds instead (the earlier method; "
+                        "it slows the Ray contenders)")
     p.add_argument("--out", default=NAME)
     args = p.parse_args()
+    args.memory_rounds = (1 if args.quick else 2) if args.memory_rounds is None else args.memory_rounds
+    if args.sample_throughput:
+        args.memory_rounds = 0
     args.images = args.images or (512 if args.quick else 2048)
     args.rounds = args.rounds or (1 if args.quick else 3)
     args.retries = (0 if args.quick else 2) if args.retries is None else args.retries
@@ -816,20 +846,20 @@ def main() -> None:
         order = [(n, "none") for n in CEILING] + [(n, m) for m in MODES for n in LOADERS]
         runs: dict[tuple[str, str], list[dict]] = {k: [] for k in order}
 
-        def one(name: str, mode: str, rnd: int, tag: str, quiet_timeout: float) -> dict:
+        def one(name: str, mode: str, rnd: int, tag: str, quiet_timeout: float, sample: bool) -> dict:
             if time.monotonic() - t_start < args.budget_s:
                 h.wait_quiet(max_busy_frac=QUIET_FRAC + load["own_idle_frac"], window_s=0.5, timeout_s=quiet_timeout)
-            r = run_accounted(owner[name], name, mode, step_s, local.skip)
+            r = run_accounted(owner[name], name, mode, step_s, local.skip, sample)
             e = r["extra"]
+            pss = f"PSS {r['peak_pss_bytes'] / 2**20:5.0f} MiB" if sample else "PSS  (n/s)"
             print(f"{tag} {rnd} {mode:4s} {name:17s} {r['items_per_s']:6.0f} img/s  first "
                   f"{1e3 * r['first_item_s']:5.0f} ms  stall {100 * (e.get('steady_stall_frac') or 0):5.1f}%  "
-                  f"PSS {r['peak_pss_bytes'] / 2**20:5.0f} MiB  foreign CPU {100 * e['foreign_cpu_frac']:4.1f}%",
-                  flush=True)
+                  f"{pss}  foreign CPU {100 * e['foreign_cpu_frac']:4.1f}%", flush=True)
             return r
 
         for rnd in range(args.rounds):
             for name, mode in order:
-                r = one(name, mode, rnd, "round", args.quiet_timeout)
+                r = one(name, mode, rnd, "round", args.quiet_timeout, args.sample_throughput)
                 r["extra"].update(round=rnd, attempts_foreign=[r["extra"]["foreign_cpu_frac"]])
                 runs[(name, mode)].append(r)
         # Make-up passes: disturbances here last minutes, so a disturbed run is re-run later
@@ -841,11 +871,20 @@ def main() -> None:
                 if time.monotonic() - t_start >= args.budget_s:
                     break
                 old = runs[(name, mode)][rnd]
-                r = one(name, mode, rnd, "re-run", 3 * args.quiet_timeout)
+                r = one(name, mode, rnd, "re-run", 3 * args.quiet_timeout, args.sample_throughput)
                 attempts = old["extra"]["attempts_foreign"] + [r["extra"]["foreign_cpu_frac"]]
                 keep = r if r["extra"]["foreign_cpu_frac"] < old["extra"]["foreign_cpu_frac"] else old
                 keep["extra"].update(round=rnd, attempts_foreign=attempts)
                 runs[(name, mode)][rnd] = keep
+        # Memory rounds: the same runs, sampled every 0.25 s, for peak PSS and store bytes only.
+        mem: Optional[dict] = None
+        if args.memory_rounds:
+            mem = {k: [] for k in order}
+            for rnd in range(args.memory_rounds):
+                for name, mode in order:
+                    r = one(name, mode, rnd, "memory", args.quiet_timeout, True)
+                    r["extra"].update(round=rnd)
+                    mem[(name, mode)].append(r)
         idle = {}
         time.sleep(1.0)
         for key, s in servers.items():
@@ -856,7 +895,7 @@ def main() -> None:
             s.close()
     load["end"] = " ".join(Path("/proc/loadavg").read_text().split()[:3])
     load["total_s"] = time.monotonic() - t_start
-    payload, md = report(args, cfg, cal, runs, first, servers_info, idle, load)
+    payload, md = report(args, cfg, cal, runs, first, servers_info, idle, load, mem)
     payload["machine"] = machine
     png = chart(payload["summary"], h.RESULTS_DIR / f"{args.out}.png")
     if png is not None:
