@@ -85,8 +85,8 @@ class TaskLostError(SbloaderError, RuntimeError):
         super().__init__(
             f"a {stage!r} task on partition(s) {list(self.partition_ids)} (epoch {epoch}){reading} failed "
             f"outside the user's functions: {cause_repr}. A task whose worker died was retried before this "
-            "(max_task_retries); the worker's log in Ray's session folder (logs/worker-*.err, e.g. under /tmp/ray/session_latest) "
-            "says why: a worker killed for memory needs smaller partitions or fewer concurrent tasks "
+            "(max_task_retries); the worker's log in Ray's session folder (logs/worker-*.err, e.g. under "
+            "/tmp/ray/session_latest) says why: a worker killed for memory needs smaller partitions or fewer concurrent tasks "
             "(concurrency=, num_cpus=); a crash in native code such as a decoder points at the input named "
             "here (on_error='skip' cannot catch a crash: remove or re-encode that input)."
         )
