@@ -107,14 +107,13 @@ def run_epoch(label: str, make_iter: Callable[[], Any], images_of: Callable[[Any
               sample: bool = True) -> h.Result:
     """One epoch: a new iterator, every batch consumed in ``mode``; the consumer's waits timed.
 
-    ``sample=False``: nothing is sampled during the epoch (CPU by process from its
-    start and end, no PSS peak, no object-store peak): a throughput run."""
+    ``sample=False``: a throughput run: CPU ticks are sampled every 0.25 s as always,
+    PSS and the object store are not (no peaks recorded)."""
     wait = cons = last = first_wait = 0.0
     first = None
     waits: list[float] = []
     batches = 0
-    with h.measure(label, tree=tree, object_store=object_store and sample,
-                   interval_s=0.25 if sample else None) as m:
+    with h.measure(label, tree=tree, object_store=object_store and sample, pss=sample) as m:
         t0 = time.perf_counter()
         it = iter(make_iter())
         while True:
@@ -592,11 +591,11 @@ def report(args: argparse.Namespace, cfg: dict, cal: dict, runs: dict, first: di
         + ("Every run samples PSS (every 0.25 s) and, for the Ray contenders, the object store (every 0.25 s) "
            "while it runs (--sample-throughput: the method of runs before 2026-11-22 14:30)."
            if args.sample_throughput else
-           f"The rounds sample nothing while an epoch runs (CPU by process from its start and end); peak PSS and "
-           f"object-store bytes come from {args.memory_rounds} separate memory round(s) after them, sampled every "
-           f"0.25 s: reading PSS of a Ray process tree and Ray's store stats every 0.25 s slowed sbloader's "
-           f"pipeline by ~4% (PSS) and ~9% (PSS + store) in a side-by-side check, and the Ray contenders, with 10+ "
-           f"processes, paid more for it than torch's 3."),
+           f"The rounds sample only CPU ticks while an epoch runs (every 0.25 s); peak PSS and object-store bytes "
+           f"come from {args.memory_rounds} separate memory round(s) after them, sampled every 0.25 s: reading PSS "
+           f"of a Ray process tree and Ray's store stats every 0.25 s slowed sbloader's pipeline by ~4% (PSS) and "
+           f"~6% (PSS + store) side by side (`bench_ray_bound.py`), and the Ray contenders, with 10+ processes, "
+           f"paid more for it than torch's 3."),
         "",
         f"**Ceiling** = the function alone x {cores} cores = {_f(ceil_s, '{:.0f}')} images/s over the "
         f"{len(clean)} undisturbed rounds of the single process (all rounds: "
