@@ -377,8 +377,8 @@ def report(results: dict[str, list[h.Result]], info: dict[str, Any]) -> tuple[di
         "parallel limit a loader can reach here.",
         "- `CPU-bound × ceiling`: the ceiling's CPU per frame over the contender's whole process tree's (trainer, "
         "workers, Ray daemons), per round: what the contender would reach with the cores to itself; other "
-        "processes on this shared machine move it little. CPU of a process that exits during a run counts up to "
-        "the sampler's last look at it (every 0.25 s): the non-persistent torch workers are slightly undercounted.",
+        "processes on this shared machine move it little. A child of the measuring process that exits during a "
+        "run (the non-persistent torch workers) counts in full, through the parent's waited-for children's CPU.",
         "- CPU per frame by process class; `Ray daemons` = raylet + gcs + other Ray processes. `outside CPU %`: "
         "the machine's CPU other processes took during the run.",
         f"- sbloader's probe of the {info['videos']} files (demux, no decode; once per dataset, in remote tasks): "
