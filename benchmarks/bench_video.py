@@ -64,6 +64,10 @@ from sbloader.videos import VideoPiece, decode_piece  # noqa: E402
 
 NAME = "video"
 TITLE = "Video decode throughput"
+# Whether the runs now sample PSS (and Ray's store stats) every 0.25 s: only the memory
+# rounds do; the throughput rounds sample CPU ticks only (reading PSS of a Ray process
+# tree slows its pipeline, see bench_ray_bound.py).
+MEMORY = {"sample": False}
 _NONE = -(2**62)  # "no timestamp" in Ray Data's Arrow columns
 
 
@@ -126,10 +130,11 @@ def ray_data_server(conn: Any, rows: list[dict[str, Any]], clip_len: int, cores:
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
     try:
-        while conn.recv() == "run":
+        while (msg := conn.recv()) != "stop":
+            sample = msg == "run-sampled"
             rds = ray.data.from_items(rows, override_num_blocks=len(rows)).map_batches(
                 _ray_data_decode, fn_kwargs={"clip_len": clip_len}, batch_size=1)
-            with h.measure("Ray Data", object_store=True) as m:
+            with h.measure("Ray Data", object_store=sample, pss=sample) as m:
                 for batch in m.watch(lambda: rds.iter_batches(batch_size=None)):
                     m.add_items(int(batch["clip"].shape[0]) * clip_len)
             conn.send(m.result.as_dict())
@@ -163,6 +168,8 @@ def main() -> None:
     p.add_argument("--quiet-wait-s", type=float, default=15.0,
                    help="before each round, wait up to this long for the machine to be quiet")
     p.add_argument("--no-ray-data", action="store_true")
+    p.add_argument("--memory-rounds", type=int, default=1,
+                   help="rounds sampled for peak PSS and object-store bytes after the throughput rounds")
     p.add_argument("--no-write", action="store_true", help="print, do not write results")
     p.add_argument("--render", metavar="JSON", help="only rebuild the Markdown from a results JSON")
     args = p.parse_args()
@@ -198,7 +205,8 @@ def main() -> None:
     persistent: dict[str, Any] = {}
 
     def run_ceiling_serial() -> h.Result:
-        with h.measure("ceiling, 1 process", tree=h.ProcTree(ray=False, exclude=others())) as m:
+        with h.measure("ceiling, 1 process", tree=h.ProcTree(ray=False, exclude=others()),
+                       pss=MEMORY["sample"]) as m:
             for piece in pieces:
                 m.add_items(count_frames(piece, args.clip_len))
                 m.mark_first()
@@ -207,7 +215,7 @@ def main() -> None:
         return r
 
     def run_ceiling_pool() -> h.Result:
-        with h.measure("ceiling, Pool", tree=h.ProcTree(ray=False, exclude=others())) as m:
+        with h.measure("ceiling, Pool", tree=h.ProcTree(ray=False, exclude=others()), pss=MEMORY["sample"]) as m:
             for n in pool.imap_unordered(functools.partial(count_frames, clip_len=args.clip_len), pieces):
                 m.add_items(n)
                 m.mark_first()
@@ -215,7 +223,8 @@ def main() -> None:
 
     def run_sbloader(batch_size: Optional[int]) -> Callable[[], h.Result]:
         def run() -> h.Result:
-            with h.measure("sbloader", tree=h.ProcTree(exclude=others()), object_store=True) as m:
+            with h.measure("sbloader", tree=h.ProcTree(exclude=others()), object_store=MEMORY["sample"],
+                           pss=MEMORY["sample"]) as m:
                 for batch in m.watch(lambda: ds.iter_batches(batch_size)):
                     m.add_items(int(batch["clip"].shape[0]) * args.clip_len)
             return m.result
@@ -234,7 +243,7 @@ def main() -> None:
                     RangeDataset(pieces, args.clip_len), batch_size=None, persistent_workers=True))
             else:
                 loader = torch_loader(RangeDataset(pieces, args.clip_len), batch_size=None)
-            with h.measure(label, tree=h.ProcTree(ray=False, exclude=others())) as m:
+            with h.measure(label, tree=h.ProcTree(ray=False, exclude=others()), pss=MEMORY["sample"]) as m:
                 for batch in m.watch(lambda: iter(loader)):
                     m.add_items(int(batch["clip"].shape[0]) * args.clip_len)
             return m.result
@@ -242,7 +251,8 @@ def main() -> None:
 
     def run_torch_per_clip() -> h.Result:
         loader = torch_loader(RangeDataset(clip_pieces, args.clip_len), batch_size=args.batch_size)
-        with h.measure("torch 1 clip/item", tree=h.ProcTree(ray=False, exclude=others())) as m:
+        with h.measure("torch 1 clip/item", tree=h.ProcTree(ray=False, exclude=others()),
+                       pss=MEMORY["sample"]) as m:
             for batch in m.watch(lambda: iter(loader)):
                 m.add_items(int(batch["clip"].shape[0]) * int(batch["clip"].shape[1]) * args.clip_len)
         return m.result
@@ -266,7 +276,7 @@ def main() -> None:
         server.start()
 
         def run_ray_data() -> h.Result:
-            conn.send("run")
+            conn.send("run-sampled" if MEMORY["sample"] else "run")
             return h.Result(**conn.recv())
 
         contenders["Ray Data (own Ray)"] = run_ray_data
@@ -275,14 +285,20 @@ def main() -> None:
         """The Ray Data process and its Ray: never counted in the other contenders' trees."""
         return frozenset(h.descendants([server.pid])) if server is not None else frozenset()
 
-    def progress(name: str, rnd: int, r: h.Result) -> None:
+    def progress(name: str, rnd: int, r: h.Result, tag: str = "round") -> None:
         rate = r.extra.get("scaled_items_per_s", r.items_per_s) or 0
-        print(f"  round {rnd}: {name:<42} {rate:8.0f} frames/s  outside CPU {r.outside_cpu_frac:.0%}", flush=True)
+        print(f"  {tag} {rnd}: {name:<42} {rate:8.0f} frames/s  outside CPU {r.outside_cpu_frac:.0%}", flush=True)
 
     for fn in contenders.values():  # warm-up (page cache, imports), not recorded
         fn()
     results = h.interleave(contenders, rounds, accept=h.quiet, max_retries=args.retries,
                            before_round=lambda: h.wait_quiet(timeout_s=args.quiet_wait_s), on_result=progress)
+    memory: dict[str, list[h.Result]] = {}
+    if args.memory_rounds:
+        MEMORY["sample"] = True
+        memory = h.interleave(contenders, args.memory_rounds, before_round=lambda: h.wait_quiet(timeout_s=5),
+                              on_result=lambda n, r, res: progress(n, r, res, "memory"))
+        MEMORY["sample"] = False
     persistent.clear()  # stops the persistent torch workers
     pool.close()
     pool.join()
@@ -295,11 +311,12 @@ def main() -> None:
              f"({len(pieces)} ranges, delivered one batch per range unless a batch size is named): "
              f"{frames_total} frames per epoch; N = {cores} cores")
     info = {"setup": setup, "probe_s": probe_s, "frames_per_epoch": frames_total, "rounds": rounds,
-            "cores": cores, "videos": n_videos, "frame_bytes": args.width * args.height * 3, "ray_data": rd_version}
+            "cores": cores, "videos": n_videos, "frame_bytes": args.width * args.height * 3, "ray_data": rd_version,
+            "memory_rounds": args.memory_rounds}
     machine = h.machine_info()
     machine["versions"]["av"] = h._version("av")
     machine["versions"]["ray[data]"] = rd_version
-    payload, md = report(results, info)
+    payload, md = report(results, info, memory)
     payload.update(command=h.command_line(), machine=machine)
     print(md)
     if not args.no_write:
@@ -315,12 +332,15 @@ def _rate(r: h.Result) -> Optional[float]:
 CEILING, POOL, SBLOADER = "ceiling, 1 process x N", "ceiling, Pool(N)", "sbloader"
 
 
-def report(results: dict[str, list[h.Result]], info: dict[str, Any]) -> tuple[dict[str, Any], str]:
+def report(results: dict[str, list[h.Result]], info: dict[str, Any],
+           memory: Optional[dict[str, list[h.Result]]] = None) -> tuple[dict[str, Any], str]:
     """The summary (JSON payload without command/machine) and the Markdown of a set of runs.
 
     Args:
         results: contender -> one :class:`_harness.Result` per round.
         info: setup, probe_s, frames_per_epoch, rounds, cores, videos, frame_bytes, ray_data.
+        memory: contender -> the memory rounds' results (peak PSS and store bytes come
+            from these; without them, from ``results``).
     """
     cores, frames_total = info["cores"], info["frames_per_epoch"]
     rows, summary = [], {}
@@ -342,8 +362,9 @@ def report(results: dict[str, list[h.Result]], info: dict[str, Any]) -> tuple[di
             "frames_per_s": h.summarize([_rate(r) for r in rs]), "fraction_of_ceiling": frac,
             "fraction_of_pool": frac_pool, "cpu_bound_fraction": cpu_bound,
             "first_batch_s": h.summarize([r.first_item_s for r in rs]),
-            "peak_pss_bytes": h.summarize([r.peak_pss_bytes for r in rs]),
-            "peak_object_store_bytes": h.summarize([r.peak_object_store_bytes for r in rs]),
+            "peak_pss_bytes": h.summarize([r.peak_pss_bytes for r in (memory or {}).get(name) or rs]),
+            "peak_object_store_bytes": h.summarize([r.peak_object_store_bytes
+                                                    for r in (memory or {}).get(name) or rs]),
             "cpu_us_per_frame": cpu, "outside_cpu_frac": h.summarize([r.outside_cpu_frac for r in rs])}
         rows.append({
             "contender": name,
@@ -365,7 +386,10 @@ def report(results: dict[str, list[h.Result]], info: dict[str, Any]) -> tuple[di
         f"{info['rounds']} interleaved rounds (after one warm-up round), median (min–max); a round whose runs "
         "other processes disturbed (more than 5% of the machine's CPU outside the measured processes) is run "
         "again (up to `--retries` times) and the quieter attempt kept. Each run is one epoch with a new iterator, "
-        "start-up included.",
+        "start-up included."
+        + (f" The rounds sample CPU ticks only; peak PSS and object-store bytes come from {info['memory_rounds']} "
+           "memory round(s) after them, sampled every 0.25 s (sampling PSS during a run slows the Ray contenders "
+           "most, see `ray_bound.md`)." if info.get("memory_rounds") else ""),
         "",
         f"- Workload: {info['setup']}.",
         "- Every contender runs the same decode (`sbloader.videos.decode_piece`: seek to the keyframe before the "
@@ -412,7 +436,8 @@ def report(results: dict[str, list[h.Result]], info: dict[str, Any]) -> tuple[di
         f"Ray's daemons {med(sb['cpu_us_per_frame']['ray_all_daemons']):.0f} µs; the ceiling's own decode is "
         f"{med(cl['cpu_us_per_frame']['trainer']):.0f} µs.")
     md += findings
-    payload = {**info, "summary": summary, "runs": {k: [r.as_dict() for r in v] for k, v in results.items()}}
+    payload = {**info, "summary": summary, "runs": {k: [r.as_dict() for r in v] for k, v in results.items()},
+               "memory_runs": {k: [r.as_dict() for r in v] for k, v in (memory or {}).items()}}
     return payload, "\n".join(md)
 
 
@@ -420,9 +445,11 @@ def rerender(path: str) -> None:
     """Rebuild ``video.md`` (and the summary in ``video.json``) from the runs a JSON file holds."""
     data = json.loads(Path(path).read_text())
     results = {k: [h.Result(**r) for r in v] for k, v in data["runs"].items()}
+    memory = {k: [h.Result(**r) for r in v] for k, v in data.get("memory_runs", {}).items()}
     info = {k: data[k] for k in ("setup", "probe_s", "frames_per_epoch", "rounds", "cores", "videos", "frame_bytes",
                                  "ray_data")}
-    payload, md = report(results, info)
+    info["memory_rounds"] = data.get("memory_rounds", 0)
+    payload, md = report(results, info, memory)
     payload.update(command=data["command"], machine=data["machine"])
     h.write_results(NAME, payload, md, title=TITLE)
     print(md)
