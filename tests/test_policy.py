@@ -410,7 +410,7 @@ def test_source_blocked_stops_only_the_source_stage() -> None:
 def test_blocks_ahead_cap_scales_with_blocks_per_task(prefetch: int, slots: int, per_task: int) -> None:
     from sbloader._executor.policy import blocks_ahead_cap
 
-    assert blocks_ahead_cap(prefetch, slots, per_task) == prefetch + 2 * slots * per_task
+    assert blocks_ahead_cap(prefetch, slots * per_task) == prefetch + 2 * slots * per_task
 
 
 # ----- partitions per read task -----------------------------------------------------

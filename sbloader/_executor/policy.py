@@ -63,17 +63,18 @@ def runnable(stage: StageView) -> bool:
     return stage.est_out_bytes is not None or stage.inflight == 0
 
 
-def blocks_ahead_cap(prefetch_blocks: int, total_slots: int, blocks_per_task: int = 1) -> int:
+def blocks_ahead_cap(prefetch_blocks: int, total_slots: int) -> int:
     """Most blocks the pipeline may hold ahead of the consumer (in flight, between
-    stages, or ready): every slot busy with one finished task's blocks behind it
-    (``blocks_per_task`` each, see :func:`partitions_per_task`), plus the consumer's
-    prefetch.
+    stages, or ready): every slot busy with one finished task's blocks behind it,
+    plus the consumer's prefetch. ``total_slots`` counts a slot once per block its
+    task returns (a read task of several partitions, see :func:`partitions_per_task`,
+    returns one block per partition).
 
     More would not make the pipeline faster (the slots are full) and, with a slow
     consumer, would only fill memory up to the budget: with this cap the memory
     held stays flat as the dataset grows, whatever the budget.
     """
-    return max(1, prefetch_blocks) + 2 * max(1, total_slots) * max(1, blocks_per_task)
+    return max(1, prefetch_blocks) + 2 * max(1, total_slots)
 
 
 # A read task takes several partitions once one partition's time is known, so that
