@@ -7,8 +7,9 @@ node rather than not run at all.
 """
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 NODE_ID_LABEL = "ray.io/node-id"
 
@@ -71,3 +72,28 @@ def exclusions_here(allow_trainer_nodes: bool) -> tuple:
 
     here = ray.get_runtime_context().get_node_id()
     return tuple(sorted(excluded_nodes(cluster_nodes(), [here], allow_trainer_nodes)))
+
+
+def sum_resources(per_node: dict, exclude: Sequence[str] = ()) -> dict:
+    """Resources summed over the nodes of ``per_node`` (node id -> resources) not in ``exclude``."""
+    out: dict = defaultdict(float)
+    for node, res in per_node.items():
+        if node not in exclude:
+            for k, v in res.items():
+                out[k] += float(v)
+    return dict(out)
+
+
+def usable_resources(exclude: Sequence[str]) -> tuple[dict, dict]:
+    """(free, total) resources of the nodes the pipeline may use (all but ``exclude``)."""
+    if exclude:
+        try:
+            from ray._private import state
+
+            return (sum_resources(state.available_resources_per_node(), exclude),
+                    sum_resources(state.total_resources_per_node(), exclude))
+        except Exception:  # an internal API moved: count the whole cluster
+            pass
+    import ray
+
+    return ray.available_resources(), ray.cluster_resources()

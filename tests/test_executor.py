@@ -299,7 +299,8 @@ def test_stuck_message_names_the_stage_and_the_missing_resource():
 
 
 def test_stuck_message_counts_only_the_nodes_the_pipeline_may_use():
-    from sbloader._executor.executor import stuck_message, sum_resources
+    from sbloader._executor.executor import stuck_message
+    from sbloader.placement import sum_resources
 
     per_node = {"trainer": {"CPU": 6.0, "GPU": 1.0}, "cpu-a": {"CPU": 0.0}, "cpu-b": {"CPU": 0.0}}
     totals = {"trainer": {"CPU": 8.0, "GPU": 1.0}, "cpu-a": {"CPU": 4.0}, "cpu-b": {"CPU": 4.0}}
@@ -680,7 +681,7 @@ def test_a_consumer_slower_than_the_pipeline_keeps_one_partition_per_task(ray_se
 
 
 def test_usable_resources_leave_out_the_excluded_nodes(ray_session):
-    from sbloader._executor.executor import usable_resources
+    from sbloader.placement import usable_resources
 
     here = ray.get_runtime_context().get_node_id()
     _, everything = usable_resources(())

@@ -23,6 +23,7 @@ import ray
 
 from ..block import BlockMeta
 from ..errors import ExecutorShutdownError, MemoryBudgetError, SbloaderError, TaskLostError
+from ..placement import usable_resources
 from ..plan import EpochPlan
 from ..sources import Partition, Source
 from ..stats import ExecutionStats, OperatorStats
@@ -775,7 +776,7 @@ class StreamingExecutor:
     def _lost(self, run: _Running, e: BaseException) -> BaseException:
         """A task's failure outside the user's functions, as a :class:`TaskLostError`
         naming the call's partitions (Ray's own error names none)."""
-        parts = [part for _, part in run.call.items] if run.call.items else []
+        parts = [part for _, part in run.call.items]
         ids = tuple(p.id for p in parts) or (run.partition_id,)
         labels = tuple(p.label for p in parts)
         first = (str(e).strip().splitlines() or [""])[0]
@@ -910,29 +911,6 @@ def resource_demand(ray_options: dict) -> dict:
         need["GPU"] = float(ray_options["num_gpus"])
     need.update({k: float(v) for k, v in (ray_options.get("resources") or {}).items()})
     return {k: v for k, v in need.items() if v > 0}
-
-
-def sum_resources(per_node: dict, exclude: Sequence[str] = ()) -> dict:
-    """Resources summed over the nodes of ``per_node`` (node id -> resources) not in ``exclude``."""
-    out: dict = collections.defaultdict(float)
-    for node, res in per_node.items():
-        if node not in exclude:
-            for k, v in res.items():
-                out[k] += float(v)
-    return dict(out)
-
-
-def usable_resources(exclude: Sequence[str]) -> tuple[dict, dict]:
-    """(free, total) resources of the nodes the pipeline may use (all but ``exclude``)."""
-    if exclude:
-        try:
-            from ray._private import state
-
-            return (sum_resources(state.available_resources_per_node(), exclude),
-                    sum_resources(state.total_resources_per_node(), exclude))
-        except Exception:  # an internal API moved: count the whole cluster
-            pass
-    return ray.available_resources(), ray.cluster_resources()
 
 
 def stuck_message(demand: list, available: dict, total: dict, silent_s: float, excluded: int = 0) -> Optional[str]:
