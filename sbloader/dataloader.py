@@ -14,7 +14,6 @@ import time
 import warnings
 from typing import Any, Callable, Iterator, Optional
 
-import ray
 
 from ._executor.executor import ExecutionOptions, StreamingExecutor, kill_cached
 from ._executor.stages import build_stages
@@ -120,7 +119,8 @@ class DataLoader:
         worker_num_cpus: CPUs per worker actor.
         worker_resources: extra Ray resources per worker actor.
         device: copy batches to this device (e.g. ``"cuda"``) on a side stream.
-        zero_copy: give read-only tensors over the object store's buffers.
+        zero_copy: give read-only tensors over the shared-memory buffers (Ray's object
+            store, or the loader's slots: see ``sbloader/_executor/handoff.py``).
         dataset_id: a name for the dataset, checked on ``load_state_dict``.
         report_stalls: print the stall instrument at the end of each epoch.
         name: the loader's name in the job (default: its creation index in the
@@ -282,6 +282,7 @@ class DataLoader:
         self._torch = torch
         self._actor_cache: dict[int, list] = {}
         self._estimates: Optional[list] = None
+        self._arena: Any = None  # shared-memory slots for blocks made on this node, kept across epochs
         self.name = name if name is not None else f"loader{next(_LOADER_COUNTER)}"
         self.stall_report_s = stall_report_s
         self.allow_trainer_node = allow_trainer_node
@@ -529,8 +530,12 @@ class DataLoader:
                                    exclude_nodes=exclusions_here(self.allow_trainer_node),
                                    prefetch_blocks=prefetch, progress=False)
         cache = self._actor_cache if self.persistent_workers else None
+        if self._arena is None:
+            from ._executor.handoff import consumer_arena
+
+            self._arena = consumer_arena()
         return StreamingExecutor(source, build_stages(source.name, [op]), plan, options, actor_cache=cache,
-                                 estimates=self._estimates)
+                                 estimates=self._estimates, arena=self._arena)
 
     def _iter_remote(self) -> Iterator[Any]:
         t_start = time.perf_counter()
@@ -599,7 +604,7 @@ class DataLoader:
             if item is None:
                 return
             t0 = time.perf_counter()
-            block = ray.get(item.ref)
+            block = executor.fetch(item)
             wires = block["batch"]
             del block
             out = []

@@ -166,13 +166,15 @@ class Dataset:
                 prefetch_blocks: int = 2, progress: Optional[bool] = None,
                 plan: Optional[EpochPlan] = None, allow_trainer_node: bool = False,
                 actor_cache: Optional[dict] = None,
-                estimates: Optional[list] = None) -> StreamingExecutor:
+                estimates: Optional[list] = None, arena: Any = None) -> StreamingExecutor:
         """Start one execution and return its executor (advanced; iterate instead).
 
         ``actor_cache`` (a dict kept by the caller) keeps the actor pools' actors
         for the next execution instead of killing them at the end. ``estimates``
         (an earlier execution's ``executor.estimates()``) are the stages' output
         block sizes to start from, so the first tasks need not run one at a time.
+        ``arena`` (a ``SlotArena`` kept by the caller) hands blocks made on this
+        node over in shared memory; read them with ``executor.fetch``.
 
         On a cluster, tasks and actors avoid this process's node when other nodes
         have CPUs (``allow_trainer_node=True`` lets them use it too).
@@ -185,7 +187,7 @@ class Dataset:
                                    exclude_nodes=exclusions_here(allow_trainer_node))
         plan = plan or self.plan(epoch=epoch, seed=seed, shuffle=shuffle)
         executor = StreamingExecutor(self._source, build_stages(self._source.name, self._ops), plan, options,
-                                     actor_cache=actor_cache, estimates=estimates)
+                                     actor_cache=actor_cache, estimates=estimates, arena=arena)
         self._last[0] = executor.stats()
         return executor.start()
 

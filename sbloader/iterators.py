@@ -1,17 +1,18 @@
 """Consumer-side iteration: fetch ready blocks zero-copy and cut them into batches.
 
 The bytes of a block are fetched with one ``ray.get`` (zero-copy from the local
-object store, or one transfer from the producing node). A batch inside one block
+object store, or one transfer from the producing node), or read in place from the
+consumer's shared-memory slot when its task ran on this node (see
+``sbloader/_executor/handoff.py``). A batch inside one block
 is a view; a batch spanning blocks costs one concatenation. Each block is
 released to the executor's budget once every row of it has been handed out.
 """
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 import numpy as np
-import ray
 
 from .block import ROW_COLUMN, Batch, Block, BlockMeta, Provenance, concat, num_rows, provenance_runs, slice_block
 from ._executor.executor import StreamingExecutor
@@ -38,7 +39,7 @@ def iter_blocks(executor: StreamingExecutor) -> Iterator[tuple[Block, BlockMeta]
                 executor.release(held.popleft().nbytes)
             if item is None:
                 return
-            block = ray.get(item.ref)
+            block = executor.fetch(item)
             held.append(item.meta)
             yield block, item.meta
     finally:

@@ -41,7 +41,7 @@ class PipelineLoader:
             fetch thread makes ahead of the training loop.
         pin_memory: copy batches into page-locked memory (with an accelerator).
         device: move batches to this device.
-        zero_copy: read-only tensors over the object store's buffers.
+        zero_copy: read-only tensors over the shared-memory buffers (Ray's object store, or the loader's slots).
         dtypes: torch dtype per column.
         collate_fn: applied to each NumPy batch instead of the tensor conversion.
         generator: torch generator the epoch seed is drawn from.
@@ -87,6 +87,8 @@ class PipelineLoader:
         # The stages' output block sizes measured by the last epoch: the next starts
         # every slot at once instead of one task per stage until a block is measured.
         self._estimates: Optional[list] = None
+        # Shared-memory slots for blocks made on this node, kept across epochs (warm pages).
+        self._arena: Any = None
         self._epoch = 0
         self._epoch_explicit = False
         self._stats: Optional[ExecutionStats] = None
@@ -245,7 +247,8 @@ class PipelineLoader:
                                         memory_budget=self.memory_budget,
                                         prefetch_blocks=self._prefetch_blocks(plan), progress=False,
                                         allow_trainer_node=self.allow_trainer_node,
-                                        actor_cache=self._actor_cache, estimates=self._estimates)
+                                        actor_cache=self._actor_cache, estimates=self._estimates,
+                                        arena=self._slot_arena())
         self._stats = executor.stats()
         stalls = StallStats()
         self._stalls = stalls
@@ -286,6 +289,16 @@ class PipelineLoader:
             stalls.wall_s = time.perf_counter() - t_start
             fetch.close(wake=executor.shutdown)  # shutting down wakes a thread waiting for a block
             self._estimates = executor.estimates()
+
+    def _slot_arena(self) -> Any:
+        """This loader's shared-memory slots (made on first use), or None when turned off."""
+        if self._arena is None:
+            from ._executor.handoff import consumer_arena
+            from ._runtime import ensure_initialized
+
+            ensure_initialized()
+            self._arena = consumer_arena()
+        return self._arena
 
     def _produce(self, executor: Any, run: "PipelineRun", quota: Optional[int], pin: bool) -> Iterator[tuple]:
         """(Fetch thread) ``(tensors, parts, partition sizes seen)`` per batch, ``quota``

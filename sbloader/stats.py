@@ -53,6 +53,8 @@ class ExecutionStats:
         stall_s: seconds the consumer waited for a ready block.
         stuck_warnings: warnings logged because work in flight waited for resources
             the cluster did not have free.
+        slot_blocks: output blocks the consumer read from its shared-memory slots
+            instead of the object store (see ``sbloader/_executor/handoff.py``).
     """
 
     operators: list[OperatorStats] = field(default_factory=list)
@@ -65,6 +67,7 @@ class ExecutionStats:
     failed_copies: int = 0
     stall_s: float = 0.0
     stuck_warnings: int = 0
+    slot_blocks: int = 0
 
     @property
     def skipped(self) -> int:

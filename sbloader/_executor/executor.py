@@ -5,6 +5,8 @@ flight, actor pools, the ready outputs and the bytes the consumer holds. Each st
 collects finished tasks (``ray.wait`` with a short timeout; metadata only), asks
 the pure policy which stage to feed next under the memory budget, and launches.
 Block bytes never pass through this process: only refs and small metadata do.
+Final-stage blocks made on the consumer's node may skip the object store through
+the consumer's shared-memory slots (:mod:`.handoff`), which this executor lends.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from ..stats import ExecutionStats, OperatorStats
 from .policy import (MAX_CALL_BYTES, PoolView, StageView, blocks_ahead_cap, min_budget_bytes, partitions_per_task, pool_delta,
                      select_stage)
 from .stages import Stage, build_stages, stage_concurrency
+from .handoff import SlotArena, SlotBlock, SlotLease, enabled as handoff_enabled
 from .tasks import EpochInfo, MapActor, Packed, block_stage_task, pack, read_stage_task
 
 logger = logging.getLogger(__name__)
@@ -85,10 +88,12 @@ class ExecutionOptions:
 
 @dataclass(frozen=True)
 class OutputBlock:
-    """A ready block: its object ref and metadata (bytes stay in the object store)."""
+    """A ready block: its object ref and metadata (bytes stay in the object store, or in
+    the consumer's shared-memory slot ``lease``: read it with :meth:`StreamingExecutor.fetch`)."""
 
     ref: ray.ObjectRef
     meta: BlockMeta
+    lease: Optional[SlotLease] = None
 
 
 @dataclass(frozen=True)
@@ -242,6 +247,7 @@ class _Running:
     est_bytes: float
     call: _Call
     partition_id: int = -1  # the partition it reads (source stage) or maps
+    lease: Optional[SlotLease] = None  # a final-stage block's shared-memory slot
 
 
 class StreamingExecutor:
@@ -252,12 +258,20 @@ class StreamingExecutor:
         stages: physical stages (first is the read stage).
         plan: the epoch plan.
         options: budget, order and progress options.
+        actor_cache: a dict the caller keeps: pool actors are left there at the end.
+        estimates: an earlier execution's :meth:`estimates`.
+        arena: the consumer's shared-memory slots: final-stage blocks made on its node
+            are handed over there instead of through the object store. Read every
+            block with :meth:`fetch`.
     """
 
     def __init__(self, source: Source, stages: list[Stage], plan: EpochPlan, options: ExecutionOptions,
                  actor_cache: Optional[dict[int, list]] = None,
-                 estimates: Optional[list[Optional[float]]] = None) -> None:
+                 estimates: Optional[list[Optional[float]]] = None,
+                 arena: Optional[SlotArena] = None) -> None:
         self._source = source
+        usable = arena is not None and handoff_enabled() and arena.node_id not in options.exclude_nodes
+        self._arena = arena if usable else None
         self._actor_cache = actor_cache
         self._stages = stages
         self._plan = plan
@@ -379,6 +393,21 @@ class StreamingExecutor:
                     raise TimeoutError(f"no block became ready within {timeout} s")
                 self._lock.wait(timeout=0.5 if remaining is None else min(remaining, 0.5))
 
+    def fetch(self, item: OutputBlock) -> Any:
+        """The block of a ready item: one ``ray.get``, opened from the shared-memory slot
+        when its task wrote it there (its arrays then view the slot, read-only, and the
+        slot is lent again once they are all gone)."""
+        try:
+            obj = ray.get(item.ref)
+        except BaseException:
+            self._free_lease(item.lease)
+            raise
+        if isinstance(obj, SlotBlock):
+            self._stats.slot_blocks += 1
+            return self._arena.open(obj)
+        self._free_lease(item.lease)
+        return obj
+
     def release(self, nbytes: int) -> None:
         """The consumer is done with a block of ``nbytes``: it no longer counts."""
         with self._lock:
@@ -404,6 +433,12 @@ class StreamingExecutor:
             self._thread.join(timeout=10)
         if not first:
             return
+        if self._arena is not None:
+            with self._lock:
+                for run in self._inflight.values():
+                    self._arena.free_when_done(run.lease, run.block_ref)
+                for out in list(self._outputs) + list(self._ordered.values()):
+                    self._arena.free(out.lease)
         self._inflight.clear()
         for i, actors in self._pools.items():
             for a in actors:
@@ -442,6 +477,7 @@ class StreamingExecutor:
             if item.meta.num_rows > 0:
                 return item
             self._output_bytes -= item.meta.nbytes
+            self._free_lease(item.lease)
         return None
 
     def _consumer_ready(self) -> bool:
@@ -638,6 +674,18 @@ class StreamingExecutor:
         slots += sum(self._pool_bounds[i][1] * _ACTOR_SLOTS for i in self._pools if i > 0)
         return blocks_ahead_cap(self._opts.prefetch_blocks, self._slots[0] * self._cap_group() + slots)
 
+    def _lease(self, i: int) -> Optional[SlotLease]:
+        """A shared-memory slot for a block stage ``i`` will make, if it hands blocks to
+        the consumer, its block size is known and a slot is free."""
+        if self._arena is None or i != len(self._stages) - 1 or not self._est[i]:
+            return None
+        return self._arena.lease(self._est[i], self._budget)
+
+    def _free_lease(self, lease: Optional[SlotLease]) -> None:
+        """The lease's task has finished and nothing will read its slot."""
+        if lease is not None and self._arena is not None:
+            self._arena.free(lease)
+
     def _launch_one(self, i: int) -> None:
         stage = self._stages[i]
         if i == 0:  # the source stage: a "read" task stage, or an actor pool that reads
@@ -646,18 +694,20 @@ class StreamingExecutor:
         seq, _, out = heapq.heappop(self._queues[i])
         est = self._est[i] or 0.0
         self._queued_bytes[i] -= out.meta.nbytes
+        lease = self._lease(i)
         if stage.kind == "task":
             block_ref, meta_ref = block_stage_task.options(
                 max_retries=self._opts.max_task_retries, **self._placed(stage.ray_options)
-            ).remote(out.ref, out.meta, self._ops_arg[i], self._info)
+            ).remote(out.ref, out.meta, self._ops_arg[i], self._info, lease)
             call = _Call(1)
         else:
             actor = min((a for a in self._pools[i] if a.ready_ref is None), key=lambda a: a.inflight)
             actor.inflight += 1
-            block_ref, meta_ref = actor.handle.process.remote(out.ref, out.meta, self._info)
+            block_ref, meta_ref = actor.handle.process.remote(out.ref, out.meta, self._info, lease)
             call = _Call(1, actor)
         self._stage_inflight[i] += 1
-        self._inflight[meta_ref] = _Running(i, seq, block_ref, out.meta.nbytes, est, call, out.meta.partition_id)
+        self._inflight[meta_ref] = _Running(i, seq, block_ref, out.meta.nbytes, est, call, out.meta.partition_id,
+                                            lease)
 
     def _launch_read(self, i: int) -> None:
         """One call of the source stage: a task (or a pool actor's call) that reads the
@@ -675,24 +725,26 @@ class StreamingExecutor:
             items.append((seq, item))
         seqs = tuple(seq for seq, _ in items)
         parts = tuple(part for _, part in items)
+        leases = tuple(self._lease(i) for _ in parts)
+        arg = leases if any(lease is not None for lease in leases) else None
         if stage.kind == "read":
             refs = read_stage_task.options(
                 num_returns=2 * len(parts), max_retries=self._opts.max_task_retries,
                 **self._placed(stage.ray_options)
-            ).remote(self._shared_ref, parts, self._ops_arg[i], self._info, seqs, stage.name)
+            ).remote(self._shared_ref, parts, self._ops_arg[i], self._info, seqs, stage.name, arg)
             actor = None
         else:  # an actor pool that reads its partitions itself
             actor = min((a for a in self._pools[i] if a.ready_ref is None), key=lambda a: a.inflight)
             actor.inflight += 1
             refs = actor.handle.read_process.options(num_returns=2 * len(parts)).remote(
-                self._shared_ref, parts, self._info, seqs, stage.name
+                self._shared_ref, parts, self._info, seqs, stage.name, arg
             )
         call = _Call(len(parts), actor, tuple(items), time.monotonic())
         self._remaining -= len(parts)
         self._stage_inflight[i] += 1
         est = self._est[i] or 0.0
         for j, (seq, part) in enumerate(items):
-            self._inflight[refs[2 * j + 1]] = _Running(i, seq, refs[2 * j], 0, est, call, part.id)
+            self._inflight[refs[2 * j + 1]] = _Running(i, seq, refs[2 * j], 0, est, call, part.id, leases[j])
 
     def _placed(self, options: dict) -> dict:
         """Ray options with the placement policy's scheduling strategy, if any."""
@@ -746,6 +798,7 @@ class StreamingExecutor:
             for ref, meta in zip(metas_refs, metas):
                 run = self._inflight.pop(ref)
                 if meta is None:  # a failed copy of a partition another copy still covers
+                    self._free_lease(run.lease)
                     self._free_slot(run)
                     self._stats.failed_copies += 1
                     continue
@@ -808,9 +861,14 @@ class StreamingExecutor:
         i = run.stage
         st = self._stats.operators[i]
         self._free_slot(run)
+        lease = run.lease
+        if lease is not None and meta.node_id != lease.node_id:  # made elsewhere: the slot holds nothing
+            self._free_lease(lease)
+            lease = None
         if i == 0:
             if meta.partition_id in self._read_done:  # the other copy of a speculated partition won
                 self._stats.duplicates_dropped += 1
+                self._free_lease(lease)
                 return
             self._read_done.add(meta.partition_id)
             self._drop_solo(meta.partition_id)
@@ -825,13 +883,14 @@ class StreamingExecutor:
             self._est_partition_s = _toward(self._est_partition_s, meta.task_s, 1 / n)
         if self._bars:
             self._bars[i].update(meta.num_rows)
-        out = OutputBlock(run.block_ref, meta)
+        out = OutputBlock(run.block_ref, meta, lease)
         if i + 1 < len(self._stages):
             heapq.heappush(self._queues[i + 1], (run.seq, next(self._counter), out))
             self._queued_bytes[i + 1] += meta.nbytes
         else:
             if meta.partition_id in self._delivered_partitions:
                 self._stats.duplicates_dropped += 1
+                self._free_lease(lease)
                 return
             self._delivered_partitions.add(meta.partition_id)
             self._est_out_rows = _toward(self._est_out_rows, meta.num_rows, 0.25)
@@ -842,6 +901,7 @@ class StreamingExecutor:
                 self._outputs.append(out)
             else:
                 self._output_bytes -= meta.nbytes
+                self._free_lease(lease)
             self._check_budget()
         held = int(self._held())
         if held > self._stats.peak_held_bytes:

@@ -22,6 +22,7 @@ from ..errors import SourceReadError, UserFunctionError, picklable
 from ..ops import Op, apply_op
 from ..plan import row_permutation
 from ..sources import Partition
+from .handoff import SlotLease, store_here
 
 _NODE_ID: list[str] = []
 _UNPACKED: dict[bytes, Any] = {}  # per worker process: digest -> the unpickled argument
@@ -178,33 +179,38 @@ def read_partition(reader_and_shared: tuple, partition: Partition, info: EpochIn
 
 
 def read_partitions(reader_and_shared: tuple, partitions: Sequence[Partition], seqs: Sequence[int],
-                    info: EpochInfo, name: str, ops: Sequence[Op], fns: Optional[Sequence[Callable]] = None) -> tuple:
+                    info: EpochInfo, name: str, ops: Sequence[Op], fns: Optional[Sequence[Callable]] = None,
+                    leases: Optional[Sequence[Optional[SlotLease]]] = None) -> tuple:
     """Read partitions one after another, each through the operators on its own:
-    ``(block_1, meta_1, ..., block_k, meta_k)``."""
+    ``(block_1, meta_1, ..., block_k, meta_k)``; a block with a lease on this node is
+    written into its shared-memory slot (see :mod:`.handoff`)."""
     rs = unpack(reader_and_shared)
     out: list = []
-    for part, seq in zip(partitions, seqs):
+    for j, (part, seq) in enumerate(zip(partitions, seqs)):
         t0 = time.perf_counter()
         block, skipped = read_partition(rs, part, info, name)
         block, skipped2 = apply_ops(ops, block, info, part.id, fns=fns)
-        out += [block, _make_meta(block, info, part.id, seq, t0, skipped + skipped2)]
+        meta = _make_meta(block, info, part.id, seq, t0, skipped + skipped2)
+        out += [store_here(block, leases[j] if leases else None, _node_id()), meta]
     return tuple(out)
 
 
 @ray.remote
 def read_stage_task(reader_and_shared: tuple, partitions: tuple, ops: tuple, info: EpochInfo,
-                    seqs: tuple, name: str) -> tuple:
+                    seqs: tuple, name: str, leases: Optional[tuple] = None) -> tuple:
     """Read partitions and apply the fused operators after the read: a block and its
     metadata per partition (launched with ``num_returns=2 * len(partitions)``)."""
-    return read_partitions(reader_and_shared, partitions, seqs, info, name, unpack(ops))
+    return read_partitions(reader_and_shared, partitions, seqs, info, name, unpack(ops), leases=leases)
 
 
 @ray.remote(num_returns=2)
-def block_stage_task(block: Block, meta: BlockMeta, ops: tuple, info: EpochInfo) -> tuple[Block, BlockMeta]:
+def block_stage_task(block: Block, meta: BlockMeta, ops: tuple, info: EpochInfo,
+                     lease: Optional[SlotLease] = None) -> tuple[Any, BlockMeta]:
     """Apply a task stage's operators to one block."""
     t0 = time.perf_counter()
     out, skipped = apply_ops(unpack(ops), dict(block), info, meta.partition_id)
-    return out, _make_meta(out, info, meta.partition_id, meta.seq, t0, skipped)
+    meta_out = _make_meta(out, info, meta.partition_id, meta.seq, t0, skipped)
+    return store_here(out, lease, _node_id()), meta_out
 
 
 @ray.remote
@@ -225,18 +231,21 @@ class MapActor:
         self._instance = op.fn(*op.fn_constructor_args, **dict(op.fn_constructor_kwargs))
 
     def read_process(self, reader_and_shared: tuple, partitions: tuple, info: EpochInfo,
-                     seqs: tuple, name: str) -> tuple:
+                     seqs: tuple, name: str, leases: Optional[tuple] = None) -> tuple:
         """Read partitions, then apply the callable to each (the read is fused into the
         pool): a block and its metadata per partition (``num_returns=2 * len(partitions)``)."""
-        return read_partitions(reader_and_shared, partitions, seqs, info, name, (self._op,), fns=(self._instance,))
+        return read_partitions(reader_and_shared, partitions, seqs, info, name, (self._op,), fns=(self._instance,),
+                               leases=leases)
 
     def ready(self) -> tuple[str, int]:
         """Node id and pid once the instance is constructed."""
         return _node_id(), os.getpid()
 
     @ray.method(num_returns=2)
-    def process(self, block: Block, meta: BlockMeta, info: EpochInfo) -> tuple[Block, BlockMeta]:
+    def process(self, block: Block, meta: BlockMeta, info: EpochInfo,
+                lease: Optional[SlotLease] = None) -> tuple[Any, BlockMeta]:
         """Apply the callable to one block."""
         t0 = time.perf_counter()
         out, skipped = apply_ops((self._op,), dict(block), info, meta.partition_id, fns=(self._instance,))
-        return out, _make_meta(out, info, meta.partition_id, meta.seq, t0, skipped)
+        meta_out = _make_meta(out, info, meta.partition_id, meta.seq, t0, skipped)
+        return store_here(out, lease, _node_id()), meta_out

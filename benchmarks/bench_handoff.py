@@ -1,0 +1,120 @@
+"""What the same-node shared-memory hand-off saves: sbloader with and without it, side by side.
+
+The image workload of ``bench_images.py`` (decode + random-resized-crop 224 + flip,
+batches of 64, the consumer only counting, so the CPU is free), run by sbloader's
+native pipeline (``read_images(decode=False)`` + decode, ``to_dataloader``) and by
+its drop-in ``DataLoader`` (persistent workers), each with the final blocks handed
+over through the consumer's shared-memory slots (the default) and through Ray's
+object store (``SBLOADER_SLOT_HANDOFF=0``), interleaved per round (BENCHMARKING.md),
+plus the function alone in N processes for scale. One epoch per run, a new iterator
+each time, after a warm epoch of every loader.
+
+CPU µs/image is split by process class (trainer, Ray workers, raylet, GCS, other Ray
+daemons) from the harness's CPU-tick sampling (no PSS during these runs).
+
+Run: ``python benchmarks/bench_handoff.py [--rounds 5] [--quick] [--out NAME]``.
+Writes ``benchmarks/results/handoff.json`` and ``handoff.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+
+import _harness as h  # noqa: E402
+import _image_workload as w  # noqa: E402
+
+BATCH = 64
+CLASSES = ("trainer", "workers", "raylet", "gcs", "ray_daemons")
+
+
+def epoch(loader: Any, images: Callable[[Any], Any], slots: bool, label: str) -> h.Result:
+    """One epoch of ``loader`` with the hand-off on or off, measured (CPU ticks only)."""
+    os.environ["SBLOADER_SLOT_HANDOFF"] = "1" if slots else "0"  # read when the epoch's executor starts
+    with h.measure(label, pss=False) as m:
+        for b in m.watch(lambda: iter(loader)):
+            m.add_items(len(images(b)))
+    stats = loader.stats() if hasattr(loader, "stats") else loader._last_stats
+    m.result.extra["slot_blocks"] = stats.slot_blocks
+    return m.result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--images", type=int, default=2048)
+    ap.add_argument("--quick", action="store_true", help="2 rounds of 1,024 images")
+    ap.add_argument("--out", default="handoff", help="results name under benchmarks/results/")
+    args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.images = 2, 1024
+    from bench_images import make_data
+    from bench_ray_bound import processes
+
+    import sbloader
+
+    paths, _, _ = make_data(Path("/tmp/sbloader_bench_images"), args.images)
+    cores = os.cpu_count() or 2
+    sbloader.init()
+    pipe = (sbloader.read_images(paths, decode=False).map_batches(w.sbl_decode_files_batch)
+            .to_dataloader(BATCH, shuffle=True))
+    dropin = sbloader.DataLoader(w.ImageFolderDataset(paths), batch_size=BATCH, shuffle=True,
+                                 num_workers=cores, persistent_workers=True)
+    contenders: dict[str, Callable[[], Any]] = {
+        f"{cores} processes": lambda: processes(paths, cores),
+        "pipeline, slots": lambda: epoch(pipe, lambda b: b["image"], True, "pipeline, slots"),
+        "pipeline, object store": lambda: epoch(pipe, lambda b: b["image"], False, "pipeline, object store"),
+        "drop-in, slots": lambda: epoch(dropin, lambda b: b[0], True, "drop-in, slots"),
+        "drop-in, object store": lambda: epoch(dropin, lambda b: b[0], False, "drop-in, object store"),
+    }
+    for name, fn in contenders.items():  # warm: workers started, block sizes known, slots' pages touched
+        if name != f"{cores} processes":
+            fn()
+    runs = h.interleave(contenders, args.rounds, before_round=lambda: h.wait_quiet(timeout_s=10))
+    base = [r["images_s"] for r in runs.pop(f"{cores} processes")]
+    rows, summary = [], {"processes_images_s": h.summarize(base)}
+    pairs = {"pipeline": ("pipeline, slots", "pipeline, object store"),
+             "drop-in": ("drop-in, slots", "drop-in, object store")}
+    for name, rs in runs.items():
+        ips = [r.items_per_s for r in rs]
+        cpu = {c: h.summarize([r.cpu_s_by_class.get(c, 0.0) / r.items * 1e6 for r in rs]) for c in CLASSES}
+        kind = name.split(",")[0]
+        other = runs[pairs[kind][1] if name == pairs[kind][0] else pairs[kind][0]]
+        gain = h.summarize([a.items_per_s / b.items_per_s for a, b in zip(rs, other)]) if name == pairs[kind][0] else None
+        summary[name] = {"images_s": h.summarize(ips), "x_processes": h.summarize([a / b for a, b in zip(ips, base)]),
+                         "slots_over_store": gain, "cpu_us": cpu,
+                         "slot_blocks": [r.extra["slot_blocks"] for r in rs],
+                         "outside_cpu_frac": [r.outside_cpu_frac for r in rs]}
+        row = {"contender": name, "images/s": h.fmt_range(summary[name]["images_s"], "{:.0f}"),
+               f"x {cores} processes (same round)": h.fmt_range(summary[name]["x_processes"], "{:.2f}"),
+               "slots / object store (same round)": h.fmt_range(gain, "{:.3f}") if gain else "–"}
+        for c in CLASSES:
+            row[f"{c} CPU µs/image"] = h.fmt_range(cpu[c], "{:.0f}")
+        row["blocks from slots"] = f"{min(summary[name]['slot_blocks'])}–{max(summary[name]['slot_blocks'])}"
+        rows.append(row)
+    md = [
+        f"{args.images} generated JPEGs, decode + random-resized-crop 224 + flip, batches of {BATCH}, the consumer "
+        f"only counting (CPU free); {args.rounds} interleaved rounds after a warm epoch of each loader, median "
+        f"(min–max). `x {cores} processes` divides by the function alone in {cores} processes in the same round "
+        f"({h.fmt_range(summary['processes_images_s'], '{:.0f}')} images/s). `slots` hands each final block over "
+        "in the consumer's shared-memory slots; `object store` is the same loader with "
+        "`SBLOADER_SLOT_HANDOFF=0`. CPU by process class from CPU-tick sampling.",
+        "",
+        h.markdown_table(rows, list(rows[0])),
+    ]
+    h.write_results(args.out, {"rounds": args.rounds, "images": args.images, "summary": summary,
+                               "raw": {k: [r.as_dict() for r in v] for k, v in runs.items()}, "processes": base},
+                    "\n".join(md), title="The shared-memory hand-off: sbloader with and without it")
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()
