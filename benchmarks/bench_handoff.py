@@ -6,8 +6,9 @@ native pipeline (``read_images(decode=False)`` + decode, ``to_dataloader``) and 
 its drop-in ``DataLoader`` (persistent workers), each with the final blocks handed
 over through the consumer's shared-memory slots (the default) and through Ray's
 object store (``SBLOADER_SLOT_HANDOFF=0``), interleaved per round (BENCHMARKING.md),
-plus the function alone in N processes for scale. One epoch per run, a new iterator
-each time, after a warm epoch of every loader.
+plus the function alone in N processes for scale. The pipeline's rounds run first,
+then the drop-in's (its persistent workers hold every CPU while it lives). One epoch
+per run, a new iterator each time, after a warm epoch of each loader.
 
 CPU µs/image is split by process class (trainer, Ray workers, raylet, GCS, other Ray
 daemons) from the harness's CPU-tick sampling (no PSS during these runs).
@@ -66,30 +67,39 @@ def main() -> None:
     sbloader.init()
     pipe = (sbloader.read_images(paths, decode=False).map_batches(w.sbl_decode_files_batch)
             .to_dataloader(BATCH, shuffle=True))
-    dropin = sbloader.DataLoader(w.ImageFolderDataset(paths), batch_size=BATCH, shuffle=True,
-                                 num_workers=cores, persistent_workers=True)
-    contenders: dict[str, Callable[[], Any]] = {
-        f"{cores} processes": lambda: processes(paths, cores),
-        "pipeline, slots": lambda: epoch(pipe, lambda b: b["image"], True, "pipeline, slots"),
-        "pipeline, object store": lambda: epoch(pipe, lambda b: b["image"], False, "pipeline, object store"),
-        "drop-in, slots": lambda: epoch(dropin, lambda b: b[0], True, "drop-in, slots"),
-        "drop-in, object store": lambda: epoch(dropin, lambda b: b[0], False, "drop-in, object store"),
-    }
-    for name, fn in contenders.items():  # warm: workers started, block sizes known, slots' pages touched
-        if name != f"{cores} processes":
-            fn()
-    runs = h.interleave(contenders, args.rounds, before_round=lambda: h.wait_quiet(timeout_s=10))
-    base = [r["images_s"] for r in runs.pop(f"{cores} processes")]
-    rows, summary = [], {"processes_images_s": h.summarize(base)}
-    pairs = {"pipeline": ("pipeline, slots", "pipeline, object store"),
-             "drop-in": ("drop-in, slots", "drop-in, object store")}
+    procs = f"{cores} processes"
+    runs: dict[str, list] = {}
+    base: dict[str, list] = {}
+    # Two phases, each interleaved on its own: the drop-in's persistent workers hold
+    # every CPU, so the pipeline's tasks could not run while that loader lives.
+    for phase in ("pipeline", "drop-in"):
+        if phase == "pipeline":
+            loader, images = pipe, (lambda b: b["image"])
+        else:
+            loader = sbloader.DataLoader(w.ImageFolderDataset(paths), batch_size=BATCH, shuffle=True,
+                                         num_workers=cores, persistent_workers=True)
+            images = (lambda b: b[0])
+        contenders: dict[str, Callable[[], Any]] = {
+            procs: lambda: processes(paths, cores),
+            f"{phase}, slots": lambda ld=loader, im=images, p=phase: epoch(ld, im, True, f"{p}, slots"),
+            f"{phase}, object store": lambda ld=loader, im=images, p=phase: epoch(ld, im, False, f"{p}, object store"),
+        }
+        for name, fn in contenders.items():  # warm: workers started, block sizes known, slots' pages touched
+            if name != procs:
+                fn()
+        got = h.interleave(contenders, args.rounds, before_round=lambda: h.wait_quiet(timeout_s=10))
+        base[phase] = [r["images_s"] for r in got.pop(procs)]
+        runs.update(got)
+    rows, summary = [], {"processes_images_s": {k: h.summarize(v) for k, v in base.items()}}
     for name, rs in runs.items():
+        kind = name.split(",")[0]
+        slots, store = f"{kind}, slots", f"{kind}, object store"
         ips = [r.items_per_s for r in rs]
         cpu = {c: h.summarize([r.cpu_s_by_class.get(c, 0.0) / r.items * 1e6 for r in rs]) for c in CLASSES}
-        kind = name.split(",")[0]
-        other = runs[pairs[kind][1] if name == pairs[kind][0] else pairs[kind][0]]
-        gain = h.summarize([a.items_per_s / b.items_per_s for a, b in zip(rs, other)]) if name == pairs[kind][0] else None
-        summary[name] = {"images_s": h.summarize(ips), "x_processes": h.summarize([a / b for a, b in zip(ips, base)]),
+        gain = (h.summarize([a.items_per_s / b.items_per_s for a, b in zip(rs, runs[store])])
+                if name == slots else None)
+        summary[name] = {"images_s": h.summarize(ips),
+                         "x_processes": h.summarize([a / b for a, b in zip(ips, base[kind])]),
                          "slots_over_store": gain, "cpu_us": cpu,
                          "slot_blocks": [r.extra["slot_blocks"] for r in rs],
                          "outside_cpu_frac": [r.outside_cpu_frac for r in rs]}
@@ -103,15 +113,18 @@ def main() -> None:
     md = [
         f"{args.images} generated JPEGs, decode + random-resized-crop 224 + flip, batches of {BATCH}, the consumer "
         f"only counting (CPU free); {args.rounds} interleaved rounds after a warm epoch of each loader, median "
-        f"(min–max). `x {cores} processes` divides by the function alone in {cores} processes in the same round "
-        f"({h.fmt_range(summary['processes_images_s'], '{:.0f}')} images/s). `slots` hands each final block over "
+        f"(min–max). The pipeline's rounds run first, then the drop-in's (its persistent workers hold every "
+        f"CPU). `x {cores} processes` divides by the function alone in {cores} processes in the same round "
+        f"({', '.join(k + ' phase ' + h.fmt_range(v, '{:.0f}') for k, v in summary['processes_images_s'].items())} "
+        "images/s). `slots` hands each final block over "
         "in the consumer's shared-memory slots; `object store` is the same loader with "
         "`SBLOADER_SLOT_HANDOFF=0`. CPU by process class from CPU-tick sampling.",
         "",
         h.markdown_table(rows, list(rows[0])),
     ]
     h.write_results(args.out, {"rounds": args.rounds, "images": args.images, "summary": summary,
-                               "raw": {k: [r.as_dict() for r in v] for k, v in runs.items()}, "processes": base},
+                               "raw": {k: [r.as_dict() for r in v] for k, v in runs.items()},
+                               "processes": base},
                     "\n".join(md), title="The shared-memory hand-off: sbloader with and without it")
     print("\n".join(md))
 

@@ -78,8 +78,9 @@ def from_wire(obj: Any, *, pin: bool = False, copy: bool = True) -> Any:
     Args:
         obj: the batch as received.
         pin: copy each tensor into page-locked memory (the one copy).
-        copy: give writable tensors (one copy); False wraps the read-only
-            object-store buffers without copying.
+        copy: give writable tensors: one copy of a read-only (object-store) buffer;
+            a writable buffer (a shared-memory slot that is this batch's alone) is
+            wrapped as it is. False wraps every buffer without copying.
     """
     import torch
 
@@ -89,8 +90,10 @@ def from_wire(obj: Any, *, pin: bool = False, copy: bool = True) -> Any:
             t = torch.empty(arr.shape, dtype=_torch_dtype(obj.dtype), pin_memory=True)
             t.numpy()[...] = arr
             return t
-        if copy:
+        if copy and not arr.flags.writeable:
             return torch.from_numpy(np.array(arr, copy=True))
+        if arr.flags.writeable:
+            return torch.from_numpy(arr)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # read-only by the caller's choice
             return torch.from_numpy(arr)

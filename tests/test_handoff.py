@@ -30,7 +30,7 @@ def _arena(tmp_path, done=None, max_slots: int = 4) -> SlotArena:
     return SlotArena("node-a", directory=str(tmp_path), max_slots=max_slots, done=done or (lambda refs: []))
 
 
-def test_a_block_written_into_a_slot_reads_back_equal_and_read_only(tmp_path):
+def test_a_block_written_into_a_slot_reads_back_equal_and_writable(tmp_path):
     arena = _arena(tmp_path)
     lease = arena.lease(40_000, 100 * MiB)
     out = store(_block(3), lease)
@@ -40,7 +40,7 @@ def test_a_block_written_into_a_slot_reads_back_equal_and_read_only(tmp_path):
     want = _block(3)
     for k in want:
         np.testing.assert_array_equal(got[k], want[k])
-    assert not got["x"].flags.writeable and got["f"].flags.f_contiguous
+    assert got["x"].flags.writeable and got["f"].flags.f_contiguous  # the slot is this block's alone
     assert got["x"].ctypes.data % 64 == 0
 
 
@@ -167,11 +167,13 @@ def test_the_pipeline_loader_reads_its_blocks_from_the_slots_exactly_once(ray_se
     for _ in range(2):
         seen = []
         for b in loader:
-            assert (b["x"][:, 0] == 2 * b["i"].float()).all()
-            assert b["x"].numpy().flags.writeable  # a copy, as torch's DataLoader gives
+            assert (b["x"][:, 0] == 2 * b["i"].float()).all()  # the batches before wrote only their own rows
+            b["x"].add_(1)  # writable, as torch's DataLoader gives
             seen += b["i"].tolist()
         assert sorted(seen) == list(range(1200))
     assert loader.stats().slot_blocks == 30  # the second epoch starts from the first's block size
+    assert loader._arena.in_use >= 1  # the last batch, still held here, views its slot
+    del b
     gc.collect()
     assert loader._arena.in_use == 0
 
@@ -197,9 +199,10 @@ def test_a_loop_that_breaks_off_leaves_no_slot_lent(ray_session):
 
     loader = sbloader.from_items(_items(), rows_per_partition=40).map_batches(_double).to_dataloader(40)
     list(loader)
-    for k, _ in enumerate(loader):
+    for k, batch in enumerate(loader):
         if k == 3:
             break
+    del batch
     arena = loader._arena
     import time
 

@@ -395,8 +395,9 @@ class StreamingExecutor:
 
     def fetch(self, item: OutputBlock) -> Any:
         """The block of a ready item: one ``ray.get``, opened from the shared-memory slot
-        when its task wrote it there (its arrays then view the slot, read-only, and the
-        slot is lent again once they are all gone)."""
+        when its task wrote it there (its arrays then view the slot, writable: it is
+        theirs alone, and it is lent again once they are all gone). Arrays from the
+        object store are read-only."""
         try:
             obj = ray.get(item.ref)
         except BaseException:
