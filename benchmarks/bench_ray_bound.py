@@ -19,9 +19,12 @@ ways side by side, interleaved per round (BENCHMARKING.md):
   runs before 2026-11-22: what that measuring costs the pipeline.
 
 The gap between ``in Ray, put`` and ``two processes`` bounds what any design that
-stores blocks in Ray's object store can reach here, whatever its scheduling; the
-gap between ``sbloader`` and ``in Ray, put`` is what task scheduling, the trainer
-and the raylet add.
+stores blocks in Ray's object store can reach here, whatever its scheduling. Since
+the same-node hand-off (``sbloader/_executor/handoff.py``) sbloader's blocks made on
+the trainer's node skip the object store, so ``sbloader`` may pass ``in Ray, put``;
+what it still pays over ``in Ray, no store`` is task scheduling, the trainer, the
+raylet and the copy into the slot (``bench_handoff.py`` compares it with the object
+store side by side).
 
 Run: ``python benchmarks/bench_ray_bound.py [--rounds 3] [--quick] [--out NAME]``.
 Writes ``benchmarks/results/ray_bound.json`` and ``ray_bound.md``.
