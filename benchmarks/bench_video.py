@@ -431,8 +431,8 @@ def report(results: dict[str, list[h.Result]], info: dict[str, Any],
     extra = med(sb["cpu_us_per_frame"]["workers"]) - med(summary[POOL]["cpu_us_per_frame"]["workers"])
     findings.append(
         f"- Where sbloader's extra CPU goes, per frame, against the Pool's workers: read tasks "
-        f"+{extra:.0f} µs (the block's copy into the object store, {info['frame_bytes'] / 2**10:.0f} KiB per "
-        f"frame, and Ray's task handling), the consumer {med(sb['cpu_us_per_frame']['trainer']):.0f} µs, "
+        f"+{extra:.0f} µs (the block's pickle and copy into the consumer's shared-memory slot, "
+        f"{info['frame_bytes'] / 2**10:.0f} KiB per frame, and Ray's task handling), the consumer {med(sb['cpu_us_per_frame']['trainer']):.0f} µs, "
         f"Ray's daemons {med(sb['cpu_us_per_frame']['ray_all_daemons']):.0f} µs; the ceiling's own decode is "
         f"{med(cl['cpu_us_per_frame']['trainer']):.0f} µs.")
     md += findings

@@ -49,6 +49,7 @@ class Dataset:
         self._source = source
         self._ops = ops
         self._last: list[Optional[ExecutionStats]] = [None]
+        self._arena: Any = None  # shared-memory slots for blocks made on this node (see _slot_arena)
 
     # ----- transformations -------------------------------------------------
 
@@ -191,8 +192,21 @@ class Dataset:
         self._last[0] = executor.stats()
         return executor.start()
 
+    def _slot_arena(self) -> Any:
+        """This dataset's shared-memory slots (made on first use, kept across iterations
+        so their pages stay warm; its loaders share them), or None when turned off.
+        Blocks made on this node are handed over there instead of Ray's object store
+        (``sbloader/_executor/handoff.py``)."""
+        if self._arena is None:
+            from ._executor.handoff import consumer_arena
+
+            ensure_initialized()
+            self._arena = consumer_arena()
+        return self._arena
+
     def iter_rows(self, **execute_kwargs: Any) -> Iterator[Row]:
         """Iterate rows (dicts with ``.provenance``). Takes :meth:`execute`'s arguments."""
+        execute_kwargs.setdefault("arena", self._slot_arena())
         return iter_rows(iter_blocks(self.execute(**execute_kwargs)))
 
     def iter_batches(self, batch_size: Optional[int] = 256, *, drop_last: bool = False,
@@ -205,6 +219,7 @@ class Dataset:
             **execute_kwargs: :meth:`execute`'s arguments (epoch, seed, shuffle,
                 deterministic, memory_budget, prefetch_blocks, progress).
         """
+        execute_kwargs.setdefault("arena", self._slot_arena())
         return iter_batches(iter_blocks(self.execute(**execute_kwargs)), batch_size, drop_last)
 
     def iter_torch_batches(self, batch_size: Optional[int] = 256, *, drop_last: bool = False,
@@ -218,7 +233,7 @@ class Dataset:
             drop_last: drop a final short batch.
             dtypes: torch dtype per column.
             device: move tensors to this device.
-            zero_copy: read-only tensors over the object store's buffers (no copy).
+            zero_copy: wrap the buffers without copying (read-only over the object store's).
             collate_fn: applied to each NumPy batch instead of the tensor conversion.
             **execute_kwargs: :meth:`execute`'s arguments.
         """

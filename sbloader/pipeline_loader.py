@@ -87,8 +87,6 @@ class PipelineLoader:
         # The stages' output block sizes measured by the last epoch: the next starts
         # every slot at once instead of one task per stage until a block is measured.
         self._estimates: Optional[list] = None
-        # Shared-memory slots for blocks made on this node, kept across epochs (warm pages).
-        self._arena: Any = None
         self._epoch = 0
         self._epoch_explicit = False
         self._stats: Optional[ExecutionStats] = None
@@ -248,7 +246,7 @@ class PipelineLoader:
                                         prefetch_blocks=self._prefetch_blocks(plan), progress=False,
                                         allow_trainer_node=self.allow_trainer_node,
                                         actor_cache=self._actor_cache, estimates=self._estimates,
-                                        arena=self._slot_arena())
+                                        arena=self.dataset._slot_arena())
         self._stats = executor.stats()
         stalls = StallStats()
         self._stalls = stalls
@@ -289,16 +287,6 @@ class PipelineLoader:
             stalls.wall_s = time.perf_counter() - t_start
             fetch.close(wake=executor.shutdown)  # shutting down wakes a thread waiting for a block
             self._estimates = executor.estimates()
-
-    def _slot_arena(self) -> Any:
-        """This loader's shared-memory slots (made on first use), or None when turned off."""
-        if self._arena is None:
-            from ._executor.handoff import consumer_arena
-            from ._runtime import ensure_initialized
-
-            ensure_initialized()
-            self._arena = consumer_arena()
-        return self._arena
 
     def _produce(self, executor: Any, run: "PipelineRun", quota: Optional[int], pin: bool) -> Iterator[tuple]:
         """(Fetch thread) ``(tensors, parts, partition sizes seen)`` per batch, ``quota``

@@ -172,10 +172,10 @@ def test_the_pipeline_loader_reads_its_blocks_from_the_slots_exactly_once(ray_se
             seen += b["i"].tolist()
         assert sorted(seen) == list(range(1200))
     assert loader.stats().slot_blocks == 30  # the second epoch starts from the first's block size
-    assert loader._arena.in_use >= 1  # the last batch, still held here, views its slot
+    assert loader.dataset._arena.in_use >= 1  # the last batch, still held here, views its slot
     del b
     gc.collect()
-    assert loader._arena.in_use == 0
+    assert loader.dataset._arena.in_use == 0
 
 
 def test_zero_copy_batches_kept_by_the_loop_are_never_overwritten(ray_session):
@@ -186,12 +186,12 @@ def test_zero_copy_batches_kept_by_the_loop_are_never_overwritten(ray_session):
     list(loader)  # an epoch to learn the block size: the next one leases from its first task
     kept = list(loader)  # every batch still views its block
     assert loader.stats().slot_blocks > 0
-    assert loader._arena.in_use == loader.stats().slot_blocks  # no slot lent again while viewed
+    assert loader.dataset._arena.in_use == loader.stats().slot_blocks  # no slot lent again while viewed
     rows = sorted((int(i), float(x)) for b in kept for i, x in zip(b["i"], b["x"][:, 0]))
     assert rows == [(i, 2.0 * i) for i in range(1200)]
     del kept
     gc.collect()
-    assert loader._arena.in_use == 0
+    assert loader.dataset._arena.in_use == 0
 
 
 def test_a_loop_that_breaks_off_leaves_no_slot_lent(ray_session):
@@ -203,7 +203,7 @@ def test_a_loop_that_breaks_off_leaves_no_slot_lent(ray_session):
         if k == 3:
             break
     del batch
-    arena = loader._arena
+    arena = loader.dataset._arena
     import time
 
     deadline = time.monotonic() + 30
@@ -221,7 +221,22 @@ def test_the_drop_in_dataloader_reads_its_batches_from_the_slots(ray_session):
 
     data = [torch.full((64,), float(i)) for i in range(256)]
     loader = sbloader.DataLoader(data, batch_size=16, num_workers=2, persistent_workers=True)
+    assert loader._arena is None or loader._arena.in_use == 0
     for _ in range(2):
         got = sorted(int(v) for b in loader for v in b[:, 0])
         assert got == list(range(256))
     assert loader._last_stats.slot_blocks > 0
+
+
+def test_dataset_iteration_reads_from_the_slots_and_keeps_them_across_iterations(ray_session):
+    import sbloader
+
+    ds = sbloader.from_items(_items(400), rows_per_partition=40).map_batches(_double)
+    for _ in range(2):
+        rows = sorted(int(i) for b in ds.iter_batches(64) for i in b["i"])
+        assert rows == list(range(400))
+    first = ds._arena
+    assert ds.stats().slot_blocks > 0
+    got = sorted((int(r["i"]), float(r["x"][0])) for r in ds.iter_rows())
+    assert got == [(i, 2.0 * i) for i in range(400)]
+    assert ds._arena is first  # one arena per dataset: its pages stay warm

@@ -265,6 +265,7 @@ class SlotArena:
         self._disabled: Optional[str] = None
         self._finalizer: Optional[weakref.finalize] = None
         self.opened = 0  # blocks opened from a slot
+        self.peak_in_use = 0  # most slots lent or viewed at once
 
     def __reduce__(self) -> tuple:
         # a copy in another process (a pickled loader) starts empty: slots are this process's
@@ -276,6 +277,11 @@ class SlotArena:
         with self._lock:
             self._drain()
             return len(self._out)
+
+    @property
+    def touched(self) -> int:
+        """Slots of the current file lent at least once: their pages are reserved (memory)."""
+        return self._made
 
     @property
     def disabled(self) -> Optional[str]:
@@ -312,6 +318,7 @@ class SlotArena:
             else:
                 return None
             self._out.add(slot)
+            self.peak_in_use = max(self.peak_in_use, len(self._out))
             return SlotLease(self._path, slot * self._capacity, self._capacity, self.node_id, slot,
                              self._generation)
 
