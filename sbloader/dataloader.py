@@ -119,8 +119,9 @@ class DataLoader:
         worker_num_cpus: CPUs per worker actor.
         worker_resources: extra Ray resources per worker actor.
         device: copy batches to this device (e.g. ``"cuda"``) on a side stream.
-        zero_copy: give read-only tensors over the shared-memory buffers (Ray's object
-            store, or the loader's slots: see ``sbloader/_executor/handoff.py``).
+        zero_copy: wrap the buffers without copying (read-only over Ray's object store).
+            Batches made on the trainer's node are writable views of the process's
+            shared-memory slots either way (``sbloader/_executor/handoff.py``).
         dataset_id: a name for the dataset, checked on ``load_state_dict``.
         report_stalls: print the stall instrument at the end of each epoch.
         name: the loader's name in the job (default: its creation index in the
@@ -282,7 +283,6 @@ class DataLoader:
         self._torch = torch
         self._actor_cache: dict[int, list] = {}
         self._estimates: Optional[list] = None
-        self._arena: Any = None  # shared-memory slots for blocks made on this node, kept across epochs
         self.name = name if name is not None else f"loader{next(_LOADER_COUNTER)}"
         self.stall_report_s = stall_report_s
         self.allow_trainer_node = allow_trainer_node
@@ -530,12 +530,10 @@ class DataLoader:
                                    exclude_nodes=exclusions_here(self.allow_trainer_node),
                                    prefetch_blocks=prefetch, progress=False)
         cache = self._actor_cache if self.persistent_workers else None
-        if self._arena is None:
-            from ._executor.handoff import consumer_arena
+        from ._executor.handoff import consumer_arena
 
-            self._arena = consumer_arena()
         return StreamingExecutor(source, build_stages(source.name, [op]), plan, options, actor_cache=cache,
-                                 estimates=self._estimates, arena=self._arena)
+                                 estimates=self._estimates, arena=consumer_arena())
 
     def _iter_remote(self) -> Iterator[Any]:
         t_start = time.perf_counter()
@@ -594,9 +592,10 @@ class DataLoader:
     def _produce(self, executor: StreamingExecutor, pin: bool, stalls: StallStats) -> Iterator[tuple]:
         """(Fetch thread) Each ready batch as ``(tensors, batch index in the epoch, bytes to release)``.
 
-        With copies (the default) a block's bytes are released as soon as its
-        batches are copied out; zero-copy batches view the block, so the consumer
-        releases it once the training loop moved on.
+        With copies (the default) a block's bytes are released to the budget as soon
+        as its batches are made (a block read from a shared-memory slot keeps its slot
+        until its batches are gone: they view it); zero-copy batches view the block,
+        so the consumer releases it once the training loop moved on.
         """
         copy = not self.zero_copy
         while True:

@@ -49,7 +49,6 @@ class Dataset:
         self._source = source
         self._ops = ops
         self._last: list[Optional[ExecutionStats]] = [None]
-        self._arena: Any = None  # shared-memory slots for blocks made on this node (see _slot_arena)
 
     # ----- transformations -------------------------------------------------
 
@@ -193,16 +192,14 @@ class Dataset:
         return executor.start()
 
     def _slot_arena(self) -> Any:
-        """This dataset's shared-memory slots (made on first use, kept across iterations
-        so their pages stay warm; its loaders share them), or None when turned off.
-        Blocks made on this node are handed over there instead of Ray's object store
+        """This process's shared-memory slots (kept for the process, so their pages stay
+        warm; every dataset and loader shares them), or None when turned off. Blocks made
+        on this node are handed over there instead of Ray's object store
         (``sbloader/_executor/handoff.py``)."""
-        if self._arena is None:
-            from ._executor.handoff import consumer_arena
+        from ._executor.handoff import consumer_arena
 
-            ensure_initialized()
-            self._arena = consumer_arena()
-        return self._arena
+        ensure_initialized()
+        return consumer_arena()
 
     def iter_rows(self, **execute_kwargs: Any) -> Iterator[Row]:
         """Iterate rows (dicts with ``.provenance``). Takes :meth:`execute`'s arguments."""

@@ -124,7 +124,9 @@ def to_torch(
         dtypes: optional torch dtype per column.
         device: move tensors to this device.
         zero_copy: wrap the (read-only) buffers without copying; otherwise every
-            tensor is writable (one copy), as torch's DataLoader gives.
+            tensor is writable, as torch's DataLoader gives: a read-only buffer (the
+            object store's) is copied once, a writable one (a shared-memory slot,
+            this batch's alone) wrapped as it is.
     """
     import torch
 

@@ -41,7 +41,9 @@ class PipelineLoader:
             fetch thread makes ahead of the training loop.
         pin_memory: copy batches into page-locked memory (with an accelerator).
         device: move batches to this device.
-        zero_copy: read-only tensors over the shared-memory buffers (Ray's object store, or the loader's slots).
+        zero_copy: wrap the buffers without copying (read-only over Ray's object store).
+            Batches made on the trainer's node are writable views of the process's
+            shared-memory slots either way (``sbloader/_executor/handoff.py``).
         dtypes: torch dtype per column.
         collate_fn: applied to each NumPy batch instead of the tensor conversion.
         generator: torch generator the epoch seed is drawn from.
@@ -302,7 +304,8 @@ class PipelineLoader:
             while quota is None or yielded < quota:
                 try:
                     batch = next(batches)
-                    last = batch
+                    if quota is not None:  # the rows a short share repeats, kept apart from the
+                        last = _snapshot(batch)  # tensors the loop may change in place (slot views)
                 except StopIteration:
                     if quota is None:
                         break
@@ -329,6 +332,13 @@ class PipelineLoader:
             batches.close()
 
 
+
+
+def _snapshot(batch: Any) -> dict:
+    """A batch's columns copied: the tensors made from a batch may view its buffers."""
+    import numpy as np
+
+    return {k: np.array(v, copy=True) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
 
 
 def _padding_batch(last: Any, batch_size: int) -> Any:

@@ -126,12 +126,38 @@ def test_closing_removes_the_file_and_open_blocks_stay_readable(tmp_path):
 def test_arenas_of_dead_processes_are_swept(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True)
-    stale = tmp_path / f"sbloader-slots-{int(dead.stdout)}-abc"
-    mine = tmp_path / f"sbloader-slots-{os.getpid()}-abc"
-    stale.write_bytes(b"x")
-    mine.write_bytes(b"x")
+    ns = handoff._pid_namespace()
+    stale = tmp_path / f"sbloader-slots-{ns}-{int(dead.stdout)}-abc"
+    mine = tmp_path / f"sbloader-slots-{ns}-{os.getpid()}-abc"
+    other_container = tmp_path / f"sbloader-slots-{ns}1-{int(dead.stdout)}-abc"  # another PID namespace
+    for f in (stale, mine, other_container):
+        f.write_bytes(b"x")
     assert sweep_stale(str(tmp_path)) == 1
-    assert not stale.exists() and mine.exists()
+    assert not stale.exists() and mine.exists() and other_container.exists()
+
+
+def test_a_repeated_free_never_frees_the_slot_s_next_lease(tmp_path):
+    arena = _arena(tmp_path, max_slots=1)
+    first = arena.lease(10_000, 100 * MiB)
+    arena.free(first)
+    second = arena.lease(10_000, 100 * MiB)
+    assert second.slot == first.slot
+    arena.free(first)  # late: the slot now belongs to the second lease
+    assert arena.lease(10_000, 100 * MiB) is None and arena.in_use == 1
+
+
+def test_no_room_for_another_slot_keeps_the_ones_reserved(tmp_path, monkeypatch):
+    arena = _arena(tmp_path)
+    a = arena.lease(10_000, 100 * MiB)
+
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    assert arena.lease(10_000, 100 * MiB) is None
+    assert arena.disabled is None
+    arena.free(a)
+    assert arena.lease(10_000, 100 * MiB).slot == a.slot  # the reserved slot is still lent
 
 
 def test_a_pickled_arena_arrives_empty(tmp_path):
@@ -149,6 +175,9 @@ def test_the_environment_turns_the_hand_off_off(monkeypatch):
 
 
 # ----- end to end on the session's Ray ------------------------------------
+#
+# Every loader and dataset of the process shares one arena (handoff.consumer_arena()),
+# so these tests count its slots against what was in use when they started.
 
 
 def _double(batch):
@@ -159,7 +188,29 @@ def _items(n: int = 1200) -> list:
     return [{"x": np.full(256, i, dtype=np.float32), "i": i} for i in range(n)]
 
 
-def test_the_pipeline_loader_reads_its_blocks_from_the_slots_exactly_once(ray_session):
+def _in_use_settled(arena: SlotArena, want: int, timeout_s: float = 30.0) -> int:
+    """The arena's slots in use once they settle to ``want`` (tasks of an execution that was
+    shut down finish, finalizers run), or what they are at the deadline."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        gc.collect()
+        n = arena.in_use
+        if n == want or time.monotonic() > deadline:
+            return n
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def arena(ray_session):
+    arena = handoff.consumer_arena()
+    assert arena is not None
+    _in_use_settled(arena, 0)
+    return arena
+
+
+def test_the_pipeline_loader_reads_its_blocks_from_the_slots_exactly_once(arena):
     import sbloader
 
     loader = sbloader.from_items(_items(), rows_per_partition=40).map_batches(_double).to_dataloader(
@@ -172,13 +223,12 @@ def test_the_pipeline_loader_reads_its_blocks_from_the_slots_exactly_once(ray_se
             seen += b["i"].tolist()
         assert sorted(seen) == list(range(1200))
     assert loader.stats().slot_blocks == 30  # the second epoch starts from the first's block size
-    assert loader.dataset._arena.in_use >= 1  # the last batch, still held here, views its slot
+    assert arena.in_use >= 1  # the last batch, still held here, views its slot
     del b
-    gc.collect()
-    assert loader.dataset._arena.in_use == 0
+    assert _in_use_settled(arena, 0) == 0
 
 
-def test_zero_copy_batches_kept_by_the_loop_are_never_overwritten(ray_session):
+def test_zero_copy_batches_kept_by_the_loop_are_never_overwritten(arena):
     import sbloader
 
     loader = sbloader.from_items(_items(), rows_per_partition=40).map_batches(_double).to_dataloader(
@@ -186,15 +236,14 @@ def test_zero_copy_batches_kept_by_the_loop_are_never_overwritten(ray_session):
     list(loader)  # an epoch to learn the block size: the next one leases from its first task
     kept = list(loader)  # every batch still views its block
     assert loader.stats().slot_blocks > 0
-    assert loader.dataset._arena.in_use == loader.stats().slot_blocks  # no slot lent again while viewed
+    assert _in_use_settled(arena, loader.stats().slot_blocks) == loader.stats().slot_blocks  # none lent again
     rows = sorted((int(i), float(x)) for b in kept for i, x in zip(b["i"], b["x"][:, 0]))
     assert rows == [(i, 2.0 * i) for i in range(1200)]
     del kept
-    gc.collect()
-    assert loader.dataset._arena.in_use == 0
+    assert _in_use_settled(arena, 0) == 0
 
 
-def test_a_loop_that_breaks_off_leaves_no_slot_lent(ray_session):
+def test_a_loop_that_breaks_off_leaves_no_slot_lent(arena):
     import sbloader
 
     loader = sbloader.from_items(_items(), rows_per_partition=40).map_batches(_double).to_dataloader(40)
@@ -203,40 +252,53 @@ def test_a_loop_that_breaks_off_leaves_no_slot_lent(ray_session):
         if k == 3:
             break
     del batch
-    arena = loader.dataset._arena
-    import time
-
-    deadline = time.monotonic() + 30
-    while arena.in_use and time.monotonic() < deadline:  # tasks still in flight finish, then free
-        gc.collect()
-        time.sleep(0.1)
-    assert arena.in_use == 0
+    assert _in_use_settled(arena, 0) == 0  # tasks still in flight finish, then their slots come back
     assert sorted(int(i) for b in loader for i in b["i"]) == list(range(1200))
 
 
-def test_the_drop_in_dataloader_reads_its_batches_from_the_slots(ray_session):
+def test_a_shut_down_execution_hands_out_no_ready_block(arena):
+    import sbloader
+    from sbloader.errors import ExecutorShutdownError
+
+    ds = sbloader.from_items(_items(400), rows_per_partition=40).map_batches(_double)
+    list(ds.iter_batches(64))
+    ex = ds.execute(arena=arena, estimates=[20_000.0])  # block size known: every block leases a slot
+    item = ex.get_next()
+    block = ex.fetch(item)
+    import time
+
+    time.sleep(0.5)  # blocks become ready behind the one taken
+    assert ex.stats().slot_blocks == 1 and arena.in_use >= 2  # the one taken, and the ones ready or running
+    ex.shutdown()
+    with pytest.raises(ExecutorShutdownError):
+        ex.get_next()
+    del block
+    assert _in_use_settled(arena, 0) == 0  # the ready blocks' slots came back, once each
+
+
+def test_the_drop_in_dataloader_reads_its_batches_from_the_slots(arena):
     import torch
 
     import sbloader
 
     data = [torch.full((64,), float(i)) for i in range(256)]
     loader = sbloader.DataLoader(data, batch_size=16, num_workers=2, persistent_workers=True)
-    assert loader._arena is None or loader._arena.in_use == 0
     for _ in range(2):
         got = sorted(int(v) for b in loader for v in b[:, 0])
         assert got == list(range(256))
     assert loader._last_stats.slot_blocks > 0
 
 
-def test_dataset_iteration_reads_from_the_slots_and_keeps_them_across_iterations(ray_session):
+def test_every_dataset_and_loader_of_the_process_shares_one_arena(arena):
     import sbloader
 
     ds = sbloader.from_items(_items(400), rows_per_partition=40).map_batches(_double)
+    other = sbloader.from_items(_items(80), rows_per_partition=40)
     for _ in range(2):
         rows = sorted(int(i) for b in ds.iter_batches(64) for i in b["i"])
         assert rows == list(range(400))
-    first = ds._arena
     assert ds.stats().slot_blocks > 0
     got = sorted((int(r["i"]), float(r["x"][0])) for r in ds.iter_rows())
     assert got == [(i, 2.0 * i) for i in range(400)]
-    assert ds._arena is first  # one arena per dataset: its pages stay warm
+    assert ds._slot_arena() is arena and other._slot_arena() is arena
+    assert ds.to_dataloader(8).dataset._slot_arena() is arena

@@ -372,6 +372,8 @@ class StreamingExecutor:
             while True:
                 if self._error is not None:
                     raise self._error
+                if self._stop:
+                    raise ExecutorShutdownError("the execution was shut down; start a new iteration")
                 item = self._pop_output()
                 if item is not None:
                     self._output_bytes -= item.meta.nbytes
@@ -386,8 +388,6 @@ class StreamingExecutor:
                 if self._done:
                     self._stats.stall_s += time.perf_counter() - t_wait
                     return None
-                if self._stop:
-                    raise ExecutorShutdownError("the execution was shut down; start a new iteration")
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError(f"no block became ready within {timeout} s")
@@ -434,13 +434,17 @@ class StreamingExecutor:
             self._thread.join(timeout=10)
         if not first:
             return
-        if self._arena is not None:
-            with self._lock:
-                for run in self._inflight.values():
-                    self._arena.free_when_done(run.lease, run.block_ref)
+        with self._lock:  # (a loop thread that outlived the join finds _stop set and returns)
+            if self._arena is not None:
+                for meta_ref, run in self._inflight.items():  # the small ref: the arena pins no block
+                    self._arena.free_when_done(run.lease, meta_ref)
                 for out in list(self._outputs) + list(self._ordered.values()):
                     self._arena.free(out.lease)
-        self._inflight.clear()
+            # Ready blocks are dropped: a later get_next raises, it never hands one out.
+            self._outputs.clear()
+            self._ordered.clear()
+            self._output_bytes = 0
+            self._inflight.clear()
         for i, actors in self._pools.items():
             for a in actors:
                 if self._actor_cache is not None:  # kept for the next epoch, even if still starting
@@ -696,16 +700,20 @@ class StreamingExecutor:
         est = self._est[i] or 0.0
         self._queued_bytes[i] -= out.meta.nbytes
         lease = self._lease(i)
-        if stage.kind == "task":
-            block_ref, meta_ref = block_stage_task.options(
-                max_retries=self._opts.max_task_retries, **self._placed(stage.ray_options)
-            ).remote(out.ref, out.meta, self._ops_arg[i], self._info, lease)
-            call = _Call(1)
-        else:
-            actor = min((a for a in self._pools[i] if a.ready_ref is None), key=lambda a: a.inflight)
-            actor.inflight += 1
-            block_ref, meta_ref = actor.handle.process.remote(out.ref, out.meta, self._info, lease)
-            call = _Call(1, actor)
+        try:
+            if stage.kind == "task":
+                block_ref, meta_ref = block_stage_task.options(
+                    max_retries=self._opts.max_task_retries, **self._placed(stage.ray_options)
+                ).remote(out.ref, out.meta, self._ops_arg[i], self._info, lease)
+                call = _Call(1)
+            else:
+                actor = min((a for a in self._pools[i] if a.ready_ref is None), key=lambda a: a.inflight)
+                actor.inflight += 1
+                block_ref, meta_ref = actor.handle.process.remote(out.ref, out.meta, self._info, lease)
+                call = _Call(1, actor)
+        except BaseException:  # nothing was launched: the slot was never written
+            self._free_lease(lease)
+            raise
         self._stage_inflight[i] += 1
         self._inflight[meta_ref] = _Running(i, seq, block_ref, out.meta.nbytes, est, call, out.meta.partition_id,
                                             lease)
@@ -728,18 +736,23 @@ class StreamingExecutor:
         parts = tuple(part for _, part in items)
         leases = tuple(self._lease(i) for _ in parts)
         arg = leases if any(lease is not None for lease in leases) else None
-        if stage.kind == "read":
-            refs = read_stage_task.options(
-                num_returns=2 * len(parts), max_retries=self._opts.max_task_retries,
-                **self._placed(stage.ray_options)
-            ).remote(self._shared_ref, parts, self._ops_arg[i], self._info, seqs, stage.name, arg)
-            actor = None
-        else:  # an actor pool that reads its partitions itself
-            actor = min((a for a in self._pools[i] if a.ready_ref is None), key=lambda a: a.inflight)
-            actor.inflight += 1
-            refs = actor.handle.read_process.options(num_returns=2 * len(parts)).remote(
-                self._shared_ref, parts, self._info, seqs, stage.name, arg
-            )
+        try:
+            if stage.kind == "read":
+                refs = read_stage_task.options(
+                    num_returns=2 * len(parts), max_retries=self._opts.max_task_retries,
+                    **self._placed(stage.ray_options)
+                ).remote(self._shared_ref, parts, self._ops_arg[i], self._info, seqs, stage.name, arg)
+                actor = None
+            else:  # an actor pool that reads its partitions itself
+                actor = min((a for a in self._pools[i] if a.ready_ref is None), key=lambda a: a.inflight)
+                actor.inflight += 1
+                refs = actor.handle.read_process.options(num_returns=2 * len(parts)).remote(
+                    self._shared_ref, parts, self._info, seqs, stage.name, arg
+                )
+        except BaseException:  # nothing was launched: the slots were never written
+            for lease in leases:
+                self._free_lease(lease)
+            raise
         call = _Call(len(parts), actor, tuple(items), time.monotonic())
         self._remaining -= len(parts)
         self._stage_inflight[i] += 1
@@ -791,6 +804,8 @@ class StreamingExecutor:
         except Exception:
             metas = self._sort_failures(metas_refs)
         with self._lock:
+            if self._stop:  # shut down meanwhile: shutdown() took over the runs and their slots
+                return
             for r in actor_refs:
                 i, actor = self._pending_actors.pop(r)
                 self._stats.operators[i].actors_ready += 1

@@ -70,6 +70,8 @@ class SlotLease:
         node_id: the consumer's Ray node (a task elsewhere returns its block through Ray).
         slot: the slot's index.
         generation: the arena's generation (a re-sized arena starts a new one).
+        token: this lease's number: a late or repeated free of an earlier lease of the
+            same slot cannot free a later one.
     """
 
     path: str
@@ -78,6 +80,7 @@ class SlotLease:
     node_id: str
     slot: int
     generation: int
+    token: int = 0
 
 
 @dataclass(frozen=True)
@@ -181,6 +184,16 @@ def _ray_done(refs: list) -> list:
     return ready
 
 
+def _pid_namespace() -> str:
+    """This process's PID namespace (a number; ``0`` where unknown): arenas carry it, so a
+    container that shares ``/dev/shm`` but not PIDs never sweeps another's."""
+    try:
+        link = os.readlink("/proc/self/ns/pid")  # "pid:[4026531836]"
+        return "".join(c for c in link if c.isdigit()) or "0"
+    except OSError:
+        return "0"
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -199,11 +212,12 @@ def sweep_stale(directory: str = SHM_DIR) -> int:
         names = os.listdir(directory)
     except OSError:
         return 0
+    mine = f"{_PREFIX}{_pid_namespace()}-"
     for name in names:
-        if not name.startswith(_PREFIX):
+        if not name.startswith(mine):
             continue
         try:
-            pid = int(name[len(_PREFIX):].split("-", 1)[0])
+            pid = int(name[len(mine):].split("-", 1)[0])
         except ValueError:
             continue
         if not _pid_alive(pid):
@@ -215,14 +229,31 @@ def sweep_stale(directory: str = SHM_DIR) -> int:
     return removed
 
 
+_ARENAS: dict = {}  # node id -> this process's arena (one: the node Ray runs on now)
+_ARENAS_LOCK = threading.Lock()
+
+
 def consumer_arena() -> Optional["SlotArena"]:
-    """An arena for a consumer in this process (Ray is initialised), or None when the
-    hand-off is turned off or this machine has no ``/dev/shm``."""
+    """This process's arena (Ray is initialised), or None when the hand-off is turned off
+    or this machine has no ``/dev/shm``.
+
+    One per process: every dataset and loader in it shares its slots, as they share
+    Ray's object store, so a trainer that iterates a training and a validation set
+    keeps the pages of one working set, not one per dataset.
+    """
     if not enabled() or not os.path.isdir(SHM_DIR):
         return None
     import ray
 
-    return SlotArena(ray.get_runtime_context().get_node_id())
+    node = ray.get_runtime_context().get_node_id()
+    with _ARENAS_LOCK:
+        arena = _ARENAS.get(node)
+        if arena is None:  # a first one, or Ray was restarted (another node id)
+            for old in _ARENAS.values():
+                old.close()
+            _ARENAS.clear()
+            arena = _ARENAS[node] = SlotArena(node)
+        return arena
 
 
 def _unlink(path: str) -> None:
@@ -253,7 +284,7 @@ class SlotArena:
         self._max_slots = max_slots
         self._done = done or _ray_done
         self._lock = threading.Lock()
-        self._freed: deque = deque()  # (generation, slot) from finalizers; drained under the lock
+        self._freed: deque = deque()  # (generation, slot, token) from finalizers; drained under the lock
         self._generation = 0
         self._path: Optional[str] = None
         self._view: Optional[memoryview] = None
@@ -261,11 +292,12 @@ class SlotArena:
         self._slots = 0  # slots the file holds
         self._made = 0  # slots handed out at least once (their space reserved)
         self._free: list[int] = []  # a stack: the last freed is the next lent (warm pages)
-        self._out: set[int] = set()  # slots lent or viewed
+        self._out: dict[int, int] = {}  # slots lent or viewed -> their lease's token
+        self._tokens = 0
         self._waiting: list[tuple[SlotLease, Any]] = []  # slots freed once their task finished
         self._disabled: Optional[str] = None
         self._finalizer: Optional[weakref.finalize] = None
-        self.opened = 0  # blocks opened from a slot
+        self.opened = 0  # blocks opened from a slot (a statistic, counted without the lock)
         self.peak_in_use = 0  # most slots lent or viewed at once
 
     def __reduce__(self) -> tuple:
@@ -286,7 +318,7 @@ class SlotArena:
 
     @property
     def disabled(self) -> Optional[str]:
-        """Why the arena stopped lending slots (no room in ``/dev/shm``), or None."""
+        """Why the arena lends no slots (closed, no ``/dev/shm``, no room there), or None."""
         return self._disabled
 
     def lease(self, block_bytes: float, max_bytes: float) -> Optional[SlotLease]:
@@ -294,7 +326,8 @@ class SlotArena:
 
         Args:
             block_bytes: the expected size of the block.
-            max_bytes: most bytes the arena may hold (the execution's memory budget).
+            max_bytes: most bytes the slots lent or viewed may hold with this one (the
+                execution's memory budget).
         """
         with self._lock:
             if self._disabled:
@@ -304,11 +337,13 @@ class SlotArena:
             if self._path is None or (need > self._capacity and not self._out):
                 if max_bytes // need < 2:  # the budget holds fewer than two such blocks
                     return None
-                self._create(need, int(min(self._max_slots, max_bytes // need)))
+                self._create(need, self._max_slots)  # sparse: only the slots lent take memory
                 if self._disabled:
                     return None
             elif need > self._capacity:
                 return None  # blocks outgrew the slots; re-sized once every slot is back
+            if (len(self._out) + 1) * self._capacity > max_bytes:
+                return None
             if self._free:
                 slot = self._free.pop()
             elif self._made < self._slots:
@@ -318,18 +353,20 @@ class SlotArena:
                 self._made += 1
             else:
                 return None
-            self._out.add(slot)
+            self._tokens += 1
+            self._out[slot] = self._tokens
             self.peak_in_use = max(self.peak_in_use, len(self._out))
             return SlotLease(self._path, slot * self._capacity, self._capacity, self.node_id, slot,
-                             self._generation)
+                             self._generation, self._tokens)
 
     def free(self, lease: Optional[SlotLease]) -> None:
         """The slot's task has finished and nothing will read what it holds."""
         if lease is not None:
-            self._freed.append((lease.generation, lease.slot))
+            self._freed.append((lease.generation, lease.slot, lease.token))
 
     def free_when_done(self, lease: Optional[SlotLease], ref: Any) -> None:
-        """The slot's output will never be read, but its task (``ref``) may still write it."""
+        """The slot's output will never be read, but its task (``ref``, any of its return
+        refs; a small one, so the arena pins no block) may still write it."""
         if lease is not None:
             with self._lock:
                 self._waiting.append((lease, ref))
@@ -348,17 +385,17 @@ class SlotArena:
 
                 raise SbloaderError(
                     f"a block names shared-memory slot {lease.slot} of {lease.path} (generation "
-                    f"{lease.generation}), which this consumer's arena does not hold: a block was read by "
-                    "a consumer other than the one whose executor launched its task; iterate blocks "
-                    "through that executor's fetch()"
+                    f"{lease.generation}), which this process's arena does not hold (any more): the arena "
+                    "was closed or re-sized, or the block was read in another process than the one whose "
+                    "executor launched its task. Read blocks through that executor's fetch(), in its process"
                 )
             base = np.frombuffer(view, dtype=np.uint8, count=lease.capacity, offset=lease.offset)
         try:
             obj = pickle.loads(block.pickled, buffers=[base[o:o + n] for o, n in block.buffers])
         except BaseException:
-            self._freed.append((lease.generation, lease.slot))
+            self._freed.append((lease.generation, lease.slot, lease.token))
             raise
-        weakref.finalize(base, self._freed.append, (lease.generation, lease.slot))
+        weakref.finalize(base, self._freed.append, (lease.generation, lease.slot, lease.token))
         self.opened += 1
         return obj
 
@@ -376,14 +413,14 @@ class SlotArena:
             keep = []
             for lease, ref in self._waiting:
                 if ref in done:
-                    self._freed.append((lease.generation, lease.slot))
+                    self._freed.append((lease.generation, lease.slot, lease.token))
                 else:
                     keep.append((lease, ref))
             self._waiting = keep
         while self._freed:
-            gen, slot = self._freed.popleft()
-            if gen == self._generation and slot in self._out:
-                self._out.discard(slot)
+            gen, slot, token = self._freed.popleft()
+            if gen == self._generation and self._out.get(slot) == token:
+                del self._out[slot]
                 self._free.append(slot)
 
     def _create(self, capacity: int, slots: int) -> None:
@@ -392,7 +429,7 @@ class SlotArena:
             self._disabled = f"{self._dir} does not exist"
             return
         sweep_stale(self._dir)
-        path = os.path.join(self._dir, f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        path = os.path.join(self._dir, f"{_PREFIX}{_pid_namespace()}-{os.getpid()}-{uuid.uuid4().hex[:12]}")
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as e:
@@ -410,7 +447,7 @@ class SlotArena:
         self._generation += 1
         self._path, self._capacity, self._slots, self._made = path, capacity, slots, 0
         self._view = memoryview(mm)
-        self._free, self._out = [], set()
+        self._free, self._out = [], {}
         self._finalizer = weakref.finalize(self, _unlink, path)
 
     def _reserve(self, slot: int) -> bool:
@@ -424,8 +461,12 @@ class SlotArena:
                 os.close(fd)
             return True
         except (OSError, AttributeError) as e:  # AttributeError: a platform without posix_fallocate
-            self._disabled = f"no room for a {self._capacity}-byte slot in {self._dir}: {e}"
-            logger.warning("sbloader: blocks go through Ray's object store from now on (%s)", self._disabled)
+            self._slots = self._made  # the slots reserved so far stay in use; no more
+            if not self._made:
+                self._disabled = f"no room for a {self._capacity}-byte slot in {self._dir}: {e}"
+            logger.warning("sbloader: no room for another %d-byte shared-memory slot in %s (%s); the %d "
+                           "reserved are used, other blocks go through Ray's object store", self._capacity,
+                           self._dir, e, self._made)
             return False
 
     def _retire(self) -> None:
@@ -433,4 +474,4 @@ class SlotArena:
             self._finalizer()  # unlinks the file
             self._finalizer = None
         self._path, self._view = None, None
-        self._free, self._out, self._waiting = [], set(), []
+        self._free, self._out, self._waiting = [], {}, []
