@@ -40,6 +40,15 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def ray_worker_env() -> None:
+    """Call before Ray starts: a local Ray on loopback only, and Ray's workers import this
+    folder's modules (workload functions are pickled by reference, not by value)."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    here = str(Path(__file__).resolve().parent)
+    rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != here]
+    os.environ["PYTHONPATH"] = os.pathsep.join([here] + rest)
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 CLASSES = ("trainer", "workers", "raylet", "gcs", "ray_daemons", "other")
 

@@ -55,14 +55,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only, before ray imports
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-# Ray workers (started by each child's raylet) import _image_workload from here.
-os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 
 import _harness as h  # noqa: E402
+
+h.ray_worker_env()  # Ray workers (started by each child's raylet) import _image_workload from here
 import _image_workload as w  # noqa: E402
 
 NAME = "images"

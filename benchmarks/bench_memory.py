@@ -55,10 +55,10 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-# Ray workers import make_rows from this module (by reference, not by value from __main__).
-os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 import _gitstate  # noqa: E402
 import _harness as h  # noqa: E402
+
+h.ray_worker_env()  # Ray workers import make_rows from this module (by reference, not by value)
 
 NAME = "memory"
 BATCH = 64

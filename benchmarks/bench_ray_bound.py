@@ -42,11 +42,10 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-# Ray's workers import the workload module (the map function is pickled by reference).
-os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 
 import _harness as h  # noqa: E402
+
+h.ray_worker_env()
 import _image_workload as w  # noqa: E402
 
 BATCH = 64

@@ -90,10 +90,10 @@ def from_wire(obj: Any, *, pin: bool = False, copy: bool = True) -> Any:
             t = torch.empty(arr.shape, dtype=_torch_dtype(obj.dtype), pin_memory=True)
             t.numpy()[...] = arr
             return t
-        if copy and not arr.flags.writeable:
-            return torch.from_numpy(np.array(arr, copy=True))
-        if arr.flags.writeable:
+        if arr.flags.writeable:  # a slot's buffer, this batch's alone: no copy needed
             return torch.from_numpy(arr)
+        if copy:
+            return torch.from_numpy(np.array(arr, copy=True))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # read-only by the caller's choice
             return torch.from_numpy(arr)

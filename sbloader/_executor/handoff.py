@@ -297,8 +297,6 @@ class SlotArena:
         self._waiting: list[tuple[SlotLease, Any]] = []  # slots freed once their task finished
         self._disabled: Optional[str] = None
         self._finalizer: Optional[weakref.finalize] = None
-        self.opened = 0  # blocks opened from a slot (a statistic, counted without the lock)
-        self.peak_in_use = 0  # most slots lent or viewed at once
 
     def __reduce__(self) -> tuple:
         # a copy in another process (a pickled loader) starts empty: slots are this process's
@@ -313,7 +311,8 @@ class SlotArena:
 
     @property
     def touched(self) -> int:
-        """Slots of the current file lent at least once: their pages are reserved (memory)."""
+        """Slots of the current file lent at least once: their pages are reserved (memory).
+        Slots are reused last-freed first, so this is also the most lent or viewed at once."""
         return self._made
 
     @property
@@ -355,7 +354,6 @@ class SlotArena:
                 return None
             self._tokens += 1
             self._out[slot] = self._tokens
-            self.peak_in_use = max(self.peak_in_use, len(self._out))
             return SlotLease(self._path, slot * self._capacity, self._capacity, self.node_id, slot,
                              self._generation, self._tokens)
 
@@ -396,7 +394,6 @@ class SlotArena:
             self._freed.append((lease.generation, lease.slot, lease.token))
             raise
         weakref.finalize(base, self._freed.append, (lease.generation, lease.slot, lease.token))
-        self.opened += 1
         return obj
 
     def close(self) -> None:
