@@ -13,6 +13,8 @@ Composable pieces, Linux only (everything is read from ``/proc``; no psutil):
 - :func:`interleave`: run contenders in turn (A B C A B C ...) for N rounds,
   re-running rounds that other processes disturbed (:func:`quiet`,
   :func:`wait_quiet`).
+- :func:`background`: the processes of the contenders not being measured run at
+  idle priority meanwhile, as if the measured loader were alone on the machine.
 - :func:`summarize`, :func:`markdown_table`, :func:`write_results`.
 
 Example::
@@ -600,6 +602,40 @@ def wait_quiet(max_busy_frac: float = 0.05, window_s: float = 1.0, timeout_s: fl
         frac = (b1 - b0) / max(1, t1 - t0)
         if frac <= max_busy_frac or time.monotonic() >= deadline:
             return frac
+
+
+@contextmanager
+def background(pids: Iterable[int]) -> Iterator[int]:
+    """Run the block with every thread of ``pids`` under ``SCHED_IDLE``, then restore
+    each thread's scheduling policy; yields the number of threads changed.
+
+    A benchmark that keeps every contender alive (idle Rays, persistent workers) for
+    interleaved rounds puts the contenders it is not measuring here: they still run,
+    and their timers fire, but only on CPU time the measured contender leaves idle,
+    as if it were alone on the machine. Threads that vanish meanwhile are skipped.
+    """
+    changed: list[tuple[int, int, Any]] = []
+    for pid in pids:
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                policy, param = os.sched_getscheduler(tid), os.sched_getparam(tid)
+                if policy != os.SCHED_IDLE:
+                    os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+                    changed.append((tid, policy, param))
+            except OSError:
+                continue
+    try:
+        yield len(changed)
+    finally:
+        for tid, policy, param in changed:
+            try:
+                os.sched_setscheduler(tid, policy, param)
+            except OSError:
+                pass
 
 
 def quiet(result: Result, max_outside_frac: float = 0.05) -> bool:

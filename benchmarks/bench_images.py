@@ -28,7 +28,9 @@ Contenders, interleaved in one run (BENCHMARKING.md):
 The Ray contenders run in persistent child processes, each with its own Ray
 (sbloader's native pipelines; the drop-in, whose persistent actors hold the CPUs;
 Ray Data), so no two share a Ray; the others run in this process. While one runs
-the other Rays idle: their CPU shows as outside CPU.
+the other Rays idle, at idle priority (``SCHED_IDLE``, every thread: a user runs one
+loader, not five; ``--others-compete`` leaves them at normal priority, the method of
+runs before 2026-11-22 18:30); their CPU shows as outside CPU (``own idle``).
 
 Consumer modes: ``idle`` (CPU free: the consumer only counts the batch), ``step``
 (a simulated GPU step: sleep 1.5x the ceiling's time per batch, calibrated at start
@@ -412,11 +414,20 @@ def own_idle_cpu(seconds: float) -> float:
 
 
 def run_accounted(owner: Any, name: str, mode: str, step_s: float, server_pids: tuple,
-                  sample: bool = True) -> dict:
+                  sample: bool = True, others_compete: bool = False) -> dict:
     """Run one contender and split the CPU outside its tree into this benchmark's own idle
-    processes (the other Rays, this driver, idle persistent workers) and foreign processes."""
-    before, _ = _own_ticks()
-    r = owner.run(name, mode, step_s, sample)
+    processes (the other Rays, this driver, idle persistent workers) and foreign processes.
+
+    Unless ``--others-compete``, the other contenders' processes (their idle Rays and
+    persistent workers; not this driver, which measures) run at idle priority meanwhile
+    (:func:`_harness.background`): a user runs one loader, not five."""
+    before, ppids = _own_ticks()
+    if isinstance(owner, Server):
+        idle_pids = set(before) - h.descendants([owner.pid], ppids) - {os.getpid()}
+    else:
+        idle_pids = h.descendants(server_pids, ppids)
+    with h.background(() if others_compete else idle_pids):
+        r = owner.run(name, mode, step_s, sample)
     after, ppids = _own_ticks()
     if isinstance(owner, Server):
         measured = h.descendants([owner.pid], ppids)
@@ -587,6 +598,11 @@ def report(args: argparse.Namespace, cfg: dict, cal: dict, runs: dict, first: di
         f"which processes foreign to this benchmark took > {100 * QUIET_FRAC:.0f}% of the machine's CPU are re-run "
         f"after the rounds (up to {args.retries} make-up passes, waiting up to {3 * args.quiet_timeout:.0f} s for "
         f"quiet, until {args.budget_s:.0f} s into the benchmark) and the less disturbed attempt is kept. "
+        + ("The other contenders' processes (idle Rays, persistent workers) stay at normal priority while one runs "
+           "(--others-compete). " if args.others_compete else
+           "While one contender runs, the other contenders' processes (their idle Rays, persistent workers) run at "
+           "idle priority (SCHED_IDLE, every thread; restored after the run): they take only CPU the measured one "
+           "leaves idle, as if it ran alone. ")
         + ("Every run samples PSS (every 0.25 s) and, for the Ray contenders, the object store (every 0.25 s) "
            "while it runs (--sample-throughput: the method of runs before 2026-11-22 14:30)."
            if args.sample_throughput else
@@ -772,6 +788,9 @@ def main() -> None:
     p.add_argument("--sample-throughput", action="store_true",
                    help="sample PSS and the object store during the throughput rounds instead (the earlier method; "
                         "it slows the Ray contenders)")
+    p.add_argument("--others-compete", action="store_true",
+                   help="leave the contenders not being measured at normal priority (by default they run at "
+                        "idle priority meanwhile: their idle Rays took ~3%% of the machine)")
     p.add_argument("--out", default=NAME)
     args = p.parse_args()
     args.memory_rounds = (1 if args.quick else 2) if args.memory_rounds is None else args.memory_rounds
@@ -847,7 +866,7 @@ def main() -> None:
         def one(name: str, mode: str, rnd: int, tag: str, quiet_timeout: float, sample: bool) -> dict:
             if time.monotonic() - t_start < args.budget_s:
                 h.wait_quiet(max_busy_frac=QUIET_FRAC + load["own_idle_frac"], window_s=0.5, timeout_s=quiet_timeout)
-            r = run_accounted(owner[name], name, mode, step_s, local.skip, sample)
+            r = run_accounted(owner[name], name, mode, step_s, local.skip, sample, args.others_compete)
             e = r["extra"]
             pss = f"PSS {r['peak_pss_bytes'] / 2**20:5.0f} MiB" if sample else "PSS  (n/s)"
             print(f"{tag} {rnd} {mode:4s} {name:17s} {r['items_per_s']:6.0f} img/s  first "

@@ -504,6 +504,49 @@ def test_iterable_dataset_shards_by_worker_info(ray_session, nw):
         assert len(set(b["wid"].tolist())) == 1
 
 
+# ----- the collate in the workers stacks in private memory ---------------------------
+
+def test_worker_collate_stacks_in_private_memory_with_worker_info_visible():
+    """torch's default_collate would stack into a new shared-memory segment under
+    get_worker_info() (for torch's pipe); the workers' batches leave by a copy anyway, so
+    they stack in private memory, and a custom collate_fn still sees get_worker_info()."""
+    from torch.utils.data import default_collate
+    from torch.utils.data._utils import collate as torch_collate
+    from torch.utils.data._utils import worker as torch_worker
+
+    from sbloader._loader_worker import LoaderWorker
+    from sbloader.block import BATCH_ROWS_COLUMN
+
+    seen = []
+
+    def collate(samples):
+        out = default_collate(samples)
+        seen.append((get_worker_info() is not None, out["x"].is_shared(), out["y"].is_shared()))
+        return out
+
+    data = [{"x": torch.full((3, 4, 4), i, dtype=torch.uint8), "y": np.full(2, i, dtype=np.int64)} for i in range(6)]
+    saved = torch_worker._worker_info
+    try:
+        w = LoaderWorker({"dataset": data, "collate_fn": collate, "auto_collation": True, "num_workers": 2})
+        under_torch = default_collate(data[:2])  # torch's own behaviour under worker info
+        assert under_torch["x"].is_shared()
+        out = w({"task": _tasks([[0, 1, 2], [3, 4, 5]])})
+    finally:
+        torch_worker._worker_info = saved
+    assert seen == [(True, False, False), (True, False, False)]
+    assert torch_collate.default_collate_fn_map[torch.Tensor] is torch_collate.collate_tensor_fn  # restored
+    batches = [sbloader.wire.from_wire(b) for b in out["batch"]]
+    assert [b["x"][:, 0, 0, 0].tolist() for b in batches] == [[0, 1, 2], [3, 4, 5]]
+    assert out[BATCH_ROWS_COLUMN].tolist() == [3, 3]
+
+
+def _tasks(items):
+    col = np.empty((len(items),), dtype=object)
+    for i, x in enumerate(items):
+        col[i] = x
+    return col
+
+
 # ----- worker_init_fn, in_order=False --------------------------------------------
 
 class SlowFourDataset(Dataset):
