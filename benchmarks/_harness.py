@@ -604,36 +604,57 @@ def wait_quiet(max_busy_frac: float = 0.05, window_s: float = 1.0, timeout_s: fl
             return frac
 
 
+def _threads(pids: Iterable[int]) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            out += [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue
+    return out
+
+
+def _idle_threads(pids: Iterable[int]) -> set[int]:
+    out = set()
+    for tid in _threads(pids):
+        try:
+            if os.sched_getscheduler(tid) == os.SCHED_IDLE:
+                out.add(tid)
+        except OSError:
+            continue
+    return out
+
+
 @contextmanager
-def background(pids: Iterable[int]) -> Iterator[int]:
-    """Run the block with every thread of ``pids`` under ``SCHED_IDLE``, then restore
-    each thread's scheduling policy; yields the number of threads changed.
+def background(pids: Callable[[], Iterable[int]]) -> Iterator[int]:
+    """Run the block with every thread of the processes ``pids()`` under ``SCHED_IDLE``,
+    then put every thread of ``pids()`` (asked again) back; yields the number of threads
+    changed.
 
     A benchmark that keeps every contender alive (idle Rays, persistent workers) for
     interleaved rounds puts the contenders it is not measuring here: they still run,
     and their timers fire, but only on CPU time the measured contender leaves idle,
-    as if it were alone on the machine. Threads that vanish meanwhile are skipped.
+    as if it were alone on the machine. Threads and processes started meanwhile inherit
+    ``SCHED_IDLE``; the exit finds them too (``pids()`` is asked again) and gives every
+    thread that was not idle-priority before the block ``SCHED_OTHER`` (its nice value
+    kept), so no thread of a later measured contender is left starving.
     """
-    changed: list[tuple[int, int, Any]] = []
-    for pid in pids:
+    before = _idle_threads(pids())
+    changed = 0
+    for tid in _threads(pids()):
+        if tid in before:
+            continue
         try:
-            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            changed += 1
         except OSError:
             continue
-        for tid in tids:
-            try:
-                policy, param = os.sched_getscheduler(tid), os.sched_getparam(tid)
-                if policy != os.SCHED_IDLE:
-                    os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-                    changed.append((tid, policy, param))
-            except OSError:
-                continue
     try:
-        yield len(changed)
+        yield changed
     finally:
-        for tid, policy, param in changed:
+        for tid in _idle_threads(pids()) - before:
             try:
-                os.sched_setscheduler(tid, policy, param)
+                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
             except OSError:
                 pass
 

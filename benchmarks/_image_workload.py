@@ -64,6 +64,16 @@ def crop_flip(arr: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return T.to_chw(T.random_flip(out, rng))
 
 
+def decode_then_crop(path: str, rng: np.random.Generator) -> np.ndarray:
+    """What ``read_images(...).map_batches(crop_flip)`` computes for one file, in one
+    process: the whole image decoded to an ``HxWx3`` array (as ``read_images`` does),
+    then :func:`crop_flip`. The calibration's bound for that pipeline."""
+    with Image.open(path) as img:
+        img.load()
+        arr = np.asarray(img if img.mode == "RGB" else img.convert("RGB"))
+    return crop_flip(arr, rng)
+
+
 def labels_of(paths: Sequence[str]) -> np.ndarray:
     """The class indices of a batch's paths."""
     return np.array([label_of(p) for p in paths], dtype=np.int64)
@@ -80,6 +90,12 @@ def preprocess_paths(paths: Sequence[str]) -> dict[str, np.ndarray]:
     """One batch as every loader delivers it: stacked images and labels."""
     rng = process_rng()
     return {"image": np.stack([load_file(p, rng) for p in paths]), "label": labels_of(paths)}
+
+
+def preprocess_paths_decoded(paths: Sequence[str]) -> dict[str, np.ndarray]:
+    """:func:`preprocess_paths` as ``read_images`` + ``crop_flip`` compute it (:func:`decode_then_crop`)."""
+    rng = process_rng()
+    return {"image": np.stack([decode_then_crop(p, rng) for p in paths]), "label": labels_of(paths)}
 
 
 # ----- torch map-style Dataset (torch's DataLoader and sbloader's drop-in) ----------
