@@ -28,14 +28,17 @@ Contenders, interleaved in one run (BENCHMARKING.md):
 The Ray contenders run in persistent child processes, each with its own Ray
 (sbloader's native pipelines; the drop-in, whose persistent actors hold the CPUs;
 Ray Data), so no two share a Ray; the others run in this process. While one runs
-the other Rays idle, at idle priority (``SCHED_IDLE``, every thread: a user runs one
-loader, not five; ``--others-compete`` leaves them at normal priority, the method of
-runs before 2026-11-22 18:30); their CPU shows as outside CPU (``own idle``).
+the other contenders' Rays (each a process tree in its own session) are stopped
+(``SIGSTOP``, continued after the run: a user runs one loader, not five;
+``--others-compete`` leaves them running idle, the method of runs before 2026-11-22
+18:50); what CPU they take shows as outside CPU (``own idle``).
 
 Consumer modes: ``idle`` (CPU free: the consumer only counts the batch), ``step``
 (a simulated GPU step: sleep 1.5x the ceiling's time per batch, calibrated at start
 from the function's CPU time per image), ``cpu`` (CPU work per batch in the trainer:
-``x.float().mean()`` plus a 384x384 matmul, torch on one thread).
+the batch as float (into a buffer kept between batches) and its mean, plus a 768x768
+matmul, torch on one thread; until 2026-11-22 19:00 a fresh ``x.float()`` and a 384x384
+matmul, whose cost depended on each process's heap: 3.9 to 12 ms).
 
 Every run is a new iterator (one epoch). The first epoch after the Ray is up is
 measured apart (``--quick``: the parquet pipelines' first runs follow another
@@ -210,7 +213,11 @@ def _loader_extra(loader: Any) -> dict:
 
 
 def serve(kind: str, names: tuple, cfg: dict, conn: Any) -> None:
-    """A child process with its own Ray: first epochs, then runs on request."""
+    """A child process with its own Ray: first epochs, then runs on request.
+
+    It starts a session of its own (``setsid``): the driver stops the servers it is not
+    measuring, and a stopped process must not sit in the driver's process group."""
+    os.setsid()
     try:
         import torch
 
@@ -424,20 +431,17 @@ def run_accounted(owner: Any, name: str, mode: str, step_s: float, server_pids: 
     """Run one contender and split the CPU outside its tree into this benchmark's own idle
     processes (the other Rays, this driver, idle persistent workers) and foreign processes.
 
-    Unless ``--others-compete``, the other contenders' processes (their idle Rays and
-    persistent workers; not this driver, which measures) run at idle priority meanwhile
-    (:func:`_harness.background`): a user runs one loader, not five."""
-    def others() -> set[int]:
-        """The processes of the contenders not being measured, as they are now."""
-        if others_compete:
-            return set()
-        ppids = h._ppid_map()
-        if isinstance(owner, Server):
-            return h.descendants([os.getpid()], ppids) - h.descendants([owner.pid], ppids) - {os.getpid()}
-        return h.descendants(server_pids, ppids)
-
+    Unless ``--others-compete``, the other Ray servers' process trees are stopped meanwhile
+    (:func:`_harness.paused`): a user runs one loader, not five. Each server runs in a
+    session of its own (:func:`serve`), so the stopped processes never share a process
+    group with this driver: a stopped member of a group that becomes orphaned (the shell
+    that started the benchmark exits) would get the kernel's SIGHUP. torch's persistent
+    workers in this process's tree are left alone (blocked on their queues, they take
+    no CPU)."""
+    roots = () if others_compete else [p for p in server_pids if not isinstance(owner, Server) or p != owner.pid]
+    others = h.descendants(roots, h._ppid_map()) if roots else set()
     before, _ = _own_ticks()
-    with h.background(others):
+    with h.paused(others):
         r = owner.run(name, mode, step_s, sample)
     after, ppids = _own_ticks()
     if isinstance(owner, Server):
@@ -631,9 +635,9 @@ def report(args: argparse.Namespace, cfg: dict, cal: dict, runs: dict, first: di
         f"quiet, until {args.budget_s:.0f} s into the benchmark) and the less disturbed attempt is kept. "
         + ("The other contenders' processes (idle Rays, persistent workers) stay at normal priority while one runs "
            "(--others-compete). " if args.others_compete else
-           "While one contender runs, the other contenders' processes (their idle Rays, persistent workers) run at "
-           "idle priority (SCHED_IDLE, every thread; restored after the run): they take only CPU the measured one "
-           "leaves idle, as if it ran alone. ")
+           "While one contender runs, the other contenders' Rays (their whole process trees) are stopped (SIGSTOP, "
+           "continued after the run), as if it ran alone; side by side, two idle Rays beside a pipeline took ~2.7% "
+           "of its images/s (~1% at idle priority). ")
         + ("Every run samples PSS (every 0.25 s) and, for the Ray contenders, the object store (every 0.25 s) "
            "while it runs (--sample-throughput: the method of runs before 2026-11-22 14:30)."
            if args.sample_throughput else
@@ -823,8 +827,8 @@ def main() -> None:
                    help="sample PSS and the object store during the throughput rounds instead (the earlier method; "
                         "it slows the Ray contenders)")
     p.add_argument("--others-compete", action="store_true",
-                   help="leave the contenders not being measured at normal priority (by default they run at "
-                        "idle priority meanwhile: their idle Rays took ~3%% of the machine)")
+                   help="leave the contenders not being measured running (by default they are stopped meanwhile: "
+                        "their idle Rays took ~3%% of the machine)")
     p.add_argument("--out", default=NAME)
     args = p.parse_args()
     args.memory_rounds = (1 if args.quick else 2) if args.memory_rounds is None else args.memory_rounds
