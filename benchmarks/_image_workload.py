@@ -116,6 +116,23 @@ class ImageFolderDataset:
         return torch.from_numpy(load_file(p, process_rng())), label_of(p)
 
 
+def shm_stacking_collate(samples: Sequence[Any]) -> Any:
+    """``default_collate`` as torch's own workers run it, for sbloader's drop-in workers:
+    tensors stacked into a fresh shared-memory segment per batch (``bench_collate.py``
+    compares it with the private stacking the drop-in's workers do)."""
+    import torch
+    from torch.utils.data import default_collate
+    from torch.utils.data._utils import collate
+
+    fn_map = collate.default_collate_fn_map
+    saved = fn_map[torch.Tensor]
+    fn_map[torch.Tensor] = collate.collate_tensor_fn
+    try:
+        return default_collate(samples)
+    finally:
+        fn_map[torch.Tensor] = saved
+
+
 # ----- sbloader native pipelines --------------------------------------------------
 
 def sbl_crop_flip_batch(batch: dict) -> dict:
