@@ -14,7 +14,6 @@ import time
 import warnings
 from typing import Any, Callable, Iterator, Optional
 
-
 from ._executor.executor import ExecutionOptions, StreamingExecutor, kill_cached
 from ._executor.stages import build_stages
 from ._loader_worker import LoaderWorker, ReadyBatchSource, ShardSource

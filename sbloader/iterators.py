@@ -16,6 +16,7 @@ import numpy as np
 
 from .block import ROW_COLUMN, Batch, Block, BlockMeta, Provenance, concat, num_rows, provenance_runs, slice_block
 from ._executor.executor import StreamingExecutor
+from .wire import tensor_of
 
 
 class Row(dict):
@@ -126,21 +127,12 @@ def to_torch(
         zero_copy: wrap the (read-only) buffers without copying; otherwise every
             tensor is writable, as torch's DataLoader gives: a read-only buffer (the
             object store's) is copied once, a writable one (a shared-memory slot,
-            this batch's alone) wrapped as it is.
+            this batch's alone) wrapped as it is (:func:`~sbloader.wire.tensor_of`).
     """
-    import torch
-
     out: dict[str, Any] = Batch() if isinstance(batch, Batch) else {}
     for k, v in batch.items():
         if isinstance(v, np.ndarray) and v.dtype != object and v.dtype.kind not in "USV":
-            if zero_copy or v.flags.writeable:
-                import warnings
-
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", UserWarning)  # read-only buffers are the opt-in
-                    t = torch.from_numpy(v) if v.flags.c_contiguous else torch.from_numpy(np.ascontiguousarray(v))
-            else:
-                t = torch.from_numpy(np.array(v, copy=True))
+            t = tensor_of(v, copy=not zero_copy)
             if dtypes and k in dtypes:
                 t = t.to(dtypes[k])
             if device is not None:

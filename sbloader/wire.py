@@ -90,13 +90,7 @@ def from_wire(obj: Any, *, pin: bool = False, copy: bool = True) -> Any:
             t = torch.empty(arr.shape, dtype=_torch_dtype(obj.dtype), pin_memory=True)
             t.numpy()[...] = arr
             return t
-        if arr.flags.writeable:  # a slot's buffer, this batch's alone: no copy needed
-            return torch.from_numpy(arr)
-        if copy:
-            return torch.from_numpy(np.array(arr, copy=True))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # read-only by the caller's choice
-            return torch.from_numpy(arr)
+        return tensor_of(arr, copy=copy)
     if isinstance(obj, dict):
         out = {k: from_wire(v, pin=pin, copy=copy) for k, v in obj.items()}
         try:
@@ -110,6 +104,25 @@ def from_wire(obj: Any, *, pin: bool = False, copy: bool = True) -> Any:
     if copy and isinstance(obj, np.ndarray) and not obj.flags.writeable:
         return obj.copy()  # an array the collate_fn returned: writable, as torch gives it
     return obj
+
+
+def tensor_of(arr: np.ndarray, *, copy: bool = True) -> Any:
+    """A torch tensor over a NumPy array, as a batch hands it to the training loop.
+
+    A writable array (made in this process, or a shared-memory slot's: this batch's
+    alone) is wrapped as it is. A read-only one (Ray's object store) is copied once
+    into a writable tensor, or wrapped read-only when ``copy`` is False. A
+    non-contiguous array (negative strides) is made contiguous first.
+    """
+    import torch
+
+    if copy and not arr.flags.writeable:
+        return torch.from_numpy(np.array(arr, copy=True))
+    if not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only only by the caller's choice
+        return torch.from_numpy(arr)
 
 
 def _torch_dtype(name: str) -> Any:
