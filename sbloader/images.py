@@ -1,4 +1,6 @@
-"""``read_images``: JPEG/PNG files decoded with Pillow, a few files per partition.
+"""``read_images``: JPEG/PNG files decoded with Pillow (most JPEGs by libjpeg-turbo
+straight into the array, with the same pixels: :mod:`sbloader._jpeg`), a few files
+per partition.
 
 The driver only lists file names (never opens a file); decoding runs in the
 remote read tasks. A partition is a run of consecutive files of the sorted
@@ -10,6 +12,7 @@ from __future__ import annotations
 import functools
 import glob
 import hashlib
+import io
 import math
 import os
 import traceback
@@ -17,6 +20,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import numpy as np
 
+from . import _jpeg
 from .block import ROW_COLUMN, Block, to_column
 from .context import get_context, report_skipped
 from .dataset import Dataset
@@ -212,11 +216,30 @@ def _convert(img: Any, mode: str) -> Any:
     return img
 
 
+class _FileBytes(io.BytesIO):
+    """A file's bytes for Pillow, shown as the file's path in Pillow's errors."""
+
+    def __init__(self, data: bytes, path: str) -> None:
+        super().__init__(data)
+        self.name = path
+
+    def __repr__(self) -> str:
+        return repr(self.name)
+
+
 def _decode(path: str, size: Optional[tuple[int, int]], mode: Optional[str]) -> np.ndarray:
-    """Decode one file into an ``HxWxC`` array."""
+    """Decode one file into an ``HxWxC`` array: most JPEGs straight into the array
+    (:mod:`sbloader._jpeg`, the same pixels as Pillow's), everything else with Pillow."""
     from PIL import Image
 
-    with Image.open(path) as img:
+    source: Any = path
+    if size is None and _jpeg.available():
+        data = _read_bytes(path)
+        arr = _jpeg.decode_to_array(data, mode)
+        if arr is not None:
+            return arr
+        source = _FileBytes(data, path)  # read once: Pillow decodes the same bytes
+    with Image.open(source) as img:
         if size is not None and img.format == "JPEG":
             img.draft(None, size)  # DCT-domain downscale, never below ``size``
         img.load()  # decode now: a truncated or corrupt file raises here
@@ -350,6 +373,12 @@ def read_images(
 ) -> Dataset:
     """A dataset of images decoded with Pillow: columns ``image`` and ``path``.
 
+    JPEGs in YCbCr, RGB or grayscale read without ``size`` (as ``"RGB"``, as they
+    are, or grayscale as ``"L"``) are decoded by libjpeg-turbo straight into the
+    array (simplejpeg), with the same pixels as Pillow's and without Pillow's second
+    buffer (``benchmarks/results/jpeg.md``); every other file and mode goes through
+    Pillow.
+
     ``image`` holds ``HxWxC`` ``uint8`` arrays: one stacked array when every image
     of a block has the same shape (always the case with ``size``), otherwise an
     object column with one array per row. ``path`` holds each file's absolute path.
@@ -382,11 +411,11 @@ def read_images(
         decode: False hands on each file's encoded bytes in ``image`` (an object
             column of ``bytes``) for a following ``map_batches`` to decode together
             with its augmentation, e.g. :func:`sbloader.transforms.decode_crop_flip`.
-            That is the fastest path when the augmentation starts from a Pillow
-            image (a random crop, a resize): it skips the decoded array that
-            ``decode=True`` builds and the augmentation converts back, two passes
-            over every full-size image (in ``benchmarks/results/images.md`` about
-            0.2 ms of a 1.3 ms image). ``size`` and ``mode`` then do not apply, and
+            That is the faster path when the augmentation starts from a Pillow
+            image (a random crop, a resize): it skips the full-size decoded array
+            that ``decode=True`` builds and the augmentation converts back (in
+            ``benchmarks/results/images.md`` 5% of the workers' CPU per image,
+            about 60 µs of 1.2 ms). ``size`` and ``mode`` then do not apply, and
             ``on_error`` covers reading the file only: a corrupt image raises (or is
             skipped) where the ``map_batches`` function decodes it.
 

@@ -1,0 +1,146 @@
+"""The JPEG fast path of read_images: the same pixels as Pillow, or Pillow decodes."""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image, ImageFile
+
+from sbloader import _jpeg
+from sbloader.images import _decode
+
+pytestmark = pytest.mark.skipif(not _jpeg.available(), reason="simplejpeg is not installed")
+
+
+def _jpeg_bytes(arr: np.ndarray, **save_kwargs) -> bytes:
+    buf = io.BytesIO()
+    old = ImageFile.MAXBLOCK
+    ImageFile.MAXBLOCK = 1 << 24  # progressive files of tiny images need a larger buffer
+    try:
+        Image.fromarray(arr).save(buf, "JPEG", **save_kwargs)
+    finally:
+        ImageFile.MAXBLOCK = old
+    return buf.getvalue()
+
+
+def _pillow(data: bytes, mode) -> np.ndarray:
+    with Image.open(io.BytesIO(data)) as img:
+        out = np.asarray(img if mode is None or img.mode == mode else img.convert(mode))
+    return out if out.ndim == 3 else out[:, :, None]
+
+
+def _content(rng: np.random.Generator, h: int, w: int, smooth: bool) -> np.ndarray:
+    if not smooth:
+        return rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+    walk = np.cumsum(np.cumsum(rng.integers(-3, 4, (h, w, 3)), 0), 1).astype(np.float64)
+    return ((walk - walk.min()) / (np.ptp(walk) + 1) * 255).astype(np.uint8)
+
+
+@pytest.mark.parametrize("size", [(1, 1), (7, 5), (17, 33), (321, 240), (99, 640)])
+@pytest.mark.parametrize("subsampling", [0, 1, 2])  # 4:4:4, 4:2:2, 4:2:0
+@pytest.mark.parametrize("progressive", [False, True])
+def test_colour_jpegs_decode_to_pillows_pixels(size, subsampling, progressive):
+    w, h = size
+    rng = np.random.default_rng(w * 1000 + h)
+    for smooth in (False, True):
+        for quality in (50, 95):
+            data = _jpeg_bytes(_content(rng, h, w, smooth), quality=quality, subsampling=subsampling,
+                               progressive=progressive)
+            for mode in ("RGB", None):
+                got = _jpeg.decode_to_array(data, mode)
+                assert got is not None, "a YCbCr JPEG must take the fast path"
+                assert got.dtype == np.uint8 and got.shape == (h, w, 3)
+                np.testing.assert_array_equal(got, _pillow(data, mode))
+
+
+@pytest.mark.parametrize("mode, channels", [("RGB", 3), ("L", 1), (None, 1)])
+def test_grayscale_jpegs_decode_to_pillows_pixels(mode, channels):
+    rng = np.random.default_rng(3)
+    data = _jpeg_bytes(_content(rng, 37, 53, True)[:, :, 0], quality=90)
+    got = _jpeg.decode_to_array(data, mode)
+    assert got is not None and got.shape == (37, 53, channels)
+    np.testing.assert_array_equal(got, _pillow(data, mode))
+
+
+def test_rgb_colourspace_jpeg_decodes_to_pillows_pixels():
+    data = _jpeg_bytes(_content(np.random.default_rng(4), 24, 40, True), quality=90, keep_rgb=True)
+    got = _jpeg.decode_to_array(data, "RGB")
+    assert got is not None
+    np.testing.assert_array_equal(got, _pillow(data, "RGB"))
+
+
+def _cases_left_to_pillow() -> dict[str, tuple[bytes, object]]:
+    rng = np.random.default_rng(5)
+    colour = _jpeg_bytes(_content(rng, 20, 30, True), quality=90)
+    cmyk = io.BytesIO()
+    Image.new("CMYK", (16, 8), (0, 255, 255, 0)).save(cmyk, "JPEG", quality=95)
+    png = io.BytesIO()
+    Image.fromarray(_content(rng, 5, 6, False)).save(png, "PNG")
+    return {
+        "png": (png.getvalue(), "RGB"),
+        "cmyk": (cmyk.getvalue(), "RGB"),
+        "colour read as L (Pillow's luma weights)": (colour, "L"),
+        "colour read as RGBA": (colour, "RGBA"),
+        "truncated": (colour[: len(colour) // 2], "RGB"),
+        "empty": (b"", "RGB"),
+        "header only": (colour[:20], "RGB"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_cases_left_to_pillow()))
+def test_other_files_and_modes_are_left_to_pillow(case):
+    data, mode = _cases_left_to_pillow()[case]
+    assert _jpeg.decode_to_array(data, mode) is None
+
+
+def test_images_over_pillows_bomb_limit_are_left_to_pillow(monkeypatch):
+    data = _jpeg_bytes(_content(np.random.default_rng(6), 20, 30, True), quality=90)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 20 * 30 - 1)
+    assert _jpeg.decode_to_array(data, "RGB") is None
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 20 * 30)
+    assert _jpeg.decode_to_array(data, "RGB") is not None
+
+
+def test_read_images_decode_is_the_same_with_and_without_the_fast_path(tmp_path, monkeypatch):
+    rng = np.random.default_rng(7)
+    files = {
+        "colour.jpg": _jpeg_bytes(_content(rng, 30, 41, True), quality=85),
+        "gray.jpg": _jpeg_bytes(_content(rng, 12, 9, True)[:, :, 0], quality=85),
+        "cmyk.jpg": None,
+        "pic.png": None,
+    }
+    paths = {}
+    for name, data in files.items():
+        p = tmp_path / name
+        if name == "cmyk.jpg":
+            Image.new("CMYK", (16, 8), (0, 255, 255, 0)).save(p, quality=95)
+        elif name == "pic.png":
+            Image.fromarray(_content(rng, 5, 6, False)).save(p)
+        else:
+            p.write_bytes(data)
+        paths[name] = str(p)
+    calls = []
+    real = _jpeg.decode_to_array
+    monkeypatch.setattr(_jpeg, "decode_to_array", lambda d, m: calls.append(m) or real(d, m))
+    for mode in ("RGB", "L", "RGBA", None):
+        fast = {n: _decode(p, None, mode) for n, p in paths.items()}
+        with monkeypatch.context() as m:
+            m.setattr(_jpeg, "_simplejpeg", None)
+            slow = {n: _decode(p, None, mode) for n, p in paths.items()}
+        for n in paths:
+            assert fast[n].dtype == slow[n].dtype and fast[n].shape == slow[n].shape, (n, mode)
+            np.testing.assert_array_equal(fast[n], slow[n], err_msg=f"{n} as {mode}")
+    assert len(calls) == 4 * len(paths)  # every file was offered to the fast path once per mode
+    # a target size resizes with Pillow: the fast path is not asked
+    calls.clear()
+    assert _decode(paths["colour.jpg"], (8, 6), "RGB").shape == (6, 8, 3)
+    assert calls == []
+
+
+def test_pillows_error_for_a_file_read_once_names_the_file(tmp_path):
+    bad = tmp_path / "not_an_image.png"
+    bad.write_text("plain text\n")
+    with pytest.raises(Exception) as info:
+        _decode(str(bad), None, "RGB")
+    assert str(bad) in str(info.value) and "BytesIO" not in str(info.value)
