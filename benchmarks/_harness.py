@@ -98,7 +98,7 @@ def machine_info() -> dict[str, Any]:
         "mem_total_gib": round(_mem_total_bytes() / 2**30, 1),
         "kernel": platform.release(),
         "python": platform.python_version(),
-        "versions": {d: _version(d) for d in ("sbloader", "torch", "ray", "numpy", "pyarrow", "pillow")},
+        "versions": {d: _version(d) for d in ("sbloader", "torch", "ray", "numpy", "pyarrow", "pillow", "simplejpeg")},
     }
 
 
