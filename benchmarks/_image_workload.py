@@ -66,12 +66,12 @@ def crop_flip(arr: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 
 def decode_then_crop(path: str, rng: np.random.Generator) -> np.ndarray:
     """What ``read_images(...).map_batches(crop_flip)`` computes for one file, in one
-    process: the whole image decoded to an ``HxWx3`` array (as ``read_images`` does),
-    then :func:`crop_flip`. The calibration's bound for that pipeline."""
-    with Image.open(path) as img:
-        img.load()
-        arr = np.asarray(img if img.mode == "RGB" else img.convert("RGB"))
-    return crop_flip(arr, rng)
+    process: the whole image decoded to an ``HxWx3`` array by ``read_images``' own
+    decode (``sbloader.images._decode``: most JPEGs by libjpeg-turbo straight into
+    the array), then :func:`crop_flip`. The calibration's bound for that pipeline."""
+    from sbloader.images import _decode
+
+    return crop_flip(_decode(path, None, "RGB"), rng)
 
 
 def labels_of(paths: Sequence[str]) -> np.ndarray:
