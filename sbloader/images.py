@@ -216,30 +216,44 @@ def _convert(img: Any, mode: str) -> Any:
     return img
 
 
-class _FileBytes(io.BytesIO):
-    """A file's bytes for Pillow, shown as the file's path in Pillow's errors."""
+class _NamedBytes(io.BytesIO):
+    """Encoded bytes for Pillow, shown as their file's path in Pillow's errors."""
 
-    def __init__(self, data: bytes, path: str) -> None:
+    def __init__(self, data: bytes, name: str) -> None:
         super().__init__(data)
-        self.name = path
+        self.name = name
 
     def __repr__(self) -> str:
         return repr(self.name)
 
 
-def _decode(path: str, size: Optional[tuple[int, int]], mode: Optional[str]) -> np.ndarray:
-    """Decode one file into an ``HxWxC`` array: most JPEGs straight into the array
-    (:mod:`sbloader._jpeg`, the same pixels as Pillow's), everything else with Pillow."""
+def _decode_bytes(data: bytes, size: Optional[tuple[int, int]] = None, mode: Optional[str] = "RGB",
+                 name: Optional[str] = None) -> np.ndarray:
+    """Decode an encoded image to an ``HxWxC`` ``uint8`` array, as ``read_images`` does.
+
+    Most JPEGs (YCbCr, RGB or grayscale, no ``size``) are decoded by libjpeg-turbo
+    straight into the array, with the same pixels as Pillow's (:mod:`sbloader._jpeg`);
+    everything else by Pillow, with ``read_images``' conversions: ``mode="RGB"``
+    turns grayscale, palette, CMYK, RGBA and 16-bit images into 3 channels (16-bit
+    ranges scaled, not clipped), ``"L"`` gives ``HxWx1``.
+
+    Args:
+        data: the encoded bytes (a file's content, a Parquet binary cell).
+        size: resize to ``(width, height)`` (bilinear; JPEGs decode at a reduced DCT
+            scale first, never below it); None keeps the image's size.
+        mode: ``"RGB"``, ``"RGBA"``, ``"L"``, or None to keep the decoded data as is.
+        name: what Pillow's errors call the data (a path); None: the buffer.
+
+    Raises:
+        PIL.UnidentifiedImageError, OSError: not an image, or a truncated or corrupt one.
+    """
     from PIL import Image
 
-    source: Any = path
-    if size is None and _jpeg.available():
-        data = _read_bytes(path)
+    if size is None:
         arr = _jpeg.decode_to_array(data, mode)
         if arr is not None:
             return arr
-        source = _FileBytes(data, path)  # read once: Pillow decodes the same bytes
-    with Image.open(source) as img:
+    with Image.open(_NamedBytes(data, name) if name is not None else io.BytesIO(data)) as img:
         if size is not None and img.format == "JPEG":
             img.draft(None, size)  # DCT-domain downscale, never below ``size``
         img.load()  # decode now: a truncated or corrupt file raises here
@@ -250,6 +264,11 @@ def _decode(path: str, size: Optional[tuple[int, int]], mode: Optional[str]) -> 
     if arr.ndim == 2:
         arr = arr[:, :, None]
     return np.ascontiguousarray(arr)
+
+
+def _decode(path: str, size: Optional[tuple[int, int]], mode: Optional[str]) -> np.ndarray:
+    """Read one file and decode it into an ``HxWxC`` array (:func:`_decode_bytes`)."""
+    return _decode_bytes(_read_bytes(path), size, mode, name=path)
 
 
 def _read_bytes(path: str) -> bytes:
