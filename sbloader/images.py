@@ -246,6 +246,7 @@ def _decode_bytes(data: bytes, size: Optional[tuple[int, int]] = None, mode: Opt
 
     Raises:
         PIL.UnidentifiedImageError, OSError: not an image, or a truncated or corrupt one.
+        PIL.Image.DecompressionBombError: an image far above Pillow's pixel limit.
     """
     from PIL import Image
 
@@ -433,8 +434,8 @@ def read_images(
             That is the faster path when the augmentation starts from a Pillow
             image (a random crop, a resize): it skips the full-size decoded array
             that ``decode=True`` builds and the augmentation converts back (in
-            ``benchmarks/results/images.md`` 5% of the workers' CPU per image,
-            about 60 µs of 1.2 ms). ``size`` and ``mode`` then do not apply, and
+            ``benchmarks/results/images.md`` 5–6% of the workers' CPU per image,
+            60–80 µs of 1.2 ms). ``size`` and ``mode`` then do not apply, and
             ``on_error`` covers reading the file only: a corrupt image raises (or is
             skipped) where the ``map_batches`` function decodes it.
 

@@ -41,10 +41,18 @@ def decode_array(data: Union[bytes, np.ndarray], mode: Optional[str] = "RGB") ->
 
     Args:
         data: the encoded bytes.
-        mode: ``"RGB"``, ``"RGBA"``, ``"L"``, or None to keep the decoded data as is.
-    """
-    from .images import _decode_bytes
+        mode: ``"RGB"``, ``"RGBA"``, ``"L"``, or None to keep the decoded data as is
+            (then not always ``uint8``: 16-bit images stay ``uint16``).
 
+    Raises:
+        ValueError: another ``mode``.
+        PIL.UnidentifiedImageError, OSError: not an image, or a truncated or corrupt one.
+        PIL.Image.DecompressionBombError: an image far above Pillow's pixel limit.
+    """
+    from .images import _MODES, _decode_bytes
+
+    if mode not in _MODES:
+        raise ValueError(f"mode must be one of {list(_MODES)}, found {mode!r}")
     return _decode_bytes(data if isinstance(data, bytes) else bytes(data), None, mode)
 
 

@@ -2,15 +2,16 @@
 from __future__ import annotations
 
 import io
+import struct
 
 import numpy as np
 import pytest
-from PIL import Image, ImageFile
+from PIL import Image, ImageFile, UnidentifiedImageError
 
 from sbloader import _jpeg
 from sbloader.images import _decode
 
-pytestmark = pytest.mark.skipif(not _jpeg.available(), reason="simplejpeg is not installed")
+needs_fast_path = pytest.mark.skipif(not _jpeg.available(), reason="simplejpeg is not installed")
 
 
 def _jpeg_bytes(arr: np.ndarray, **save_kwargs) -> bytes:
@@ -37,6 +38,7 @@ def _content(rng: np.random.Generator, h: int, w: int, smooth: bool) -> np.ndarr
     return ((walk - walk.min()) / (np.ptp(walk) + 1) * 255).astype(np.uint8)
 
 
+@needs_fast_path
 @pytest.mark.parametrize("size", [(1, 1), (7, 5), (17, 33), (321, 240), (99, 640)])
 @pytest.mark.parametrize("subsampling", [0, 1, 2])  # 4:4:4, 4:2:2, 4:2:0
 @pytest.mark.parametrize("progressive", [False, True])
@@ -54,6 +56,7 @@ def test_colour_jpegs_decode_to_pillows_pixels(size, subsampling, progressive):
                 np.testing.assert_array_equal(got, _pillow(data, mode))
 
 
+@needs_fast_path
 @pytest.mark.parametrize("mode, channels", [("RGB", 3), ("L", 1), (None, 1)])
 def test_grayscale_jpegs_decode_to_pillows_pixels(mode, channels):
     rng = np.random.default_rng(3)
@@ -63,6 +66,7 @@ def test_grayscale_jpegs_decode_to_pillows_pixels(mode, channels):
     np.testing.assert_array_equal(got, _pillow(data, mode))
 
 
+@needs_fast_path
 def test_rgb_colourspace_jpeg_decodes_to_pillows_pixels():
     data = _jpeg_bytes(_content(np.random.default_rng(4), 24, 40, True), quality=90, keep_rgb=True)
     got = _jpeg.decode_to_array(data, "RGB")
@@ -94,6 +98,7 @@ def test_other_files_and_modes_are_left_to_pillow(case):
     assert _jpeg.decode_to_array(data, mode) is None
 
 
+@needs_fast_path
 def test_images_over_pillows_bomb_limit_are_left_to_pillow(monkeypatch):
     data = _jpeg_bytes(_content(np.random.default_rng(6), 20, 30, True), quality=90)
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 20 * 30 - 1)
@@ -102,6 +107,7 @@ def test_images_over_pillows_bomb_limit_are_left_to_pillow(monkeypatch):
     assert _jpeg.decode_to_array(data, "RGB") is not None
 
 
+@needs_fast_path
 def test_read_images_decode_is_the_same_with_and_without_the_fast_path(tmp_path, monkeypatch):
     rng = np.random.default_rng(7)
     files = {
@@ -171,5 +177,92 @@ def test_decode_array_of_bytes_is_read_images_decode(tmp_path):
             np.testing.assert_array_equal(got, want if want.ndim == 3 else want[:, :, None])
     # a Parquet cell may come as a uint8 array
     np.testing.assert_array_equal(decode_array(np.frombuffer(colour, dtype=np.uint8)), decode_array(colour))
-    with pytest.raises(Exception):
+    with pytest.raises(UnidentifiedImageError):
         decode_array(b"not an image")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        decode_array(colour, "I")
+
+
+def _more_jpegs() -> dict[str, bytes]:
+    """Files a camera, an editor or a scraper produces, beyond plain baseline JPEGs."""
+    rng = np.random.default_rng(9)
+    arr = _content(rng, 45, 70, True)
+    plain = _jpeg_bytes(arr, quality=90)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: neither decoder applies it
+    icc = b"\0" * 3000  # an opaque ICC payload: neither decoder applies it
+    out = {
+        "restart markers every 2 blocks": _jpeg_bytes(arr, quality=90, restart_marker_blocks=2),
+        "restart markers every row": _jpeg_bytes(arr, quality=90, restart_marker_rows=1),
+        "EXIF and ICC segments": _jpeg_bytes(arr, quality=90, exif=exif, icc_profile=icc),
+        "trailing garbage": plain + b"GARBAGE" * 50,
+        "two JPEGs back to back": plain + plain,
+    }
+    corrupt = bytearray(plain)
+    for k in range(5):  # entropy-coded data damaged, the file complete
+        corrupt[len(plain) // 2 + 3 * k] ^= 0x5A
+    out["damaged scan"] = bytes(corrupt)
+    if _jpeg.available():
+        import simplejpeg
+
+        for sub in ("440", "411"):
+            out[f"{sub} subsampling"] = simplejpeg.encode_jpeg(np.ascontiguousarray(arr), quality=90,
+                                                               colorsubsampling=sub)
+    return out
+
+
+def _outcome(fn):
+    try:
+        return "ok", fn()
+    except Exception as e:  # noqa: BLE001 - the exception itself is compared
+        return type(e).__name__, str(e)
+
+
+@pytest.mark.parametrize("case", list(_more_jpegs()))
+@pytest.mark.parametrize("mode", ["RGB", None])
+def test_other_jpegs_give_what_pillow_gives(case, mode, tmp_path):
+    """Same pixels, or the same error, as the Pillow-only decode (the fallback included)."""
+    path = tmp_path / "x.jpg"
+    path.write_bytes(_more_jpegs()[case])
+    ours = _outcome(lambda: _decode(str(path), None, mode))
+    pillow = _outcome(lambda: _pillow(path.read_bytes(), mode))
+    assert ours[0] == pillow[0], (ours[0], pillow[0])
+    if ours[0] == "ok":
+        np.testing.assert_array_equal(ours[1], pillow[1])
+
+
+@needs_fast_path
+def test_a_too_short_jfif_segment_decodes_where_pillow_refuses_it():
+    """The one known difference: libjpeg-turbo ignores a JFIF (APP0) segment too short
+    for Pillow's header parser; the image data itself is intact."""
+    plain = _jpeg_bytes(_content(np.random.default_rng(10), 30, 40, True), quality=90)
+    assert plain[2:4] == b"\xff\xe0"
+    length = struct.unpack(">H", plain[4:6])[0]
+    short = plain[:2] + b"\xff\xe0" + struct.pack(">H", 7) + b"JFIF\0" + plain[4 + length:]
+    with pytest.raises(UnidentifiedImageError):
+        _pillow(short, "RGB")
+    got = _jpeg.decode_to_array(short, "RGB")
+    assert got is not None and got.shape == (30, 40, 3)
+    np.testing.assert_array_equal(got, _pillow(plain, "RGB"))
+
+
+def test_decoded_arrays_are_read_only_on_both_paths(tmp_path):
+    jpg, png = tmp_path / "a.jpg", tmp_path / "b.png"
+    jpg.write_bytes(_jpeg_bytes(_content(np.random.default_rng(11), 8, 9, True), quality=90))
+    Image.fromarray(_content(np.random.default_rng(12), 8, 9, False)).save(png)
+    for path in (jpg, png):
+        for mode in ("RGB", "L", None):
+            assert not _decode(str(path), None, mode).flags.writeable, (path.name, mode)
+
+
+@needs_fast_path
+def test_the_fast_path_turns_itself_off_when_the_decoders_disagree(monkeypatch):
+    data = _jpeg_bytes(_content(np.random.default_rng(13), 16, 16, True), quality=90)
+    real = _jpeg._decode
+    monkeypatch.setattr(_jpeg, "_agrees", [])
+    monkeypatch.setattr(_jpeg, "_decode", lambda d, cs: real(d, cs) ^ np.uint8(1))  # off by one bit
+    assert _jpeg.available() is False
+    assert _jpeg.decode_to_array(data, "RGB") is None
+    monkeypatch.setattr(_jpeg, "_agrees", [])
+    monkeypatch.setattr(_jpeg, "_decode", real)
+    assert _jpeg.available() is True
