@@ -439,7 +439,7 @@ def run_accounted(owner: Any, name: str, mode: str, step_s: float, server_pids: 
     workers in this process's tree are left alone (blocked on their queues, they take
     no CPU)."""
     roots = () if others_compete else [p for p in server_pids if not isinstance(owner, Server) or p != owner.pid]
-    others = h.descendants(roots, h._ppid_map()) if roots else set()
+    others = h.descendants(roots) if roots else set()
     before, _ = _own_ticks()
     with h.paused(others):
         r = owner.run(name, mode, step_s, sample)

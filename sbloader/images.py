@@ -65,6 +65,12 @@ def check_on_error(on_error: Any) -> str:
     return on_error
 
 
+def check_mode(mode: Any) -> None:
+    """Raise ``ValueError`` unless ``mode`` is an output mode the decode supports."""
+    if mode not in _MODES:
+        raise ValueError(f"mode must be one of {list(_MODES)}, found {mode!r}")
+
+
 def list_files(paths: Union[PathLike, Sequence[PathLike]], extensions: Optional[Sequence[str]],
                what: str, skip_prefixes: tuple[str, ...] = (".",)) -> list[str]:
     """Expand directories, globs and files into a stable list of absolute file paths.
@@ -450,8 +456,7 @@ def read_images(
     if not decode and size is not None:
         raise ValueError(f"size={size!r} needs decode=True: with decode=False the files' bytes are handed "
                          "on undecoded; resize where the map_batches function decodes them")
-    if mode not in _MODES:
-        raise ValueError(f"mode must be one of {list(_MODES)}, found {mode!r}")
+    check_mode(mode)
     if size is not None:
         try:
             w, h = size

@@ -49,10 +49,9 @@ def decode_array(data: Union[bytes, np.ndarray], mode: Optional[str] = "RGB") ->
         PIL.UnidentifiedImageError, OSError: not an image, or a truncated or corrupt one.
         PIL.Image.DecompressionBombError: an image far above Pillow's pixel limit.
     """
-    from .images import _MODES, _decode_bytes
+    from .images import _decode_bytes, check_mode
 
-    if mode not in _MODES:
-        raise ValueError(f"mode must be one of {list(_MODES)}, found {mode!r}")
+    check_mode(mode)
     return _decode_bytes(data if isinstance(data, bytes) else bytes(data), None, mode)
 
 

@@ -120,6 +120,8 @@ def tensor_of(arr: np.ndarray, *, copy: bool = True) -> Any:
         return torch.from_numpy(np.array(arr, copy=True))
     if not arr.flags.c_contiguous:
         arr = np.ascontiguousarray(arr)
+    if arr.flags.writeable:  # the common case: no warning to silence
+        return torch.from_numpy(arr)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only only by the caller's choice
         return torch.from_numpy(arr)
