@@ -60,6 +60,7 @@ class ReadyBatchSource:
     """
 
     name = "Batches"
+    shuffle_window = 1  # the sampler decides the order
 
     def __init__(self, batches: Sequence[Any], batches_per_partition: int, fingerprint: dict,
                  ids: Optional[Sequence[int]] = None) -> None:
@@ -71,7 +72,7 @@ class ReadyBatchSource:
     def shared(self) -> Any:
         return None
 
-    def partitions(self, epoch: int, epoch_seed: int) -> list[Partition]:
+    def partitions(self, epoch: int, epoch_seed: int, shuffle: bool = False) -> list[Partition]:
         out = []
         for k, start in enumerate(range(0, len(self._batches), self._bpp)):
             chunk = self._batches[start:start + self._bpp]
@@ -102,6 +103,7 @@ class ShardSource:
     """
 
     name = "IterableShards"
+    shuffle_window = 1
 
     def __init__(self, num_shards: int, fingerprint: dict) -> None:
         self._n = num_shards
@@ -110,7 +112,7 @@ class ShardSource:
     def shared(self) -> Any:
         return None
 
-    def partitions(self, epoch: int, epoch_seed: int) -> list[Partition]:
+    def partitions(self, epoch: int, epoch_seed: int, shuffle: bool = False) -> list[Partition]:
         return [Partition(w, None, [("shard", w)], f"worker shard {w}") for w in range(self._n)]
 
     def reader(self) -> Callable[[Any, Partition], Block]:

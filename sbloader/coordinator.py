@@ -186,7 +186,7 @@ class _Epoch:
         self.error: Optional[BaseException] = None
         self.closed = False  # the executor was shut down on purpose before producing everything
         self._cut_lock = threading.Lock()
-        self._cut_at: tuple[int, list] = (0, _ledger.merge(spec.prior))  # (k, ranges) of the last cut
+        self._cut_at: tuple[int, list] = (0, _ledger.merge(getattr(spec, "prior", ())))  # (k, ranges) of the last cut
         self.pump = threading.Thread(target=self._pump, daemon=True, name=f"sbloader-pump-{spec.epoch}")
 
     def start(self) -> None:
@@ -229,17 +229,11 @@ class _Epoch:
                 item = self.executor.get_next()
                 with self.cond:
                     if item is None:
-                        if self.stream:
-                            self._plan_tail()
+                        self._end_of_production()
                         self.produced_all = True
                         self.cond.notify_all()
                         return
-                    if self.stream:
-                        self._add_batches(item)
-                    elif self.spec.assignment is not None:
-                        self.queues[self.spec.assignment[item.meta.seq]].append(item)
-                    else:
-                        self.pool.append(item)
+                    self._deliver(item)
                     self.cond.notify_all()
         except ExecutorShutdownError:
             # closed on purpose (every rank finished or left the epoch, or the job's
@@ -252,6 +246,20 @@ class _Epoch:
             with self.cond:
                 self.error = e
                 self.cond.notify_all()
+
+    def _deliver(self, item: OutputBlock) -> None:
+        """(Pump, lock held) A ready block joins what the ranks take."""
+        if self.stream:
+            self._add_batches(item)
+        elif self.spec.assignment is not None:
+            self.queues[self.spec.assignment[item.meta.seq]].append(item)
+        else:
+            self.pool.append(item)
+
+    def _end_of_production(self) -> None:
+        """(Pump, lock held) The executor produced everything."""
+        if self.stream:
+            self._plan_tail()
 
     # ----- an epoch of unknown length (stream) -------------------------------------------------
 
@@ -454,6 +462,105 @@ class _Epoch:
         self.stop_executor()
 
 
+@dataclass(frozen=True)
+class PartitionEpochSpec:
+    """What rank 0 sends to start an epoch of a native pipeline split across ranks.
+
+    The ranks cut their batches themselves from the partitions' blocks, by a plan
+    every rank computes alike (:func:`sbloader.cut.cut_plan`); the coordinator runs
+    the pipeline once for the job, hands each rank the block refs it asks for, and
+    releases a block once every rank is past the last batch that takes its rows.
+
+    Attributes:
+        epoch: the epoch number.
+        epoch_seed: the epoch seed.
+        source: the dataset's source.
+        ops: the dataset's operators.
+        plan: the partitions still to run, in plan order.
+        options: executor options.
+        per_rank: batches each rank receives.
+        last_use: per partition id, the cut index of the last batch taking its rows.
+    """
+
+    epoch: int
+    epoch_seed: int
+    source: Any
+    ops: tuple
+    plan: EpochPlan
+    options: ExecutionOptions
+    per_rank: int
+    last_use: dict
+
+
+class _PartitionEpoch(_Epoch):
+    """An epoch of a native pipeline whose ranks cut their own batches (:class:`PartitionEpochSpec`)."""
+
+    def __init__(self, spec: PartitionEpochSpec, world_size: int, actor_cache: dict,
+                 estimates: Optional[list] = None, earlier: tuple = ()) -> None:
+        super().__init__(spec, world_size, actor_cache, estimates, earlier, ledger=False)  # type: ignore[arg-type]
+        self.stream = False
+        self.ready: dict[int, OutputBlock] = {}  # partition id -> block not yet released
+        self.released: set[int] = set()
+        self.consumed = [0] * world_size
+
+    def _deliver(self, item: OutputBlock) -> None:
+        pid = item.meta.partition_id
+        if pid in self.released or pid in self.ready:  # nobody will take it (or a duplicate)
+            self.executor.release(item.meta.nbytes)
+            return
+        self.ready[pid] = item
+        self._release_passed()
+
+    def _end_of_production(self) -> None:
+        pass
+
+    def refs(self, rank: int, consumed: int, pids: list, wait_s: float, stall_report_s: float) -> dict:
+        """Ack ``consumed`` batches of ``rank``, then the refs of the ready blocks of the
+        partitions ``pids``, waiting at most ``wait_s`` for the first of them."""
+        log = self.logs[rank]
+        log.last_seen = time.monotonic()
+        self.ack(rank, consumed)
+        deadline = time.monotonic() + wait_s
+        with self.cond:
+            while True:
+                if not self._open():
+                    return {}
+                if not pids or pids[0] in self.ready:
+                    break
+                if self.produced_all or pids[0] in self.released:
+                    raise SbloaderError(
+                        f"epoch {self.spec.epoch}: rank {rank} asks for the block of partition {pids[0]}, which the "
+                        "pipeline did not produce or already released; this is a bug in the cut plan"
+                    )
+                if not self._wait(deadline, rank, stall_report_s):
+                    return {}
+            return {p: self.ready[p].ref for p in pids if p in self.ready}
+
+    def ack(self, rank: int, consumed: int) -> None:
+        with self.cond:
+            self.consumed[rank] = max(self.consumed[rank], int(consumed))
+            self.logs[rank].count = self.logs[rank].acked = self.consumed[rank]
+            self._release_passed()
+
+    def _release_passed(self) -> None:
+        """(``cond`` held) Release the blocks no rank will take rows from again."""
+        from .cut import progress
+
+        passed = progress(self.consumed)
+        for pid in [p for p in self.ready if self.spec.last_use.get(p, -1) < passed]:
+            item = self.ready.pop(pid)
+            self.released.add(pid)
+            if self.executor is not None:
+                self.executor.release(item.meta.nbytes)
+
+    def done(self, rank: int) -> bool:
+        return self.consumed[rank] >= self.spec.per_rank
+
+    @property
+    def finished(self) -> bool:
+        return all(lg.left or self.consumed[r] >= self.spec.per_rank for r, lg in enumerate(self.logs))
+
+
 @ray.remote(num_cpus=0, max_concurrency=64)
 class SplitCoordinator:
     """The per-(job, loader) actor. Coordination only: it takes no CPU (``num_cpus=0``).
@@ -488,6 +595,7 @@ class SplitCoordinator:
         self._estimates: Optional[list] = None
         self._rebuilds: dict[int, dict] = {}  # epochs waiting for every rank's report
         self._rebuilt: set[int] = set()  # epochs rebuilt here (finished ones leave _epochs)
+        self._finished_stats: dict[int, Any] = {}  # the last few finished epochs' ExecutionStats
 
     def hello(self, world_size: int, fingerprint: dict) -> dict:
         """Check that a rank's loader matches this coordinator's."""
@@ -539,6 +647,31 @@ class SplitCoordinator:
                 ep.start()
                 self._started.notify_all()
             return _count(self._epochs[spec.epoch].spec.per_rank)
+
+    def start_partition_epoch(self, spec: PartitionEpochSpec) -> int:
+        """Rank 0 starts an epoch of a native pipeline split across ranks (idempotent);
+        returns the per-rank batch count."""
+        self._last_call = time.monotonic()
+        with self._lock:
+            if spec.epoch not in self._epochs:
+                ep = _PartitionEpoch(spec, self._world_size, self._actor_cache, self._estimates,
+                                     earlier=tuple(self._epochs.values()))
+                self._epochs[spec.epoch] = ep
+                ep.start()
+                self._started.notify_all()
+            return self._epochs[spec.epoch].spec.per_rank
+
+    def block_refs(self, epoch: int, rank: int, consumed: int, pids: list, wait_s: float = 1.0) -> dict:
+        """(A native pipeline's epoch) Acknowledge ``consumed`` batches of ``rank``, then the refs
+        of the ready blocks of partitions ``pids``, waiting at most ``wait_s`` for the first:
+        ``{"refs": {partition id: ref}, "done": bool}``."""
+        self._last_call = time.monotonic()
+        ep = self._epochs.get(epoch)
+        if not isinstance(ep, _PartitionEpoch):
+            raise SbloaderError(f"epoch {epoch} was not started by rank 0 (known: {sorted(self._epochs)})")
+        refs = ep.refs(rank, consumed, list(pids), wait_s, self._stall_report_s)
+        self._collect()
+        return {"refs": refs, "done": ep.done(rank)}
 
     def wait_epoch(self, epoch: int, timeout: float) -> Optional[int]:
         """Wait until rank 0 started ``epoch``; its per-rank count (-1: unknown), or None on timeout."""
@@ -633,7 +766,7 @@ class SplitCoordinator:
         done = {b for batches in taken.values() for b in batches}
         keep = [i for i in range(len(spec.plan.order)) if i not in done]
         plan = EpochPlan(spec.plan.epoch, spec.plan.epoch_seed, tuple(spec.plan.order[i] for i in keep),
-                         spec.plan.shuffle_rows)
+                         spec.plan.shuffle)
         assignment = tuple(spec.assignment[i] for i in keep) if spec.assignment is not None else None
         rebuilt = replace(spec, source=spec.source.subset(keep), plan=plan, assignment=assignment,
                           batch_index=tuple(keep))
@@ -701,8 +834,15 @@ class SplitCoordinator:
 
     def epoch_stats(self, epoch: int) -> Optional[dict]:
         """The execution statistics of an epoch (as a dict)."""
+        st = self.execution_stats(epoch)
+        return st.to_dict() if st is not None else None
+
+    def execution_stats(self, epoch: int) -> Optional[Any]:
+        """The :class:`~sbloader.stats.ExecutionStats` of an epoch running or recently finished here."""
         ep = self._epochs.get(epoch)
-        return ep.executor.stats().to_dict() if ep is not None and ep.executor is not None else None
+        if ep is not None and ep.executor is not None:
+            return ep.executor.stats()
+        return self._finished_stats.get(epoch)
 
     def process_info(self) -> dict:
         """The coordinator process's pid and resident memory (bytes), for monitoring."""
@@ -742,6 +882,9 @@ class SplitCoordinator:
                 ep = self._epochs.pop(e)
                 if ep.executor is not None:
                     self._estimates = ep.executor.estimates()
+                    self._finished_stats[e] = ep.executor.stats()
+                    while len(self._finished_stats) > 4:
+                        self._finished_stats.pop(next(iter(self._finished_stats)))
                 ep.shutdown()
 
     def shutdown(self) -> None:

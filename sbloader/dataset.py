@@ -6,14 +6,13 @@ a :class:`~sbloader._executor.executor.StreamingExecutor`.
 """
 from __future__ import annotations
 
-import builtins
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
 
 from ._executor.executor import ExecutionOptions, StreamingExecutor
 from ._executor.stages import build_stages
 from ._runtime import ensure_initialized
 from .block import Batch
-from .iterators import Row, iter_batches, iter_blocks, iter_rows, to_torch
+from .iterators import BlockFeed, Row, ShuffleWindow, iter_batches, iter_blocks, iter_rows, to_torch
 from .ops import Concurrency, Op, op_name
 from .plan import EpochPlan, epoch_seed_from, make_epoch_plan
 from .sources import Source
@@ -155,10 +154,12 @@ class Dataset:
     # ----- execution ------------------------------------------------------
 
     def plan(self, *, epoch: int = 0, seed: Optional[int] = None, shuffle: bool = False,
-             generator: Any = None) -> EpochPlan:
-        """The epoch plan an iteration with these arguments executes."""
-        epoch_seed = draw_epoch_seed(seed, epoch, generator)
-        ids = [p.id for p in self._source.partitions(epoch, epoch_seed)]
+             generator: Any = None, epoch_seed: Optional[int] = None) -> EpochPlan:
+        """The epoch plan an iteration with these arguments executes (``epoch_seed``:
+        that epoch seed instead of one drawn from ``seed`` or ``generator``)."""
+        if epoch_seed is None:
+            epoch_seed = draw_epoch_seed(seed, epoch, generator)
+        ids = [p.id for p in self._source.partitions(epoch, epoch_seed, shuffle=shuffle)]
         return make_epoch_plan(ids, epoch, epoch_seed, shuffle)
 
     def execute(self, *, epoch: int = 0, seed: Optional[int] = None, shuffle: bool = False,
@@ -202,22 +203,45 @@ class Dataset:
         return consumer_arena()
 
     def iter_rows(self, **execute_kwargs: Any) -> Iterator[Row]:
-        """Iterate rows (dicts with ``.provenance``). Takes :meth:`execute`'s arguments."""
+        """Iterate rows (dicts with ``.provenance``). Takes :meth:`execute`'s arguments.
+
+        Under ``shuffle=True`` the rows of each partition come together (shuffled
+        among themselves); :meth:`iter_batches` draws each batch from several
+        partitions of a source whose partitions hold adjacent rows (``shuffle_window``).
+        """
         execute_kwargs.setdefault("arena", self._slot_arena())
         return iter_rows(iter_blocks(self.execute(**execute_kwargs)))
 
+    def _window(self, shuffle_window: Optional[int]) -> int:
+        """The shuffle window in partitions: the given one, or the source's default."""
+        if shuffle_window is None:
+            return int(getattr(self._source, "shuffle_window", 1))
+        ShuffleWindow(shuffle_window)  # validates
+        return int(shuffle_window)
+
     def iter_batches(self, batch_size: Optional[int] = 256, *, drop_last: bool = False,
-                     **execute_kwargs: Any) -> Iterator[Batch]:
+                     shuffle_window: Optional[int] = None, **execute_kwargs: Any) -> Iterator[Batch]:
         """Iterate batches (dicts of NumPy arrays with ``.provenance``).
 
         Args:
             batch_size: rows per batch (None: one batch per block).
             drop_last: drop a final short batch.
+            shuffle_window: under ``shuffle=True``, the partitions each batch is drawn
+                from at once (default: the source's, see the user guide); 1 cuts each
+                partition's batches on its own.
             **execute_kwargs: :meth:`execute`'s arguments (epoch, seed, shuffle,
                 deterministic, memory_budget, prefetch_blocks, progress).
         """
         execute_kwargs.setdefault("arena", self._slot_arena())
-        return iter_batches(iter_blocks(self.execute(**execute_kwargs)), batch_size, drop_last)
+        window = self._window(shuffle_window) if execute_kwargs.get("shuffle") else 1
+        if window > 1:
+            execute_kwargs["prefetch_blocks"] = max(execute_kwargs.get("prefetch_blocks", 2), window + 1)
+        executor = self.execute(**execute_kwargs)
+        if window == 1:
+            return iter_batches(iter_blocks(executor), batch_size, drop_last)
+        feed = BlockFeed(executor, hold=None)
+        return iter_batches(iter(feed), batch_size, drop_last,
+                            ShuffleWindow(window, executor.epoch_seed, 0, feed.release))
 
     def iter_torch_batches(self, batch_size: Optional[int] = 256, *, drop_last: bool = False,
                            dtypes: Optional[Mapping[str, Any]] = None, device: Optional[str] = None,
@@ -232,7 +256,7 @@ class Dataset:
             device: move tensors to this device.
             zero_copy: wrap the buffers without copying (read-only over the object store's).
             collate_fn: applied to each NumPy batch instead of the tensor conversion.
-            **execute_kwargs: :meth:`execute`'s arguments.
+            **execute_kwargs: :meth:`iter_batches`' and :meth:`execute`'s arguments.
         """
         for batch in self.iter_batches(batch_size, drop_last=drop_last, **execute_kwargs):
             yield collate_fn(batch) if collate_fn is not None else to_torch(batch, dtypes, device, zero_copy)

@@ -4,8 +4,9 @@ per partition.
 
 The driver only lists file names (never opens a file); decoding runs in the
 remote read tasks. A partition is a run of consecutive files of the sorted
-listing, so its id is stable as long as the listing is, and reading it twice
-yields the same rows.
+listing (under ``shuffle=True``, of a permutation of the listing drawn from the
+epoch seed), so its id is stable for its epoch, and reading it twice yields the
+same rows.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from .block import ROW_COLUMN, Block, to_column
 from .context import get_context, report_skipped
 from .dataset import Dataset
 from .errors import SourceReadError
+from .plan import cut_members, member_positions
 from .sources import Partition
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -321,7 +323,8 @@ def _read_image_files(shared: Any, partition: Partition, *, size: Optional[tuple
 
 
 class ImageSource:
-    """Image files cut into partitions of consecutive files (``read_images``).
+    """Image files cut into partitions of consecutive files of the listing, or of its
+    epoch's permutation under ``shuffle`` (``read_images``).
 
     Args:
         paths: absolute file paths, in their stable order.
@@ -333,6 +336,7 @@ class ImageSource:
     """
 
     name = "Images"
+    shuffle_window = 1  # under shuffle every partition is a uniform sample of the files
 
     def __init__(self, paths: Sequence[str], files_per_partition: int, size: Optional[tuple[int, int]],
                  mode: Optional[str], on_error: str, decode: bool = True) -> None:
@@ -342,7 +346,7 @@ class ImageSource:
         self._size = size
         self._mode = mode
         self._on_error = on_error
-        self._parts: Optional[list[Partition]] = None
+        self._parts: Optional[tuple[tuple, list[Partition]]] = None  # (key, the epoch's partitions)
 
     @property
     def paths(self) -> list[str]:
@@ -353,16 +357,20 @@ class ImageSource:
         """Nothing is shared: each partition carries its own file names."""
         return None
 
-    def partitions(self, epoch: int, epoch_seed: int) -> list[Partition]:
-        """Runs of ``files_per_partition`` consecutive files; the same for every epoch."""
-        if self._parts is None:
+    def partitions(self, epoch: int, epoch_seed: int, shuffle: bool = False) -> list[Partition]:
+        """Runs of ``files_per_partition`` files of the listing: in its order (the same every
+        epoch), or under ``shuffle`` of a permutation of it drawn from the epoch seed, so
+        every partition holds files from across the whole listing."""
+        key = (epoch_seed if shuffle else None, bool(shuffle))
+        if self._parts is None or self._parts[0] != key:
             parts = []
-            for pid, start in enumerate(range(0, len(self._paths), self._fpp)):
-                chunk = tuple(self._paths[start:start + self._fpp])
+            for pid, members in enumerate(cut_members(member_positions(len(self._paths), epoch_seed, shuffle),
+                                                      self._fpp)):
+                chunk = tuple(self._paths[i] for i in members)
                 label = chunk[0] if len(chunk) == 1 else f"{chunk[0]} (+{len(chunk) - 1} more files)"
                 parts.append(Partition(pid, len(chunk), chunk, label))
-            self._parts = parts
-        return list(self._parts)
+            self._parts = (key, parts)
+        return list(self._parts[1])
 
     def reader(self) -> Callable[[Any, Partition], Block]:
         """The module-level decode function with this source's options bound."""

@@ -9,13 +9,14 @@ released to the executor's budget once every row of it has been handed out.
 """
 from __future__ import annotations
 
-from collections import deque
-from typing import Any, Iterator, Mapping, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import numpy as np
 
 from .block import ROW_COLUMN, Batch, Block, BlockMeta, Provenance, concat, num_rows, provenance_runs, slice_block
 from ._executor.executor import StreamingExecutor
+from .cut import Cutter
 from .wire import tensor_of
 
 
@@ -25,28 +26,55 @@ class Row(dict):
     provenance: Optional[Provenance] = None
 
 
-def iter_blocks(executor: StreamingExecutor) -> Iterator[tuple[Block, BlockMeta]]:
-    """Yield ``(block, meta)`` as the executor makes them ready; shuts it down at the end.
+class BlockFeed:
+    """The ready blocks of an execution, each counted against its budget until released.
 
-    A block stays counted against the budget until the block after the next one
-    is requested: the consumer typically still holds a batch (views of the
-    previous block's buffer) while it asks for the next.
+    Iterate it for ``(block, meta)``; it shuts the executor down at the end. With
+    ``hold`` (the default) a block stays counted until the block after the next one
+    is requested: the consumer typically still holds a batch (views of the previous
+    block's buffer) while it asks for the next. With ``hold=None`` the consumer
+    releases each block itself (:meth:`release`), as the shuffle window does, which
+    keeps several blocks open at once.
+
+    Args:
+        executor: the running execution.
+        hold: blocks kept counted behind the newest, or None for explicit releases.
     """
-    held: deque[BlockMeta] = deque()
-    try:
-        while True:
-            item = executor.get_next()
-            while len(held) > 1 or (item is None and held):
-                executor.release(held.popleft().nbytes)
-            if item is None:
-                return
-            block = executor.fetch(item)
-            held.append(item.meta)
-            yield block, item.meta
-    finally:
-        for meta in held:
-            executor.release(meta.nbytes)
-        executor.shutdown()
+
+    def __init__(self, executor: StreamingExecutor, hold: Optional[int] = 1) -> None:
+        self._executor = executor
+        self._hold = hold
+        self._held: dict[int, BlockMeta] = {}  # partition id -> meta, oldest first
+
+    def release(self, meta: BlockMeta) -> None:
+        """The consumer is done with the block of ``meta`` (idempotent)."""
+        held = self._held.pop(meta.partition_id, None)
+        if held is not None:
+            self._executor.release(held.nbytes)
+
+    def __iter__(self) -> Iterator[tuple[Block, BlockMeta]]:
+        executor = self._executor
+        try:
+            while True:
+                item = executor.get_next()
+                if self._hold is not None:
+                    while len(self._held) > self._hold or (item is None and self._held):
+                        self.release(next(iter(self._held.values())))
+                if item is None:
+                    return
+                block = executor.fetch(item)
+                self._held[item.meta.partition_id] = item.meta
+                yield block, item.meta
+        finally:
+            for meta in list(self._held.values()):
+                self.release(meta)
+            executor.shutdown()
+
+
+def iter_blocks(executor: StreamingExecutor) -> Iterator[tuple[Block, BlockMeta]]:
+    """Yield ``(block, meta)`` as the executor makes them ready; shuts it down at the end
+    (:class:`BlockFeed` with its default hold)."""
+    return iter(BlockFeed(executor))
 
 
 def iter_rows(blocks: Iterator[tuple[Block, BlockMeta]]) -> Iterator[Row]:
@@ -62,10 +90,33 @@ def iter_rows(blocks: Iterator[tuple[Block, BlockMeta]]) -> Iterator[Row]:
             yield row
 
 
+@dataclass(frozen=True)
+class ShuffleWindow:
+    """How shuffled batches are drawn from several blocks at once.
+
+    Attributes:
+        blocks: blocks a batch draws from (more are opened while they hold fewer
+            rows than a batch); 1 cuts each block on its own.
+        epoch_seed: the epoch seed the draws derive from.
+        first_batch: the index of the first batch (a resumed epoch goes on counting).
+        release: called with a block's meta once no batch will take rows from it.
+    """
+
+    blocks: int
+    epoch_seed: int = 0
+    first_batch: int = 0
+    release: Optional[Callable[[BlockMeta], None]] = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.blocks, bool) or not isinstance(self.blocks, (int, np.integer)) or self.blocks < 1:
+            raise ValueError(f"shuffle_window must be a positive number of partitions, found {self.blocks!r}")
+
+
 def iter_batches(
     blocks: Iterator[tuple[Block, BlockMeta]],
     batch_size: Optional[int],
     drop_last: bool = False,
+    window: Optional[ShuffleWindow] = None,
 ) -> Iterator[Batch]:
     """Re-cut blocks into batches of ``batch_size`` rows (None: one batch per block).
 
@@ -73,32 +124,88 @@ def iter_batches(
         blocks: ``(block, meta)`` pairs.
         batch_size: rows per batch.
         drop_last: drop a final batch shorter than ``batch_size``.
+        window: draw every batch from several open blocks (:func:`iter_mixed_batches`);
+            None (or one block) cuts the blocks in turn.
 
     Yields:
         :class:`Batch` dicts with provenance; the hidden row column is removed.
     """
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size must be >= 1 or None, found {batch_size}")
+    if window is not None and window.blocks > 1 and batch_size is not None:
+        yield from iter_mixed_batches(blocks, batch_size, drop_last, window)
+        return
+    release = window.release if window is not None else None
     pending: list[tuple[Block, int, int]] = []  # (block slice, partition id, epoch)
     pending_rows = 0
     for block, meta in blocks:
         n = meta.num_rows
         if n == 0:
+            if release is not None:
+                release(meta)
             continue
         if batch_size is None:
             yield _make_batch([(block, meta.partition_id, meta.epoch)])
-            continue
-        start = 0
-        while start < n:
-            take_n = min(batch_size - pending_rows, n - start)
-            pending.append((slice_block(block, start, start + take_n), meta.partition_id, meta.epoch))
-            pending_rows += take_n
-            start += take_n
-            if pending_rows == batch_size:
-                yield _make_batch(pending)
-                pending, pending_rows = [], 0
+        else:
+            start = 0
+            while start < n:
+                take_n = min(batch_size - pending_rows, n - start)
+                pending.append((slice_block(block, start, start + take_n), meta.partition_id, meta.epoch))
+                pending_rows += take_n
+                start += take_n
+                if pending_rows == batch_size:
+                    yield _make_batch(pending)
+                    pending, pending_rows = [], 0
+        if release is not None:
+            release(meta)
     if pending and not drop_last:
         yield _make_batch(pending)
+
+
+def iter_mixed_batches(blocks: Iterator[tuple[Block, BlockMeta]], batch_size: int, drop_last: bool,
+                       window: ShuffleWindow) -> Iterator[Batch]:
+    """Batches drawn from ``window.blocks`` open blocks at once (the shuffle window).
+
+    A :class:`~sbloader.cut.Cutter` decides each batch: a uniform draw without
+    replacement over the open blocks' remaining rows, each block's rows taken in
+    order; a block that runs out is replaced by the next one. Rows inside a block are
+    already shuffled, so a block's first rows are a random sample of it, and what a
+    block gave is always a prefix: the consumed ledger stays a count per partition.
+    Blocks open in the order they arrive; with a deterministic delivery order the
+    batches depend on the epoch seed only.
+    """
+    release = window.release or (lambda meta: None)
+    source = iter(blocks)
+    cutter = Cutter(window.blocks, window.epoch_seed, window.first_batch)
+    opened: dict[int, tuple[Block, BlockMeta]] = {}  # partition id -> block
+    ended = False
+    done: list[BlockMeta] = []  # ran out in the last batch: released once the next is made
+    try:
+        while True:
+            while not ended and cutter.wants(batch_size):
+                try:
+                    block, meta = next(source)
+                except StopIteration:
+                    ended = True
+                    break
+                if meta.num_rows > 0:
+                    opened[meta.partition_id] = (block, meta)
+                    cutter.add(meta.partition_id, meta.num_rows)
+                else:
+                    release(meta)
+            rows = min(batch_size, cutter.open_rows)
+            if rows == 0 or (rows < batch_size and drop_last):
+                return
+            pieces = cutter.cut(rows)
+            batch = _make_batch([(slice_block(opened[p.key][0], p.start, p.stop), p.key, opened[p.key][1].epoch)
+                                 for p in pieces])
+            for meta in done:
+                release(meta)
+            done = [opened.pop(p.key)[1] for p in pieces if p.stop >= opened[p.key][1].num_rows]
+            yield batch
+    finally:
+        for meta in done + [m for _, m in opened.values()]:
+            release(meta)
 
 
 def _make_batch(pieces: list[tuple[Block, int, int]]) -> Batch:

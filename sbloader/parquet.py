@@ -26,7 +26,7 @@ from .block import ROW_COLUMN, Block
 from .context import report_skipped
 from .dataset import Dataset
 from .images import PathLike, check_on_error, list_files, read_error
-from .sources import Partition
+from .sources import IO_UNIT_SHUFFLE_WINDOW, Partition
 
 #: Extensions ``read_parquet`` lists in a directory or a glob by default.
 PARQUET_EXTENSIONS = (".parquet", ".parq", ".pq")
@@ -248,6 +248,9 @@ class ParquetSource:
     """
 
     name = "Parquet"
+    #: A partition is one unit of I/O (a row group; a video or a range of its frames)
+    #: whose rows sit together in the input: a shuffled batch draws from several.
+    shuffle_window = IO_UNIT_SHUFFLE_WINDOW
 
     def __init__(self, files: Sequence[FileMeta], columns: Optional[tuple[str, ...]], on_error: str,
                  rows_per_partition: Optional[int]) -> None:
@@ -284,7 +287,7 @@ class ParquetSource:
         """Nothing is shared: each partition carries its file and row range."""
         return None
 
-    def partitions(self, epoch: int, epoch_seed: int) -> list[Partition]:
+    def partitions(self, epoch: int, epoch_seed: int, shuffle: bool = False) -> list[Partition]:
         """One partition per row group (or row range); the same for every epoch."""
         return list(self._parts)
 

@@ -8,22 +8,24 @@ thread up to ``prefetch_blocks`` batches ahead of the training loop.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
 
 from ._executor.executor import kill_cached
-from .errors import SbloaderError, StateDictError
+from .errors import SbloaderError
 from ._fetch_ahead import FetchAhead
-from .block import PADDING_KEY
-from .iterators import iter_batches, iter_blocks, to_torch
+from .iterators import BlockFeed, ShuffleWindow, iter_batches, to_torch
 from .stats import ExecutionStats, StallStats
 from .wire import from_wire, to_wire
 
 if TYPE_CHECKING:
     from ._pipeline_state import PipelineRun
     from .dataset import Dataset
+
+_LOADER_COUNTER = itertools.count()
 
 
 class PipelineLoader:
@@ -32,7 +34,16 @@ class PipelineLoader:
     Args:
         dataset: the pipeline.
         batch_size: rows per batch.
-        shuffle: shuffle partitions and rows within them every epoch.
+        shuffle: reshuffle every epoch, as torch's ``shuffle=True`` does: sources of small
+            items (files, list elements) draw each partition's members from the epoch
+            seed, partitions run in a drawn order, rows are shuffled inside each, and a
+            source whose partition is one unit of I/O (a Parquet row group, a video)
+            has each batch drawn from several partitions at once (``shuffle_window``).
+        shuffle_window: under ``shuffle``, how many partitions each batch draws from at
+            once (default: the source's: 1 for ``read_images``, ``from_items``...,
+            8 for ``read_parquet`` and ``read_videos``). The loop then holds that many
+            output blocks (within the memory budget); 1 cuts each partition's batches
+            on its own. See the user guide's "Shuffling".
         seed: fix the epoch seed to ``f(seed, epoch)``; None draws it like torch.
         drop_last: drop a final short batch.
         deterministic: fixed delivery order for a given epoch seed.
@@ -48,9 +59,12 @@ class PipelineLoader:
         collate_fn: applied to each NumPy batch instead of the tensor conversion.
         generator: torch generator the epoch seed is drawn from.
         rank: override the rank (default: torchrun's ``RANK``).
-        world_size: override the world size (default: ``WORLD_SIZE``); above 1 each
-            rank gets every ``world_size``-th partition of the epoch's plan and the
-            same number of batches (the longer ranks' extra rows are not delivered).
+        world_size: override the world size (default: ``WORLD_SIZE``); above 1 the
+            job's split coordinator runs the pipeline once and every rank cuts its
+            batches from a plan all ranks compute alike: the same number of batches
+            on every rank, every row once (a few repeated rows marked
+            ``batch["sbloader_padding"]`` only when fewer rows than ranks are left),
+            and each batch drawn from the whole dataset under ``shuffle``.
         persistent_workers: keep the actor pools' actors (callable classes of
             ``map_batches``, e.g. a model) from one epoch to the next, as torch's
             ``persistent_workers`` keeps its worker processes: constructed once for
@@ -58,6 +72,8 @@ class PipelineLoader:
             between epochs; they go when the loader is deleted.
         allow_trainer_node: on a cluster, let tasks and actors run on this
             process's node too (by default they avoid it when other nodes have CPUs).
+        name: the loader's name in the job (default: its creation index in the
+            process); split across ranks, the ranks find its coordinator by job id and name.
     """
 
     def __init__(self, dataset: "Dataset", batch_size: int = 256, *, shuffle: bool = False,
@@ -66,10 +82,12 @@ class PipelineLoader:
                  device: Any = None, zero_copy: bool = False, dtypes: Optional[Mapping[str, Any]] = None,
                  collate_fn: Optional[Callable] = None, generator: Any = None,
                  rank: Optional[int] = None, world_size: Optional[int] = None,
-                 persistent_workers: bool = False, allow_trainer_node: bool = False) -> None:
+                 persistent_workers: bool = False, allow_trainer_node: bool = False,
+                 shuffle_window: Optional[int] = None, name: Optional[str] = None) -> None:
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, found {batch_size}")
         self.dataset = dataset
+        self.shuffle_window = dataset._window(shuffle_window)
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.seed = seed
@@ -97,8 +115,10 @@ class PipelineLoader:
         from .world import World
 
         self.world = World.detect(rank=rank, world_size=world_size)
-        self._run: Any = None
+        self.name = name if name is not None else f"pipeline{next(_LOADER_COUNTER)}"
+        self._run: Any = None  # a PipelineRun (one consumer), or a SplitRun (split across ranks)
         self._resume: Optional[dict] = None
+        self._coordinator: Any = None
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch of the next iteration."""
@@ -115,9 +135,11 @@ class PipelineLoader:
         if not self.dataset.num_rows_changing():
             sizes = [p.num_rows for p in self.dataset.source.partitions(self._epoch, 0)]
             if all(n is not None for n in sizes):
-                if self.world.world_size > 1:
-                    return self._quota(sizes)
                 n = sum(sizes)
+                if self.world.world_size > 1:
+                    from .split import split_epoch
+
+                    return split_epoch(n, self.batch_size, self.world.world_size, self.drop_last).per_rank
                 return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
         n = self.dataset.num_rows()
         if n is None:
@@ -130,7 +152,8 @@ class PipelineLoader:
         return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
     def stats(self) -> Optional[ExecutionStats]:
-        """Execution statistics of the latest epoch."""
+        """Execution statistics of the latest epoch (split across ranks: the job's pipeline,
+        read from its coordinator at the end of the epoch)."""
         return self._stats
 
     def stall_stats(self) -> Optional[StallStats]:
@@ -140,27 +163,17 @@ class PipelineLoader:
     def state_dict(self) -> dict:
         """A small JSON-serialisable state: the partitions (and rows) the loop consumed.
 
-        Under torchrun (world size above 1) every rank must call it at the same step:
-        the ranks' ledgers are gathered with ``torch.distributed.all_gather_object``.
-
-        Raises:
-            StateDictError: under torchrun without an initialised process group.
+        Split across ranks (world size above 1) it records every rank's first ``k``
+        batches, ``k`` being this rank's count: take it at the same step on every
+        rank (rank 0 may save it alone); it needs no process group and no call to
+        the coordinator.
         """
-        from ._pipeline_state import make_state, merge_runs
+        from ._pipeline_state import make_state
 
-        if self.world.world_size > 1:
-            import torch.distributed as dist
-
-            if not (dist.is_available() and dist.is_initialized()):
-                raise StateDictError(
-                    "state_dict() of a native pipeline under torchrun gathers every rank's ledger through "
-                    "torch.distributed: call it on every rank after init_process_group (or use the drop-in "
-                    "sbloader.DataLoader, whose coordinator needs no process group)"
-                )
-            runs: list = [None] * self.world.world_size
-            dist.all_gather_object(runs, self._run)
-            return make_state(self, merge_runs(runs))
-        return make_state(self, self._run)
+        run = self._run
+        if run is not None and self.world.world_size > 1:
+            run = run.snapshot()
+        return make_state(self, run)
 
     def load_state_dict(self, state_dict: dict, strict: bool = True) -> None:
         """Resume from :meth:`state_dict`: the next iteration delivers only what was not consumed."""
@@ -177,71 +190,82 @@ class PipelineLoader:
 
         resume, self._resume = self._resume, None
         if resume is not None and resume.get("epoch_seed") is not None:
-            run = run_from_state(resume)
+            epoch, seed = int(resume["epoch"]), int(resume["epoch_seed"])
+            run = run_from_state(resume, self.dataset.plan(epoch=epoch, seed=None, shuffle=self.shuffle,
+                                                           epoch_seed=seed).order)
         else:
             epoch = self._epoch
-            run = PipelineRun(epoch, draw_epoch_seed(self.seed, epoch, self.generator))
+            plan = self.dataset.plan(epoch=epoch, shuffle=self.shuffle,
+                                     epoch_seed=draw_epoch_seed(self.seed, epoch, self.generator))
+            run = PipelineRun(epoch, plan.epoch_seed, order=plan.order)
         self._epoch, self._epoch_explicit = run.epoch + 1, False
         return run
 
-    def _plan(self, run: "PipelineRun") -> tuple[Any, Optional[int]]:
-        """This rank's epoch plan (unfinished partitions) and its batch quota under torchrun."""
-        from .plan import EpochPlan, make_epoch_plan
+    def _plan(self, run: "PipelineRun") -> Any:
+        """The epoch plan of one consumer: the partitions not finished, in plan order."""
+        from .plan import EpochPlan
 
-        parts = self.dataset.source.partitions(run.epoch, run.epoch_seed)
-        full = make_epoch_plan([p.id for p in parts], run.epoch, run.epoch_seed, self.shuffle)
-        order = [pid for pid in full.order if pid not in run.done]
-        w = self.world
-        if w.world_size == 1:
-            return EpochPlan(run.epoch, run.epoch_seed, tuple(order), full.shuffle_rows), None
-        rows = {p.id: p.num_rows for p in parts}
-        if any(rows[pid] is None for pid in order) or self.dataset.num_rows_changing():
-            raise SbloaderError(
-                "under torchrun a native pipeline is split by partition and needs every rank's row count "
-                "up front: its source must know partition sizes and its operators must keep one output row "
-                "per input row (no filter/flat_map); or set world_size=1 / use sbloader.DataLoader"
-            )
-        mine = order[w.rank::w.world_size]
-        return EpochPlan(run.epoch, run.epoch_seed, tuple(mine), full.shuffle_rows), self._quota(
-            [rows[pid] for pid in order])
+        return EpochPlan(run.epoch, run.epoch_seed, tuple(pid for pid in run.order if pid not in run.done),
+                         self.shuffle)
 
-    def _quota(self, sizes: list) -> int:
-        """Batches per rank, the same whatever the epoch's order.
+    def _split_coordinator(self) -> Any:
+        """The job's coordinator of this loader (created by the first rank to ask)."""
+        if self._coordinator is None:
+            from ._pipeline_state import fingerprint
+            from ._runtime import ensure_initialized
+            from .coordinator import get_coordinator
 
-        Each rank holds every ``world_size``-th partition of the order. Without
-        ``drop_last`` the quota covers the largest share any rank can get (the
-        ``ceil(P / world_size)`` largest partitions): no row is left out, and a rank
-        whose share is smaller fills its last batches with repeated rows, marked
-        ``batch["sbloader_padding"]``. With ``drop_last`` it is what the smallest
-        share fills, and the rest of the longer shares is dropped.
-        """
-        w = self.world.world_size
-        ordered = sorted(sizes)
-        if self.drop_last:
-            return sum(ordered[: len(sizes) // w]) // self.batch_size
-        return math.ceil(sum(ordered[len(sizes) - math.ceil(len(sizes) / w):]) / self.batch_size)
+            ensure_initialized()
+            w = self.world
+            self._coordinator = get_coordinator(w.job_id, self.name, w.world_size, fingerprint(self),
+                                                w.restart_count)
+        return self._coordinator
+
+    def _coordinator_options(self, plan: Any) -> Any:
+        """Execution options of the job's pipeline on the coordinator."""
+        from ._executor.executor import ExecutionOptions
+        from .placement import exclusions_here
+
+        ahead = self._prefetch_blocks(plan) + self.world.world_size * (1 + self._window())
+        return ExecutionOptions(memory_budget=self.memory_budget, deterministic=self.deterministic,
+                                prefetch_blocks=ahead, progress=False,
+                                exclude_nodes=exclusions_here(self.allow_trainer_node))
 
     def _prefetch_blocks(self, plan: Any) -> int:
         """``prefetch_blocks``, raised to two batches' worth when a batch spans several blocks."""
         source = self.dataset.source
         rows = source.num_rows()
+        window = self._window()
+        base = max(self.prefetch_blocks, window + 1) if window > 1 else self.prefetch_blocks
         try:
-            parts = len(source.partitions(plan.epoch, plan.epoch_seed))
+            parts = len(source.partitions(plan.epoch, plan.epoch_seed, shuffle=plan.shuffle))
         except Exception:  # a source that cannot list cheaply: blocks as given
-            return self.prefetch_blocks
+            return base
         if not rows or not parts or self.batch_size is None:
-            return self.prefetch_blocks
-        return max(self.prefetch_blocks, 2 * math.ceil(self.batch_size / max(1.0, rows / parts)))
+            return base
+        return max(base, 2 * math.ceil(self.batch_size / max(1.0, rows / parts)))
+
+    def _window(self) -> int:
+        """Partitions each batch draws from: ``shuffle_window`` under shuffle, else 1."""
+        return self.shuffle_window if self.shuffle and self.batch_size is not None else 1
 
     def __iter__(self) -> Iterator[Any]:
         import torch
 
         run = self._start_run()
-        self._run = run
-        plan, quota = self._plan(run)
         pin = self.pin_memory and torch.accelerator.is_available()
         if self.pin_memory and not pin:
             warnings.warn("pin_memory=True but no accelerator is found; batches are not pinned", stacklevel=2)
+        if self.world.world_size > 1:
+            return self._iter_split(run, pin)
+        return self._iter_local(run, pin)
+
+    def _iter_local(self, run: "PipelineRun", pin: bool) -> Iterator[Any]:
+        """One consumer: the epoch's pipeline in this process."""
+        import torch
+
+        self._run = run
+        plan = self._plan(run)
         t_start = time.perf_counter()
         executor = self.dataset.execute(plan=plan, deterministic=self.deterministic,
                                         memory_budget=self.memory_budget,
@@ -256,7 +280,7 @@ class PipelineLoader:
         # writable (or pinned) tensors, ``prefetch_blocks`` batches ahead, as the
         # drop-in DataLoader does: the training loop only takes them (and moves them
         # to the device), so a GPU step does not wait for the copy.
-        fetch = FetchAhead(self._produce(executor, run, quota, pin), depth=max(1, self.prefetch_blocks))
+        fetch = FetchAhead(self._produce(executor, run, pin), depth=max(1, self.prefetch_blocks))
         # The loop's own time per batch (its waits left out) tells the executor whether
         # the pipeline is the bottleneck: the fetch thread cannot see it.
         pace = executor.consumer_pace
@@ -278,80 +302,100 @@ class PipelineLoader:
                         if isinstance(v, torch.Tensor):
                             out[k] = v.to(self.device, non_blocking=pin)
                 stalls.batches += 1
-                run.consume(parts)  # padding batches have no parts: never consumed
+                run.consume(parts)
                 t_out = time.perf_counter()
                 yield out
                 pace.add(time.perf_counter() - t_out, self.batch_size)
             run.complete = True
-            if quota is None:
-                self._counted_rows = self._stats.operators[-1].rows
+            self._counted_rows = self._stats.operators[-1].rows
         finally:
             stalls.wall_s = time.perf_counter() - t_start
             fetch.close(wake=executor.shutdown)  # shutting down wakes a thread waiting for a block
             self._estimates = executor.estimates()
 
-    def _produce(self, executor: Any, run: "PipelineRun", quota: Optional[int], pin: bool) -> Iterator[tuple]:
-        """(Fetch thread) ``(tensors, parts, partition sizes seen)`` per batch, ``quota``
-        batches under torchrun; a last ``(None, (), sizes)`` for sizes seen after the last
-        batch. ``run`` is only read here: the consumer records what it took."""
+    def _iter_split(self, base: "PipelineRun", pin: bool) -> Iterator[Any]:
+        """Split across ranks: the job's pipeline runs on its coordinator; this rank cuts its batches."""
+        import torch
+
+        from . import _partition_split
+
+        run = _partition_split.plan_split(self, base)
+        self._run = run
+        t_start = time.perf_counter()
+        stalls = StallStats()
+        self._stalls = stalls
+        self._stats = None
+
+        def produce() -> Iterator[Any]:
+            for batch, _ in _partition_split.iterate(self, run, stalls):
+                t0 = time.perf_counter()
+                out = self._to_output(batch, pin)
+                stalls.fetch_s += time.perf_counter() - t0
+                yield out
+
+        fetch = FetchAhead(produce(), depth=max(1, self.prefetch_blocks))
+        try:
+            while run.taken < run.plan.per_rank:
+                try:
+                    out = next(fetch)
+                except StopIteration:
+                    raise SbloaderError(f"rank {self.world.rank}: the fetch thread ended after {run.taken} of "
+                                        f"{run.plan.per_rank} batches; this is a bug") from None
+                finally:
+                    stalls.wait_ready_s = fetch.wait_s
+                if self.device is not None:
+                    for k, v in list(out.items()):
+                        if isinstance(v, torch.Tensor):
+                            out[k] = v.to(self.device, non_blocking=pin)
+                stalls.batches += 1
+                run.taken += 1
+                yield out
+            run.complete = True
+        finally:
+            stalls.wall_s = time.perf_counter() - t_start
+            fetch.close()
+            self._stats = self._coordinator_stats(base.epoch)
+
+    def _coordinator_stats(self, epoch: int) -> Optional[ExecutionStats]:
+        """The job pipeline's statistics of ``epoch`` from the coordinator (None if it cannot tell)."""
+        import ray
+
+        try:
+            return ray.get(self._split_coordinator().execution_stats.remote(epoch), timeout=10)
+        except Exception:  # the coordinator is gone or busy: statistics are not worth a failure
+            return None
+
+    def _to_output(self, batch: Any, pin: bool) -> Any:
+        """A NumPy batch as the loop receives it: ``collate_fn``'s output, or writable (pinned) tensors."""
+        if self.collate_fn is not None:
+            return self.collate_fn(batch)
+        out = to_torch(batch, self.dtypes, None, zero_copy=self.zero_copy or pin)
+        if pin:
+            prov, parts = batch.provenance, batch.parts
+            out = from_wire(to_wire(out), pin=True)
+            out.provenance, out.parts = prov, parts
+        return out
+
+    def _produce(self, executor: Any, run: "PipelineRun", pin: bool) -> Iterator[tuple]:
+        """(Fetch thread) ``(tensors, parts, partition sizes seen)`` per batch; a last
+        ``(None, (), sizes)`` for sizes seen after the last batch. ``run`` is only read
+        here: the consumer records what it took."""
         from ._pipeline_state import skip_consumed
 
         seen: list = []
-        batches = iter_batches(skip_consumed(iter_blocks(executor), run, seen), self.batch_size, self.drop_last)
-        yielded = 0
-        last = None
+        window = self._window()
+        feed = BlockFeed(executor, hold=None if window > 1 else 1)
+        cut = ShuffleWindow(window, run.epoch_seed, run.batches, feed.release if window > 1 else None)
+        batches = iter_batches(skip_consumed(iter(feed), run, seen), self.batch_size, self.drop_last, cut)
         try:
-            while quota is None or yielded < quota:
-                try:
-                    batch = next(batches)
-                    if quota is not None:  # the rows a short share repeats, kept apart from the
-                        last = _snapshot(batch)  # tensors the loop may change in place (slot views)
-                except StopIteration:
-                    if quota is None:
-                        break
-                    if last is None:
-                        raise SbloaderError(
-                            f"rank {self.world.rank} received no rows but owes {quota} batches: under torchrun a "
-                            "native pipeline needs at least one partition per rank"
-                        ) from None
-                    batch = _padding_batch(last, self.batch_size)  # a shorter share: marked repeats
-                if self.collate_fn is not None:
-                    out = self.collate_fn(batch)
-                else:
-                    out = to_torch(batch, self.dtypes, None, zero_copy=self.zero_copy or pin)
-                    if pin:
-                        prov, parts = batch.provenance, batch.parts
-                        out = from_wire(to_wire(out), pin=True)
-                        out.provenance, out.parts = prov, parts
-                yielded += 1
+            for batch in batches:
+                out = self._to_output(batch, pin)
                 facts, seen[:] = list(seen), []
                 yield out, getattr(batch, "parts", ()), facts
             if seen:
                 yield None, (), list(seen)
         finally:
             batches.close()
-
-
-
-
-def _snapshot(batch: Any) -> dict:
-    """A batch's columns copied: the tensors made from a batch may view its buffers."""
-    import numpy as np
-
-    return {k: np.array(v, copy=True) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
-
-
-def _padding_batch(last: Any, batch_size: int) -> Any:
-    """A batch of rows repeated from ``last``, every row marked as padding."""
-    import numpy as np
-
-    from .block import Batch
-
-    n = len(next(iter(last.values())))
-    take = np.arange(batch_size) % max(1, n)
-    out = Batch({k: v[take] for k, v in last.items()})
-    out[PADDING_KEY] = np.ones(batch_size, dtype=bool)
-    return out
 
 
 def _torch_iterable_base() -> type:

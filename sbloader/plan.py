@@ -15,6 +15,11 @@ import numpy as np
 
 _SEED_MASK = (1 << 63) - 1
 
+# Salts (as partition ids) of the epoch-wide draws, apart from every real partition id (>= 0).
+_ORDER_SALT = -1
+_MEMBERS_SALT = -2
+_CUT_SALT = -3
+
 
 @dataclass(frozen=True)
 class EpochPlan:
@@ -24,13 +29,15 @@ class EpochPlan:
         epoch: the epoch number.
         epoch_seed: the seed everything in the epoch derives from.
         order: partition ids in delivery order.
-        shuffle_rows: whether rows are shuffled inside each partition.
+        shuffle: whether the epoch is shuffled: the sources draw which items form
+            each partition from the epoch seed (where they can), and rows are
+            shuffled inside each partition.
     """
 
     epoch: int
     epoch_seed: int
     order: tuple[int, ...]
-    shuffle_rows: bool = False
+    shuffle: bool = False
 
     def __post_init__(self) -> None:
         if len(set(self.order)) != len(self.order):
@@ -70,14 +77,76 @@ def make_epoch_plan(
     """Plan an epoch: identity order, or a permutation drawn from the epoch seed."""
     ids = list(partition_ids)
     if shuffle:
-        rng = np.random.default_rng(partition_seed(epoch_seed, -1, 0))
+        rng = np.random.default_rng(partition_seed(epoch_seed, _ORDER_SALT, 0))
         ids = [ids[i] for i in rng.permutation(len(ids))]
-    return EpochPlan(epoch=epoch, epoch_seed=epoch_seed, order=tuple(ids), shuffle_rows=shuffle)
+    return EpochPlan(epoch=epoch, epoch_seed=epoch_seed, order=tuple(ids), shuffle=shuffle)
 
 
 def row_permutation(num_rows: int, epoch_seed: int, partition_id: int) -> np.ndarray:
     """The shuffle of rows inside a partition for an epoch."""
     return np.random.default_rng(partition_seed(epoch_seed, partition_id, 1)).permutation(num_rows)
+
+
+def member_positions(num_items: int, epoch_seed: int, shuffle: bool) -> np.ndarray:
+    """Which item (file, list element, sampler position) sits at each place of the epoch's listing.
+
+    Without ``shuffle`` the listing order; with it a permutation of the whole listing
+    drawn from the epoch seed, so that cutting it into runs of consecutive places
+    (:func:`cut_members`) puts a uniform sample of the dataset in every partition,
+    whatever order the listing had (class-per-folder, label-sorted). It depends on
+    the epoch seed only, never on the world size.
+
+    Args:
+        num_items: items in the listing.
+        epoch_seed: the epoch seed.
+        shuffle: draw a permutation (else the identity).
+
+    Returns:
+        ``int64`` item indices, each once.
+    """
+    if num_items < 0:
+        raise ValueError(f"num_items must be >= 0, found {num_items}")
+    if not shuffle:
+        return np.arange(num_items, dtype=np.int64)
+    rng = np.random.default_rng(partition_seed(epoch_seed, _MEMBERS_SALT, 0))
+    return rng.permutation(num_items).astype(np.int64)
+
+
+def cut_members(positions: np.ndarray, per_partition: int) -> list[np.ndarray]:
+    """Cut an epoch's listing (:func:`member_positions`) into partitions of ``per_partition``
+    consecutive places: partition ``k`` holds places ``[k*r, (k+1)*r)`` (ids 0, 1, ...)."""
+    if per_partition < 1:
+        raise ValueError(f"per_partition must be >= 1, found {per_partition}")
+    return [positions[a:a + per_partition] for a in range(0, len(positions), per_partition)]
+
+
+def cut_counts(remaining: Sequence[int], rows: int, epoch_seed: int, batch_index: int) -> np.ndarray:
+    """How many rows the batch ``batch_index`` takes from each open block (the shuffle window).
+
+    The rows of the open blocks are drawn uniformly without replacement (a
+    multivariate hypergeometric draw over their remaining rows), so a batch mixes
+    every open block in proportion to what it has left, and the blocks run out
+    together. Each block's rows are taken in order: what a block gave is always a
+    prefix of its rows, which the consumed ledger records as a count. The draw
+    depends on the epoch seed, the batch's index and the remaining counts only, so
+    a resumed epoch (same open blocks, same counts) cuts the same batches.
+
+    Args:
+        remaining: rows left in each open block, in the order the blocks opened.
+        rows: rows of the batch (at most ``sum(remaining)``).
+        epoch_seed: the epoch seed.
+        batch_index: the batch's index in this consumer's epoch.
+
+    Returns:
+        ``int64`` counts, one per open block, summing to ``rows``.
+    """
+    rem = np.asarray(remaining, dtype=np.int64)
+    if rows < 0 or (rem < 0).any() or rows > int(rem.sum()):
+        raise ValueError(f"cannot take {rows} rows from blocks with {rem.tolist()} rows left")
+    if len(rem) == 1:
+        return np.asarray([rows], dtype=np.int64)
+    rng = np.random.default_rng(partition_seed(epoch_seed, _CUT_SALT, batch_index))
+    return rng.multivariate_hypergeometric(rem, rows).astype(np.int64)
 
 
 def split_rows(num_rows: int, rows_per_partition: int) -> list[tuple[int, int]]:

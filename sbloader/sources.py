@@ -3,6 +3,13 @@
 A source lists its input and cuts it into :class:`Partition` s. A partition has a
 stable id, knows its row count where the source can tell, and reading it twice
 yields the same rows. ``read`` runs in the remote task, never in the driver.
+
+Under ``shuffle=True`` a source whose input is a list of small items (files, list
+elements, sampler positions) draws which items form each partition from the epoch
+seed (:func:`~sbloader.plan.member_positions`), so every partition is a uniform
+sample of the dataset. A source whose unit of I/O holds many rows (a Parquet row
+group, a video) keeps its partitions and asks the consumer to draw each batch
+from several partitions at once (``shuffle_window``).
 """
 from __future__ import annotations
 
@@ -13,7 +20,11 @@ from typing import Any, Callable, Optional, Protocol, Sequence, runtime_checkabl
 import numpy as np
 
 from .block import Block, from_rows, to_column
-from .plan import resolve_rows_per_partition, split_rows
+from .plan import cut_members, member_positions, split_rows
+
+#: ``shuffle_window`` of a source whose partition is one unit of I/O holding many rows
+#: (a Parquet row group, a video): a shuffled batch draws from this many partitions.
+IO_UNIT_SHUFFLE_WINDOW = 8
 
 
 @dataclass(frozen=True)
@@ -39,12 +50,17 @@ class Source(Protocol):
     """What the executor needs from a source."""
 
     name: str
+    #: Partitions whose rows a shuffled batch is drawn from by default: 1 where a
+    #: shuffled partition is already a uniform sample of the dataset, more where a
+    #: partition is one unit of I/O holding many adjacent rows.
+    shuffle_window: int
 
     def shared(self) -> Any:
         """An object shipped once to the object store and given to every ``read``."""
 
-    def partitions(self, epoch: int, epoch_seed: int) -> list[Partition]:
-        """The partitions of an epoch (ids stable across epochs)."""
+    def partitions(self, epoch: int, epoch_seed: int, shuffle: bool = False) -> list[Partition]:
+        """The partitions of an epoch: ids ``0..P-1``, stable for the epoch. Their members
+        may be drawn from ``epoch_seed`` under ``shuffle``; without it, the same every epoch."""
 
     def reader(self) -> "Callable[[Any, Partition], Block]":
         """A small picklable function ``(shared, partition) -> Block``; runs remotely."""
@@ -77,6 +93,8 @@ def _read_items(shared: Any, partition: Partition) -> Block:
 
 
 def _read_range(shared: Any, partition: Partition) -> Block:
+    if isinstance(partition.payload, np.ndarray):  # shuffled members
+        return {"id": partition.payload.astype(np.int64, copy=True)}
     a, b = partition.payload
     return {"id": np.arange(a, b, dtype=np.int64)}
 
@@ -89,21 +107,31 @@ def _read_torch(shared: Any, partition: Partition, columns: str) -> Block:
 
 
 class ItemsSource:
-    """Rows from a Python list held by the driver (``from_items``)."""
+    """Rows from a Python list held by the driver (``from_items``).
+
+    Partition ``k`` holds places ``[k*r, (k+1)*r)`` of the epoch's listing: the list
+    in order, or under ``shuffle`` a permutation of it drawn from the epoch seed.
+    """
 
     name = "FromItems"
+    shuffle_window = 1
 
     def __init__(self, items: Sequence[Any], rows_per_partition: int) -> None:
         self._items = list(items)
+        self._rpp = rows_per_partition
         self._ranges = split_rows(len(self._items), rows_per_partition)
 
     def shared(self) -> Any:
         return None
 
-    def partitions(self, epoch: int, epoch_seed: int) -> list[Partition]:
-        return [
-            Partition(i, b - a, self._items[a:b], f"items[{a}:{b}]") for i, (a, b) in enumerate(self._ranges)
-        ]
+    def partitions(self, epoch: int, epoch_seed: int, shuffle: bool = False) -> list[Partition]:
+        if not shuffle:
+            return [
+                Partition(i, b - a, self._items[a:b], f"items[{a}:{b}]") for i, (a, b) in enumerate(self._ranges)
+            ]
+        chunks = cut_members(member_positions(len(self._items), epoch_seed, True), self._rpp)
+        return [Partition(i, len(c), [self._items[j] for j in c], f"items at shuffled places [{i * self._rpp}, "
+                          f"{i * self._rpp + len(c)}) of epoch seed {epoch_seed}") for i, c in enumerate(chunks)]
 
     def reader(self) -> Callable[[Any, Partition], Block]:
         return _read_items
@@ -116,19 +144,26 @@ class ItemsSource:
 
 
 class RangeSource:
-    """Integers ``0..n-1`` in a column ``id`` (``range``)."""
+    """Integers ``0..n-1`` in a column ``id`` (``range``); under ``shuffle`` each partition
+    holds a run of a permutation of ``0..n-1`` drawn from the epoch seed."""
 
     name = "Range"
+    shuffle_window = 1
 
     def __init__(self, n: int, rows_per_partition: int) -> None:
         self._n = n
+        self._rpp = rows_per_partition
         self._ranges = split_rows(n, rows_per_partition)
 
     def shared(self) -> Any:
         return None
 
-    def partitions(self, epoch: int, epoch_seed: int) -> list[Partition]:
-        return [Partition(i, b - a, (a, b), f"range[{a}:{b}]") for i, (a, b) in enumerate(self._ranges)]
+    def partitions(self, epoch: int, epoch_seed: int, shuffle: bool = False) -> list[Partition]:
+        if not shuffle:
+            return [Partition(i, b - a, (a, b), f"range[{a}:{b}]") for i, (a, b) in enumerate(self._ranges)]
+        chunks = cut_members(member_positions(self._n, epoch_seed, True), self._rpp)
+        return [Partition(i, len(c), c, f"range ids at shuffled places [{i * self._rpp}, {i * self._rpp + len(c)}) "
+                          f"of epoch seed {epoch_seed}") for i, c in enumerate(chunks)]
 
     def reader(self) -> Callable[[Any, Partition], Block]:
         return _read_range
@@ -145,11 +180,14 @@ class TorchSource:
 
     Partitions are ranges of *sampler positions*: partition ``k`` holds positions
     ``[k*r, (k+1)*r)`` of the epoch's sampler order, so any sampler's order (a
-    ``RandomSampler`` permutation included) is reproduced exactly. The sampler is
-    iterated once per epoch in the driver (indices only, never samples).
+    ``RandomSampler`` permutation included) is reproduced exactly. Under
+    ``shuffle`` the positions are permuted from the epoch seed first (the sampler's
+    multiset of indices kept). The sampler is iterated once per epoch in the driver
+    (indices only, never samples).
     """
 
     name = "FromTorch"
+    shuffle_window = 1
 
     def __init__(self, dataset: Any, sampler: Any, rows_per_partition: int, columns: str = "auto") -> None:
         if not hasattr(dataset, "__getitem__"):
@@ -178,8 +216,13 @@ class TorchSource:
     def shared(self) -> Any:
         return self._dataset
 
-    def partitions(self, epoch: int, epoch_seed: int) -> list[Partition]:
+    def partitions(self, epoch: int, epoch_seed: int, shuffle: bool = False) -> list[Partition]:
         idx = self.sampler_indices(epoch)
+        if shuffle:
+            chunks = cut_members(member_positions(len(idx), epoch_seed, True), self._rows_per_partition)
+            r = self._rows_per_partition
+            return [Partition(i, len(c), idx[c], f"sampler positions at shuffled places [{i * r}, {i * r + len(c)}) "
+                              f"of epoch seed {epoch_seed}") for i, c in enumerate(chunks)]
         return [
             Partition(i, b - a, idx[a:b], f"sampler positions [{a}, {b})")
             for i, (a, b) in enumerate(split_rows(len(idx), self._rows_per_partition))

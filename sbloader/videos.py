@@ -29,7 +29,7 @@ import ray
 from .context import report_skipped
 from .dataset import Dataset
 from .images import PathLike, check_on_error, list_files, read_error
-from .sources import Partition
+from .sources import IO_UNIT_SHUFFLE_WINDOW, Partition
 
 #: Extensions ``read_videos`` lists in a directory or a glob by default.
 VIDEO_EXTENSIONS = (".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi", ".mpg", ".mpeg", ".ts")
@@ -364,6 +364,9 @@ class VideoSource:
     """
 
     name = "Videos"
+    #: A partition is one unit of I/O (a row group; a video or a range of its frames)
+    #: whose rows sit together in the input: a shuffled batch draws from several.
+    shuffle_window = IO_UNIT_SHUFFLE_WINDOW
 
     def __init__(self, files: Sequence[VideoMeta], *, clip_len: Optional[int], frame_stride: int,
                  frames_per_partition: Optional[int], size: Optional[tuple[int, int]], on_error: str,
@@ -410,7 +413,7 @@ class VideoSource:
         """Nothing is shared: each partition carries its file and frame range."""
         return None
 
-    def partitions(self, epoch: int, epoch_seed: int) -> list[Partition]:
+    def partitions(self, epoch: int, epoch_seed: int, shuffle: bool = False) -> list[Partition]:
         """One partition per file or frame range; the same for every epoch."""
         return list(self._parts)
 

@@ -158,11 +158,14 @@ def test_provenance_on_every_row_and_batch(ray_session):
     ds = sbloader.range(120, num_partitions=6).filter(lambda r: r["id"] % 3 != 0)
     rows = list(ds.iter_rows(seed=3, shuffle=True))
     assert len(rows) == 80
+    # shuffled: partition p of the epoch holds 20 ids drawn from the epoch seed; row k is its k-th
+    from sbloader.plan import epoch_seed_from
+
+    parts = ds.source.partitions(0, epoch_seed_from(3, 0), shuffle=True)
     for r in rows:
         p = r.provenance
         assert p.epoch == 0
-        # range(120) in 6 partitions of 20: row k of partition p is id 20*p + k
-        assert int(r["id"]) == 20 * p.partition_id + p.row_range[0]
+        assert int(r["id"]) == int(parts[p.partition_id].payload[p.row_range[0]])
         assert p.row_range[1] == p.row_range[0] + 1
     for batch in ds.iter_batches(16, deterministic=True, seed=3):
         covered = sum(pr.row_range[1] - pr.row_range[0] for pr in batch.provenance)

@@ -135,33 +135,51 @@ def test_resume_mid_epoch_delivers_exactly_the_rest(ray_session, deterministic):
     assert np.array_equal(np.sort(nxt), np.arange(203)) and nxt != sorted(nxt)
 
 
+@pytest.mark.parametrize("n", [100, 98])
 @pytest.mark.parametrize("drop_last", [False, True])
-def test_ranks_get_equal_batch_counts_every_row_once_and_padding_marked(ray_session, drop_last):
-    """world_size > 1 without torchrun (rank/world_size given): each rank takes every
-    world_size-th partition; the quota is the same on every rank, a shorter share is
-    padded with marked repeats (or, with drop_last, the longer shares are cut)."""
+def test_ranks_get_equal_batch_counts_every_row_once_and_padding_marked(ray_session, n, drop_last):
+    """world_size > 1 without torchrun (rank/world_size given; the ranks in threads): the
+    job's pipeline runs once, every rank gets the same number of batches, every row once;
+    a rank left without rows in the last round gets a marked repeat (with drop_last the
+    rows that cannot fill a batch on every rank are dropped)."""
+    import threading
+
     import torch
 
     world = 3
-    ds = sbloader.range(100, rows_per_partition=10).map_batches(_square)  # 10 partitions: shares 4, 3, 3
-    seen = []
-    counts = []
+    ds = sbloader.range(n, rows_per_partition=10).map_batches(_square)
+    name = f"ranks-{n}-{drop_last}"
+    out: dict = {}
+
+    def rank_loop(rank: int) -> None:
+        loader = ds.to_dataloader(8, shuffle=True, seed=5, rank=rank, world_size=world, drop_last=drop_last,
+                                  name=name)
+        out[rank] = (list(loader), len(loader))
+
+    threads = [threading.Thread(target=rank_loop, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sorted(out) == list(range(world))
+    seen, pads = [], 0
+    counts = [len(out[r][0]) for r in range(world)]
     for rank in range(world):
-        loader = ds.to_dataloader(8, shuffle=True, seed=5, rank=rank, world_size=world, drop_last=drop_last)
-        batches = list(loader)
-        counts.append(len(batches))
-        assert len(batches) == len(loader)
+        batches, length = out[rank]
+        assert len(batches) == length
         for b in batches:
             assert torch.equal(b["sq"], b["id"] * b["id"])
             pad = b.get("sbloader_padding")
             keep = ~pad if pad is not None else torch.ones(len(b["id"]), dtype=torch.bool)
+            pads += int((~keep).sum())
             seen.extend(b["id"][keep].tolist())
     assert len(set(counts)) == 1
     assert len(seen) == len(set(seen))  # no row twice across ranks
     if drop_last:
-        assert counts[0] == 30 // 8  # what the smallest share fills
+        assert counts[0] == n // 24 and len(seen) == 24 * (n // 24) and pads == 0
     else:
-        assert counts[0] == 5 and sorted(seen) == list(range(100))  # ceil(40 / 8); no row left out
+        assert counts[0] == n // 24 + 1 and sorted(seen) == list(range(n))
+        assert pads == (1 if n == 98 else 0)  # 2 rows left for 3 ranks: one repeat
 
 
 def test_batches_are_made_ahead_in_a_fetch_thread_that_ends_with_the_iteration(ray_session):

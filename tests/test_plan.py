@@ -34,7 +34,7 @@ def test_plan_is_a_deterministic_permutation(n: int, seed: int) -> None:
     b = make_epoch_plan(list(ids), epoch=4, epoch_seed=seed, shuffle=True)
     assert a.order == b.order
     assert sorted(a.order) == ids
-    assert a.epoch == 4 and a.epoch_seed == seed and a.shuffle_rows is True
+    assert a.epoch == 4 and a.epoch_seed == seed and a.shuffle is True
     assert a.seq_of() == {pid: i for i, pid in enumerate(a.order)}
 
 
@@ -43,7 +43,7 @@ def test_plan_without_shuffle_is_identity(n: int, seed: int) -> None:
     ids = [5 * i - 7 for i in range(n)]
     plan = make_epoch_plan(ids, epoch=1, epoch_seed=seed, shuffle=False)
     assert plan.order == tuple(ids)
-    assert plan.shuffle_rows is False
+    assert plan.shuffle is False
 
 
 @pytest.mark.parametrize("n", [10, 31, 100, 1000])

@@ -813,7 +813,7 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device,
                 bar.update(1)
                 bar.set_postfix(epoch=source.epoch, loss=f"{losses[step]:.4f}")
             if step % args.ckpt_every == 0 or step == args.steps:
-                loader_state = source.state_dict()  # every rank: the sbloader state gathers all ledgers
+                loader_state = source.state_dict()  # every rank at the same step records the same state
                 if rank == 0:
                     write_checkpoint(args.ckpt_dir, step, args.keep_ckpts, model=model.state_dict(),
                                      opt=opt.state_dict(), loader_state=loader_state, epoch=source.epoch,

@@ -10,11 +10,12 @@ clips on Ray workers (seeking to the keyframe before each range), and
 ``ds.to_dataloader(batch_size=..., shuffle=True)`` streams ready batches of
 ``uint8`` clips into this process, which only normalises them and trains.
 
-Under torchrun every rank builds the same pipeline and ``ds.to_dataloader``
-gives each rank every ``world_size``-th partition of the epoch's plan, the same
-number of batches on every rank (a shorter share ends with repeated rows marked
-``batch["sbloader_padding"]``, which this trainer leaves out of the loss); the
-ranks share the job's embedded Ray. Every rank runs exactly ``--steps`` steps
+Under torchrun every rank builds the same pipeline; ``ds.to_dataloader`` runs it
+once for the job (on its split coordinator) and every rank cuts its batches from
+it, the same number on every rank, each drawn from several videos at once under
+``shuffle=True`` (a rank left without rows in the last round gets a repeated row
+marked ``batch["sbloader_padding"]``, which this trainer leaves out of the loss);
+the ranks share the job's embedded Ray. Every rank runs exactly ``--steps`` steps
 (cycling epochs). Prints clips/s and frames/s per rank.
 """
 from __future__ import annotations

@@ -276,7 +276,7 @@ class StreamingExecutor:
         self._stages = stages
         self._plan = plan
         self._opts = options
-        self._info = EpochInfo(plan.epoch, plan.epoch_seed, plan.shuffle_rows)
+        self._info = EpochInfo(plan.epoch, plan.epoch_seed, plan.shuffle)
         self._lock = threading.Condition()
         self._stop = False  # set once, by shutdown()
         self._thread: Optional[threading.Thread] = None
@@ -344,7 +344,8 @@ class StreamingExecutor:
         self._stats.memory_budget = self._budget
         self._slots = [stage_concurrency(s, cpus) if s.kind != "actor" else 0 for s in self._stages]
         self._pool_bounds = {i: self._stages[i].ops[0].pool_bounds(cpus) for i in self._pools}
-        parts = {p.id: p for p in self._source.partitions(self._plan.epoch, self._plan.epoch_seed)}
+        parts = {p.id: p for p in self._source.partitions(self._plan.epoch, self._plan.epoch_seed,
+                                                          shuffle=self._plan.shuffle)}
         missing = [pid for pid in self._plan.order if pid not in parts]
         if missing:
             raise SbloaderError(f"the epoch plan names partitions the source does not have: {missing[:5]}")
@@ -457,6 +458,11 @@ class StreamingExecutor:
                     pass
             actors.clear()
         self._close_bars()
+
+    @property
+    def epoch_seed(self) -> int:
+        """The seed of the epoch this execution runs."""
+        return self._plan.epoch_seed
 
     def estimates(self) -> list[Optional[float]]:
         """The current output-size estimate of each stage (bytes per block)."""
