@@ -5,22 +5,23 @@ flip, batches of 64; 2,048 generated JPEGs of 320x240 to 640x480, and the same
 images in Parquet files of 128 rows in row groups of 64), through the two native
 pipelines, with the CPU free (the consumer only counts):
 
-- folder: ``read_images(paths, decode=False).map_batches(decode_crop_flip).to_dataloader(64, shuffle=True)``
+- folder: ``read_images(folder, decode=False).map_batches(decode_crop_flip).to_dataloader(64, shuffle=True)``
+  (the folder listed sorted, class by class, as a user's ImageFolder)
 - parquet: ``read_parquet(files).map_batches(decode_crop_flip).to_dataloader(64, shuffle=True)``
 
 ``before`` is sbloader at ``--before`` (default: the commit before the mixing
 shuffle, a partition the same run of files or one row group every epoch), checked
 out in a temporary git worktree; ``after`` is this tree. Each runs in a child
 process with its own embedded Ray (the Ray workers import that version); the
-runs interleave (before, after, before, after, ...), and the child not being
-measured is stopped (``SIGSTOP``), as in ``bench_images.py``.
+runs interleave (before, after, after, before, ...: the order's bias cancels),
+and the child not being measured is stopped (``SIGSTOP``), as in ``bench_images.py``.
 
 Also measured, on ``after``:
 
 - the mixing: mean distinct labels per batch against torch's
-  ``DataLoader(shuffle=True)`` over the same labels (the folder's images are in
-  class folders; the Parquet rows are written in file order: images are
-  generated with label ``i % 10``, so each row group mixes labels already);
+  ``DataLoader(shuffle=True)`` over the same labels (the folder lists its 10 class
+  folders in turn; the Parquet rows have label ``i % 10``, so each row group
+  mixes labels already: the label-sorted case is in ``tests/test_shuffle.py``);
 - the Parquet read amplification at the default ``shuffle_window``: the bytes the
   pipeline's Ray workers read from files during an epoch (``rchar`` in
   ``/proc/<pid>/io``), over the bytes of the Parquet files; and the rows its read
@@ -73,7 +74,7 @@ def _worker_io(root_pid: int) -> int:
     return total
 
 
-def serve(version: str, paths: list[str], parquet: str) -> None:
+def serve(version: str, folder: str, parquet: str) -> None:
     """Answer ``["run", pipeline]`` lines on stdin with one JSON line of results each."""
     os.setsid()
     h.ray_worker_env()
@@ -84,7 +85,7 @@ def serve(version: str, paths: list[str], parquet: str) -> None:
 
     sbloader.init()
     loaders = {
-        "folder": sbloader.read_images(paths, decode=False).map_batches(w.sbl_decode_files_batch)
+        "folder": sbloader.read_images(folder, decode=False).map_batches(w.sbl_decode_files_batch)
         .to_dataloader(BATCH, shuffle=True),
         "parquet": sbloader.read_parquet(parquet, columns=["image", "label"]).map_batches(w.sbl_decode_batch)
         .to_dataloader(BATCH, shuffle=True),
@@ -116,9 +117,9 @@ def serve(version: str, paths: list[str], parquet: str) -> None:
 class Child:
     """A :func:`serve` process for one sbloader version."""
 
-    def __init__(self, version: str, pythonpath: str, paths_file: str, parquet: str) -> None:
+    def __init__(self, version: str, pythonpath: str, folder: str, parquet: str) -> None:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([pythonpath, str(HERE)]))
-        self.proc = subprocess.Popen([sys.executable, __file__, "--serve", version, paths_file, parquet],
+        self.proc = subprocess.Popen([sys.executable, __file__, "--serve", version, folder, parquet],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         hello = self._read()
         self.pid, self.module = hello["ready"], hello["sbloader"]
@@ -169,8 +170,7 @@ def main() -> None:
     ap.add_argument("--serve", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
-        version, paths_file, parquet = args.serve
-        serve(version, json.loads(Path(paths_file).read_text()), parquet)
+        serve(*args.serve)
         return
     sys.path.insert(0, str(HERE))
     from bench_images import make_data  # the same generated data as bench_images
@@ -183,21 +183,22 @@ def main() -> None:
     paths, parquet, files = make_data(data_root, n)
     parquet_bytes = sum(os.path.getsize(f) for f in files)
     folder_bytes = sum(os.path.getsize(p) for p in paths)
+    folder = str(data_root / "jpeg")  # listed sorted: class by class, as a user's ImageFolder
     tmp = Path(tempfile.mkdtemp(prefix="bench-shuffle-"))
-    paths_file = tmp / "paths.json"
-    paths_file.write_text(json.dumps(paths))
     worktree = tmp / "before"
     subprocess.run(["git", "worktree", "add", "--detach", str(worktree), args.before], cwd=ROOT, check=True,
                    capture_output=True)
     children = {}
     try:
-        children["before"] = Child("before", str(worktree), str(paths_file), parquet)
-        children["after"] = Child("after", str(ROOT), str(paths_file), parquet)
+        children["before"] = Child("before", str(worktree), folder, parquet)
+        children["after"] = Child("after", str(ROOT), folder, parquet)
         results: dict[str, dict[str, list]] = {v: {p: [] for p in PIPELINES} for v in children}
         first: dict[str, dict] = {}
         for r in range(rounds + 1):  # round 0: each pipeline's first epoch, kept apart
+            # before, after in even rounds, after, before in odd ones: the order's bias cancels
+            order = list(children.items()) if r % 2 == 0 else list(children.items())[::-1]
             for pipeline in PIPELINES:
-                for version, child in children.items():
+                for version, child in order:
                     others = set().union(*(c.tree() for v, c in children.items() if v != version))
                     busy = h.wait_quiet()
                     with h.paused(others):
