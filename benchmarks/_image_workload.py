@@ -67,9 +67,9 @@ def crop_flip(arr: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 def decode_then_crop(path: str, rng: np.random.Generator) -> np.ndarray:
     """What ``read_images(...).map_batches(crop_flip)`` computes for one file, in one
     process: the whole image decoded to an ``HxWx3`` array by ``read_images``' own
-    decode (``sbloader.images._decode``: most JPEGs by libjpeg-turbo straight into
+    decode (``sbloader.sources.images._decode``: most JPEGs by libjpeg-turbo straight into
     the array), then :func:`crop_flip`. The calibration's bound for that pipeline."""
-    from sbloader.images import _decode
+    from sbloader.sources.images import _decode
 
     return crop_flip(_decode(path, None, "RGB"), rng)
 

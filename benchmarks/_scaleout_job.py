@@ -80,7 +80,7 @@ class ClusterTree(h.ProcTree):
 
 def start_node(address: str, core: str, num_cpus: int, store_bytes: int, log_path: str) -> subprocess.Popen:
     """``taskset -c core python _scaleout_node.py --address ...`` (a worker node) in its own session."""
-    from sbloader._rendezvous import read_token
+    from sbloader.runtime.rendezvous import read_token
 
     env = dict(os.environ)
     env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=read_token(),
@@ -263,7 +263,8 @@ def main() -> None:
             def allow_iter() -> Any:
                 ex = ds.execute(shuffle=True, allow_trainer_node=True)
                 last["ex"] = ex
-                from sbloader.iterators import iter_batches, iter_blocks, to_torch
+                from sbloader.loaders.batching import iter_batches, iter_blocks
+                from sbloader.loaders.tensors import columns_to_torch as to_torch
 
                 return (to_torch(b) for b in iter_batches(iter_blocks(ex), w.BATCH))
 

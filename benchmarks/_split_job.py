@@ -162,7 +162,7 @@ def main() -> None:
     import ray
 
     import sbloader
-    from sbloader import _split_iter
+    from sbloader.distributed import dropin_client as _split_iter
 
     loader = sbloader.DataLoader(w.ImageFolderDataset(paths), batch_size=args.batch_size, shuffle=True,
                                  num_workers=args.workers, persistent_workers=True)

@@ -15,7 +15,7 @@ Each variant runs in fresh child processes (one Ray per process), in turn per ro
 Variants: ``before`` (Ray's defaults with sbloader's environment: loopback, usage
 stats off, and the settings that are not about daemons), one group of
 ``_system_config`` keys at a time on top of it, and ``shipped`` (``sbloader.init()``
-as committed, all of them). The variants replace ``sbloader._runtime``'s embedded
+as committed, all of them). The variants replace ``sbloader.runtime.session``'s embedded
 settings in the child.
 
 Run: ``python benchmarks/bench_embedded_ray.py [--quick]`` (~25 min; ``--quick`` ~3 min;
@@ -87,7 +87,7 @@ ERROR_MARK = "sbloader-error-check"
 # ----- child side -------------------------------------------------------------
 
 def _apply_variant(config: Optional[dict], keep_env: dict) -> None:
-    import sbloader._runtime as rt
+    import sbloader.runtime.session as rt
 
     if config is None:
         return
@@ -232,7 +232,7 @@ def run_child(kind: str, name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _shipped_settings() -> tuple[dict, dict]:
-    import sbloader._runtime as rt
+    import sbloader.runtime.session as rt
 
     return dict(rt._EMBEDDED_ENV), dict(getattr(rt, "_EMBEDDED_SYSTEM_CONFIG", {}))
 

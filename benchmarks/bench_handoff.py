@@ -43,7 +43,7 @@ def epoch(loader: Any, images: Callable[[Any], Any], slots: bool, label: str) ->
     with h.measure(label, pss=False) as m:
         for b in m.watch(lambda: iter(loader)):
             m.add_items(len(images(b)))
-    from sbloader._executor.handoff import consumer_arena
+    from sbloader.executor.handoff import consumer_arena
 
     stats = loader.stats() if hasattr(loader, "stats") else loader._last_stats
     m.result.extra["slot_blocks"] = stats.slot_blocks

@@ -9,7 +9,7 @@ both on the generated JPEGs of ``bench_images.py`` (2,048 of 320x240 to 640x480,
 quality 90) in this process (no Ray, one thread), interleaved per round, and checks
 that every image decodes to the same pixels. ``Pillow`` is what ``read_images`` did
 before (``Image.open(path)``, ``load``, ``np.asarray``); ``sbloader`` is its decode
-now (``sbloader.images._decode``). For scale, the row ``Pillow, decode only`` stops
+now (``sbloader.sources.images._decode``). For scale, the row ``Pillow, decode only`` stops
 before the array, and the last column adds the rest of ``bench_images``' workload
 (random-resized-crop 224 + flip + CHW on the array, ``_image_workload.crop_flip``).
 
@@ -19,7 +19,6 @@ Writes ``benchmarks/results/jpeg.json`` and ``jpeg.md``.
 from __future__ import annotations
 
 import argparse
-import io
 import statistics
 import sys
 import time
@@ -68,8 +67,8 @@ def main() -> None:
     args = ap.parse_args()
     from bench_images import make_data
 
-    from sbloader import _jpeg
-    from sbloader.images import _decode
+    from sbloader.sources import jpeg as _jpeg
+    from sbloader.sources.images import _decode
 
     if not _jpeg.available():
         raise SystemExit("simplejpeg is not installed: pip install simplejpeg (a dependency of sbloader)")

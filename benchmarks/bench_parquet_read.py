@@ -4,7 +4,7 @@ Every partition of ``read_parquet`` is one row group (or a row range of one), an
 pyarrow needs the file's footer to find it. A footer lists every row group and
 column chunk, so with many row groups parsing it costs more than reading one
 small row group. sbloader's read processes keep the parsed footers
-(``sbloader.parquet.cached_footer``); ``per partition`` empties that cache before
+(``sbloader.sources.parquet.cached_footer``); ``per partition`` empties that cache before
 every read, which is what opening ``pyarrow.parquet.ParquetFile(path)`` per
 partition costs.
 
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import _harness as h  # noqa: E402
 
-from sbloader import parquet as sp  # noqa: E402
+from sbloader.sources import parquet as sp  # noqa: E402
 
 ROWS = 64
 SHAPES = ((64, 4), (500, 20), (2000, 50))  # (row groups, columns) per file

@@ -84,7 +84,7 @@ def _ray_loop(paths: list, lo: int, hi: int, put: bool) -> tuple:
     sys.path.insert(0, str(HERE))
     import _image_workload as wl  # noqa: F401  (the map function's module)
     import sbloader
-    from sbloader._executor.tasks import EpochInfo, apply_ops, read_partition
+    from sbloader.executor.tasks import EpochInfo, apply_ops, read_partition
 
     ds = sbloader.read_images(paths, decode=False).map_batches(wl.sbl_decode_files_batch)
     src, ops = ds._source, ds._ops

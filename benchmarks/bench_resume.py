@@ -30,7 +30,7 @@ Two figures:
     many trivial calls, Ray's own share. The cut's code alone over an epoch of
     checkpoints is timed in this process for a few (world size, epoch length):
     from scratch (``ledger.cut``, the code before the incremental cut) and the
-    coordinator's incremental ``_Epoch.cut``.
+    coordinator's incremental ``Epoch.cut``.
 
 (b) **Time from ``load_state_dict(sd)`` to the first batch**, Ray already up
     (target <= 2 s). A state is taken after 37 batches of an epoch; then
@@ -155,8 +155,8 @@ def job_main(args: argparse.Namespace) -> None:
     import ray
 
     import sbloader  # noqa: F401
-    from sbloader import _split_iter
-    from sbloader.coordinator import NO_LEDGER_ENV
+    from sbloader.distributed import dropin_client as _split_iter
+    from sbloader.distributed.naming import NO_LEDGER_ENV
     import _split_job as sj
 
     ds = cheap_dataset(args.samples)
@@ -372,11 +372,12 @@ def cut_scaling(cases: list[tuple[int, int]], every: int, min_s: float = 0.2) ->
 
     ``scratch``: the logs copied and ``ledger.cut`` from the start at every call (the code before the
     incremental cut), timed at the epoch's mean position k = per_rank / 2 (its cost is linear in k).
-    ``incremental``: the coordinator's ``_Epoch.cut`` over the epoch's whole sequence of calls.
+    ``incremental``: the coordinator's ``Epoch.cut`` over the epoch's whole sequence of calls.
     """
-    from sbloader import ledger
-    from sbloader.coordinator import EpochSpec, _Epoch
-    from sbloader.plan import EpochPlan
+    from sbloader.core import ledger
+    from sbloader.distributed.specs import EpochSpec
+    from sbloader.distributed.epoch import Epoch
+    from sbloader.core.plan import EpochPlan
 
     out = []
     for ws, per_rank in cases:
@@ -393,10 +394,10 @@ def cut_scaling(cases: list[tuple[int, int]], every: int, min_s: float = 0.2) ->
         scratch_ms = 1e3 * (time.thread_time() - t0) / reps
         rec = {"world": ws, "per_rank": per_rank, "every": every, "scratch_ms_per_call": scratch_ms,
                "scratch_us_per_batch": 1e3 * scratch_ms / every}
-        if hasattr(_Epoch, "cut"):
+        if hasattr(Epoch, "cut"):
             spec = EpochSpec(0, 0, None, (), EpochPlan(0, 0, tuple(range(n)), False), None, per_rank,
                              batch_ranges=batch_ranges)
-            ep = _Epoch(spec, ws, {})
+            ep = Epoch(spec, ws, {})
             for r in range(ws):
                 ep.logs[r].delivered = logs[r]
             calls, t0 = 0, time.thread_time()
@@ -411,19 +412,20 @@ def cut_scaling(cases: list[tuple[int, int]], every: int, min_s: float = 0.2) ->
 
 
 def bookkeeping_cost(n: int = 20000, ws: int = 2) -> dict:
-    """CPU µs per batch of the coordinator's per-batch bookkeeping (``_Epoch.take`` + ``ack``), with and
+    """CPU µs per batch of the coordinator's per-batch bookkeeping (``Epoch.take`` + ``ack``), with and
     without the ledger, in this process over a fake executor (no Ray): what the ledger adds per batch."""
     from types import SimpleNamespace
 
-    from sbloader.block import BlockMeta
-    from sbloader.coordinator import EpochSpec, _Epoch
-    from sbloader.plan import EpochPlan
+    from sbloader.core.block import BlockMeta
+    from sbloader.distributed.specs import EpochSpec
+    from sbloader.distributed.epoch import Epoch
+    from sbloader.core.plan import EpochPlan
 
     out = {}
     for ledger_on in (False, True, False, True):
         spec = EpochSpec(0, 0, None, (), EpochPlan(0, 0, tuple(range(n)), False), None, n // ws,
                          assignment=tuple(i % ws for i in range(n)))
-        ep = _Epoch(spec, ws, {}, ledger=ledger_on)
+        ep = Epoch(spec, ws, {}, ledger=ledger_on)
         ep.executor = SimpleNamespace(release=lambda nbytes: None)
         for i in range(n):
             ep.queues[i % ws].append(SimpleNamespace(ref=None, meta=BlockMeta(0, i, i, BATCH, 2048, (i, i + 1))))
@@ -848,7 +850,7 @@ def report(args: argparse.Namespace, jobs: list[dict], cut: list[dict], inproc: 
         "",
         "The estimates below use the spaced figure.",
         "",
-        (f"The ledger's per-batch bookkeeping (`_Epoch.take` + `ack` in one process over a fake executor, "
+        (f"The ledger's per-batch bookkeeping (`Epoch.take` + `ack` in one process over a fake executor, "
          f"{book['without_ledger_us_per_batch']:.2f} µs per batch without it) adds "
          f"{book['ledger_adds_us_per_batch']:.3f} µs (one list append). "
          f"At one call per rank every {args.every} batches of that rank, the calls cost about "
@@ -864,7 +866,7 @@ def report(args: argparse.Namespace, jobs: list[dict], cut: list[dict], inproc: 
         "(every rank calls `state_dict()` at each; delivery as with `in_order=True`, the default). `from scratch` "
         "= copy every rank's delivery log and `ledger.cut` (merge every rank's first k batches) at each call, the "
         "code before the incremental cut: linear in k x world size, so quadratic in the epoch's length, and every "
-        "rank computes the same cut again. `incremental` = `_Epoch.cut`: the last cut's ranges merged with the "
+        "rank computes the same cut again. `incremental` = `Epoch.cut`: the last cut's ranges merged with the "
         "batches since; the other ranks' calls at the same k copy it. µs per batch = the cut CPU of the epoch's "
         "calls / the batches delivered to all ranks (compare the coordinator's ms per batch above):",
         "",

@@ -311,7 +311,7 @@ def _raydata_preprocess(batch: dict, **kwargs: Any) -> dict:
     """train_sd's ``preprocess`` under Ray Data: it draws from sbloader's task context, so give it one."""
     import train_sd
 
-    from sbloader.context import task_context
+    from sbloader.core.context import task_context
 
     with task_context(0, 0, int(batch["id"][0]), "preprocess", 0):
         return train_sd.preprocess(batch, **kwargs)
@@ -363,7 +363,8 @@ def allow_source(args: Any, path: str, device: Any) -> Any:
     """train_sd's pipeline, executed with ``allow_trainer_node=True`` (``to_dataloader`` has no such option)."""
     import train_sd
 
-    from sbloader.iterators import iter_batches, iter_blocks, to_torch
+    from sbloader.loaders.batching import iter_batches, iter_blocks
+    from sbloader.loaders.tensors import columns_to_torch as to_torch
 
     class AllowSource(train_sd.PipelineSource):
         def batches(self) -> Any:
@@ -394,7 +395,7 @@ def calibrate(cfg: dict) -> dict:
     import torch
     import train_sd
 
-    from sbloader.context import task_context
+    from sbloader.core.context import task_context
 
     args = sd_args(cfg)
     path = train_sd.write_dataset(train_sd.dataset_path(args), args)
@@ -987,7 +988,7 @@ def report(args: argparse.Namespace, cfg: dict, rounds: list[dict], cals: list[d
         "(128 MiB) the 24 MiB file is one block and each stage runs every row before the next starts (the first "
         f"batch then waits for the whole dataset's encoding), so `DataContext.target_max_block_size` is set to "
         f"{cfg['raydata_block_kib']} KiB (about 48 rows a block). `preprocess` draws its crops from sbloader's "
-        "task context, so Ray Data's calls run inside one (`sbloader.context.task_context`).",
+        "task context, so Ray Data's calls run inside one (`sbloader.core.context.task_context`).",
         "- Every pipeline's encoders are `SDEncoders` with one addition: they stamp each batch with the time it "
         "was encoded (the `prefilled` check).",
         "",

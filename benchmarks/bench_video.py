@@ -3,7 +3,7 @@
 The workload: generated H.264 videos (``sbloader.datagen.write_video_folder``;
 mpeg4 when PyAV has no libx264), cut into clips of ``--clip-len`` frames, ranges
 of ``--frames-per-partition`` frames per task. Every contender runs the same
-decode function, ``sbloader.videos.decode_piece`` on the same frame ranges
+decode function, ``sbloader.sources.videos.decode_piece`` on the same frame ranges
 (seek to the keyframe before the range, decode, drop the frames before it,
 RGB conversion of every kept frame, one decoder thread), so the figures compare
 the loaders, not decoders. The consumer only counts the frames (no training).
@@ -60,7 +60,7 @@ import numpy as np  # noqa: E402
 
 import sbloader  # noqa: E402
 from sbloader.datagen import write_video_folder  # noqa: E402
-from sbloader.videos import VideoPiece, decode_piece  # noqa: E402
+from sbloader.sources.videos import VideoPiece, decode_piece  # noqa: E402
 
 NAME = "video"
 TITLE = "Video decode throughput"
@@ -392,7 +392,7 @@ def report(results: dict[str, list[h.Result]], info: dict[str, Any],
            "most, see `ray_bound.md`)." if info.get("memory_rounds") else ""),
         "",
         f"- Workload: {info['setup']}.",
-        "- Every contender runs the same decode (`sbloader.videos.decode_piece`: seek to the keyframe before the "
+        "- Every contender runs the same decode (`sbloader.sources.videos.decode_piece`: seek to the keyframe before the "
         "range, decode, drop the frames before it, RGB, stack into clips; one decoder thread). The consumer only "
         "counts frames.",
         f"- `× ceiling`: against the decode alone in one process, times {cores} (per round). `× Pool(N)`: against "

@@ -43,8 +43,8 @@ sys.path.insert(0, str(HERE.parent / "tests" / "scripts"))
 import _harness as h  # noqa: E402
 import resume_runs  # noqa: E402
 
-from sbloader import ledger  # noqa: E402
-from sbloader.split import split_epoch  # noqa: E402
+from sbloader.core import ledger  # noqa: E402
+from sbloader.core.split import split_epoch  # noqa: E402
 
 BATCH = 4  # resume_job.py's default --batch-size
 EVERY = 3  # resume_job.py's default --ckpt-every

@@ -9,12 +9,12 @@ import os as _os
 # given: a driver joining a real cluster must find its own address).
 if not _os.environ.get("RAY_ADDRESS"):
     _os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-from ._runtime import RuntimeInfo, init, shutdown
-from .block import Batch, BlockMeta, Provenance
-from .context import TaskContext, get_context, report_skipped
-from .dataloader import DataLoader
-from .dataset import Dataset
-from .errors import (
+from sbloader.runtime.session import RuntimeInfo, init, shutdown
+from sbloader.core.block import Batch, BlockMeta, Provenance
+from sbloader.core.context import TaskContext, get_context, report_skipped
+from sbloader.loaders.dataloader import DataLoader
+from sbloader.dataset.dataset import Dataset
+from sbloader.core.errors import (
     ExecutorShutdownError,
     MemoryBudgetError,
     SbloaderError,
@@ -23,13 +23,10 @@ from .errors import (
     TaskLostError,
     UserFunctionError,
 )
-from .images import read_images
-from .parquet import read_parquet
-from .read_api import from_items, from_torch
-from .read_api import range_dataset as range
-from .stats import ExecutionStats, OperatorStats, StallStats
-from .videos import read_videos
-from . import transforms  # noqa: E402  (sbloader.transforms: Pillow/NumPy augmentations)
+from sbloader.dataset.read import from_items, from_torch, read_images, read_parquet, read_videos
+from sbloader.dataset.read import range_dataset as range
+from sbloader.core.stats import ExecutionStats, OperatorStats, StallStats
+from sbloader import transforms  # noqa: E402  (sbloader.transforms: Pillow/NumPy augmentations)
 
 __version__ = "0.1.0"
 

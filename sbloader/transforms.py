@@ -49,7 +49,7 @@ def decode_array(data: Union[bytes, np.ndarray], mode: Optional[str] = "RGB") ->
         PIL.UnidentifiedImageError, OSError: not an image, or a truncated or corrupt one.
         PIL.Image.DecompressionBombError: an image far above Pillow's pixel limit.
     """
-    from .images import _decode_bytes, check_mode
+    from sbloader.sources.images import _decode_bytes, check_mode
 
     check_mode(mode)
     return _decode_bytes(data if isinstance(data, bytes) else bytes(data), None, mode)

@@ -43,7 +43,7 @@ def _free_split_coordinators():
 
     if not ray.is_initialized():
         return
-    from sbloader.coordinator import NAMESPACE
+    from sbloader.distributed.naming import NAMESPACE
 
     for entry in ray.util.list_named_actors(all_namespaces=True):
         if entry["namespace"] != NAMESPACE or not entry["name"].startswith("sbloader-coordinator:"):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from sbloader.block import (
+from sbloader.core.block import (
     ROW_COLUMN,
     BlockMeta,
     Provenance,
@@ -24,7 +24,7 @@ from sbloader.block import (
     take,
     to_column,
 )
-from sbloader.ops import Op, apply_op, op_name
+from sbloader.core.ops import Op, apply_op, op_name
 
 LENGTHS = [1, 2, 5, 64, 65, 200]
 

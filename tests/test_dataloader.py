@@ -7,7 +7,6 @@ workers' PYTHONPATH).
 """
 from __future__ import annotations
 
-import collections
 import difflib
 import functools
 import math
@@ -514,8 +513,8 @@ def test_worker_collate_stacks_in_private_memory_with_worker_info_visible():
     from torch.utils.data._utils import collate as torch_collate
     from torch.utils.data._utils import worker as torch_worker
 
-    from sbloader._loader_worker import LoaderWorker
-    from sbloader.block import BATCH_ROWS_COLUMN
+    from sbloader.loaders.worker import LoaderWorker
+    from sbloader.core.block import BATCH_ROWS_COLUMN
 
     seen = []
 
@@ -535,7 +534,7 @@ def test_worker_collate_stacks_in_private_memory_with_worker_info_visible():
         torch_worker._worker_info = saved
     assert seen == [(True, False, False), (True, False, False)]
     assert torch_collate.default_collate_fn_map[torch.Tensor] is torch_collate.collate_tensor_fn  # restored
-    batches = [sbloader.wire.from_wire(b) for b in out["batch"]]
+    batches = [sbloader.core.wire.from_wire(b) for b in out["batch"]]
     assert [b["x"][:, 0, 0, 0].tolist() for b in batches] == [[0, 1, 2], [3, 4, 5]]
     assert out[BATCH_ROWS_COLUMN].tolist() == [3, 3]
 

@@ -12,7 +12,7 @@ import pytest
 import ray
 
 import sbloader
-from sbloader.errors import MemoryBudgetError, UserFunctionError
+from sbloader.core.errors import MemoryBudgetError, UserFunctionError
 
 MiB = 2**20
 
@@ -159,7 +159,7 @@ def test_provenance_on_every_row_and_batch(ray_session):
     rows = list(ds.iter_rows(seed=3, shuffle=True))
     assert len(rows) == 80
     # shuffled: partition p of the epoch holds 20 ids drawn from the epoch seed; row k is its k-th
-    from sbloader.plan import epoch_seed_from
+    from sbloader.core.plan import epoch_seed_from
 
     parts = ds.source.partitions(0, epoch_seed_from(3, 0), shuffle=True)
     for r in rows:
@@ -287,7 +287,7 @@ def test_first_rows_arrive_before_the_input_is_read(ray_session, tmp_path):
 # ----- a pipeline waiting for resources nobody frees says so (no silent hang)
 
 def test_stuck_message_names_the_stage_and_the_missing_resource():
-    from sbloader._executor.executor import resource_demand, stuck_message
+    from sbloader.executor.executor import resource_demand, stuck_message
 
     need = resource_demand({"num_cpus": 1})
     assert need == {"CPU": 1.0}
@@ -302,8 +302,8 @@ def test_stuck_message_names_the_stage_and_the_missing_resource():
 
 
 def test_stuck_message_counts_only_the_nodes_the_pipeline_may_use():
-    from sbloader._executor.executor import stuck_message
-    from sbloader.placement import sum_resources
+    from sbloader.executor.executor import stuck_message
+    from sbloader.runtime.placement import sum_resources
 
     per_node = {"trainer": {"CPU": 6.0, "GPU": 1.0}, "cpu-a": {"CPU": 0.0}, "cpu-b": {"CPU": 0.0}}
     totals = {"trainer": {"CPU": 8.0, "GPU": 1.0}, "cpu-a": {"CPU": 4.0}, "cpu-b": {"CPU": 4.0}}
@@ -320,13 +320,13 @@ def test_stuck_message_counts_only_the_nodes_the_pipeline_may_use():
 def test_pipeline_waiting_for_resources_nobody_has_warns_then_stops_cleanly(ray_session, monkeypatch, caplog):
     import logging
 
-    from sbloader._executor import executor as ex
+    from sbloader.executor import executor as ex
 
     monkeypatch.setattr(ex, "_STUCK_WARN_S", 0.3)
     ds = sbloader.range(8, num_partitions=2).map_batches(lambda b: b, resources={"sbloader_test_absent": 1})
     executor = ds.execute()
     try:
-        with caplog.at_level(logging.WARNING, logger="sbloader._executor.executor"):
+        with caplog.at_level(logging.WARNING, logger="sbloader.executor.executor"):
             deadline = time.monotonic() + 20
             while executor.stats().stuck_warnings == 0 and time.monotonic() < deadline:
                 time.sleep(0.1)
@@ -339,7 +339,7 @@ def test_pipeline_waiting_for_resources_nobody_has_warns_then_stops_cleanly(ray_
 
 
 def test_operators_are_pickled_once_per_execution_and_unpickled_once_per_worker(ray_session):
-    from sbloader._executor.tasks import Packed, pack, unpack
+    from sbloader.executor.tasks import Packed, pack, unpack
 
     scale = 3
 
@@ -372,8 +372,8 @@ def test_default_budget_holds_a_flat_number_of_blocks_ahead_of_a_slow_consumer(r
     consumer never makes the pipeline hold more as the dataset grows. The cap counts a
     read task's blocks per slot: as many partitions as the partition time gives for
     TARGET_TASK_S (here 0.1 s each: at most 3), not more as blocks pile up."""
-    from sbloader._executor import executor as ex
-    from sbloader._executor.policy import TARGET_TASK_S, blocks_ahead_cap
+    from sbloader.executor import executor as ex
+    from sbloader.executor.policy import TARGET_TASK_S, blocks_ahead_cap
 
     executor = sbloader.range(4 * partitions, num_partitions=partitions).map_batches(
         _quarter_mib_in_a_tenth).execute(prefetch_blocks=2)
@@ -418,9 +418,9 @@ def test_prestarted_pool_actors_are_adopted_not_duplicated(ray_session, tmp_path
 
     import ray
 
-    from sbloader._executor.executor import ExecutionOptions, PrestartedActor, StreamingExecutor, prestart_pools
-    from sbloader._executor.stages import build_stages
-    from sbloader.iterators import iter_blocks
+    from sbloader.executor.executor import ExecutionOptions, PrestartedActor, StreamingExecutor, prestart_pools
+    from sbloader.executor.stages import build_stages
+    from sbloader.loaders.batching import iter_blocks
 
     ds = sbloader.from_items(list(range(64)), rows_per_partition=8).map_batches(
         _PidTagger, concurrency=(2, 2), num_cpus=0.5, fn_constructor_args=(str(tmp_path),))
@@ -456,7 +456,7 @@ class _Twice:
 def test_shutdown_from_two_threads_at_once_runs_once(ray_session):
     """A loader's consumer and its fetch thread may both shut the executor down: the
     second call must neither fail on the first's cleared state nor cache actors twice."""
-    from sbloader._executor.executor import kill_cached
+    from sbloader.executor.executor import kill_cached
 
     cache: dict = {}
     ds = sbloader.range(400, rows_per_partition=10).map_batches(_Twice, concurrency=(1, 2))
@@ -577,9 +577,9 @@ def _dies_on_5(batch):
 def test_a_task_whose_worker_dies_raises_an_error_naming_its_partitions(ray_session):
     import pickle
 
-    from sbloader._executor.executor import ExecutionOptions, StreamingExecutor
-    from sbloader._executor.stages import build_stages
-    from sbloader.errors import TaskLostError
+    from sbloader.executor.executor import ExecutionOptions, StreamingExecutor
+    from sbloader.executor.stages import build_stages
+    from sbloader.core.errors import TaskLostError
 
     ds = sbloader.range(80, num_partitions=10).map_batches(_dies_on_5)
     ex = StreamingExecutor(ds._source, build_stages(ds._source.name, ds._ops), ds.plan(epoch=2),
@@ -641,7 +641,7 @@ def test_a_failed_copy_of_a_delivered_partition_does_not_fail_the_epoch(ray_sess
 
 
 def test_consumer_pace_skips_the_first_blocks_then_averages_per_row():
-    from sbloader._executor.executor import ConsumerPace
+    from sbloader.executor.executor import ConsumerPace
 
     pace = ConsumerPace(skip=2, alpha=0.5)
     # a fetch thread filling its queue: three blocks taken back to back, not measured
@@ -658,7 +658,7 @@ def test_consumer_pace_skips_the_first_blocks_then_averages_per_row():
 
 
 def test_consumer_pace_reported_by_a_loader_replaces_the_executors_own():
-    from sbloader._executor.executor import ConsumerPace
+    from sbloader.executor.executor import ConsumerPace
 
     pace = ConsumerPace(skip=0)
     pace.external = True
@@ -684,7 +684,7 @@ def test_a_consumer_slower_than_the_pipeline_keeps_one_partition_per_task(ray_se
 
 
 def test_usable_resources_leave_out_the_excluded_nodes(ray_session):
-    from sbloader.placement import usable_resources
+    from sbloader.runtime.placement import usable_resources
 
     here = ray.get_runtime_context().get_node_id()
     _, everything = usable_resources(())

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from sbloader._fetch_ahead import FetchAhead
+from sbloader.loaders.fetch_ahead import FetchAhead
 
 
 def test_items_arrive_in_order_and_the_producer_stays_at_most_depth_ahead():

@@ -15,8 +15,8 @@ import sys
 import numpy as np
 import pytest
 
-from sbloader._executor import handoff
-from sbloader._executor.handoff import SlotArena, SlotBlock, slot_capacity, store, store_here, sweep_stale
+from sbloader.executor import handoff
+from sbloader.executor.handoff import SlotArena, SlotBlock, slot_capacity, store, store_here, sweep_stale
 
 MiB = 2**20
 
@@ -258,7 +258,7 @@ def test_a_loop_that_breaks_off_leaves_no_slot_lent(arena):
 
 def test_a_shut_down_execution_hands_out_no_ready_block(arena):
     import sbloader
-    from sbloader.errors import ExecutorShutdownError
+    from sbloader.core.errors import ExecutorShutdownError
 
     ds = sbloader.from_items(_items(400), rows_per_partition=40).map_batches(_double)
     list(ds.iter_batches(64))

@@ -12,8 +12,8 @@ import pytest
 from PIL import Image
 
 import sbloader
-from sbloader.errors import SourceReadError
-from sbloader.images import ImageSource
+from sbloader.core.errors import SourceReadError
+from sbloader.sources.images import ImageSource
 
 
 def _png(path: Path, value: int, size: tuple[int, int] = (12, 9)) -> Path:
@@ -225,7 +225,7 @@ def test_reader_is_small_and_picklable(tmp_path):
     assert isinstance(source, ImageSource) and source.shared() is None
     blob = pickle.dumps(source.reader())
     assert len(blob) < 1000  # a module-level function and its options, not the file list
-    assert pickle.loads(blob).func.__module__ == "sbloader.images"
+    assert pickle.loads(blob).func.__module__ == "sbloader.sources.images"
 
 
 @pytest.mark.parametrize(

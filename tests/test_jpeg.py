@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from PIL import Image, ImageFile, UnidentifiedImageError
 
-from sbloader import _jpeg
-from sbloader.images import _decode
+from sbloader.sources import jpeg as _jpeg
+from sbloader.sources.images import _decode
 
 needs_fast_path = pytest.mark.skipif(not _jpeg.available(), reason="simplejpeg is not installed")
 

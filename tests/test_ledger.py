@@ -1,4 +1,4 @@
-"""The consumed ledger (sbloader.ledger): pure functions over position ranges.
+"""The consumed ledger (sbloader.core.ledger): pure functions over position ranges.
 
 Every property is checked against a set-of-positions reference over big random
 grids (seeded, so a failure reproduces): ranges of every shape (empty, reversed,
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sbloader import ledger
+from sbloader.core import ledger
 
 GRID = 400  # random cases per property
 

@@ -14,8 +14,8 @@ import pytest
 from PIL import Image
 
 import sbloader
-from sbloader.errors import SourceReadError
-from sbloader.parquet import DRIVER_FOOTER_MAX_FILES, ParquetSource
+from sbloader.core.errors import SourceReadError
+from sbloader.sources.parquet import DRIVER_FOOTER_MAX_FILES, ParquetSource
 
 
 def _write(path: Path, ids: range, row_group_size: int, **extra_columns) -> Path:
@@ -118,7 +118,7 @@ def test_partition_reread_is_identical(tmp_path):
 
 
 def test_footer_parsed_once_per_process_while_the_file_is_unchanged(tmp_path, monkeypatch):
-    from sbloader import parquet as sp
+    from sbloader.sources import parquet as sp
 
     path = _write(tmp_path / "a.parquet", range(40), row_group_size=5)
     source = sbloader.read_parquet(path).source
@@ -140,7 +140,7 @@ def test_footer_parsed_once_per_process_while_the_file_is_unchanged(tmp_path, mo
 
 
 def test_footer_cache_is_bounded_by_footer_bytes(tmp_path, monkeypatch):
-    from sbloader import parquet as sp
+    from sbloader.sources import parquet as sp
 
     paths = _files(tmp_path / "d", n_files=4, rows=10, row_group_size=5)
     monkeypatch.setattr(sp, "_FOOTERS", collections.OrderedDict())
@@ -160,7 +160,7 @@ def test_reader_is_small_and_picklable(tmp_path):
     assert isinstance(source, ParquetSource) and source.shared() is None
     blob = pickle.dumps(source.reader())
     assert len(blob) < 1000
-    assert pickle.loads(blob).func.__module__ == "sbloader.parquet"
+    assert pickle.loads(blob).func.__module__ == "sbloader.sources.parquet"
 
 
 def test_columns_selected_in_order(ray_session, tmp_path):

@@ -58,14 +58,16 @@ def test_a_later_epoch_starts_from_the_last_epochs_block_size_estimates(ray_sess
     ds = sbloader.range(64, rows_per_partition=8).map_batches(_square)
     loader = ds.to_dataloader(8, shuffle=True, seed=3)
     seen = []
-    execute = sbloader.Dataset.execute
+    from sbloader.loaders import pipeline_epoch
 
-    def spy(self, **kwargs):
-        executor = execute(self, **kwargs)
+    start = pipeline_epoch.start_execution
+
+    def spy(*args, **kwargs):
+        executor = start(*args, **kwargs)
         seen.append((kwargs.get("estimates"), executor))
         return executor
 
-    monkeypatch.setattr(sbloader.Dataset, "execute", spy)
+    monkeypatch.setattr(pipeline_epoch, "start_execution", spy)
     for _ in range(2):
         assert sum(len(b["id"]) for b in loader) == 64
     (first_given, first), (second_given, _) = seen
@@ -199,7 +201,7 @@ def test_batches_are_made_ahead_in_a_fetch_thread_that_ends_with_the_iteration(r
     next(it)
     it.close()  # the training loop breaks out early
     assert not [t for t in threading.enumerate() if t.name == "sbloader-fetch" and t.is_alive()]
-    from sbloader import ledger
+    from sbloader.core import ledger
 
     state = loader.state_dict()  # what the loop took, not what the thread made ahead
     assert sum(state["partial"].values()) + 8 * len(ledger.to_positions(state["done"])) == 16

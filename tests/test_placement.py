@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from sbloader.placement import NodeInfo, excluded_nodes
+from sbloader.runtime.placement import NodeInfo, excluded_nodes
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "placement_job.py")
 

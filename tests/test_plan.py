@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from sbloader.plan import (
+from sbloader.core.plan import (
     EpochPlan,
     default_rows_per_partition,
     epoch_seed_from,

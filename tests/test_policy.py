@@ -9,7 +9,7 @@ from typing import Optional
 import numpy as np
 import pytest
 
-from sbloader._executor.policy import (
+from sbloader.executor.policy import (
     Decision,
     PoolView,
     StageView,
@@ -391,7 +391,7 @@ def test_simulation_overlaps_stages_with_room() -> None:
 
 @pytest.mark.parametrize("prefetch,slots", [(1, 1), (2, 2), (4, 16), (0, 0)])
 def test_blocks_ahead_cap_covers_every_slot_and_the_prefetch(prefetch: int, slots: int) -> None:
-    from sbloader._executor.policy import blocks_ahead_cap
+    from sbloader.executor.policy import blocks_ahead_cap
 
     cap = blocks_ahead_cap(prefetch, slots)
     assert cap >= max(1, prefetch) + max(1, slots), "a cap below the slots would idle workers"
@@ -408,7 +408,7 @@ def test_source_blocked_stops_only_the_source_stage() -> None:
 
 @pytest.mark.parametrize("prefetch,slots,per_task", [(2, 3, 1), (2, 3, 4), (1, 16, 16)])
 def test_blocks_ahead_cap_scales_with_blocks_per_task(prefetch: int, slots: int, per_task: int) -> None:
-    from sbloader._executor.policy import blocks_ahead_cap
+    from sbloader.executor.policy import blocks_ahead_cap
 
     assert blocks_ahead_cap(prefetch, slots * per_task) == prefetch + 2 * slots * per_task
 
@@ -417,7 +417,7 @@ def test_blocks_ahead_cap_scales_with_blocks_per_task(prefetch: int, slots: int,
 
 
 def test_partitions_per_task_one_while_the_time_is_unknown() -> None:
-    from sbloader._executor.policy import partitions_per_task
+    from sbloader.executor.policy import partitions_per_task
 
     assert partitions_per_task(None, 100, 3) == 1
     assert partitions_per_task(0.01, 1, 3) == 1
@@ -428,7 +428,7 @@ def test_partitions_per_task_one_while_the_time_is_unknown() -> None:
 @pytest.mark.parametrize("queued", [2, 7, 31, 200])
 @pytest.mark.parametrize("slots", [1, 3, 17])
 def test_partitions_per_task_grid(est_s: float, queued: int, slots: int) -> None:
-    from sbloader._executor.policy import MAX_PARTITIONS_PER_TASK, TARGET_TASK_S, partitions_per_task
+    from sbloader.executor.policy import MAX_PARTITIONS_PER_TASK, TARGET_TASK_S, partitions_per_task
 
     k = partitions_per_task(est_s, queued, slots)
 
@@ -443,7 +443,7 @@ def test_partitions_per_task_grid(est_s: float, queued: int, slots: int) -> None
 
 
 def test_partitions_per_task_bounded_by_bytes() -> None:
-    from sbloader._executor.policy import partitions_per_task
+    from sbloader.executor.policy import partitions_per_task
 
     assert partitions_per_task(0.01, 1000, 2, est_block_bytes=10e6, max_task_bytes=35e6) == 3
     assert partitions_per_task(0.01, 1000, 2, est_block_bytes=10e6, max_task_bytes=5e6) == 1
@@ -454,7 +454,7 @@ def test_partitions_per_task_bounded_by_bytes() -> None:
 def test_partitions_per_task_grows_with_the_blocks_ahead(ahead: int, slots: int, expected: int) -> None:
     """A consumer that keeps up is never left waiting for a big first task: the group
     grows only as blocks pile up ahead of it (here the target allows 4)."""
-    from sbloader._executor.policy import partitions_per_task
+    from sbloader.executor.policy import partitions_per_task
 
     assert partitions_per_task(0.08, 1000, slots, blocks_ahead=ahead) == expected
 
@@ -463,6 +463,6 @@ def test_partitions_per_task_grows_with_the_blocks_ahead(ahead: int, slots: int,
 def test_partitions_per_task_only_while_the_pipeline_is_the_bottleneck(consumer_s, expected) -> None:
     """Two workers make a 0.08 s partition every 0.04 s: a consumer that needs at least
     that per block (a training step) gets one partition per task."""
-    from sbloader._executor.policy import partitions_per_task
+    from sbloader.executor.policy import partitions_per_task
 
     assert partitions_per_task(0.08, 1000, 3, consumer_block_s=consumer_s, workers=2) == expected

@@ -1,7 +1,6 @@
 """Regression tests: seed derivation is injective; columns keep every value as given."""
-import numpy as np
-from sbloader.plan import epoch_seed_from, partition_seed
-from sbloader.block import to_column
+from sbloader.core.plan import epoch_seed_from, partition_seed
+from sbloader.core.block import to_column
 
 
 def test_epoch_seed_from_is_injective():

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 
 import resume_runs  # noqa: E402
 
-from sbloader import ledger  # noqa: E402
+from sbloader.core import ledger  # noqa: E402
 
 N = 240
 BS = 4

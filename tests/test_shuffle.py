@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import sbloader
-from sbloader.cut import Cutter, consumed_after, cut_plan, last_use, progress
-from sbloader.plan import cut_counts, cut_members, make_epoch_plan, member_positions
+from sbloader.core.cut import Cutter, consumed_after, cut_plan, last_use, progress
+from sbloader.core.plan import cut_counts, cut_members, make_epoch_plan, member_positions
 
 CLASSES = 10
 PER_CLASS = 128
@@ -162,7 +162,8 @@ def test_the_plan_does_not_depend_on_the_world_size() -> None:
 
 
 def test_the_state_of_a_million_sample_shuffled_epoch_stays_small() -> None:
-    from sbloader._pipeline_state import PipelineRun, make_state
+    from sbloader.loaders.pipeline_run import PipelineRun
+    from sbloader.loaders.pipeline_state import make_state
 
     ds = sbloader.range(1_000_000, rows_per_partition=64)
     loader = ds.to_dataloader(64, shuffle=True, seed=0)
@@ -174,7 +175,7 @@ def test_the_state_of_a_million_sample_shuffled_epoch_stays_small() -> None:
     run = PipelineRun(0, plan.epoch_seed, order=plan.order, batches=half)
     run.done = {plan.order[i] for i in range(half) if i not in holes}
     run.taken = {plan.order[i]: 10 for i in holes}
-    state = make_state(loader, run)
+    state = make_state(loader._fingerprint(), 0, run)
     assert len(json.dumps(state)) <= 64 * 1024
     assert len(state["done"]) <= 17
 
@@ -404,14 +405,12 @@ def test_a_mid_epoch_resume_across_world_sizes_is_exactly_once(ray_session, sort
 def test_a_version_1_state_loads_unshuffled_and_is_refused_shuffled(ray_session, sorted_parquet) -> None:
     ds = sbloader.read_parquet(sorted_parquet)
     plain = ds.to_dataloader(BATCH, deterministic=True)
-    from sbloader._pipeline_state import fingerprint
-
-    v1 = {"format": "sbloader.PipelineLoader", "version": 1, "fingerprint": fingerprint(plain), "epoch": 0,
+    v1 = {"format": "sbloader.PipelineLoader", "version": 1, "fingerprint": plain._fingerprint(), "epoch": 0,
           "epoch_seed": 123, "done": [[0, 2]], "partial": {"2": 10}}
     plain.load_state_dict(v1)
     rest = np.concatenate([b["x"].numpy() for b in plain])
     assert rest.tolist() == list(range(2 * 256 + 10, CLASSES * PER_CLASS))
     shuffled = ds.to_dataloader(BATCH, shuffle=True)
-    v1s = dict(v1, fingerprint=fingerprint(shuffled))
+    v1s = dict(v1, fingerprint=shuffled._fingerprint())
     with pytest.raises(sbloader.StateDictError, match="found 1, expected 2"):
         shuffled.load_state_dict(v1s)

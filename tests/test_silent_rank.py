@@ -4,7 +4,7 @@ End to end: two ranks of one job simulated in one process (``rank=``/``world_siz
 overrides and a shared job id, over the session's Ray); rank 1 takes one batch
 and stops, rank 0 keeps going, and the coordinator's ``silent_ranks(epoch)``
 names rank 1 once ``stall_report_s`` has passed, never the rank that keeps
-asking. Unit: ``_Epoch._check_stuck`` (what the coordinator runs while a rank
+asking. Unit: ``Epoch._check_stuck`` (what the coordinator runs while a rank
 waits in vain) logs a warning naming the silent rank.
 """
 from __future__ import annotations
@@ -12,11 +12,11 @@ from __future__ import annotations
 import logging
 import time
 
-import pytest
 import ray
 
-from sbloader.coordinator import EpochSpec, _Epoch
-from sbloader.plan import EpochPlan
+from sbloader.distributed.specs import EpochSpec
+from sbloader.distributed.epoch import Epoch
+from sbloader.core.plan import EpochPlan
 
 STALL_S = 1.5
 ROWS, BATCH = 240, 4  # 30 batches per rank: rank 1's prefetch cannot take all of its share
@@ -83,15 +83,15 @@ def test_check_stuck_warning_names_the_silent_rank(caplog):
     """The waiting rank's request logs, in the coordinator, which rank went silent."""
     per_rank = 5
     spec = EpochSpec(3, 0, None, (), EpochPlan(3, 0, tuple(range(3 * per_rank)), False), None, per_rank)
-    ep = _Epoch(spec, 3, {})
+    ep = Epoch(spec, 3, {})
     now = time.monotonic()
     ep.logs[0].last_seen = now  # rank 0 waits (asking now)
     ep.logs[1].last_seen = now - 10 * STALL_S  # rank 1 stopped asking, owed batches
     ep.logs[2].last_seen = now - 10 * STALL_S  # rank 2 silent too, but it has all of its batches
     ep.logs[2].count = per_rank
-    with caplog.at_level(logging.WARNING, logger="sbloader.coordinator"):
+    with caplog.at_level(logging.WARNING, logger="sbloader.distributed.coordinator"):
         ep._check_stuck(0, STALL_S)
-    msgs = [r.getMessage() for r in caplog.records if r.name == "sbloader.coordinator"]
+    msgs = [r.getMessage() for r in caplog.records if r.name == "sbloader.distributed.coordinator"]
     assert len(msgs) == 1, msgs
     assert "rank(s) [1] stopped asking" in msgs[0] and "while rank 0 waits" in msgs[0], msgs
     assert "epoch 3" in msgs[0], msgs
@@ -99,7 +99,7 @@ def test_check_stuck_warning_names_the_silent_rank(caplog):
 
     caplog.clear()
     ep.logs[1].last_seen = time.monotonic()  # rank 1 asks again: nothing to report
-    with caplog.at_level(logging.WARNING, logger="sbloader.coordinator"):
+    with caplog.at_level(logging.WARNING, logger="sbloader.distributed.coordinator"):
         ep._check_stuck(0, STALL_S)
-    assert not [r for r in caplog.records if r.name == "sbloader.coordinator"]
+    assert not [r for r in caplog.records if r.name == "sbloader.distributed.coordinator"]
     assert ep.silent_ranks(STALL_S) == []

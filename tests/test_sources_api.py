@@ -7,7 +7,7 @@ import torch
 from torch.utils.data import RandomSampler
 
 import sbloader
-from sbloader.sources import ItemsSource, RangeSource, TorchSource
+from sbloader.sources.memory import ItemsSource, RangeSource, TorchSource
 
 
 class Squares(torch.utils.data.Dataset):

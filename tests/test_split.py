@@ -10,11 +10,12 @@ import time
 
 import pytest
 
-from sbloader.split import BatchSpec, SplitPlan, batch_positions, pick_local, split_epoch
-from sbloader.block import BlockMeta
-from sbloader.coordinator import EpochSpec, _Epoch
-from sbloader.errors import SbloaderError
-from sbloader.plan import EpochPlan
+from sbloader.core.split import BatchSpec, SplitPlan, batch_positions, pick_local, split_epoch
+from sbloader.core.block import BlockMeta
+from sbloader.distributed.specs import EpochSpec
+from sbloader.distributed.epoch import Epoch
+from sbloader.core.errors import SbloaderError
+from sbloader.core.plan import EpochPlan
 
 NUM_ROWS = range(0, 301)
 BATCH_SIZES = (1, 2, 3, 7, 10, 64)
@@ -196,10 +197,10 @@ class _Item:
         self.meta = BlockMeta(epoch=0, partition_id=seq, seq=seq, num_rows=1, nbytes=100 + seq, row_range=(seq, seq + 1))
 
 
-def _epoch_with_ready_batches(ledger: bool, n: int = 12, ws: int = 2) -> _Epoch:
+def _epoch_with_ready_batches(ledger: bool, n: int = 12, ws: int = 2) -> Epoch:
     spec = EpochSpec(0, 0, None, (), EpochPlan(0, 0, tuple(range(n)), False), None, n // ws,
                      assignment=tuple(i % ws for i in range(n)))
-    ep = _Epoch(spec, ws, {}, ledger=ledger)
+    ep = Epoch(spec, ws, {}, ledger=ledger)
     ep.executor = _FakeExecutor()
     for i in range(n):
         ep.queues[i % ws].append(_Item(i))
@@ -254,9 +255,9 @@ def test_no_ledger_switch_end_to_end(ray_session, monkeypatch):
 
 
 def test_epoch_cut_is_incremental_and_equals_the_ledger_cut():
-    """_Epoch.cut (the coordinator's, incremental across calls) against ledger.cut from scratch:
+    """Epoch.cut (the coordinator's, incremental across calls) against ledger.cut from scratch:
     random logs of out-of-order batches, random ranges per batch, a prior, k rising, repeating, falling."""
-    from sbloader import ledger
+    from sbloader.core import ledger
 
     rng = random.Random(1)
     for case in range(60):
@@ -277,7 +278,7 @@ def test_epoch_cut_is_incremental_and_equals_the_ledger_cut():
         per_rank = n // ws
         spec = EpochSpec(0, 0, None, (), EpochPlan(0, 0, tuple(range(n)), False), None, per_rank,
                          batch_ranges=tuple(batch_ranges), prior=prior)
-        ep = _Epoch(spec, ws, {})
+        ep = Epoch(spec, ws, {})
         for r in range(ws):
             ep.logs[r].delivered = list(logs[r])
         ks = sorted(rng.randint(0, per_rank) for _ in range(6))
@@ -293,9 +294,9 @@ def test_local_cut_equals_the_ledger_cut_over_plans():
     local cut equals ledger.cut over the delivery logs the coordinator would keep (plan order per rank)."""
     from types import SimpleNamespace
 
-    from sbloader import ledger
-    from sbloader._split_iter import local_cut
-    from sbloader.split import split_epoch
+    from sbloader.core import ledger
+    from sbloader.distributed.dropin_client import local_cut
+    from sbloader.core.split import split_epoch
 
     rng = random.Random(3)
     for n, bs, w, drop in [(40, 4, 2, False), (37, 4, 3, False), (37, 4, 3, True), (5, 4, 4, False),
@@ -318,7 +319,7 @@ def test_local_cut_matches_the_coordinator(ray_session):
     import ray
 
     import sbloader
-    from sbloader import ledger
+    from sbloader.core import ledger
 
     loaders = [sbloader.DataLoader(list(range(60)), batch_size=4, shuffle=True, num_workers=1, rank=r,
                                    world_size=2, job_id="test-local-cut", name="local-cut") for r in range(2)]
@@ -341,7 +342,7 @@ def test_a_restarted_job_retires_the_previous_restarts_coordinator(ray_session):
     restart kills the previous restart's (detached, so it outlived its ranks) and its pool."""
     import ray
 
-    from sbloader.coordinator import NAMESPACE, coordinator_name, get_coordinator
+    from sbloader.distributed.naming import NAMESPACE, coordinator_name, get_coordinator
 
     fp = {"dataset": "x"}
     old = get_coordinator("test-retire", "loader", 2, fp, restart_count=0)
@@ -365,8 +366,8 @@ def test_an_idle_coordinator_retires_itself(ray_session, monkeypatch):
     it would outlive the job on a kept cluster) kills its prestarted pool and itself. A call keeps it."""
     import ray
 
-    from sbloader._executor.executor import ExecutionOptions
-    from sbloader.coordinator import NAMESPACE, coordinator_name, get_coordinator
+    from sbloader.executor.executor import ExecutionOptions
+    from sbloader.distributed.naming import NAMESPACE, coordinator_name, get_coordinator
 
     import sbloader
 
@@ -396,7 +397,7 @@ def test_a_closed_epoch_answers_empty_and_a_failed_one_raises(raised, closed):
     """An epoch whose executor was shut down on purpose (every rank finished or left) answers a
     request still in flight with nothing, not an error nobody reads; a pipeline error still reaches
     every rank's next request."""
-    from sbloader.errors import ExecutorShutdownError
+    from sbloader.core.errors import ExecutorShutdownError
 
     class _Stopping(_FakeExecutor):
         def get_next(self):
@@ -406,7 +407,7 @@ def test_a_closed_epoch_answers_empty_and_a_failed_one_raises(raised, closed):
 
     spec = EpochSpec(0, 0, None, (), EpochPlan(0, 0, tuple(range(4)), False), None, 2,
                      assignment=(0, 1, 0, 1))
-    ep = _Epoch(spec, 2, {})
+    ep = Epoch(spec, 2, {})
     ep.executor = _Stopping()
     ep._build_executor = lambda: True
     ep._pump()  # runs to the exception, in this thread

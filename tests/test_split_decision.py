@@ -17,8 +17,8 @@ from torch.utils.data import (BatchSampler, Dataset, DistributedSampler, Iterabl
                               SequentialSampler)
 
 import sbloader
-import sbloader._runtime
-import sbloader.dataloader
+import sbloader.runtime.session
+import sbloader.loaders.dataloader
 
 
 class Squares(Dataset):
@@ -68,9 +68,9 @@ def no_ray(monkeypatch):
         raise AssertionError("DataLoader construction tried to start Ray")
 
     monkeypatch.setattr(ray, "init", refuse)
-    monkeypatch.setattr(sbloader._runtime, "ensure_initialized", refuse)
-    if hasattr(sbloader.dataloader, "ensure_initialized"):
-        monkeypatch.setattr(sbloader.dataloader, "ensure_initialized", refuse)
+    monkeypatch.setattr(sbloader.runtime.session, "ensure_initialized", refuse)
+    if hasattr(sbloader.loaders.dataloader, "ensure_initialized"):
+        monkeypatch.setattr(sbloader.loaders.dataloader, "ensure_initialized", refuse)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(var, raising=False)
 
@@ -148,7 +148,7 @@ def test_iterable_dataset_without_split_names_both_choices():
     assert lo.split is True
     with pytest.raises(TypeError, match="has no len()"):  # the per-rank count is unknown until the end
         len(lo)
-    with pytest.raises(sbloader.errors.StateDictError):
+    with pytest.raises(sbloader.core.errors.StateDictError):
         lo.state_dict()
     # the short last batches need rows to cut: no auto-batching is refused
     with pytest.raises(ValueError, match="needs batch_size"):

@@ -1,8 +1,8 @@
 """An IterableDataset split across ranks by the coordinator (``split=True``): the total is unknown.
 
-The equalising rule and the tail's re-cut are pure (``sbloader.split``), tested
+The equalising rule and the tail's re-cut are pure (``sbloader.core.split``), tested
 over random interleavings without Ray; the rank-side cutting of collated batches
-(``sbloader._batch_slice``) without Ray too; then two ranks driven in one process
+(``sbloader.core.batch_slice``) without Ray too; then two ranks driven in one process
 (``rank=``/``world_size=`` overrides, a thread each) and a real 3-rank torchrun job.
 """
 from __future__ import annotations
@@ -17,8 +17,8 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 import sbloader
-from sbloader._batch_slice import concat_rows, mark_padding, slice_rows
-from sbloader.split import stream_allowance, stream_tail
+from sbloader.core.batch_slice import concat_rows, mark_padding, slice_rows
+from sbloader.core.split import stream_allowance, stream_tail
 
 
 # ----- the equalising rule (pure) ----------------------------------------------------------

@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sbloader._executor.stages import Stage, build_stages, stage_concurrency
-from sbloader.ops import Op
+from sbloader.executor.stages import Stage, build_stages, stage_concurrency
+from sbloader.core.ops import Op
 
 
 def _f(row: Any) -> Any:

@@ -23,7 +23,8 @@ import torch
 from torch.utils.data import BatchSampler, Dataset, IterableDataset, Sampler, SequentialSampler
 
 import sbloader
-from sbloader import StateDictError, ledger
+from sbloader import StateDictError
+from sbloader.core import ledger
 
 N = 64
 BS = 4

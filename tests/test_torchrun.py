@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from sbloader.split import split_epoch
+from sbloader.core.split import split_epoch
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"
@@ -173,7 +173,7 @@ def compositions(job: Job, epoch: int, loader: int = 0) -> list:
 def planned_compositions(order, world: int) -> list:
     """The batches the split plan cuts from a global order (padding included)."""
     plan = split_epoch(len(order), BATCH, world, False)
-    from sbloader.split import batch_positions
+    from sbloader.core.split import batch_positions
 
     return sorted(tuple(sorted(order[p] for p in batch_positions(b, len(order)))) for b in plan.batches)
 

@@ -157,7 +157,7 @@ def test_fresh_run_trains_and_prints_its_summary(runs):
 
 
 def test_checkpoint_holds_model_optimiser_and_the_loaders_state(runs):
-    from sbloader import ledger
+    from sbloader.core import ledger
 
     ckpt = runs["fresh"].checkpoint()
     assert (ckpt["step"], ckpt["epoch"]) == (2, 0), {k: ckpt[k] for k in ("step", "epoch")}

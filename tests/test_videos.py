@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 import sbloader
-from sbloader import videos as V
+from sbloader.sources import videos as V
 from sbloader.datagen import write_video
-from sbloader.errors import SourceReadError
+from sbloader.core.errors import SourceReadError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -229,7 +229,7 @@ def test_reader_is_small_and_picklable(videos):
     source = sbloader.read_videos(list(videos), clip_len=4, frames_per_partition=8).source
     blob = pickle.dumps(source.reader())
     assert len(blob) < 1000
-    assert pickle.loads(blob).func.__module__ == "sbloader.videos"
+    assert pickle.loads(blob).func.__module__ == "sbloader.sources.videos"
     assert all(len(pickle.dumps(p)) < 1000 for p in source.partitions(0, 0))
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from sbloader.wire import WireTensor, from_wire, tensors, to_device, to_wire
+from sbloader.core.wire import WireTensor, from_wire, tensors, to_device, to_wire
 
 
 class Pair(NamedTuple):

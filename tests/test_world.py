@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from sbloader.world import World
+from sbloader.runtime.world import World
 
 _VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID",
          "TORCHELASTIC_RESTART_COUNT", "SBLOADER_JOB_ID")

@@ -322,7 +322,7 @@ class SDEncoders:
         self.checksum = weights_checksum(self.vae, self.text)
         self.pid = os.getpid()
         if log_path:
-            from sbloader.context import actor_info
+            from sbloader.core.context import actor_info
 
             info = actor_info()
             line = json.dumps({"pid": self.pid, "where": where, "device": str(self.device),

@@ -85,7 +85,7 @@ def main() -> None:
 
     def kill_actor(i, b):
         if i == 5 and not killed:
-            from sbloader.coordinator import NAMESPACE  # noqa: F401  (import check only)
+            from sbloader.distributed.naming import NAMESPACE  # noqa: F401  (import check only)
 
             pid = int(b["pid"][0])
             killed["pid"] = pid

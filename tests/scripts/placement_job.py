@@ -21,7 +21,7 @@ def ident(batch: dict) -> dict:
 
 def main() -> None:
     import sbloader
-    from sbloader.iterators import iter_blocks
+    from sbloader.loaders.batching import iter_blocks
 
     head_cpus = float(sys.argv[1]) if len(sys.argv) > 1 else 2.0
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": head_cpus})

@@ -152,7 +152,7 @@ def main() -> None:
         log["coordinator_info"] = rss
     import ray
 
-    from sbloader.coordinator import NAMESPACE
+    from sbloader.distributed.naming import NAMESPACE
 
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
              if a.get("namespace") == NAMESPACE] if hasattr(ray.util, "list_named_actors") else []

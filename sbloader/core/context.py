@@ -1,0 +1,114 @@
+"""Per-partition task context: the seeded RNG user functions draw from.
+
+Inside a user function, ``sbloader.get_context()`` returns the
+:class:`TaskContext` of the partition being processed. Its ``rng`` is seeded
+from (epoch seed, partition id, operator index), and Python's ``random``, NumPy's
+global RNG and torch's RNG are seeded the same way before each operator runs on a
+partition, so a re-run partition reproduces the same samples bit for bit.
+"""
+from __future__ import annotations
+
+import random
+import sys
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from sbloader.core.plan import partition_seed
+
+_CURRENT: list["TaskContext"] = []
+
+
+@dataclass
+class TaskContext:
+    """Where a user function runs.
+
+    Attributes:
+        epoch: epoch of the execution.
+        epoch_seed: the epoch seed.
+        partition_id: partition being processed.
+        operator: name of the operator running.
+        seed: the seed of (epoch seed, partition, operator).
+        rng: a ``numpy.random.Generator`` seeded with ``seed``.
+    """
+
+    epoch: int
+    epoch_seed: int
+    partition_id: int
+    operator: str
+    seed: int
+    rng: np.random.Generator = field(repr=False)
+    skipped: int = 0
+    skipped_paths: list = field(default_factory=list, repr=False)
+
+
+def get_context() -> Optional[TaskContext]:
+    """The context of the partition being processed, or None outside a task."""
+    return _CURRENT[-1] if _CURRENT else None
+
+
+class task_context:
+    """Context manager that installs a :class:`TaskContext` and seeds global RNGs."""
+
+    def __init__(self, epoch: int, epoch_seed: int, partition_id: int, operator: str, op_index: int) -> None:
+        seed = partition_seed(epoch_seed, partition_id, 100 + op_index)
+        self.ctx = TaskContext(
+            epoch=epoch,
+            epoch_seed=epoch_seed,
+            partition_id=partition_id,
+            operator=operator,
+            seed=seed,
+            rng=np.random.default_rng(seed),
+        )
+
+    def __enter__(self) -> TaskContext:
+        seed_globals(self.ctx.seed)
+        _CURRENT.append(self.ctx)
+        return self.ctx
+
+    def __exit__(self, *exc) -> None:
+        _CURRENT.pop()
+
+
+def seed_globals(seed: int) -> None:
+    """Seed ``random``, NumPy's global RNG and torch (if imported) from ``seed``."""
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.manual_seed(seed)
+
+
+def report_skipped(path: str, reason: str, rows: int = 1) -> None:
+    """Count rows skipped under ``on_error="skip"`` and log a warning naming the file.
+
+    Sources and user functions call this; the count reaches ``stats()``.
+
+    Args:
+        path: the file (or item) that could not be used.
+        reason: why, for the warning.
+        rows: how many rows were skipped.
+    """
+    import logging
+
+    ctx = get_context()
+    logging.getLogger("sbloader").warning("sbloader: skipped %d row(s) of %s: %s", rows, path, reason)
+    if ctx is not None:
+        ctx.skipped += rows
+        ctx.skipped_paths.append(path)
+
+
+_ACTOR_INFO: dict[str, int] = {}
+
+
+def set_actor_info(index: int, pool_size: int) -> None:
+    """Record, inside a pool actor, its index and its pool's size."""
+    _ACTOR_INFO.update(index=index, pool_size=pool_size)
+
+
+def actor_info() -> Optional[tuple[int, int]]:
+    """``(index, pool_size)`` inside a pool actor, else None."""
+    if not _ACTOR_INFO:
+        return None
+    return _ACTOR_INFO["index"], _ACTOR_INFO["pool_size"]

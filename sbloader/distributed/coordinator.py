@@ -1,0 +1,378 @@
+"""The split coordinator: one Ray actor per (job, loader) that feeds every rank.
+
+It runs the epoch's streaming executor (:class:`~sbloader.distributed.epoch.Epoch`)
+and hands ready batches to the ranks that ask for them, as object refs: the bytes
+go from the producing node to the rank, never through the coordinator. Every rank
+receives the plan's per-rank count, so DDP never hangs on an uneven split. It
+logs, per rank, the ordered list of what it delivered and how much of it the rank
+acknowledged as consumed: the consumed ledger ``state_dict()`` cuts. A coordinator
+lost mid-epoch is rebuilt from what every rank reports it took (:meth:`SplitCoordinator.rebuild`).
+
+``SBLOADER_NO_LEDGER=1`` in the environment of the rank that creates the
+coordinator switches the ledger off (an internal switch, for
+``benchmarks/bench_resume.py`` to measure what the ledger costs): the coordinator
+then keeps only counts, and ``state_dict()`` raises.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import replace
+from typing import Any, Optional
+
+import ray
+
+from sbloader.core.errors import SbloaderError
+from sbloader.core.plan import EpochPlan
+from sbloader.distributed.epoch import Epoch
+from sbloader.distributed.partition_epoch import PartitionEpoch
+from sbloader.distributed.specs import EpochSpec, PartitionEpochSpec
+from sbloader.distributed.stream_epoch import StreamEpoch
+from sbloader.executor.executor import ExecutionOptions, kill_cached, prestart_pools
+
+logger = logging.getLogger(__name__)
+
+#: A coordinator no rank has called for this long retires itself (and its pool).
+DEFAULT_IDLE_EXIT_S = 3600.0
+
+
+@ray.remote(num_cpus=0, max_concurrency=64)
+class SplitCoordinator:
+    """The per-(job, loader) actor. Coordination only: it takes no CPU (``num_cpus=0``).
+
+    Args:
+        world_size: ranks of the job.
+        fingerprint: describes the loader; a rank with another fingerprint is refused.
+        stall_report_s: seconds of silence after which a rank is reported by number.
+        ledger: keep the per-rank delivery logs that ``cut`` reads (the consumed
+            ledger); False keeps counts only and ``cut`` raises (benchmarks only).
+        idle_exit_s: after this long without a call from any rank the job is taken
+            to be over: the coordinator kills its worker pool and itself. It is a
+            detached actor (a rank's death must not take the others' data with it),
+            so on a cluster that outlives the job nothing else would free them. A
+            job that comes back later (a long evaluation between epochs) gets a new
+            one, as after a coordinator death.
+    """
+
+    def __init__(self, world_size: int, fingerprint: dict, stall_report_s: float = 60.0,
+                 ledger: bool = True, idle_exit_s: float = DEFAULT_IDLE_EXIT_S) -> None:
+        self._idle_exit_s = float(idle_exit_s)
+        self._last_call = time.monotonic()
+        threading.Thread(target=self._reap_when_idle, daemon=True, name="sbloader-idle-exit").start()
+        self._world_size = world_size
+        self._ledger = ledger
+        self._fingerprint = fingerprint
+        self._stall_report_s = stall_report_s
+        self._epochs: dict[int, Epoch] = {}
+        self._lock = threading.Lock()
+        self._started = threading.Condition(self._lock)
+        self._actor_cache: dict[int, list] = {}
+        self._estimates: Optional[list] = None
+        self._rebuilds: dict[int, dict] = {}  # epochs waiting for every rank's report
+        self._rebuilt: set[int] = set()  # epochs rebuilt here (finished ones leave _epochs)
+        self._finished_stats: dict[int, Any] = {}  # the last few finished epochs' ExecutionStats
+
+    def hello(self, world_size: int, fingerprint: dict) -> dict:
+        """Check that a rank's loader matches this coordinator's."""
+        self._last_call = time.monotonic()
+        if world_size != self._world_size or fingerprint != self._fingerprint:
+            return {"ok": False, "world_size": self._world_size, "fingerprint": self._fingerprint}
+        return {"ok": True}
+
+    def prewarm(self, source_name: str, ops: tuple, options: ExecutionOptions) -> int:
+        """Start the worker pool before the first epoch (rank 0, right after creating this).
+
+        The actors start and construct their callable class (import torch, unpickle
+        the dataset) while the ranks plan their epoch; ``start_epoch``'s executor
+        adopts them. A no-op once any epoch started or actors are cached.
+
+        Returns:
+            The number of actors started.
+        """
+        self._last_call = time.monotonic()
+        with self._lock:
+            if self._epochs or any(self._actor_cache.values()):
+                return 0
+            return prestart_pools(source_name, ops, options, self._actor_cache)
+
+    def start_epoch(self, spec: EpochSpec) -> int:
+        """Rank 0 starts an epoch (idempotent); returns the per-rank batch count (-1: unknown).
+
+        An earlier epoch still being rebuilt (this coordinator replaced a dead one
+        while other ranks were in that epoch) goes first: its pool must get the
+        workers before this epoch's.
+        """
+        self._last_call = time.monotonic()
+        deadline = time.monotonic() + 120.0
+        with self._lock:
+            while any(e < spec.epoch for e in self._rebuilds):  # an entry leaves once rebuilt
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise SbloaderError(
+                        f"epoch {spec.epoch} cannot start: the rebuild of an earlier epoch after the coordinator "
+                        f"died still waits for ranks that did not report within 120 s "
+                        f"({ {e: sorted(p['taken']) for e, p in self._rebuilds.items()} }). "
+                        "Restart the job from the last checkpoint"
+                    )
+                self._started.wait(timeout=min(remaining, 1.0))
+            if spec.epoch not in self._epochs:
+                kind = StreamEpoch if spec.per_rank is None else Epoch
+                ep = kind(spec, self._world_size, self._actor_cache, self._estimates,
+                          earlier=tuple(self._epochs.values()), ledger=self._ledger)
+                self._epochs[spec.epoch] = ep
+                ep.start()
+                self._started.notify_all()
+            return _count(self._epochs[spec.epoch].spec.per_rank)
+
+    def start_partition_epoch(self, spec: PartitionEpochSpec) -> int:
+        """Rank 0 starts an epoch of a native pipeline split across ranks (idempotent);
+        returns the per-rank batch count."""
+        self._last_call = time.monotonic()
+        with self._lock:
+            if spec.epoch not in self._epochs:
+                ep = PartitionEpoch(spec, self._world_size, self._actor_cache, self._estimates,
+                                     earlier=tuple(self._epochs.values()))
+                self._epochs[spec.epoch] = ep
+                ep.start()
+                self._started.notify_all()
+            return self._epochs[spec.epoch].spec.per_rank
+
+    def block_refs(self, epoch: int, rank: int, consumed: int, pids: list, wait_s: float = 1.0) -> dict:
+        """(A native pipeline's epoch) Acknowledge ``consumed`` batches of ``rank``, then the refs
+        of the ready blocks of partitions ``pids``, waiting at most ``wait_s`` for the first:
+        ``{"refs": {partition id: ref}, "done": bool}``."""
+        self._last_call = time.monotonic()
+        ep = self._epochs.get(epoch)
+        if not isinstance(ep, PartitionEpoch):
+            raise SbloaderError(f"epoch {epoch} was not started by rank 0 (known: {sorted(self._epochs)})")
+        refs = ep.refs(rank, consumed, list(pids), wait_s, self._stall_report_s)
+        self._collect()
+        return {"refs": refs, "done": ep.done(rank)}
+
+    def wait_epoch(self, epoch: int, timeout: float) -> Optional[int]:
+        """Wait until rank 0 started ``epoch``; its per-rank count (-1: unknown), or None on timeout."""
+        self._last_call = time.monotonic()
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while epoch not in self._epochs:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._started.wait(timeout=remaining)
+            return _count(self._epochs[epoch].spec.per_rank)
+
+    def next_batches(self, epoch: int, rank: int, max_n: int, consumed: int,
+                     node: Optional[str] = None, wait_s: float = 1.0) -> dict:
+        """Acknowledge ``consumed`` batches, then take up to ``max_n`` more for ``rank``.
+
+        Returns:
+            ``{"refs": [...], "metas": [...], "done": bool}``; refs are object refs of
+            blocks (bytes never pass through here). In an epoch of unknown length,
+            ``{"batches": [StreamBatch, ...], "done": bool}`` instead.
+        """
+        self._last_call = time.monotonic()
+        ep = self._epochs.get(epoch)
+        if ep is None:
+            raise SbloaderError(f"epoch {epoch} was not started by rank 0 (known: {sorted(self._epochs)})")
+        ep.ack(rank, consumed)
+        items = ep.take(rank, max_n, node, wait_s, self._stall_report_s)
+        done = ep.done(rank)
+        self._collect()
+        if ep.stream:
+            return {"batches": items, "done": done}
+        return {"refs": [i.ref for i in items], "metas": [i.meta for i in items],
+                "index": [ep.spec.index_of(i.meta.seq) for i in items], "done": done}
+
+    def rebuild(self, epoch: int, rank: int, taken: list, spec: EpochSpec, timeout: float = 120.0,
+                wait: bool = True) -> Optional[int]:
+        """Rebuild an epoch after the previous coordinator died, from the ranks' own logs.
+
+        Every rank reports the batches its training loop took (their bytes reached
+        it; the rest died with the old coordinator, which owned them) and the
+        epoch's full spec (every rank plans the same). Once all ranks reported, the
+        batches nobody took are planned again, each rank owed exactly what it
+        still lacks of its count, and the ranks continue.
+
+        A rank that had already finished the epoch when the coordinator died
+        notices only at its next epoch; it reports with ``wait=False`` (all its
+        batches taken) so the ranks still in the epoch can go on.
+
+        Returns:
+            The per-rank batch count of the epoch (None with ``wait=False``).
+
+        Raises:
+            SbloaderError: not every rank reported within ``timeout`` seconds.
+        """
+        self._last_call = time.monotonic()
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            if epoch in self._rebuilt:  # a late report: the epoch was rebuilt (and maybe finished)
+                ep = self._epochs.get(epoch)
+                return ep.spec.per_rank if ep is not None and wait else None
+            pend = self._rebuilds.setdefault(epoch, {"taken": {}, "spec": None})
+            pend["taken"][rank] = list(taken)
+            if rank == 0:
+                # Rank 0 started the epoch: the batch indices every rank reports are
+                # positions in *its* plan. Another rank's sampler may have drawn
+                # another order (an unseeded shuffle), so only rank 0's spec counts.
+                pend["spec"] = spec
+            self._started.notify_all()
+            if not wait:
+                if epoch not in self._epochs and len(pend["taken"]) == self._world_size:
+                    self._start_rebuilt(epoch, pend["spec"], pend["taken"])
+                return None
+            while epoch not in self._epochs:
+                if len(pend["taken"]) == self._world_size:
+                    self._start_rebuilt(epoch, pend["spec"], pend["taken"])
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    missing = sorted(set(range(self._world_size)) - set(pend["taken"]))
+                    raise SbloaderError(
+                        f"rebuilding epoch {epoch} after the coordinator died: rank(s) {missing} did not report "
+                        f"within {timeout:.0f} s (finished or dead?); restart the job from the last checkpoint"
+                    )
+                self._started.wait(timeout=remaining)
+            return self._epochs[epoch].spec.per_rank
+
+    def _start_rebuilt(self, epoch: int, spec: EpochSpec, taken: dict) -> None:
+        """Start the part of ``spec`` that no rank took (called with the lock held)."""
+        self._rebuilds.pop(epoch, None)
+        self._rebuilt.add(epoch)
+        done = {b for batches in taken.values() for b in batches}
+        keep = [i for i in range(len(spec.plan.order)) if i not in done]
+        plan = EpochPlan(spec.plan.epoch, spec.plan.epoch_seed, tuple(spec.plan.order[i] for i in keep),
+                         spec.plan.shuffle)
+        assignment = tuple(spec.assignment[i] for i in keep) if spec.assignment is not None else None
+        rebuilt = replace(spec, source=spec.source.subset(keep), plan=plan, assignment=assignment,
+                          batch_index=tuple(keep))
+        ep = Epoch(rebuilt, self._world_size, self._actor_cache, self._estimates,
+                    earlier=tuple(self._epochs.values()), taken=taken, ledger=self._ledger)
+        self._epochs[epoch] = ep
+        ep.start()
+        self._started.notify_all()
+
+    def finish(self, epoch: int, rank: int, consumed: int) -> None:
+        """A rank left the epoch having consumed ``consumed`` batches."""
+        self._last_call = time.monotonic()
+        ep = self._epochs.get(epoch)
+        if ep is not None:
+            ep.ack(rank, consumed)
+            ep.logs[rank].left = True
+            self._collect()
+
+    def delivery_log(self, epoch: int) -> list[dict]:
+        """Per rank: the ordered partition ids delivered (empty with the ledger off), their count
+        and the count acknowledged."""
+        ep = self._epochs.get(epoch)
+        if ep is None:
+            return []
+        return [{"delivered": list(lg.delivered), "count": lg.count, "acked": lg.acked} for lg in ep.logs]
+
+    def cut(self, epoch: int, k: int, timeout: float = 60.0) -> Optional[list]:
+        """The consumed ledger after every rank's first ``k`` batches of ``epoch``.
+
+        Waits (bounded) until every rank has received its ``k``-th batch.
+
+        Returns:
+            Merged position ranges, or None when the epoch is already over on every rank.
+
+        Raises:
+            SbloaderError: after ``timeout`` seconds, naming the ranks still short; or at
+                once when this coordinator keeps no ledger.
+        """
+        self._last_call = time.monotonic()
+        if not self._ledger:
+            raise SbloaderError(
+                "state_dict() needs the consumed ledger, but this loader's coordinator was created with "
+                "SBLOADER_NO_LEDGER=1 (a benchmark switch) and keeps no delivery logs; unset SBLOADER_NO_LEDGER "
+                "in the job's environment to checkpoint"
+            )
+        deadline = time.monotonic() + timeout
+        while True:
+            ep = self._epochs.get(epoch)
+            if ep is None:
+                return None
+            short = [r for r, lg in enumerate(ep.logs) if len(lg.delivered) < k]
+            if not short:
+                return [list(r) for r in ep.cut(k)]
+            if time.monotonic() > deadline:
+                raise SbloaderError(
+                    f"state_dict() at batch {k} of epoch {epoch} waited {timeout:.0f} s for rank(s) {short} "
+                    f"to receive their batch {k}; those ranks are stuck or stopped iterating"
+                )
+            time.sleep(0.01)
+
+    def silent_ranks(self, epoch: int) -> list[int]:
+        """Ranks that stopped asking for longer than the report timeout."""
+        ep = self._epochs.get(epoch)
+        return ep.silent_ranks(self._stall_report_s) if ep is not None else []
+
+    def epoch_stats(self, epoch: int) -> Optional[dict]:
+        """The execution statistics of an epoch (as a dict)."""
+        st = self.execution_stats(epoch)
+        return st.to_dict() if st is not None else None
+
+    def execution_stats(self, epoch: int) -> Optional[Any]:
+        """The :class:`~sbloader.core.stats.ExecutionStats` of an epoch running or recently finished here."""
+        ep = self._epochs.get(epoch)
+        if ep is not None and ep.executor is not None:
+            return ep.executor.stats()
+        return self._finished_stats.get(epoch)
+
+    def process_info(self) -> dict:
+        """The coordinator process's pid and resident memory (bytes), for monitoring."""
+        import os
+
+        rss = 0
+        try:
+            with open(f"/proc/{os.getpid()}/statm") as f:
+                rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except OSError:
+            pass
+        return {"pid": os.getpid(), "rss": rss}
+
+    def _reap_when_idle(self) -> None:
+        """(Thread) Kill the pool and this actor once no rank has called for ``idle_exit_s``."""
+        while True:
+            idle = time.monotonic() - self._last_call
+            if idle >= self._idle_exit_s:
+                break
+            time.sleep(min(30.0, max(0.2, self._idle_exit_s - idle)))
+        logger.warning("sbloader coordinator: no rank called for %.0f s; the job is taken to be over, "
+                       "releasing the worker pool and exiting", self._idle_exit_s)
+        try:
+            self.shutdown()
+        finally:
+            ray.kill(ray.get_runtime_context().current_actor)
+
+    def _collect(self) -> None:
+        """Shut down epochs every rank has finished (actors stay cached for the next).
+
+        An epoch every rank left early (a step limit) is dropped too, though its
+        pipeline had not produced everything: nobody will take its ready batches,
+        and keeping it would hold them in the object store for the rest of the job.
+        """
+        with self._lock:
+            for e in [e for e, ep in self._epochs.items() if ep.finished]:
+                ep = self._epochs.pop(e)
+                if ep.executor is not None:
+                    self._estimates = ep.executor.estimates()
+                    self._finished_stats[e] = ep.executor.stats()
+                    while len(self._finished_stats) > 4:
+                        self._finished_stats.pop(next(iter(self._finished_stats)))
+                ep.shutdown()
+
+    def shutdown(self) -> None:
+        """Stop every epoch and kill the cached worker actors."""
+        with self._lock:
+            for ep in self._epochs.values():
+                ep.shutdown()
+            self._epochs.clear()
+            kill_cached(self._actor_cache)
+            self._actor_cache.clear()
+
+
+def _count(per_rank: Optional[int]) -> int:
+    return -1 if per_rank is None else per_rank

@@ -1,0 +1,79 @@
+"""How a job finds its split coordinators: names, the namespace, and the environment switches."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ray
+
+from sbloader.core.errors import SbloaderError
+from sbloader.distributed.coordinator import DEFAULT_IDLE_EXIT_S, SplitCoordinator
+
+
+NAMESPACE = "sbloader"
+NO_LEDGER_ENV = "SBLOADER_NO_LEDGER"
+IDLE_EXIT_ENV = "SBLOADER_COORDINATOR_IDLE_EXIT_S"
+
+
+def idle_exit_s() -> float:
+    """Seconds without a call after which a coordinator exits (``SBLOADER_COORDINATOR_IDLE_EXIT_S``)."""
+    raw = os.environ.get(IDLE_EXIT_ENV)
+    if raw is None:
+        return DEFAULT_IDLE_EXIT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SbloaderError(f"{IDLE_EXIT_ENV} must be a number of seconds, found {raw!r}") from None
+    if value <= 0:
+        raise SbloaderError(f"{IDLE_EXIT_ENV} must be positive, found {raw!r}")
+    return value
+
+
+def ledger_enabled() -> bool:
+    """False when ``SBLOADER_NO_LEDGER=1`` (benchmarks only): coordinators keep counts, no ledger."""
+    return os.environ.get(NO_LEDGER_ENV, "") != "1"
+
+
+def coordinator_name(job_id: str, loader_name: str, restart_count: int = 0) -> str:
+    """The Ray actor name of a loader's coordinator in a job."""
+    return f"sbloader-coordinator:{job_id}:{restart_count}:{loader_name}"
+
+
+def get_coordinator(job_id: str, loader_name: str, world_size: int, fingerprint: dict,
+                    restart_count: int = 0, stall_report_s: float = 60.0) -> Any:
+    """The job's coordinator for a loader: created by the first rank to ask, found by the rest."""
+    name = coordinator_name(job_id, loader_name, restart_count)
+    handle = SplitCoordinator.options(
+        name=name, namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
+    ).remote(world_size, fingerprint, stall_report_s, ledger_enabled(), idle_exit_s())
+    reply = ray.get(handle.hello.remote(world_size, fingerprint))
+    if not reply["ok"]:
+        raise SbloaderError(
+            f"coordinator {name!r} already exists for another loader: found world_size="
+            f"{reply['world_size']} and {reply['fingerprint']}, expected world_size={world_size} and "
+            f"{fingerprint}. Give the loader a distinct name= or a fresh job id."
+        )
+    if restart_count > 0:
+        _retire(coordinator_name(job_id, loader_name, restart_count - 1))
+    return handle
+
+
+def _retire(name: str) -> None:
+    """Kill the coordinator of the job's previous (elastic) restart and its worker pool.
+
+    Coordinators are detached, so they outlive the rank that created them; after
+    torchrun restarts the workers, the previous restart's coordinator serves
+    nobody (the new job resumes from a checkpoint) but would keep its pool's CPUs.
+    """
+    try:
+        old = ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:  # none, or already retired by another rank
+        return
+    try:
+        ray.get(old.shutdown.remote(), timeout=10)
+    except Exception:  # dead or stuck: the kill below is enough (its pool actors die with it)
+        pass
+    try:
+        ray.kill(old)
+    except Exception:
+        pass

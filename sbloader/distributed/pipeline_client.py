@@ -1,0 +1,152 @@
+"""The rank side of a native pipeline's epoch split across ranks: block refs in, batches out.
+
+Rank 0 starts the epoch on the job's coordinator (:func:`join`), which runs the
+pipeline once for the job. Every rank cuts its batches from the cut plan all ranks
+compute alike (:func:`~sbloader.core.cut.cut_plan`): it asks the coordinator for the
+refs of the blocks its next batches need, fetches them (zero-copy on its node) and
+keeps each while a later batch of its own takes rows from it (:func:`batches`).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional, Protocol
+
+import numpy as np
+import ray
+
+from sbloader.core.block import PADDING_KEY, ROW_COLUMN, Batch, concat, make_batch, slice_block
+from sbloader.core.cut import CutPlan, last_use
+from sbloader.core.errors import SbloaderError
+from sbloader.core.plan import EpochPlan
+from sbloader.distributed.specs import PartitionEpochSpec
+from sbloader.executor.executor import ExecutionOptions
+
+_WAIT_S = 1.0  # one coordinator request waits at most this long for a block
+_AHEAD = 2  # batches whose blocks a rank asks for ahead of the one it cuts
+
+
+class RankSplit(Protocol):
+    """What a rank knows of its split epoch (``sbloader.loaders.pipeline_run.SplitRun``)."""
+
+    pids: tuple
+    rows: tuple
+    plan: CutPlan
+    rank: int
+    taken: int
+
+    @property
+    def epoch(self) -> int: ...
+
+
+def partition_spec(run: Any, source: Any, ops: tuple, options: ExecutionOptions, shuffle: bool) -> PartitionEpochSpec:
+    """What rank 0 sends the coordinator to start the epoch of ``run`` (a :class:`RankSplit`)."""
+    base = run.base
+    plan = EpochPlan(base.epoch, base.epoch_seed, run.pids, shuffle)
+    return PartitionEpochSpec(base.epoch, base.epoch_seed, source, tuple(ops), plan, options, run.plan.per_rank,
+                              {run.pids[place]: i for place, i in last_use(run.plan).items()})
+
+
+def join(coord: Any, run: Any, spec: Optional[PartitionEpochSpec]) -> None:
+    """Rank 0 (``spec`` given) starts the epoch; the others wait for it. Every rank checks it
+    planned the same number of batches as rank 0."""
+    if spec is not None:
+        per_rank = ray.get(coord.start_partition_epoch.remote(spec))
+    else:
+        per_rank = ray.get(coord.wait_epoch.remote(run.epoch, 300.0))
+        if per_rank is None:
+            raise SbloaderError(f"rank 0 did not start epoch {run.epoch} within 300 s; is rank 0 iterating "
+                                "this loader?")
+    if per_rank != run.plan.per_rank:
+        raise SbloaderError(
+            f"rank {run.rank} planned {run.plan.per_rank} batches for epoch {run.epoch} but rank 0 planned "
+            f"{per_rank}: every rank must load the same state and use the same loader arguments"
+        )
+
+
+def batches(coord: Any, run: Any) -> Iterator[tuple[Batch, int]]:
+    """(Fetch thread) This rank's batches as ``(batch, index among its batches)``, from the
+    batch after the last one its loop took."""
+    mine = run.plan.for_rank(run.rank)
+    offset = {place: run.base.taken.get(pid, 0) for place, pid in enumerate(run.pids)}
+    last_mine: dict[int, int] = {}
+    for j, b in enumerate(mine):
+        for p in _places(b):
+            last_mine[run.pids[p.key]] = j
+    refs: dict[int, Any] = {}
+    blocks: dict[int, Any] = {}
+
+    def wanted(j: int) -> list[int]:
+        out: list[int] = []
+        for b in mine[j:j + 1 + _AHEAD]:
+            for p in _places(b):
+                pid = run.pids[p.key]
+                if pid not in out and pid not in refs and pid not in blocks:
+                    out.append(pid)
+        return out
+
+    for j, b in enumerate(mine[run.taken:], start=run.taken):
+        want = wanted(j)
+        now = [run.pids[p.key] for p in _places(b)]
+        while any(pid not in refs and pid not in blocks for pid in now):
+            reply = ray.get(coord.block_refs.remote(run.epoch, run.rank, run.taken, want, _WAIT_S))
+            refs.update(reply["refs"])
+            want = [pid for pid in want if pid not in refs]
+        for pid in now:
+            if pid not in blocks:
+                blocks[pid] = _checked(ray.get(refs.pop(pid)), pid, run, offset)
+        yield _assemble(b, run, blocks, offset), j
+        for pid in [pid for pid, last in last_mine.items() if last == j]:
+            blocks.pop(pid, None)
+            refs.pop(pid, None)
+
+
+def _places(b: Any) -> tuple:
+    return b.pieces + ((b.pad_piece,) if b.pad_piece is not None else ())
+
+
+def _checked(block: dict, pid: int, run: Any, offset: dict) -> dict:
+    """The block, once its row count is the plan's (an operator that dropped rows is an error)."""
+    n = len(block[ROW_COLUMN]) if ROW_COLUMN in block else 0
+    place = run.pids.index(pid)
+    expect = offset[place] + run.rows[place]
+    if n != expect:
+        raise SbloaderError(
+            f"partition {pid} gave {n} rows where the plan counted {expect}: split across ranks, a native "
+            "pipeline's operators must keep one output row per input row"
+        )
+    return block
+
+
+def _assemble(b: Any, run: Any, blocks: dict, offset: dict) -> Batch:
+    """One batch's rows cut from its partitions' blocks; padding rows marked."""
+    epoch = run.epoch
+    pieces = [(slice_block(blocks[run.pids[p.key]], offset[p.key] + p.start, offset[p.key] + p.stop),
+               run.pids[p.key], epoch) for p in b.pieces]
+    if not b.pad:
+        return make_batch(pieces)
+    p = b.pad_piece
+    row = slice_block(blocks[run.pids[p.key]], offset[p.key] + p.start, offset[p.key] + p.stop)
+    data = concat([piece for piece, _, _ in pieces] + [row] * b.pad)
+    data.pop(ROW_COLUMN, None)
+    out = Batch(data)
+    real = sum(len(piece[ROW_COLUMN]) for piece, _, _ in pieces)
+    out[PADDING_KEY] = np.arange(real + b.pad) >= real
+    if pieces:
+        first = make_batch(pieces)
+        out.provenance, out.parts = first.provenance, first.parts
+    return out
+
+
+def finish(coord: Any, epoch: int, rank: int, taken: int) -> None:
+    """Tell the coordinator this rank left the epoch after ``taken`` batches (not waited for)."""
+    try:
+        coord.finish.remote(epoch, rank, taken)
+    except Exception:  # the coordinator is gone: nothing to tell
+        pass
+
+
+def stats(coord: Any, epoch: int) -> Any:
+    """The job pipeline's :class:`~sbloader.core.stats.ExecutionStats` of ``epoch`` (None if it cannot tell)."""
+    try:
+        return ray.get(coord.execution_stats.remote(epoch), timeout=10)
+    except Exception:  # the coordinator is gone or busy: statistics are not worth a failure
+        return None

@@ -1,0 +1,127 @@
+"""An epoch of unknown length in the split coordinator: an ``IterableDataset`` split across ranks.
+
+The coordinator iterates the dataset once for the job; each produced batch joins a
+pool, and a rank may take its ``k``-th batch only while every other rank can
+still reach ``k`` from what was produced (:func:`~sbloader.core.split.stream_allowance`).
+Once production ended, every rank's count is ``produced // world_size`` whole
+batches, and the rows of the batches left over are spread as one short last
+batch per rank (:func:`~sbloader.core.split.stream_tail`), or dropped with ``drop_last``.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from sbloader.core.split import pick_local, stream_allowance, stream_tail
+from sbloader.distributed.epoch import Epoch
+from sbloader.distributed.specs import EpochSpec, StreamBatch
+from sbloader.executor.executor import OutputBlock
+
+
+@dataclass(frozen=True)
+class _Produced:
+    """(Unknown total) a produced batch: batch ``pos`` of block ``ref``."""
+
+    ref: Any
+    pos: int
+    rows: int
+    nbytes: int
+    node: str
+    id: int  # production order: the batch's id in the delivery logs
+
+
+class StreamEpoch(Epoch):
+    """An epoch whose total is unknown until its pipeline produced everything."""
+
+    def __init__(self, spec: EpochSpec, world_size: int, actor_cache: dict, estimates: Optional[list] = None,
+                 earlier: tuple = (), ledger: bool = True) -> None:
+        super().__init__(spec, world_size, actor_cache, estimates, earlier, ledger=ledger)
+        self.produced = 0  # batches produced so far
+        self.tail: Optional[list] = None  # per rank its short last batch, once production ended
+
+    def _deliver(self, item: OutputBlock) -> None:
+        self._add_batches(item)
+
+    def _end_of_production(self) -> None:
+        self._plan_tail()
+
+    def _add_batches(self, item: OutputBlock) -> None:
+        """(Pump, lock held) A produced block's batches join the pool, its bytes shared among them."""
+        meta = item.meta
+        rows = meta.batch_rows or (1,) * meta.num_rows
+        n = len(rows)
+        if n == 0:  # a shard that yielded nothing: no rank will acknowledge its bytes
+            self.executor.release(meta.nbytes)
+        for pos, r in enumerate(rows):
+            share = meta.nbytes // n + (meta.nbytes % n if pos == 0 else 0)
+            self.pool.append(_Produced(item.ref, pos, int(r), share, meta.node_id, self.produced))
+            self.produced += 1
+
+    def _plan_tail(self) -> None:
+        """(Pump, lock held) Production ended: set the left-over batches aside as the tail.
+
+        Every rank's quota is ``produced // world_size`` whole batches; the rest
+        (the shortest undelivered batches, so the whole batches stay full) is
+        dropped with ``drop_last`` or cut into one short last batch per rank.
+        """
+        ws = self.world_size
+        quota = self.produced // ws
+        left = self.produced - quota * ws
+        if left == 0:
+            self.tail = [None] * ws
+            return
+        by_rows = sorted(range(len(self.pool)), key=lambda i: (self.pool[i].rows, i))[:left]
+        spare = [self.pool[i] for i in sorted(by_rows)]
+        keep = set(by_rows)
+        self.pool = deque(b for i, b in enumerate(self.pool) if i not in keep)
+        for b in spare:  # out of the budget: nothing more is produced
+            self.executor.release(b.nbytes)
+        if self.spec.drop_last:
+            self.tail = [None] * ws
+            return
+        plan = stream_tail([b.rows for b in spare], ws)
+        self.tail = [StreamBatch(tuple((spare[i].ref, spare[i].pos, a, z) for i, a, z in pieces),
+                                 sum(z - a for _, a, z in pieces), pad, whole=False)
+                     for pieces, pad in zip(plan.pieces, plan.pad)]
+
+    @property
+    def per_rank(self) -> Optional[int]:
+        """Batches each rank receives: None while the total is unknown."""
+        if self.tail is None:
+            return None
+        return self.produced // self.world_size + (1 if self.tail[0] is not None else 0)
+
+    def take(self, rank: int, max_n: int, node: Optional[str], wait_s: float,
+                    stall_report_s: float) -> list:
+        """(Unknown total) up to ``max_n`` batches for ``rank`` as :class:`StreamBatch`; waits at
+        most ``wait_s`` for one (an empty list: nothing yet; see :meth:`done`)."""
+        log = self.logs[rank]
+        log.last_seen = time.monotonic()
+        log.node = node
+        deadline = time.monotonic() + wait_s
+        with self.cond:
+            while True:
+                if not self._open():
+                    return []
+                whole = self.produced // self.world_size if self.produced_all else None
+                if whole is not None and log.count >= whole:  # its whole batches: the short last one
+                    last = self.tail[rank]
+                    if last is None or log.count > whole:
+                        return []
+                    self._log(log, -1, 0)
+                    return [last]
+                allow = stream_allowance(self.produced, [lg.count for lg in self.logs], rank, self.produced_all)
+                if allow > 0:
+                    break
+                if not self._wait(deadline, rank, stall_report_s):
+                    return []
+            out = []
+            while self.pool and len(out) < min(max_n, allow):
+                idx = pick_local([b.node for b in self.pool], node)
+                b = self.pool[idx]
+                del self.pool[idx]
+                out.append(StreamBatch(((b.ref, b.pos, 0, b.rows),), b.rows))
+                self._log(log, b.id, b.nbytes)
+            return out

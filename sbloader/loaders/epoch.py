@@ -1,0 +1,155 @@
+"""One epoch of a loader in the trainer: the consumer half of every pipeline.
+
+Both loaders build an :class:`EpochIterator` per iteration, as torch's DataLoader
+builds a ``_MultiProcessingDataLoaderIter``: it owns the epoch's state (its run:
+what was planned and what the training loop took) and composes the same stages
+whatever produced the batches:
+
+1. a producer, a generator of :class:`Delivery` (a batch and the fact the ledger
+   records when the loop takes it), run in a background thread
+   (:class:`~sbloader.loaders.fetch_ahead.FetchAhead`) ``ahead`` batches ahead of
+   the loop, or inline (``ahead=0``, torch's ``num_workers=0``);
+2. error translation (the drop-in re-raises a worker's error with its original
+   type, as torch does) and torch's ``timeout``;
+3. the device copy (:class:`~sbloader.loaders.tensors.DeviceCopy`);
+4. the consumed ledger: the run records a batch only when the loop receives it
+   (consumed, not produced);
+5. stall accounting (:class:`~sbloader.core.stats.StallStats`) and the loop's own
+   pace, which tells an executor whether the pipeline is the bottleneck.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Protocol
+
+from sbloader.core.stats import StallStats
+from sbloader.loaders.fetch_ahead import FetchAhead
+
+
+@dataclass
+class Delivery:
+    """One batch from a producer.
+
+    Attributes:
+        batch: what the loop receives (before the device copy).
+        record: what the epoch's run records once the loop took it (None: nothing).
+        release: called once the loop has moved two batches past this one (a
+            zero-copy batch views its block until then).
+    """
+
+    batch: Any
+    record: Any = None
+    release: Optional[Callable[[], None]] = None
+
+
+class Run(Protocol):
+    """The epoch's run: what the loop took, as the checkpoint will record it."""
+
+    def took(self, record: Any) -> None:
+        """The training loop received a batch (its :attr:`Delivery.record`)."""
+
+    def finished(self) -> None:
+        """The epoch ran to its end."""
+
+
+class EpochIterator:
+    """The iterator of one epoch: the loop's batches, with the epoch's state.
+
+    Args:
+        produce: the producer (a generator of :class:`Delivery`).
+        run: records what the loop took (None: a loader that keeps no state).
+        ahead: batches made ahead in a background thread (0: inline, no thread).
+        stalls: the epoch's stall instrument, filled in as it goes.
+        to_device: moves each batch to the loop's device (None: stays on the CPU).
+        translate: turns a producer's error into the error the loop sees (raises).
+        timeout: seconds the loop may wait for one batch (None: forever); past it
+            ``RuntimeError`` says so, as torch's DataLoader does.
+        pace: called with the loop's own seconds for each batch (its waits left out).
+        wake: called when the epoch closes early, before waiting for the thread: it
+            must wake a producer blocked on its source (shut that source down).
+        on_close: called once when the epoch ends or is dropped, whatever happened.
+    """
+
+    def __init__(self, produce: Iterator[Delivery], run: Optional[Run] = None, *, ahead: int = 2,
+                 stalls: Optional[StallStats] = None, to_device: Optional[Callable[[Any], Any]] = None,
+                 translate: Optional[Callable[[BaseException], Any]] = None, timeout: Optional[float] = None,
+                 pace: Optional[Callable[[float], None]] = None, wake: Optional[Callable[[], Any]] = None,
+                 on_close: Optional[Callable[[], Any]] = None) -> None:
+        self.run = run
+        self.stalls = stalls if stalls is not None else StallStats()
+        self._t0 = time.perf_counter()
+        self._fetch = FetchAhead(produce, depth=ahead) if ahead > 0 else None
+        self._inline = produce if ahead <= 0 else None
+        self._to_device, self._translate, self._timeout = to_device, translate, timeout
+        self._pace, self._wake, self._on_close = pace, wake, on_close
+        self._held: deque = deque()
+        self._yielded_at: Optional[float] = None
+        self._closed = False
+
+    def __iter__(self) -> "EpochIterator":
+        return self
+
+    def __next__(self) -> Any:
+        if self._closed:
+            raise StopIteration
+        now = time.perf_counter()
+        if self._yielded_at is not None and self._pace is not None:
+            self._pace(now - self._yielded_at)
+        try:
+            d = self._next_delivery()
+        except StopIteration:
+            if self.run is not None:
+                self.run.finished()
+            self.close()
+            raise
+        except BaseException as e:
+            self.close()
+            if self._translate is not None and not isinstance(e, (KeyboardInterrupt, SystemExit)):
+                self._translate(e)
+            raise
+        if d.release is not None:
+            self._held.append(d.release)
+            while len(self._held) > 2:  # the loop still holds the previous batch
+                self._held.popleft()()
+        batch = self._to_device(d.batch) if self._to_device is not None else d.batch
+        if self.run is not None and d.record is not None:
+            self.run.took(d.record)
+        self.stalls.batches += 1
+        self._yielded_at = time.perf_counter()
+        return batch
+
+    def _next_delivery(self) -> Delivery:
+        t0 = time.perf_counter()
+        try:
+            if self._inline is not None:
+                return next(self._inline)
+            return self._fetch.next(timeout=self._timeout)
+        except TimeoutError:
+            raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds") from None  # torch's words
+        finally:
+            self.stalls.wait_ready_s += time.perf_counter() - t0
+
+    def close(self) -> None:
+        """End the epoch: stop the producer and give back what it holds. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._fetch is not None:
+                self._fetch.close(wake=self._wake)
+            elif self._inline is not None:
+                self._inline.close()
+            while self._held:
+                self._held.popleft()()
+        finally:
+            self.stalls.wall_s = time.perf_counter() - self._t0
+            if self._on_close is not None:
+                self._on_close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,185 @@
+"""The epochs of a native pipeline loader: one consumer, or one rank of a job.
+
+:func:`local_epoch` runs the epoch's pipeline in this process's executor and cuts
+its blocks into batches (the shuffle window drawing each batch from several
+partitions, :mod:`~sbloader.loaders.batching`); :func:`split_epoch` has the job's
+split coordinator run the pipeline once and cuts this rank's batches from the job's
+cut plan (:mod:`~sbloader.distributed.pipeline_client`). Both hand their batches to
+the same consumer stages (:class:`~sbloader.loaders.epoch.EpochIterator`).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional, Protocol
+
+from sbloader.core.ops import Op
+from sbloader.core.plan import EpochPlan, make_epoch_plan
+from sbloader.core.stats import ExecutionStats, StallStats
+from sbloader.distributed import pipeline_client
+from sbloader.executor.launch import arena_here, options_here, start_execution
+from sbloader.loaders.batching import BlockFeed, ShuffleWindow, iter_batches
+from sbloader.loaders.epoch import Delivery, EpochIterator
+from sbloader.loaders.pipeline_run import PipelineRun, SplitRun, skip_consumed
+from sbloader.loaders.tensors import DeviceCopy, TensorOptions, columns_as_tensors
+from sbloader.sources.base import Source
+
+
+class Pipeline(Protocol):
+    """What a loader runs: a source and its operators (a :class:`~sbloader.dataset.dataset.Dataset`)."""
+
+    @property
+    def source(self) -> Source: ...
+
+    @property
+    def ops(self) -> tuple[Op, ...]: ...
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    """How a native loader batches and runs its epochs (its constructor's arguments).
+
+    Attributes:
+        batch_size: rows per batch.
+        shuffle: reshuffle every epoch.
+        drop_last: drop a final short batch.
+        deterministic: fixed delivery order for a given epoch seed.
+        memory_budget: bytes the pipeline may hold in the object store.
+        prefetch_blocks: ready blocks kept ahead, and batches made ahead of the loop.
+        window: partitions each batch draws from at once (1 without shuffle).
+        allow_trainer_node: let tasks run on this process's node on a cluster.
+        tensors: how batches become tensors.
+        device: the loop's device (None: the CPU).
+    """
+
+    batch_size: int
+    shuffle: bool
+    drop_last: bool
+    deterministic: bool
+    memory_budget: Optional[int]
+    prefetch_blocks: int
+    window: int
+    allow_trainer_node: bool
+    tensors: TensorOptions
+    device: Any = None
+
+    def prefetch_for(self, source: Source, plan: EpochPlan) -> int:
+        """Ready blocks to keep ahead: ``prefetch_blocks``, raised to the shuffle window's
+        blocks and to two batches' worth when a batch spans several blocks."""
+        base = max(self.prefetch_blocks, self.window + 1) if self.window > 1 else self.prefetch_blocks
+        rows = source.num_rows()
+        try:
+            parts = len(source.partitions(plan.epoch, plan.epoch_seed, shuffle=plan.shuffle))
+        except Exception:  # a source that cannot list cheaply: blocks as given
+            return base
+        if not rows or not parts:
+            return base
+        return max(base, 2 * math.ceil(self.batch_size / max(1.0, rows / parts)))
+
+
+@dataclass
+class Carry:
+    """What a native loader keeps from one epoch to the next.
+
+    Attributes:
+        actor_cache: the pools' actors (``persistent_workers``), or None.
+        estimates: the stages' output block sizes measured by the last epoch: the next
+            starts every slot at once instead of one task per stage.
+        counted_rows: rows the last complete epoch delivered (``len()`` of a pipeline
+            that may change the row count).
+        stats: the latest epoch's execution statistics.
+    """
+
+    actor_cache: Optional[dict] = None
+    estimates: Optional[list] = None
+    counted_rows: Optional[int] = None
+    stats: Optional[ExecutionStats] = field(default=None)
+
+
+def epoch_plan(source: Source, epoch: int, epoch_seed: int, shuffle: bool) -> EpochPlan:
+    """The epoch's whole plan: the source's partitions for the epoch, in the order the seed draws."""
+    ids = [p.id for p in source.partitions(epoch, epoch_seed, shuffle=shuffle)]
+    return make_epoch_plan(ids, epoch, epoch_seed, shuffle)
+
+
+def _device_copy(settings: PipelineSettings) -> Optional[DeviceCopy]:
+    return DeviceCopy(settings.device, settings.tensors.pin) if settings.device is not None else None
+
+
+def local_epoch(pipeline: Pipeline, settings: PipelineSettings, run: PipelineRun, carry: Carry) -> EpochIterator:
+    """One consumer's epoch: the pipeline in this process's executor, its blocks cut here."""
+    source = pipeline.source
+    plan = EpochPlan(run.epoch, run.epoch_seed, run.unfinished(), settings.shuffle)
+    options = options_here(memory_budget=settings.memory_budget, deterministic=settings.deterministic,
+                           prefetch_blocks=settings.prefetch_for(source, plan), progress=False,
+                           allow_trainer_node=settings.allow_trainer_node)
+    executor = start_execution(source, pipeline.ops, plan, options, actor_cache=carry.actor_cache,
+                               estimates=carry.estimates, arena=arena_here())
+    carry.stats = executor.stats()
+    stalls = StallStats()
+    window = settings.window
+    feed = BlockFeed(executor, hold=None if window > 1 else 1)
+    cut = ShuffleWindow(window, run.epoch_seed, run.batches, feed.release if window > 1 else None)
+
+    def produce() -> Iterator[Delivery]:
+        seen: list = []  # partition sizes seen, recorded with the next batch the loop takes
+        batches = iter_batches(skip_consumed(iter(feed), run, seen), settings.batch_size, settings.drop_last, cut)
+        try:
+            for batch in batches:
+                t0 = time.perf_counter()
+                out = columns_as_tensors(batch, settings.tensors)
+                stalls.fetch_s += time.perf_counter() - t0
+                facts, seen[:] = list(seen), []
+                yield Delivery(out, (batch.parts, facts))
+        finally:
+            batches.close()
+
+    # The loop's own time per batch (its waits left out) tells the executor whether the
+    # pipeline is the bottleneck: the fetch thread, which asks again at once, cannot.
+    pace = executor.consumer_pace
+    pace.external = True
+
+    def closed() -> None:
+        carry.estimates = executor.estimates()
+        if run.complete:
+            carry.counted_rows = carry.stats.operators[-1].rows
+
+    return EpochIterator(produce(), run, ahead=max(1, settings.prefetch_blocks), stalls=stalls,
+                         to_device=_device_copy(settings), wake=executor.shutdown, on_close=closed,
+                         pace=lambda seconds: pace.add(seconds, settings.batch_size))
+
+
+def split_epoch(pipeline: Pipeline, settings: PipelineSettings, run: SplitRun, coordinator: Any,
+                carry: Carry) -> EpochIterator:
+    """One rank's epoch of a job: the job's pipeline on its coordinator, this rank's batches cut here."""
+    stalls = StallStats()
+    carry.stats = None
+
+    def produce() -> Iterator[Delivery]:
+        spec = None
+        if run.rank == 0:
+            plan = EpochPlan(run.epoch, run.base.epoch_seed, run.pids, settings.shuffle)
+            ahead = settings.prefetch_for(pipeline.source, plan) + run.plan.world_size * (1 + settings.window)
+            options = options_here(memory_budget=settings.memory_budget, deterministic=settings.deterministic,
+                                   prefetch_blocks=ahead, progress=False,
+                                   allow_trainer_node=settings.allow_trainer_node)
+            spec = pipeline_client.partition_spec(run, pipeline.source, pipeline.ops, options, settings.shuffle)
+        pipeline_client.join(coordinator, run, spec)
+        for batch, _ in pipeline_client.batches(coordinator, run):
+            t0 = time.perf_counter()
+            out = columns_as_tensors(batch, settings.tensors)
+            stalls.fetch_s += time.perf_counter() - t0
+            yield Delivery(out, 1)
+
+    def closed() -> None:
+        pipeline_client.finish(coordinator, run.epoch, run.rank, run.taken)
+        carry.stats = pipeline_client.stats(coordinator, run.epoch)
+
+    return EpochIterator(produce(), run, ahead=max(1, settings.prefetch_blocks), stalls=stalls,
+                         to_device=_device_copy(settings), on_close=closed)
+
+
+def sizes_of(source: Source, epoch: int, epoch_seed: int, shuffle: bool) -> dict:
+    """Output rows of every partition id of the epoch (None where the source cannot tell)."""
+    return {p.id: p.num_rows for p in source.partitions(epoch, epoch_seed, shuffle=shuffle)}

@@ -1,0 +1,262 @@
+"""Loaders over native pipelines: ``ds.to_dataloader()`` and ``ds.to_torch_dataset()``.
+
+Each iteration is one epoch (:mod:`~sbloader.loaders.pipeline_epoch`): a fresh
+execution of the pipeline whose epoch seed is drawn as torch draws its base seed
+(or fixed by ``seed``), so every iteration reshuffles. Batches are dicts of tensors
+(writable; one copy of the bytes, into pinned memory with ``pin_memory``) with
+``.provenance``, made in a background thread up to ``prefetch_blocks`` batches
+ahead of the training loop.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import warnings
+import weakref
+from typing import Any, Callable, Iterator, Mapping, Optional
+
+from sbloader.core.ops import rows_changing
+from sbloader.core.plan import draw_epoch_seed
+from sbloader.core.split import split_epoch
+from sbloader.core.stats import ExecutionStats, StallStats
+from sbloader.executor.executor import kill_cached
+from sbloader.loaders import pipeline_state
+from sbloader.loaders.batching import window_of
+from sbloader.loaders.epoch import EpochIterator
+from sbloader.loaders.pipeline_epoch import (Carry, Pipeline, PipelineSettings, epoch_plan, local_epoch, sizes_of,
+                                             split_epoch as run_split_epoch)
+from sbloader.loaders.pipeline_run import PipelineRun, plan_split
+from sbloader.loaders.tensors import TensorOptions
+from sbloader.runtime.world import World
+
+_LOADER_COUNTER = itertools.count()
+
+
+class PipelineLoader:
+    """An iterable of torch batches over a :class:`~sbloader.Dataset`, one epoch per iteration.
+
+    Args:
+        dataset: the pipeline (a :class:`~sbloader.Dataset`: a source and its operators).
+        batch_size: rows per batch.
+        shuffle: reshuffle every epoch, as torch's ``shuffle=True`` does: sources of small
+            items (files, list elements) draw each partition's members from the epoch
+            seed, partitions run in a drawn order, rows are shuffled inside each, and a
+            source whose partition is one unit of I/O (a Parquet row group, a video)
+            has each batch drawn from several partitions at once (``shuffle_window``).
+        shuffle_window: under ``shuffle``, how many partitions each batch draws from at
+            once (default: the source's: 1 for ``read_images``, ``from_items``...,
+            8 for ``read_parquet`` and ``read_videos``). The loop then holds that many
+            output blocks (within the memory budget); 1 cuts each partition's batches
+            on its own. See the user guide's "Shuffling".
+        seed: fix the epoch seed to ``f(seed, epoch)``; None draws it like torch.
+        drop_last: drop a final short batch.
+        deterministic: fixed delivery order for a given epoch seed.
+        memory_budget: bytes the pipeline may hold in the object store.
+        prefetch_blocks: ready blocks kept ahead of the consumer, and batches the
+            fetch thread makes ahead of the training loop.
+        pin_memory: copy batches into page-locked memory (with an accelerator).
+        device: move batches to this device.
+        zero_copy: wrap the buffers without copying (read-only over Ray's object store).
+            Batches made on the trainer's node are writable views of the process's
+            shared-memory slots either way (``sbloader/executor/handoff.py``).
+        dtypes: torch dtype per column.
+        collate_fn: applied to each NumPy batch instead of the tensor conversion.
+        generator: torch generator the epoch seed is drawn from.
+        rank: override the rank (default: torchrun's ``RANK``).
+        world_size: override the world size (default: ``WORLD_SIZE``); above 1 the
+            job's split coordinator runs the pipeline once and every rank cuts its
+            batches from a plan all ranks compute alike: the same number of batches
+            on every rank, every row once (a few repeated rows marked
+            ``batch["sbloader_padding"]`` only when fewer rows than ranks are left),
+            and each batch drawn from the whole dataset under ``shuffle``.
+        persistent_workers: keep the actor pools' actors (callable classes of
+            ``map_batches``, e.g. a model) from one epoch to the next, as torch's
+            ``persistent_workers`` keeps its worker processes: constructed once for
+            the loader's life instead of once per epoch. They hold their CPUs/GPUs
+            between epochs; they go when the loader is deleted.
+        allow_trainer_node: on a cluster, let tasks and actors run on this
+            process's node too (by default they avoid it when other nodes have CPUs).
+        name: the loader's name in the job (default: its creation index in the
+            process); split across ranks, the ranks find its coordinator by job id and name.
+    """
+
+    def __init__(self, dataset: Pipeline, batch_size: int = 256, *, shuffle: bool = False,
+                 seed: Optional[int] = None, drop_last: bool = False, deterministic: bool = False,
+                 memory_budget: Optional[int] = None, prefetch_blocks: int = 2, pin_memory: bool = False,
+                 device: Any = None, zero_copy: bool = False, dtypes: Optional[Mapping[str, Any]] = None,
+                 collate_fn: Optional[Callable] = None, generator: Any = None,
+                 rank: Optional[int] = None, world_size: Optional[int] = None,
+                 persistent_workers: bool = False, allow_trainer_node: bool = False,
+                 shuffle_window: Optional[int] = None, name: Optional[str] = None) -> None:
+        if batch_size is None or batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, found {batch_size}")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.shuffle_window = window_of(dataset.source, shuffle_window)
+        self.seed = seed
+        self.generator = generator
+        self.persistent_workers = persistent_workers
+        self.world = World.detect(rank=rank, world_size=world_size)
+        self.name = name if name is not None else f"pipeline{next(_LOADER_COUNTER)}"
+        pin = pin_memory and _accelerator()
+        if pin_memory and not pin:
+            warnings.warn("pin_memory=True but no accelerator is found; batches are not pinned", stacklevel=2)
+        self.settings = PipelineSettings(
+            batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, deterministic=deterministic,
+            memory_budget=memory_budget, prefetch_blocks=prefetch_blocks,
+            window=self.shuffle_window if shuffle else 1, allow_trainer_node=allow_trainer_node,
+            tensors=TensorOptions(pin=pin, zero_copy=zero_copy, dtypes=dtypes, collate_fn=collate_fn),
+            device=device)
+        self._carry = Carry(actor_cache={} if persistent_workers else None)
+        self._epoch = 0
+        # The current epoch's run and stall instrument; its iterator only weakly: a loop that
+        # breaks off drops the iterator, which then stops its pipeline (as torch's does).
+        self._run: Any = None
+        self._stalls: Optional[StallStats] = None
+        self._iterator: Optional[weakref.ref] = None
+        self._resume: Optional[dict] = None
+        self._coordinator: Any = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch of the next iteration."""
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, found {epoch}")
+        self._epoch = epoch
+
+    def __del__(self) -> None:
+        carry = getattr(self, "_carry", None)
+        kill_cached(carry.actor_cache if carry is not None else None)
+
+    def __len__(self) -> int:
+        # One rule, with or without torchrun: without filter/flat_map, operators are
+        # taken to keep one output row per input row (a rank that runs short raises).
+        n = None
+        if not rows_changing(self.dataset.ops):
+            sizes = list(sizes_of(self.dataset.source, self._epoch, 0, False).values())
+            n = None if any(s is None for s in sizes) else sum(sizes)
+        if n is not None and self.world.world_size > 1:
+            return split_epoch(n, self.batch_size, self.world.world_size, self.settings.drop_last).per_rank
+        n = n if n is not None else self._carry.counted_rows  # counted by the last complete epoch
+        if n is None:
+            raise TypeError(
+                f"{self.dataset!r} has no length known before running (filter or flat_map may change the row "
+                "count); iterate one epoch first to count it"
+            )
+        return n // self.batch_size if self.settings.drop_last else math.ceil(n / self.batch_size)
+
+    def stats(self) -> Optional[ExecutionStats]:
+        """Execution statistics of the latest epoch (split across ranks: the job's pipeline,
+        read from its coordinator at the end of the epoch)."""
+        return self._carry.stats
+
+    def stall_stats(self) -> Optional[StallStats]:
+        """The data-stall instrument of the latest epoch."""
+        return self._stalls
+
+    def state_dict(self) -> dict:
+        """A small JSON-serialisable state: the partitions (and rows) the loop consumed.
+
+        Split across ranks (world size above 1) it records every rank's first ``k``
+        batches, ``k`` being this rank's count: take it at the same step on every
+        rank (rank 0 may save it alone); it needs no process group and no call to
+        the coordinator.
+        """
+        if self._run is None and self._resume is not None:
+            return dict(self._resume)  # loaded, not iterated yet: the same state again
+        run = self._run.progress() if self._run is not None else None
+        return pipeline_state.make_state(self._fingerprint(), self._epoch, run)
+
+    def load_state_dict(self, state_dict: dict, strict: bool = True) -> None:
+        """Resume from :meth:`state_dict`: the next iteration delivers only what was not consumed."""
+        state = pipeline_state.FORMAT.check(state_dict, self._fingerprint(), strict)
+        self._resume = dict(state)
+        self._run = None
+        self._epoch = int(state["epoch"])
+
+    def _fingerprint(self) -> dict:
+        return pipeline_state.fingerprint(self.dataset, self.batch_size, self.shuffle)
+
+    def _start_run(self) -> PipelineRun:
+        """The epoch this iteration runs: the one a loaded state left unfinished, or the next."""
+        resume, self._resume = self._resume, None
+        source = self.dataset.source
+        if resume is not None and resume.get("epoch_seed") is not None:
+            plan = epoch_plan(source, int(resume["epoch"]), int(resume["epoch_seed"]), self.shuffle)
+            run = pipeline_state.run_from_state(resume, plan.order)
+        else:
+            plan = epoch_plan(source, self._epoch, draw_epoch_seed(self.seed, self._epoch, self.generator),
+                              self.shuffle)
+            run = PipelineRun(plan.epoch, plan.epoch_seed, order=plan.order)
+        self._epoch = run.epoch + 1
+        return run
+
+    def _split_coordinator(self) -> Any:
+        """The job's coordinator of this loader (created by the first rank to ask)."""
+        if self._coordinator is None:
+            from sbloader.distributed.naming import get_coordinator
+            from sbloader.runtime.session import ensure_initialized
+
+            ensure_initialized()
+            w = self.world
+            self._coordinator = get_coordinator(w.job_id, self.name, w.world_size, self._fingerprint(),
+                                                w.restart_count)
+        return self._coordinator
+
+    def __iter__(self) -> EpochIterator:
+        previous = self._iterator() if self._iterator is not None else None
+        if previous is not None:  # a new epoch while the last one's iterator lives on: end that one
+            previous.close()
+        base = self._start_run()
+        if self.world.world_size == 1:
+            it = local_epoch(self.dataset, self.settings, base, self._carry)
+        else:
+            sizes = sizes_of(self.dataset.source, base.epoch, base.epoch_seed, self.shuffle)
+            run = plan_split(base, sizes, rows_changing(self.dataset.ops), self.batch_size, self.world.world_size,
+                             self.world.rank, self.settings.drop_last, self.settings.window)
+            it = run_split_epoch(self.dataset, self.settings, run, self._split_coordinator(), self._carry)
+        self._run, self._stalls, self._iterator = it.run, it.stalls, weakref.ref(it)
+        return it
+
+
+def _accelerator() -> bool:
+    import torch
+
+    return torch.accelerator.is_available()
+
+
+def _torch_iterable_base() -> type:
+    from torch.utils.data import IterableDataset
+
+    return IterableDataset
+
+
+class TorchIterableDataset(_torch_iterable_base()):  # type: ignore[misc]
+    """A ``torch.utils.data.IterableDataset`` of ready batches from a pipeline.
+
+    Use it with ``torch.utils.data.DataLoader(it, batch_size=None)``: batching and
+    preprocessing already happen on the cluster. With torch workers > 1 every
+    worker would run the whole pipeline, so that raises an error.
+    """
+
+    def __init__(self, loader: PipelineLoader) -> None:
+        self._loader = loader
+
+    def __iter__(self) -> Iterator[Any]:
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        if info is not None and info.num_workers > 1:
+            raise RuntimeError(
+                f"to_torch_dataset() is already parallel on the cluster; torch's DataLoader has "
+                f"num_workers={info.num_workers}, which would load every batch {info.num_workers} times. "
+                "Use num_workers=0 and batch_size=None."
+            )
+        return iter(self._loader)
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch of the next iteration."""
+        self._loader.set_epoch(epoch)

@@ -1,0 +1,186 @@
+"""One epoch of a native pipeline loader, as its checkpoint sees it: what was planned and
+what the training loop took.
+
+A partition replays bit for bit (its members, rows and augmentations derive from
+the epoch seed and its id), and a batch takes each partition's rows in order (the
+shuffle window takes a prefix of every open partition). So an epoch's progress is
+the set of partitions fully consumed plus, for the few partly consumed, how many
+of their output rows were taken; resuming re-runs the unfinished partitions and
+drops those first rows (:func:`skip_consumed`).
+
+:class:`PipelineRun` is the epoch of one consumer, recorded batch by batch as the
+loop takes them; :class:`SplitRun` the epoch of one rank of a job, whose progress
+is arithmetic on the job's cut plan (:func:`~sbloader.core.cut.consumed_after`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterator, Optional
+
+from sbloader.core.block import Block, BlockMeta, slice_block
+from sbloader.core.cut import CutPlan, consumed_after, cut_plan
+from sbloader.core.errors import SbloaderError
+
+
+@dataclass
+class PipelineRun:
+    """One (possibly resumed) epoch of a native pipeline with one consumer.
+
+    Attributes:
+        epoch: the epoch number.
+        epoch_seed: the epoch seed.
+        done: ids of partitions fully consumed (before and during this run).
+        taken: rows consumed so far per partition not yet done.
+        totals: output rows of each partition seen in this run.
+        complete: the epoch ran to its end.
+        order: the partition ids of the epoch's whole plan, in order.
+        batches: batches the training loop took in this epoch (before and during this
+            run; padding left out): a resumed epoch's shuffle window goes on counting.
+    """
+
+    epoch: int
+    epoch_seed: int
+    done: set = field(default_factory=set)
+    taken: dict = field(default_factory=dict)
+    totals: dict = field(default_factory=dict)
+    complete: bool = False
+    order: tuple = ()
+    batches: int = 0
+
+    def unfinished(self) -> tuple:
+        """The partition ids still to run, in plan order."""
+        return tuple(pid for pid in self.order if pid not in self.done)
+
+    def see(self, partition_id: int, rows: int) -> None:
+        """Record a partition's output rows (it is done at once when nothing of it is left)."""
+        self.totals[partition_id] = rows
+        if rows == 0 or self.taken.get(partition_id, 0) >= rows:
+            self.done.add(partition_id)
+            self.taken.pop(partition_id, None)
+
+    def consume(self, parts: tuple) -> None:
+        """Record a batch handed to the training loop (``parts``: ``(partition id, rows)``;
+        empty for a batch of padding)."""
+        if parts:
+            self.batches += 1
+        for pid, n in parts:
+            self.taken[pid] = self.taken.get(pid, 0) + n
+            if pid in self.totals and self.taken[pid] >= self.totals[pid]:
+                self.done.add(pid)
+                del self.taken[pid]
+
+    def took(self, record: tuple) -> None:
+        """(:class:`~sbloader.loaders.epoch.Run`) the loop took a batch: ``(parts, sizes seen)``."""
+        parts, seen = record
+        for pid, rows in seen:  # partition sizes the fetch thread saw before this batch
+            self.see(pid, rows)
+        self.consume(parts)
+
+    def finished(self) -> None:
+        """(:class:`~sbloader.loaders.epoch.Run`) the epoch ran to its end."""
+        self.complete = True
+
+    def progress(self) -> "PipelineRun":
+        """The run as a checkpoint records it (itself: it is kept batch by batch)."""
+        return self
+
+
+def skip_consumed(blocks: Iterator[tuple[Block, BlockMeta]], run: PipelineRun,
+                  facts: list) -> Iterator[tuple[Block, BlockMeta]]:
+    """Drop the rows a resumed partition had already delivered.
+
+    Each partition's output rows are appended to ``facts`` as ``(partition id,
+    rows)`` for the consumer to record with :meth:`PipelineRun.see`: this generator
+    runs in the fetch thread and only reads ``run``.
+    """
+    for block, meta in blocks:
+        pid = meta.partition_id
+        skip = run.taken.get(pid, 0)
+        facts.append((pid, meta.num_rows))
+        if meta.num_rows == 0 or skip >= meta.num_rows:
+            continue
+        if skip:
+            block = slice_block(block, skip, meta.num_rows)
+            meta = replace(meta, num_rows=meta.num_rows - skip)
+        yield block, meta
+
+
+@dataclass
+class SplitRun:
+    """One (possibly resumed) epoch of a native pipeline on one rank of a job.
+
+    Attributes:
+        base: the epoch as one consumer sees it (epoch, seed, plan order, partitions
+            done and rows taken before this run, batches before it).
+        pids: the partitions still to run, in plan order (the pieces' keys are places here).
+        rows: each one's rows left (known up front: the source counts them and no
+            operator changes the row count).
+        plan: the job's cut plan of this run (the same on every rank).
+        rank: this rank.
+        taken: batches this rank's training loop took in this run.
+        complete: the epoch ran to its end on this rank.
+    """
+
+    base: PipelineRun
+    pids: tuple[int, ...]
+    rows: tuple[int, ...]
+    plan: CutPlan
+    rank: int
+    taken: int = 0
+    complete: bool = False
+
+    @property
+    def epoch(self) -> int:
+        """The epoch number."""
+        return self.base.epoch
+
+    def took(self, record: Any) -> None:
+        """(:class:`~sbloader.loaders.epoch.Run`) the loop took one of this rank's batches."""
+        self.taken += 1
+
+    def finished(self) -> None:
+        """(:class:`~sbloader.loaders.epoch.Run`) the epoch ran to its end on this rank."""
+        self.complete = True
+
+    def progress(self, k: Optional[int] = None) -> PipelineRun:
+        """The epoch's consumed state once every rank took ``k`` batches (default: this rank's count)."""
+        k = self.taken if k is None else k
+        base = self.base
+        run = PipelineRun(base.epoch, base.epoch_seed, done=set(base.done), taken=dict(base.taken),
+                          order=base.order, batches=self.plan.first_index + k * self.plan.world_size,
+                          complete=self.complete)
+        for place, n in consumed_after(self.plan, k).items():
+            pid = self.pids[place]
+            prior = base.taken.get(pid, 0)
+            if n >= self.rows[place]:
+                run.done.add(pid)
+                run.taken.pop(pid, None)
+            else:
+                run.taken[pid] = prior + n
+        return run
+
+
+def plan_split(base: PipelineRun, sizes: dict, rows_changing: bool, batch_size: int, world_size: int,
+               rank: int, drop_last: bool, window: int) -> SplitRun:
+    """Cut what the epoch has left into the job's batches (the same plan on every rank).
+
+    Args:
+        base: the epoch as one consumer sees it.
+        sizes: output rows of every partition id (None where the source cannot tell).
+        rows_changing: an operator may change the number of rows (``filter``, ``flat_map``).
+        batch_size, world_size, rank, drop_last: the job's batching.
+        window: partitions a batch draws from at once.
+
+    Raises:
+        SbloaderError: a partition's size is unknown or an operator may change it.
+    """
+    pids = base.unfinished()
+    if rows_changing or any(sizes.get(pid) is None for pid in pids):
+        raise SbloaderError(
+            "split across ranks, a native pipeline cuts every rank's batches from a plan of its partitions' row "
+            "counts: its source must know partition sizes and its operators must keep one output row per input "
+            "row (no filter/flat_map); or set world_size=1 / use sbloader.DataLoader"
+        )
+    rows = tuple(int(sizes[pid]) - base.taken.get(pid, 0) for pid in pids)
+    plan = cut_plan(rows, batch_size, world_size, drop_last, window, base.epoch_seed, base.batches)
+    return SplitRun(base, pids, rows, plan, rank)

@@ -1,0 +1,77 @@
+"""The checkpoint state of a native pipeline loader (format ``sbloader.PipelineLoader``).
+
+Partitions are named by their place in the epoch's plan, which the epoch seed
+fixes: consumption follows the plan, so the places consumed are a few ranges
+however the plan permutes the ids. The body: ``epoch_seed``, ``done`` (places of
+the partitions fully consumed, as ranges), ``partial`` (place -> output rows taken
+of the few partly consumed) and ``batches`` (batches taken, so a resumed epoch's
+shuffle window draws as the uninterrupted one would). Version 2; version 1 named
+partition ids, which an unshuffled epoch's places are (read as version 2), and a
+shuffled one's are not (refused with the reason).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from sbloader.core import ledger
+from sbloader.core.errors import StateDictError
+from sbloader.core.state import StateFormat
+from sbloader.loaders.pipeline_run import PipelineRun
+
+STATE_VERSION = 2
+
+
+def _upgrade_v1(state: dict) -> dict:
+    """A version-1 state as version 2, where it means the same; else a clear refusal."""
+    if state.get("fingerprint", {}).get("shuffle") and state.get("epoch_seed") is not None:
+        raise StateDictError(
+            "state version: found 1, expected 2. A version-1 state of a shuffled epoch named partitions as "
+            "sbloader cut them before shuffle=True drew each partition's members from the epoch seed; those "
+            "partitions no longer exist, so its epoch cannot be replayed exactly. Load it with the sbloader "
+            "release that wrote it, or start that epoch again: set state['epoch_seed'] = None, "
+            "state['done'] = [], state['partial'] = {} and state['version'] = 2"
+        )
+    # Unshuffled (or between epochs): the plan is the ids in order, so an id is its place.
+    return {**state, "version": 2, "batches": 0}
+
+
+FORMAT = StateFormat("sbloader.PipelineLoader", STATE_VERSION, ("done", "partial"), {1: _upgrade_v1})
+
+
+def fingerprint(pipeline: Any, batch_size: Optional[int], shuffle: bool) -> dict:
+    """What a state must match: the pipeline, its source and the batching."""
+    return {"pipeline": repr(pipeline), "source": pipeline.source.fingerprint(), "batch_size": batch_size,
+            "shuffle": bool(shuffle)}
+
+
+def make_state(fp: dict, epoch: int, run: Optional[PipelineRun]) -> dict:
+    """The JSON-serialisable state: of ``run`` (its progress), or of a fresh ``epoch`` (``run`` None)."""
+    fresh = {"epoch_seed": None, "done": [], "partial": {}, "batches": 0}
+    if run is None:
+        return {**FORMAT.header(fp), "epoch": int(epoch), **fresh}
+    if run.complete:
+        return {**FORMAT.header(fp), "epoch": run.epoch + 1, **fresh}
+    place = {pid: i for i, pid in enumerate(run.order)}
+    partial = sorted(((place[pid], int(n)) for pid, n in run.taken.items() if n > 0))
+    return {**FORMAT.header(fp), "epoch": run.epoch, "epoch_seed": run.epoch_seed,
+            "done": [list(r) for r in ledger.from_positions(place[pid] for pid in run.done)],
+            "partial": {str(p): n for p, n in partial}, "batches": int(run.batches)}
+
+
+def run_from_state(state: dict, order: tuple) -> PipelineRun:
+    """The run a loaded state resumes, given its epoch's plan ``order`` (partition ids)."""
+    places = ledger.to_positions(state.get("done", []))
+    named = [int(p) for p in places] + [int(k) for k in state.get("partial", {})]
+    if named and max(named) >= len(order):
+        raise StateDictError(
+            f"the state names place {max(named)} of an epoch of {len(order)} partitions; load it into a loader "
+            "over the same data"
+        )
+    return PipelineRun(
+        epoch=int(state["epoch"]),
+        epoch_seed=int(state["epoch_seed"]),
+        done={order[int(p)] for p in places},
+        taken={order[int(k)]: int(v) for k, v in state.get("partial", {}).items()},
+        order=tuple(order),
+        batches=int(state.get("batches", 0)),
+    )

@@ -1,0 +1,189 @@
+"""Where sbloader runs: the embedded local Ray, or a cluster named by an address.
+
+With no ``RAY_ADDRESS`` (and no ``init(address=...)``) sbloader starts a fresh local
+Ray of its own with ``address="local"`` (never a stale cluster found on the
+machine), bound to loopback, dashboard off, token authentication left on, once per
+process, stopped at exit. With an address it joins that cluster and never shuts
+it down.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from sbloader.runtime import rendezvous as _rendezvous
+from sbloader.runtime.world import World
+
+logger = logging.getLogger(__name__)
+
+_LOCK = threading.Lock()
+_STATE: dict[str, Any] = {"owned": False, "info": None}
+
+# Environment of the embedded Ray, set before it starts so every Ray process
+# inherits it.
+_EMBEDDED_ENV = {
+    # Pin a local Ray to loopback; otherwise it advertises the external address.
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    # The raylet frees released objects in batches, every second by default: a
+    # streaming pipeline releases blocks far faster, and the object store would
+    # hold a second's worth of blocks beyond the budget.
+    "RAY_free_objects_period_milliseconds": "20",
+    # Ray starts workers at niceness 15; a loader's workers are what the trainer
+    # waits on, so they compete for CPU like torch's worker processes do.
+    "RAY_worker_niceness": "0",
+}
+
+# Ray's internal config for the embedded Ray only (``_system_config``: it stays
+# with this Ray instead of leaking into the trainer's environment). It switches
+# off what a loader's private Ray pays for but nobody reads: without a dashboard
+# or state API there is no reader of metrics, task events or event-loop stats.
+# Logs of workers (log monitor), task retries, the OOM monitor and token
+# authentication stay as Ray has them. Before/after figures:
+# benchmarks/results/embedded_ray.md (bench_embedded_ray.py).
+_EMBEDDED_SYSTEM_CONFIG: dict[str, Any] = {
+    # No idle workers started with the driver (num_cpus of them, ~50-90 MiB PSS
+    # each): the first tasks start the workers they need at the same moment.
+    "prestart_worker_first_driver": False,
+    # Prometheus metrics recorded in every Ray process and exported every 10 s.
+    "enable_metrics_collection": False,
+    "emit_main_service_metrics": False,
+    # Task state events and timeline profiling sent to the GCS once a second:
+    # only the state API and dashboard read them.
+    "task_events_report_interval_ms": 0,
+    "enable_timeline": False,
+    # Per-handler event-loop statistics and their dump to debug_state.txt every 10 s.
+    "event_stats": False,
+    "debug_dump_period_milliseconds": 0,
+}
+
+
+@dataclass(frozen=True)
+class RuntimeInfo:
+    """What ``sbloader.init`` connected to.
+
+    Attributes:
+        address: the GCS address of the Ray cluster.
+        embedded: True when sbloader started this Ray itself (and will stop it).
+        node_id: the node id of the calling process.
+    """
+
+    address: str
+    embedded: bool
+    node_id: str
+
+
+def init(
+    address: Optional[str] = None,
+    *,
+    num_cpus: Optional[int] = None,
+    num_gpus: Optional[int] = None,
+    object_store_memory: Optional[int] = None,
+    **ray_init_kwargs: Any,
+) -> RuntimeInfo:
+    """Start or join the Ray that sbloader runs on. Idempotent.
+
+    Args:
+        address: a Ray cluster address. ``None`` uses ``RAY_ADDRESS`` when set and
+            otherwise starts an embedded local Ray bound to loopback.
+        num_cpus: logical CPUs of the embedded Ray (default: the machine's).
+        num_gpus: GPUs of the embedded Ray (default: detected).
+        object_store_memory: object store size in bytes of the embedded Ray.
+        **ray_init_kwargs: passed to ``ray.init`` unchanged.
+
+    Returns:
+        A :class:`RuntimeInfo` describing the Ray in use.
+    """
+    import ray
+
+    with _LOCK:
+        if ray.is_initialized():
+            if _STATE["info"] is None:
+                ctx = ray.get_runtime_context()
+                _STATE["info"] = RuntimeInfo(
+                    address=ray.get_runtime_context().gcs_address,
+                    embedded=False,
+                    node_id=ctx.get_node_id(),
+                )
+            return _STATE["info"]
+        address = address or os.environ.get("RAY_ADDRESS") or None
+        kwargs: dict[str, Any] = dict(
+            include_dashboard=False,
+            log_to_driver=True,
+            configure_logging=False,
+        )
+        kwargs.update(ray_init_kwargs)
+        if address is None:
+            for key, value in _EMBEDDED_ENV.items():
+                os.environ.setdefault(key, value)
+            if os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0":
+                # ray read the variable at import; if ray was imported before
+                # sbloader, apply it now so the node binds to loopback.
+                from ray._private import ray_constants
+
+                ray_constants.ENABLE_RAY_CLUSTER = False
+            kwargs["_system_config"] = {**_EMBEDDED_SYSTEM_CONFIG, **(kwargs.get("_system_config") or {})}
+
+            def start() -> str:
+                ray.init(
+                    address="local",
+                    num_cpus=num_cpus,
+                    num_gpus=num_gpus,
+                    object_store_memory=object_store_memory,
+                    **kwargs,
+                )
+                return ray.get_runtime_context().gcs_address
+
+            world = World.detect()
+            if world.world_size > 1:
+                # torchrun: one embedded Ray per job, started by local rank 0.
+                join_kwargs = {k: v for k, v in kwargs.items() if k != "_system_config"}
+                embedded = _rendezvous.join_shared(
+                    world, start, lambda addr: ray.init(address=addr, **join_kwargs)
+                )
+                _STATE["world"] = world
+            else:
+                start()
+                embedded = True
+            atexit.register(shutdown)
+        else:
+            ray.init(address=address, **kwargs)
+            embedded = False
+        ctx = ray.get_runtime_context()
+        info = RuntimeInfo(address=ctx.gcs_address, embedded=embedded, node_id=ctx.get_node_id())
+        _STATE.update(owned=embedded, info=info)
+        logger.info("sbloader: %s Ray at %s", "started embedded" if embedded else "joined", info.address)
+        return info
+
+
+def shutdown() -> None:
+    """Stop the embedded Ray if sbloader started it; only forget a joined cluster."""
+    import ray
+
+    with _LOCK:
+        world = _STATE.pop("world", None)
+        if _STATE["owned"] and ray.is_initialized():
+            if world is not None:
+                _rendezvous.wait_all_left(world)  # the other ranks still use this Ray
+            ray.shutdown()
+        elif ray.is_initialized() and _STATE["info"] is not None:
+            ray.shutdown()
+            if world is not None:
+                _rendezvous.mark_left(world)
+        _STATE.update(owned=False, info=None)
+
+
+def ensure_initialized() -> RuntimeInfo:
+    """Return the runtime, starting the default one on first use."""
+    return init()
+
+
+def cluster_cpus() -> float:
+    """Logical CPUs of the whole cluster (at least 1)."""
+    import ray
+
+    return max(1.0, float(ray.cluster_resources().get("CPU", 1.0)))
