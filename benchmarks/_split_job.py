@@ -162,16 +162,15 @@ def main() -> None:
     import ray
 
     import sbloader
-    from sbloader.distributed import dropin_client as _split_iter
 
     loader = sbloader.DataLoader(w.ImageFolderDataset(paths), batch_size=args.batch_size, shuffle=True,
                                  num_workers=args.workers, persistent_workers=True)
     t = time.perf_counter()
     if loader.split:
-        handle = _split_iter._coordinator(loader)  # starts (local rank 0) or joins the job's Ray
+        handle = loader._coordinator()  # starts (local rank 0) or joins the job's Ray
         init_s = time.perf_counter() - t
         timed: Any = TimedCoordinator(handle)
-        loader._coordinator = timed
+        loader._carry.coordinator = timed
         info = ray.get(handle.process_info.remote())
     else:  # one rank: no coordinator, the loader runs its executor here
         sbloader.init()

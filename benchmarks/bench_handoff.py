@@ -45,7 +45,7 @@ def epoch(loader: Any, images: Callable[[Any], Any], slots: bool, label: str) ->
             m.add_items(len(images(b)))
     from sbloader.executor.handoff import consumer_arena
 
-    stats = loader.stats() if hasattr(loader, "stats") else loader._last_stats
+    stats = loader.stats() if hasattr(loader, "stats") else loader.stats()
     m.result.extra["slot_blocks"] = stats.slot_blocks
     arena = consumer_arena()
     m.result.extra["slots_touched"] = arena.touched if arena is not None else 0

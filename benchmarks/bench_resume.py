@@ -155,7 +155,6 @@ def job_main(args: argparse.Namespace) -> None:
     import ray
 
     import sbloader  # noqa: F401
-    from sbloader.distributed import dropin_client as _split_iter
     from sbloader.distributed.naming import NO_LEDGER_ENV
     import _split_job as sj
 
@@ -167,7 +166,7 @@ def job_main(args: argparse.Namespace) -> None:
             os.environ[NO_LEDGER_ENV] = "1"  # read when the coordinator is created
         try:
             lo = drop_in(ds, name=name, worker_num_cpus=0.5)
-            handle = _split_iter._coordinator(lo)  # the first rank to ask creates it
+            handle = lo._coordinator()  # the first rank to ask creates it
         finally:
             os.environ.pop(NO_LEDGER_ENV, None)
         return lo, handle, ray.get(handle.process_info.remote())["pid"]
@@ -323,7 +322,7 @@ def job_main(args: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         lo.load_state_dict(sd)
         t1 = time.perf_counter()
-        _split_iter._coordinator(lo)  # what iter() does first: find (or, fresh, create) the coordinator
+        lo._coordinator()  # what iter() does first: find (or, fresh, create) the coordinator
         tc = time.perf_counter()
         it = iter(lo)
         next(it)
@@ -348,7 +347,7 @@ def job_main(args: argparse.Namespace) -> None:
         fresh = drop_in(ds, name=f"fresh{i}", worker_num_cpus=0.5)
         rec = timed_resume(fresh, sd)
         log["resume"]["fresh"].append(rec)
-        fh = fresh._coordinator
+        fh = fresh._carry.coordinator
         dist.barrier()
         if rank == 0:  # its actors and coordinator go, so the next fresh one starts from nothing too
             ray.get(fh.shutdown.remote())
@@ -892,7 +891,7 @@ def report(args: argparse.Namespace, jobs: list[dict], cut: list[dict], inproc: 
         f"over the same `TensorDataset` ({args.samples} rows); native = `sbloader.range({NATIVE_ROWS}, "
         f"rows_per_partition={8 * BATCH}).map_batches(add_square).to_dataloader(batch_size={BATCH}, shuffle=True, "
         f"seed=0)`. Contenders interleaved, {args.reps} rounds." if inproc is not None else "",
-        "- `of which: coordinator found or created` = `_split_iter._coordinator(loader)`, called inside the timed "
+        "- `of which: coordinator found or created` = `loader._coordinator()`, called inside the timed "
         "window where `iter()` would call it first: a fresh loader's coordinator actor starts there, and rank 0 "
         "has it start the worker actors at once (`prewarm`), while the ranks plan the epoch.",
         f"- torchrun: per rank, in each round's job after (a) ({args.job_reps} repetitions per job). Before the timed "

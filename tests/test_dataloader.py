@@ -739,7 +739,7 @@ def test_timeout_raises_when_a_batch_takes_longer(ray_session):
         assert got == [[0, 1, 2, 3]]
         assert time.monotonic() - t0 < 10
     finally:
-        for handles in loader._actor_cache.values():  # the worker is still sleeping: stop it now
+        for handles in loader._carry.actor_cache.values():  # the worker is still sleeping: stop it now
             for h in handles:
                 ray.kill(h)
-        loader._actor_cache.clear()
+        loader._carry.actor_cache.clear()

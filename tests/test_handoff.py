@@ -286,7 +286,7 @@ def test_the_drop_in_dataloader_reads_its_batches_from_the_slots(arena):
     for _ in range(2):
         got = sorted(int(v) for b in loader for v in b[:, 0])
         assert got == list(range(256))
-    assert loader._last_stats.slot_blocks > 0
+    assert loader.stats().slot_blocks > 0
 
 
 def test_every_dataset_and_loader_of_the_process_shares_one_arena(arena):

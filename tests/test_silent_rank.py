@@ -36,8 +36,8 @@ def test_rank_that_stops_asking_is_named_by_silent_ranks(ray_session):
     assert per_rank == ROWS // BATCH // 2
     its = [iter(lo) for lo in loaders]
     seen = next(its[0]).tolist() + next(its[1]).tolist()  # rank 0 starts the epoch, rank 1 joins
-    coord = loaders[0]._coordinator
-    assert coord is not None and loaders[1]._coordinator is not None
+    coord = loaders[0]._carry.coordinator
+    assert coord is not None and loaders[1]._carry.coordinator is not None
     assert silent(coord) == [], "nobody has been silent yet"
 
     # Rank 1 stops here (its prefetch thread fills up and stops asking); rank 0 keeps
@@ -89,9 +89,9 @@ def test_check_stuck_warning_names_the_silent_rank(caplog):
     ep.logs[1].last_seen = now - 10 * STALL_S  # rank 1 stopped asking, owed batches
     ep.logs[2].last_seen = now - 10 * STALL_S  # rank 2 silent too, but it has all of its batches
     ep.logs[2].count = per_rank
-    with caplog.at_level(logging.WARNING, logger="sbloader.distributed.coordinator"):
+    with caplog.at_level(logging.WARNING, logger="sbloader.distributed.epoch"):
         ep._check_stuck(0, STALL_S)
-    msgs = [r.getMessage() for r in caplog.records if r.name == "sbloader.distributed.coordinator"]
+    msgs = [r.getMessage() for r in caplog.records if r.name == "sbloader.distributed.epoch"]
     assert len(msgs) == 1, msgs
     assert "rank(s) [1] stopped asking" in msgs[0] and "while rank 0 waits" in msgs[0], msgs
     assert "epoch 3" in msgs[0], msgs
@@ -99,7 +99,7 @@ def test_check_stuck_warning_names_the_silent_rank(caplog):
 
     caplog.clear()
     ep.logs[1].last_seen = time.monotonic()  # rank 1 asks again: nothing to report
-    with caplog.at_level(logging.WARNING, logger="sbloader.distributed.coordinator"):
+    with caplog.at_level(logging.WARNING, logger="sbloader.distributed.epoch"):
         ep._check_stuck(0, STALL_S)
-    assert not [r for r in caplog.records if r.name == "sbloader.distributed.coordinator"]
+    assert not [r for r in caplog.records if r.name == "sbloader.distributed.epoch"]
     assert ep.silent_ranks(STALL_S) == []

@@ -295,8 +295,8 @@ def test_local_cut_equals_the_ledger_cut_over_plans():
     from types import SimpleNamespace
 
     from sbloader.core import ledger
-    from sbloader.distributed.dropin_client import local_cut
     from sbloader.core.split import split_epoch
+    from sbloader.loaders.dropin_state import EpochRun
 
     rng = random.Random(3)
     for n, bs, w, drop in [(40, 4, 2, False), (37, 4, 3, False), (37, 4, 3, True), (5, 4, 4, False),
@@ -307,10 +307,10 @@ def test_local_cut_equals_the_ledger_cut_over_plans():
         ranks = [s.rank for s in plan.batches]
         prior = [(0, offset)] if offset else []
         logs = [[b for b, r in enumerate(ranks) if r == rank] for rank in range(w)]
-        run = SimpleNamespace(ranks=ranks, batch_ranges=ranges, prior=prior, cut_at=None)
+        run = EpochRun(0, 0, None, None, prior, [], [], ranks, ranges, plan.per_rank)
         ks = sorted(rng.randrange(0, plan.per_rank + 1) for _ in range(4)) + [plan.per_rank, 1, 0]
         for k in ks:
-            assert local_cut(run, k, w) == ledger.cut(logs, k, ranges, prior), (n, bs, w, drop, k)
+            assert run.local_cut(k, w) == ledger.cut(logs, k, ranges, prior), (n, bs, w, drop, k)
 
 
 def test_local_cut_matches_the_coordinator(ray_session):
@@ -327,7 +327,7 @@ def test_local_cut_matches_the_coordinator(ray_session):
     for k in range(1, 7):
         for it in its:
             next(it)
-        coord = loaders[0]._coordinator
+        coord = loaders[0]._carry.coordinator
         states = [lo.state_dict() for lo in loaders]
         theirs = ledger.merge(ray.get(coord.cut.remote(states[0]["epoch"], k)))
         assert [tuple(r) for r in states[0]["consumed"]] == [tuple(r) for r in theirs]
@@ -376,7 +376,7 @@ def test_an_idle_coordinator_retires_itself(ray_session, monkeypatch):
                              job_id="test-idle", name="idle")
     fp = {"dataset": "x"}
     coord = get_coordinator("test-idle", "idle", 2, fp)
-    assert ray.get(coord.prewarm.remote("Batches", (lo._worker_op(),), ExecutionOptions())) == 1
+    assert ray.get(coord.prewarm.remote("Batches", (lo._settings().worker_op(),), ExecutionOptions())) == 1
     pool = ray.get(coord.__ray_call__.remote(lambda self: [a.handle for a in self._actor_cache[0]]))
     for _ in range(4):  # calls keep it alive past the idle time
         time.sleep(1.0)

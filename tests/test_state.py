@@ -105,7 +105,7 @@ def _release_workers():
     while _LOADERS:
         loader = _LOADERS.pop()
         loader.__del__()
-        loader._actor_cache.clear()
+        loader._carry.actor_cache.clear()
 
 
 def via_json(state: dict) -> dict:

@@ -90,3 +90,44 @@ def cut(logs: Sequence[Sequence[int]], k: int, batch_ranges: Sequence[Sequence[S
         for b in log[:k]:
             pieces.extend(tuple(r) for r in batch_ranges[b])
     return merge(pieces)
+
+
+class IncrementalCut:
+    """:func:`cut` kept as ``k`` grows: the cut at ``k`` is the last cut's ranges merged with
+    the batches every rank received between the two ``k``.
+
+    A ``state_dict()`` per step costs the batches since the last one, not the whole
+    epoch; the same ``k`` again (every rank's ``state_dict()`` at one checkpoint) costs
+    a copy; a ``k`` below the last is computed from scratch. Both the coordinator
+    (over its delivery logs) and a rank (over the plan, ``in_order=True``) use it.
+
+    Args:
+        batch_ranges: per batch id, the position ranges of its real rows.
+        prior: positions consumed before this run (a resumed epoch).
+    """
+
+    def __init__(self, batch_ranges: Sequence[Sequence[Sequence[int]]], prior: Sequence[Sequence[int]] = ()) -> None:
+        self._batch_ranges = batch_ranges
+        self._prior = [tuple(r) for r in prior]
+        self._k = 0
+        self._ranges = merge(self._prior)
+
+    def after(self, k: int, logs: Sequence[Sequence[int]]) -> Ranges:
+        """The consumed ledger after every rank's first ``k`` batches; ``logs[r]`` lists the
+        batch ids rank ``r`` received, in order (at least ``k`` of them).
+
+        Raises:
+            ValueError: a rank's log holds fewer than ``k`` batches.
+        """
+        if k < self._k:
+            return cut(logs, k, self._batch_ranges, self._prior)
+        short = [r for r, log in enumerate(logs) if len(log) < k]
+        if short:
+            raise ValueError(f"ranks {short} have fewer than {k} batches delivered")
+        if k > self._k:
+            pieces = list(self._ranges)
+            for log in logs:
+                for b in log[self._k:k]:
+                    pieces.extend(tuple(r) for r in self._batch_ranges[b])
+            self._ranges, self._k = merge(pieces), k
+        return list(self._ranges)

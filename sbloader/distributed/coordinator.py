@@ -179,7 +179,7 @@ class SplitCoordinator:
         items = ep.take(rank, max_n, node, wait_s, self._stall_report_s)
         done = ep.done(rank)
         self._collect()
-        if ep.stream:
+        if isinstance(ep, StreamEpoch):
             return {"batches": items, "done": done}
         return {"refs": [i.ref for i in items], "metas": [i.meta for i in items],
                 "index": [ep.spec.index_of(i.meta.seq) for i in items], "done": done}

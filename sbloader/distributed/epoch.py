@@ -78,7 +78,7 @@ class Epoch:
         self.error: Optional[BaseException] = None
         self.closed = False  # the executor was shut down on purpose before producing everything
         self._cut_lock = threading.Lock()
-        self._cut_at: tuple[int, list] = (0, _ledger.merge(getattr(spec, "prior", ())))  # (k, ranges) of the last cut
+        self._cutter = _ledger.IncrementalCut(getattr(spec, "batch_ranges", ()), getattr(spec, "prior", ()))
         self.pump = threading.Thread(target=self._pump, daemon=True, name=f"sbloader-pump-{spec.epoch}")
 
     def start(self) -> None:
@@ -211,26 +211,10 @@ class Epoch:
         log.acked = max(log.acked, consumed)
 
     def cut(self, k: int) -> list:
-        """The consumed ledger after every rank's first ``k`` batches (every log holds ``k``).
-
-        Incremental: the logs only grow, so the cut at ``k`` is the last cut's ranges
-        merged with the batches between the two ``k``; the same ``k`` again (every
-        rank's ``state_dict()`` at one checkpoint) costs a copy. A ``k`` below the
-        last is computed from scratch. Equal to :func:`sbloader.core.ledger.cut`.
-        """
+        """The consumed ledger after every rank's first ``k`` batches (every log holds ``k``):
+        incremental across calls (:class:`~sbloader.core.ledger.IncrementalCut`)."""
         with self._cut_lock:
-            k0, ranges = self._cut_at
-            if k < k0:
-                return _ledger.cut([lg.delivered[:k] for lg in self.logs], k, self.spec.batch_ranges,
-                                   self.spec.prior)
-            if k > k0:
-                pieces = list(ranges)
-                for lg in self.logs:
-                    for b in lg.delivered[k0:k]:
-                        pieces.extend(self.spec.batch_ranges[b])
-                ranges = _ledger.merge(pieces)
-                self._cut_at = (k, ranges)
-            return list(ranges)
+            return self._cutter.after(k, [lg.delivered for lg in self.logs])
 
     def _open(self) -> bool:
         """(``cond`` held) Raise the pipeline's error, if any; False once the epoch was closed."""

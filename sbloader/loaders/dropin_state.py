@@ -1,35 +1,32 @@
-"""The drop-in DataLoader's epoch as positions, and its checkpoint state.
+"""The drop-in DataLoader's epoch as sampler positions, and its checkpoint state.
 
 An epoch is the sampler's order (dataset index per *position*). Batches are cut
 from the positions that remain to be consumed (all of them in a fresh epoch), so
-a resumed epoch — with the same or another world size — delivers exactly the
+a resumed epoch, with the same or another world size, delivers exactly the
 positions its checkpoint did not record as consumed. The order itself is not
 stored: the state says how to recompute it (the sampler's RNG state, or the
-``DistributedSampler``'s seed and epoch).
+``DistributedSampler``'s seed and epoch). Format ``sbloader.DataLoader``, version 1.
 """
 from __future__ import annotations
 
 import base64
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import numpy as np
 
 from sbloader.core import ledger
 from sbloader.core.errors import StateDictError
-from sbloader.core.split import split_epoch
+from sbloader.core.split import batch_positions, split_epoch
+from sbloader.core.state import StateFormat
 
-if TYPE_CHECKING:
-    from sbloader.loaders.dataloader import DataLoader
-
-STATE_FORMAT = "sbloader.DataLoader"
-STATE_VERSION = 1
+FORMAT = StateFormat("sbloader.DataLoader", 1, ("consumed",))
 _EXPLICIT_ORDER_LIMIT = 4096
 
 
 @dataclass
 class EpochRun:
-    """One (possibly resumed) epoch of a loader on this rank.
+    """One (possibly resumed) epoch of a drop-in loader on this rank.
 
     Attributes:
         epoch: the epoch number.
@@ -44,10 +41,9 @@ class EpochRun:
         per_rank: batches each rank receives.
         taken: batch ids handed to this process's training loop, in order.
         complete: the epoch ran to its end.
-        ids: a stable id per batch: the position of its first real row (seeds
-            the batch's augmentations, so the same batch replays identically).
-        cut_at: ``(k, ranges)`` of this rank's last local cut (see
-            :func:`sbloader.distributed.dropin_client.local_cut`).
+        ids: a stable id per batch: the position of its first real row (seeds the
+            batch's augmentations, so the same batch replays identically).
+        cutter: the incremental cut of this run's plan (see :meth:`local_cut`).
     """
 
     epoch: int
@@ -63,24 +59,75 @@ class EpochRun:
     taken: list = field(default_factory=list)
     complete: bool = False
     ids: list = field(default_factory=list)
-    cut_at: Optional[tuple] = None
+    cutter: Optional[ledger.IncrementalCut] = field(default=None, repr=False)
+    _logs: list = field(default_factory=list, repr=False)  # per rank, its batch ids in plan order
+
+    def took(self, index: int) -> None:
+        """(:class:`~sbloader.loaders.epoch.Run`) the loop took the batch ``index`` of the epoch."""
+        self.taken.append(index)
+
+    def finished(self) -> None:
+        """(:class:`~sbloader.loaders.epoch.Run`) the epoch ran to its end."""
+        self.complete = True
+
+    def local_cut(self, k: int, world_size: int) -> ledger.Ranges:
+        """The consumed ledger after every rank's first ``k`` batches, from the plan alone.
+
+        With ``in_order=True`` (the default) the plan fixes which batches each rank
+        receives and in what order (``ranks``), the same plan on every rank, so every
+        rank's first ``k`` batches are known here without asking the coordinator.
+        Incremental (:class:`~sbloader.core.ledger.IncrementalCut`); equal to
+        :func:`sbloader.core.ledger.cut` over the coordinator's delivery logs.
+        """
+        if self.cutter is None:
+            self.cutter = ledger.IncrementalCut(self.batch_ranges, self.prior)
+            self._logs = [[b for b, r in enumerate(self.ranks) if r == rank] for rank in range(world_size)]
+        return self.cutter.after(k, self._logs)
 
 
 def _rng_of(sampler: Any) -> Any:
     return getattr(sampler, "generator", None)
 
 
-def _capture_and_iterate(loader: "DataLoader") -> tuple[np.ndarray, Optional[dict]]:
-    """Iterate the sampler once (indices only), recording how to do it again."""
+def distributed_order(sampler: Any, n: int) -> np.ndarray:
+    """A ``DistributedSampler``'s whole order before its split across ranks, as torch draws it."""
+    import torch
+
+    if sampler.shuffle:
+        g = torch.Generator()
+        g.manual_seed(sampler.seed + sampler.epoch)
+        order = torch.randperm(n, generator=g).numpy()
+    else:
+        order = np.arange(n)
+    if sampler.drop_last:  # the cross-rank tail, as torch drops it
+        order = order[: (n // sampler.num_replicas) * sampler.num_replicas]
+    return order.astype(np.int64)
+
+
+def order_length(sampler: Any, dataset_len: int) -> int:
+    """Positions of the epoch's whole order (a ``DistributedSampler``'s before its split)."""
+    from torch.utils.data import DistributedSampler
+
+    if isinstance(sampler, DistributedSampler):
+        return (dataset_len // sampler.num_replicas) * sampler.num_replicas if sampler.drop_last else dataset_len
+    return len(sampler)
+
+
+def capture_order(sampler: Any, dataset_len: int, whole: bool) -> tuple[np.ndarray, Optional[dict]]:
+    """Iterate the sampler once (indices only), recording how to do it again.
+
+    Args:
+        sampler: the loader's sampler.
+        dataset_len: the dataset's length.
+        whole: a ``DistributedSampler`` gives its whole order (the coordinator splits
+            it), not this rank's share.
+    """
     import torch
     from torch.utils.data import DistributedSampler, RandomSampler, SequentialSampler
 
-    sampler = loader.sampler
-    if isinstance(sampler, DistributedSampler):
-        from sbloader.distributed.dropin_client import epoch_order
-
+    if isinstance(sampler, DistributedSampler) and whole:
         state = {"kind": "distributed", "seed": int(sampler.seed), "epoch": int(sampler.epoch)}
-        return epoch_order(loader, 0, 0), state
+        return distributed_order(sampler, dataset_len), state
     if type(sampler) is SequentialSampler:
         return np.arange(len(sampler), dtype=np.int64), {"kind": "sequential"}
     if type(sampler) is RandomSampler:
@@ -95,30 +142,26 @@ def _capture_and_iterate(loader: "DataLoader") -> tuple[np.ndarray, Optional[dic
     return order, None
 
 
-def recompute_order(loader: "DataLoader", state: dict) -> np.ndarray:
-    """The order described by ``state`` (global RNG state left as it was)."""
+def recompute_order(sampler: Any, dataset_len: int, state: dict) -> np.ndarray:
+    """The order described by ``state`` (the global RNG state left as it was)."""
     import torch
 
     kind = state.get("kind")
     if kind == "sequential":
-        return np.arange(len(loader.sampler), dtype=np.int64)
+        return np.arange(len(sampler), dtype=np.int64)
     if kind == "explicit":
         return np.asarray(state["order"], dtype=np.int64)
     if kind == "distributed":
-        from sbloader.distributed.dropin_client import epoch_order
-
-        sampler = loader.sampler
         saved_epoch = sampler.epoch
         sampler.set_epoch(state["epoch"])
         try:
-            return epoch_order(loader, 0, 0)
+            return distributed_order(sampler, dataset_len)
         finally:
             sampler.set_epoch(saved_epoch)
     if kind == "rng":
         raw = torch.frombuffer(bytearray(base64.b64decode(state["state"])), dtype=torch.uint8)
         if state["generator"]:
             # a private generator in the saved state: the sampler's own is left untouched
-            sampler = loader.sampler
             original = sampler.generator
             sampler.generator = torch.Generator()
             sampler.generator.set_state(raw)
@@ -129,21 +172,19 @@ def recompute_order(loader: "DataLoader", state: dict) -> np.ndarray:
         current = torch.get_rng_state()
         torch.set_rng_state(raw)
         try:
-            return np.fromiter((int(i) for i in loader.sampler), dtype=np.int64)
+            return np.fromiter((int(i) for i in sampler), dtype=np.int64)
         finally:
             torch.set_rng_state(current)
     raise StateDictError(f"unknown sampler-order kind {kind!r} in the state (found {state}); expected one of "
                          "'sequential', 'explicit', 'distributed', 'rng'")
 
 
-def plan_run(loader: "DataLoader", epoch: int, epoch_seed: int, order: np.ndarray,
-             order_state: Optional[dict], prior: ledger.Ranges, world_size: int) -> EpochRun:
+def plan_run(epoch: int, epoch_seed: int, order: np.ndarray, order_state: Optional[dict], prior: ledger.Ranges,
+             batch_size: int, world_size: int, drop_last: bool) -> EpochRun:
     """Cut the positions not yet consumed into equal per-rank batches."""
     remaining = ledger.to_positions(ledger.complement(prior, len(order)))
-    plan = split_epoch(len(remaining), loader.batch_size or 1, world_size, loader.drop_last)
+    plan = split_epoch(len(remaining), batch_size, world_size, drop_last)
     batches, pads, ranks, branges = [], [], [], []
-    from sbloader.core.split import batch_positions
-
     for spec in plan.batches:
         local = batch_positions(spec, len(remaining))
         pos = remaining[local] if len(remaining) else np.empty(0, np.int64)
@@ -158,59 +199,20 @@ def plan_run(loader: "DataLoader", epoch: int, epoch_seed: int, order: np.ndarra
                     plan.per_rank, ids=ids)
 
 
-def start_run(loader: "DataLoader", world_size: int) -> EpochRun:
-    """Begin the next epoch: fresh, or the one a loaded state left unfinished."""
-    resume = loader._resume
-    loader._resume = None
-    if resume is not None and resume.get("epoch_seed") is not None:
-        epoch, epoch_seed = resume["epoch"], resume["epoch_seed"]
-        loader._epoch = epoch + 1
-        loader._epoch_explicit = False
-        order = recompute_order(loader, resume["order"]) if resume.get("order") else None
-        if order is None:
-            raise StateDictError("the state has no sampler order to resume from; it cannot be replayed")
-        return plan_run(loader, epoch, epoch_seed, order, resume["order"],
-                        [tuple(r) for r in resume["consumed"]], world_size)
-    from torch.utils.data import DistributedSampler
-
-    from sbloader.core.plan import epoch_seed_from
-
-    if isinstance(loader.sampler, DistributedSampler):
-        # the user drives the epoch through sampler.set_epoch, as under torch
-        epoch = int(loader.sampler.epoch)
-        epoch_seed = epoch_seed_from(loader.sampler.seed, epoch)
-        loader._epoch, loader._epoch_explicit = epoch + 1, False
-    else:
-        epoch, epoch_seed = loader._next_epoch()
-    order, order_state = _capture_and_iterate(loader)
-    return plan_run(loader, epoch, epoch_seed, order, order_state, [], world_size)
+def fingerprint(dataset: Any, dataset_id: Optional[str], batch_size: Optional[int], drop_last: bool,
+                sampler: Any) -> dict:
+    """What a state must match to be loaded into a loader."""
+    return {"dataset": type(dataset).__name__, "len": len(dataset), "dataset_id": dataset_id,
+            "batch_size": batch_size, "drop_last": drop_last, "sampler": type(sampler).__name__}
 
 
-def fingerprint(loader: "DataLoader") -> dict:
-    """What a state must match to be loaded into this loader."""
-    return {
-        "dataset": type(loader.dataset).__name__,
-        "len": len(loader.dataset),
-        "dataset_id": loader.dataset_id,
-        "batch_size": loader.batch_size,
-        "drop_last": loader.drop_last,
-        "sampler": type(loader.sampler).__name__,
-    }
+def encode_generator(gen: Any) -> Optional[str]:
+    """A torch generator's state as text (None for no generator)."""
+    return base64.b64encode(gen.get_state().numpy().tobytes()).decode("ascii") if gen is not None else None
 
 
-def _user_generator(loader: "DataLoader") -> Any:
-    """The generator the user gave the loader's own RandomSampler (None if none, or with ``seed=``)."""
-    from torch.utils.data import RandomSampler
-
-    if type(loader.sampler) is RandomSampler and not loader._seeded_sampler:
-        return _rng_of(loader.sampler)
-    return None
-
-
-def restore_generator(loader: "DataLoader", state: dict) -> None:
-    """Put the user's generator where the state's run left it, so later epochs draw as uninterrupted."""
-    gen = _user_generator(loader)
-    saved = state.get("generator")
+def restore_generator(gen: Any, saved: Optional[str]) -> None:
+    """Put a generator where a state's run left it, so later epochs draw as uninterrupted."""
     if gen is None or not saved:
         return
     import torch
@@ -222,38 +224,28 @@ def restore_generator(loader: "DataLoader", state: dict) -> None:
             from None
 
 
-def make_state(loader: "DataLoader", run: Optional[EpochRun], consumed: ledger.Ranges) -> dict:
-    """The JSON-serialisable state of a loader."""
-    gen = _user_generator(loader)
-    base = {
-        "format": STATE_FORMAT,
-        "version": STATE_VERSION,
-        "fingerprint": fingerprint(loader),
-        "base_seed": loader._base_seed,
-        "world_size": loader.world.world_size,
-        # the user's generator after the epoch's draws: a resumed job continues its sequence
-        "generator": base64.b64encode(gen.get_state().numpy().tobytes()).decode("ascii") if gen is not None else None,
-    }
+def make_state(header: dict, epoch: int, run: Optional[EpochRun], consumed: ledger.Ranges,
+               sampler_name: str) -> dict:
+    """The JSON-serialisable state: of ``run`` with ``consumed`` positions, or of a fresh ``epoch``.
+
+    Args:
+        header: :meth:`StateFormat.header` plus the loader's cross-epoch fields
+            (``base_seed``, ``world_size``, ``generator``).
+        epoch: the next epoch when ``run`` is None.
+        run: the current epoch's run (None: none started).
+        consumed: the positions consumed (every rank's first k batches).
+        sampler_name: the sampler's type, for the error of an order that cannot be recomputed.
+    """
+    fresh = {"epoch_seed": None, "order": None, "consumed": []}
     if run is None:
-        if loader._resume is not None:  # loaded, not iterated yet: the same state again
-            return dict(loader._resume)
-        return {**base, "epoch": int(loader._epoch), "epoch_seed": None, "order": None, "consumed": []}
+        return {**header, "epoch": int(epoch), **fresh}
     if run.complete or ledger.count(consumed) >= len(run.order):
-        # the epoch is done: the state starts the next one cleanly
-        return {**base, "epoch": int(run.epoch) + 1, "epoch_seed": None, "order": None, "consumed": []}
+        return {**header, "epoch": int(run.epoch) + 1, **fresh}  # the epoch is done: start the next cleanly
     if run.order_state is None:
         raise StateDictError(
-            f"cannot checkpoint a {type(loader.sampler).__name__} of {len(run.order)} positions: its order "
-            "cannot be recomputed on resume. Use RandomSampler, SequentialSampler or DistributedSampler, "
-            f"or a sampler of at most {_EXPLICIT_ORDER_LIMIT} positions"
+            f"cannot checkpoint a {sampler_name} of {len(run.order)} positions: its order cannot be recomputed on "
+            "resume. Use RandomSampler, SequentialSampler or DistributedSampler, or a sampler of at most "
+            f"{_EXPLICIT_ORDER_LIMIT} positions"
         )
-    return {**base, "epoch": int(run.epoch), "epoch_seed": int(run.epoch_seed), "order": run.order_state,
+    return {**header, "epoch": int(run.epoch), "epoch_seed": int(run.epoch_seed), "order": run.order_state,
             "consumed": [list(r) for r in consumed]}
-
-
-def validate(loader: "DataLoader", state: Any, strict: bool = True) -> dict:
-    """Check a state against this loader; raise "found X, expected Y" errors."""
-    from sbloader.core.state import check_state
-
-    return check_state(state, fmt=STATE_FORMAT, version=STATE_VERSION, required=("consumed",),
-                       fingerprint=fingerprint(loader), strict=strict)

@@ -52,7 +52,7 @@ def _coordinator_info(loader: sbloader.DataLoader) -> dict:
     """The loader's coordinator process: pid and RSS (bytes)."""
     import ray
 
-    return ray.get(loader._coordinator.process_info.remote())
+    return ray.get(loader._carry.coordinator.process_info.remote())
 
 
 def main() -> None:
@@ -133,8 +133,8 @@ def main() -> None:
                 if rank == 0 and epoch == 0 and li == 0 and len(batches) == args.kill_coordinator_at:
                     import ray
 
-                    ray.kill(ld._coordinator, no_restart=True)
-                    log["killed_coordinator"] = ld._coordinator._actor_id.hex()
+                    ray.kill(ld._carry.coordinator, no_restart=True)
+                    log["killed_coordinator"] = ld._carry.coordinator._actor_id.hex()
                     # let the other ranks notice first: the rebuild must not depend on
                     # which rank reports first (their unseeded samplers drew other orders)
                     time.sleep(args.after_kill_s)
@@ -157,12 +157,12 @@ def main() -> None:
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
              if a.get("namespace") == NAMESPACE] if hasattr(ray.util, "list_named_actors") else []
     log["coordinators"] = sorted(names)
-    log["coordinator_ids"] = [ld._coordinator._actor_id.hex() for ld in loaders]
+    log["coordinator_ids"] = [ld._carry.coordinator._actor_id.hex() for ld in loaders]
     # Epochs the first loader's coordinator still holds (it drops an epoch once every
     # rank left it); waits a little for the other ranks' last calls to land.
     deadline = time.monotonic() + 10
     while True:
-        held = [e for e in range(args.epochs) if ray.get(loader._coordinator.delivery_log.remote(e))]
+        held = [e for e in range(args.epochs) if ray.get(loader._carry.coordinator.delivery_log.remote(e))]
         if not held or time.monotonic() > deadline:
             break
         time.sleep(0.2)

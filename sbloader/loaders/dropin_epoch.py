@@ -1,0 +1,316 @@
+"""The epochs of the drop-in DataLoader: in this process, on a worker pool, or split by the coordinator.
+
+Each builder returns an :class:`~sbloader.loaders.epoch.EpochIterator` over a
+producer of ready batches, from a snapshot of the loader's arguments taken when the
+iteration starts (:class:`DropinSettings`, as torch builds its iterator from the
+loader's attributes):
+
+- :func:`local_epoch`: ``num_workers=0``, every ``dataset[i]`` and ``collate_fn``
+  call in this process, as torch does;
+- :func:`pool_epoch`: a pool of ``num_workers`` remote actors runs the epoch's
+  batches (:class:`~sbloader.loaders.worker.LoaderWorker`);
+- :func:`split_epoch`: the job's coordinator runs the pool and hands this rank its
+  share, equal counts on every rank (:mod:`~sbloader.distributed.dropin_client`);
+- :func:`stream_epoch`: an ``IterableDataset`` the coordinator iterates once for the
+  job and equalises as it goes.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+import ray
+
+from sbloader.core.context import seed_globals, task_context
+from sbloader.core.errors import UserFunctionError, reraise_as_torch
+from sbloader.core.ops import Op
+from sbloader.core.plan import make_epoch_plan
+from sbloader.core.stats import ExecutionStats, StallStats
+from sbloader.distributed import dropin_client
+from sbloader.executor.executor import ExecutionOptions
+from sbloader.executor.launch import arena_here, options_here, start_execution
+from sbloader.executor.tasks import pack
+from sbloader.loaders.dropin_state import EpochRun
+from sbloader.loaders.epoch import Delivery, EpochIterator
+from sbloader.loaders.tensors import DeviceCopy, TensorOptions, pin_batch, wire_as_tensors
+from sbloader.loaders.worker import LoaderWorker
+from sbloader.sources.batches import ReadyBatchSource, ShardSource
+
+
+@dataclass(frozen=True)
+class DropinSettings:
+    """The loader's arguments an epoch runs with (a snapshot taken when the iteration starts).
+
+    Attributes: those of :class:`~sbloader.loaders.dataloader.DataLoader`, resolved
+    (``pin``: page-locked copies only with an accelerator; ``auto_collation``: the
+    loader batches; ``iterable``: the dataset is an ``IterableDataset``).
+    """
+
+    dataset: Any
+    collate_fn: Callable
+    auto_collation: bool
+    iterable: bool
+    batch_size: Optional[int]
+    drop_last: bool
+    num_workers: int
+    worker_init_fn: Optional[Callable]
+    prefetch_factor: Optional[int]
+    in_order: bool
+    timeout: float
+    pin: bool
+    zero_copy: bool
+    device: Any
+    memory_budget: Optional[int]
+    batches_per_partition: int
+    worker_num_cpus: float
+    worker_resources: Optional[dict]
+    allow_trainer_node: bool
+    persistent_workers: bool
+    seed: Optional[int]
+    dataset_id: Optional[str]
+    report_stalls: bool
+
+    @property
+    def ahead(self) -> int:
+        """Batches made ahead of the loop (torch's ``prefetch_factor``)."""
+        return max(1, self.prefetch_factor or 2)
+
+    def worker_op(self) -> Op:
+        """The pool of ``num_workers`` remote workers that fetch and collate."""
+        workers = max(1, self.num_workers)
+        config = pack(dict(  # pickled once per epoch here: the workers see the dataset as it is now
+            dataset=self.dataset, collate_fn=self.collate_fn, auto_collation=self.auto_collation,
+            num_workers=workers, worker_init_fn=self.worker_init_fn,
+            batch_size=self.batch_size, drop_last=self.drop_last))
+        return Op("map_batches", LoaderWorker, "LoaderWorker", index=0, num_cpus=self.worker_num_cpus,
+                  resources=self.worker_resources, concurrency=(workers, workers),
+                  fn_constructor_args=(config,), fuse_read=True)
+
+    def source_fingerprint(self) -> dict:
+        """How the epoch's sources describe the dataset."""
+        return {"type": type(self.dataset).__name__, "len": safe_len(self.dataset), "dataset_id": self.dataset_id}
+
+    def coordinator_options(self) -> ExecutionOptions:
+        """The execution options of the loader's epochs on the coordinator."""
+        return options_here(memory_budget=self.memory_budget, deterministic=self.in_order, progress=False,
+                            prefetch_blocks=max(2, (self.prefetch_factor or 2) * max(1, self.num_workers)),
+                            allow_trainer_node=self.allow_trainer_node)
+
+    def tensors(self) -> TensorOptions:
+        """How a worker's wire batch becomes the loop's tensors."""
+        return TensorOptions(pin=self.pin, zero_copy=self.zero_copy)
+
+
+@dataclass
+class DropinCarry:
+    """What a drop-in loader keeps from one epoch to the next.
+
+    Attributes:
+        actor_cache: the worker actors (``persistent_workers``; the pool's per epoch otherwise).
+        estimates: the stages' output block sizes measured by the last epoch.
+        stats: the latest epoch's execution statistics.
+        coordinator: the loader's split coordinator, once found.
+        last_split_run: the last epoch this rank finished split by the coordinator (a
+            coordinator lost after it is told, so the ranks still in it can go on).
+    """
+
+    actor_cache: dict = field(default_factory=dict)
+    estimates: Optional[list] = None
+    stats: Optional[ExecutionStats] = None
+    coordinator: Any = None
+    last_split_run: Optional[EpochRun] = None
+
+
+def safe_len(x: Any) -> Optional[int]:
+    """``len(x)``, or None for an object without one."""
+    try:
+        return len(x)
+    except TypeError:
+        return None
+
+
+def translate(e: BaseException) -> None:
+    """Raise a worker's error as torch's DataLoader does (its original type); else leave it."""
+    if isinstance(e, UserFunctionError):
+        reraise_as_torch(e)
+    if isinstance(e, ray.exceptions.RayTaskError) and isinstance(e.cause, UserFunctionError):
+        reraise_as_torch(e.cause)
+
+
+def _device(s: DropinSettings) -> Optional[DeviceCopy]:
+    return DeviceCopy(s.device, s.pin) if s.device is not None else None
+
+
+def _report(s: DropinSettings, what: str, stalls: StallStats) -> Callable[[], None]:
+    def report() -> None:
+        if s.report_stalls:
+            print(f"sbloader {what}: {stalls}")
+    return report
+
+
+def local_epoch(s: DropinSettings, run: Optional[EpochRun], epoch: int, epoch_seed: int,
+                index_sampler: Any) -> EpochIterator:
+    """``num_workers=0``: fetch and collate in this process, exactly as torch does."""
+    if s.seed is not None:  # only when asked: without it the trainer's RNGs stay as torch leaves them
+        seed_globals(epoch_seed)
+
+    def collate(item: Any, auto: bool) -> Any:
+        batch = s.collate_fn([s.dataset[i] for i in item] if auto else s.dataset[item])
+        return pin_batch(batch) if s.pin else batch
+
+    def produce() -> Iterator[Delivery]:
+        if s.iterable:
+            it = iter(s.dataset)
+            if s.batch_size is None:
+                for x in it:
+                    batch = s.collate_fn(x)
+                    yield Delivery(pin_batch(batch) if s.pin else batch)
+                return
+            while True:
+                chunk = list(itertools.islice(it, s.batch_size))
+                if not chunk or (s.drop_last and len(chunk) < s.batch_size):
+                    return
+                batch = s.collate_fn(chunk)
+                yield Delivery(pin_batch(batch) if s.pin else batch)
+        elif run is not None:
+            for j, indices in enumerate(run.batches):
+                if s.seed is not None and j % s.batches_per_partition == 0:
+                    # Seeded per partition as a remote worker is (the pool is operator 0): a resumed
+                    # epoch replays a batch with the same draws as the uninterrupted run.
+                    seed_globals(task_context(epoch, epoch_seed, run.ids[j], "LoaderWorker", 0).ctx.seed)
+                yield Delivery(collate(indices, True), j)
+        else:
+            for item in index_sampler:
+                yield Delivery(collate(list(item) if s.auto_collation else item, s.auto_collation))
+
+    stalls = StallStats()
+    return EpochIterator(produce(), run, ahead=0, stalls=stalls, to_device=_device(s),
+                         on_close=_report(s, f"epoch {epoch}", stalls))
+
+
+def pool_epoch(s: DropinSettings, carry: DropinCarry, run: Optional[EpochRun], epoch: int, epoch_seed: int,
+               index_sampler: Any) -> EpochIterator:
+    """A pool of ``num_workers`` remote actors fetches and collates the epoch's batches."""
+    fp = s.source_fingerprint()
+    if s.iterable:
+        source: Any = ShardSource(s.num_workers, fp)
+    elif run is not None:
+        source = ReadyBatchSource(run.batches, s.batches_per_partition, fp, ids=run.ids)
+    else:
+        source = ReadyBatchSource([list(b) if s.auto_collation else b for b in index_sampler],
+                                  s.batches_per_partition, fp)
+    plan = make_epoch_plan([p.id for p in source.partitions(epoch, epoch_seed)], epoch, epoch_seed, shuffle=False)
+    options = options_here(memory_budget=s.memory_budget, deterministic=s.in_order, progress=False,
+                           prefetch_blocks=max(1, math.ceil(s.ahead * s.num_workers / s.batches_per_partition)),
+                           allow_trainer_node=s.allow_trainer_node)
+    executor = start_execution(source, (s.worker_op(),), plan, options,
+                               actor_cache=carry.actor_cache if s.persistent_workers else None,
+                               estimates=carry.estimates, arena=arena_here())
+    carry.stats = executor.stats()
+    stalls = StallStats()
+    tensors = s.tensors()
+
+    def produce() -> Iterator[Delivery]:
+        """Each ready batch with its index in the epoch. Copies release a block's bytes as soon
+        as its batches are made; zero-copy batches view the block, which is released once the
+        loop moved on (a block read from a slot keeps its slot until its batches are gone)."""
+        copy = not s.zero_copy
+        while True:
+            item = executor.get_next()
+            if item is None:
+                return
+            t0 = time.perf_counter()
+            block = executor.fetch(item)
+            wires = block["batch"]
+            del block
+            out = [wire_as_tensors(w, tensors) for w in wires]
+            del wires
+            if copy:
+                executor.release(item.meta.nbytes)
+            stalls.fetch_s += time.perf_counter() - t0
+            for i, batch in enumerate(out):
+                last = i == len(out) - 1
+                release = (lambda n=item.meta.nbytes: executor.release(n)) if last and not copy else None
+                yield Delivery(batch, item.meta.seq * s.batches_per_partition + i if run is not None else None,
+                               release)
+            out = []
+
+    def closed() -> None:
+        carry.estimates = executor.estimates()
+        _report(s, f"epoch {epoch}", stalls)()
+
+    return EpochIterator(produce(), run, ahead=s.ahead, stalls=stalls, to_device=_device(s), translate=translate,
+                         timeout=s.timeout or None, wake=executor.shutdown, on_close=closed)
+
+
+def split_epoch(s: DropinSettings, carry: DropinCarry, run: EpochRun, rank: int,
+                reconnect: Callable[[], Any]) -> EpochIterator:
+    """This rank's share of an epoch the job's coordinator runs (every rank the same count)."""
+    coord = carry.coordinator
+
+    def spec() -> Any:
+        return dropin_client.epoch_spec(run, s.source_fingerprint(), s.worker_op(), s.coordinator_options(),
+                                        s.in_order)
+
+    try:
+        per_rank = dropin_client.join(coord, rank, run.epoch, spec)
+    except ray.exceptions.RayActorError:
+        # The coordinator died after this rank had taken all of its previous epoch: say so to
+        # the new one (ranks still in that epoch wait for every rank's report to rebuild it),
+        # then start this epoch there.
+        coord = reconnect()
+        last = carry.last_split_run
+        if last is not None:
+            coord.rebuild.remote(last.epoch, rank, list(last.taken),
+                                 dropin_client.epoch_spec(last, s.source_fingerprint(), s.worker_op(),
+                                                          s.coordinator_options(), s.in_order), wait=False)
+        per_rank = dropin_client.join(coord, rank, run.epoch, spec)
+    if per_rank != run.per_rank:
+        from sbloader.core.errors import SbloaderError
+
+        raise SbloaderError(
+            f"rank {rank} planned {run.per_rank} batches for epoch {run.epoch} but rank 0 planned {per_rank}: "
+            "every rank must load the same state and use the same loader arguments"
+        )
+    stalls = StallStats()
+    pull = dropin_client.Pull(coord, rank, run.epoch, per_rank, s.ahead, s.pin, not s.zero_copy,
+                              consumed=lambda: len(run.taken), reconnect=reconnect, spec=spec,
+                              timeout=s.timeout or None)
+
+    def produce() -> Iterator[Delivery]:
+        for batch, index in pull.batches():
+            stalls.fetch_s = pull.fetch_s
+            yield Delivery(batch, index)
+
+    def closed() -> None:
+        dropin_client.finish(pull.coord, run.epoch, rank, len(run.taken))
+        if run.complete:
+            carry.last_split_run = run
+        _report(s, f"rank {rank} epoch {run.epoch}", stalls)()
+
+    return EpochIterator(produce(), run, ahead=s.ahead, stalls=stalls, to_device=_device(s), translate=translate,
+                         on_close=closed)
+
+
+def stream_epoch(s: DropinSettings, carry: DropinCarry, rank: int, epoch: int, epoch_seed: int) -> EpochIterator:
+    """This rank's share of an ``IterableDataset`` the job's coordinator iterates once."""
+    coord = carry.coordinator
+    dropin_client.join(coord, rank, epoch, lambda: dropin_client.stream_spec(
+        epoch, epoch_seed, max(1, s.num_workers), s.source_fingerprint(), s.worker_op(), s.coordinator_options(),
+        s.drop_last))
+    stalls = StallStats()
+
+    def produce() -> Iterator[Delivery]:
+        for batch in dropin_client.pull_stream(coord, rank, epoch, s.ahead, s.pin, not s.zero_copy,
+                                               consumed=lambda: stalls.batches, timeout=s.timeout or None):
+            yield Delivery(batch)
+
+    def closed() -> None:
+        dropin_client.finish(coord, epoch, rank, stalls.batches)
+        _report(s, f"rank {rank} epoch {epoch}", stalls)()
+
+    return EpochIterator(produce(), None, ahead=s.ahead, stalls=stalls, to_device=_device(s), translate=translate,
+                         on_close=closed)
