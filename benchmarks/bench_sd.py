@@ -1,9 +1,9 @@
 """SD pipeline throughput and stall fraction (issue #7, benchmark 1).
 
-The workload is ``trainers/train_sd.py`` itself (imported, not copied): Parquet rows
+The workload is ``trainers/train_sd.py``'s package ``trainers/sd`` itself (imported, not copied): Parquet rows
 of JPEG bytes + captions -> decode/resize/crop/flip/tokenize (``preprocess``) ->
 a small VAE encoder + text encoder (``SDEncoders``) -> a small UNet trained with
-the DDPM loss (``train_sd.train``; 64 px images, batch 8, 8x8 latents, on CPU).
+the DDPM loss (``sd.loop.train``; 64 px images, batch 8, 8x8 latents, on CPU).
 Every contender runs that same training loop; only the source of the encoded
 batches changes (``train(..., source=...)``), wrapped to time each step.
 
@@ -138,7 +138,7 @@ def thread_cpu_s(a: dict, b: dict) -> dict[str, float]:
 
 
 class TimedSource:
-    """Wraps a train_sd ``BatchSource``: times each ``next()`` (the wait) and the time
+    """Wraps a train_sd ``BatchSource`` (``sd.sources``): times each ``next()`` (the wait) and the time
     between batches (the step), and snapshots CPU by process class and per-core load
     at the first and last warm request. Everything else is the wrapped source's."""
 
@@ -273,9 +273,9 @@ class TimedSource:
 def timed_encoders() -> type:
     """``SDEncoders`` that also stamp each batch with the time it was encoded (``encoded_at``)."""
     import numpy as np
-    import train_sd
+    from sd.encoders import SDEncoders
 
-    class TimedSDEncoders(train_sd.SDEncoders):
+    class TimedSDEncoders(SDEncoders):
         def __call__(self, batch: dict) -> dict:
             out = super().__call__(batch)
             out["encoded_at"] = np.full(len(out["id"]), time.time())
@@ -286,20 +286,20 @@ def timed_encoders() -> type:
 
 def pipeline_source(cls: Any, args: Any, path: str, device: Any) -> Any:
     """A train_sd ``PipelineSource`` (or subclass) built with the time-stamping encoders."""
-    import train_sd
+    import sd.sources
 
-    orig = train_sd.SDEncoders
-    train_sd.SDEncoders = timed_encoders()  # the name PipelineSource looks up while it builds the pipeline
+    orig = sd.sources.SDEncoders
+    sd.sources.SDEncoders = timed_encoders()  # the name PipelineSource looks up while it builds the pipeline
     try:
         return cls(args, path, device)
     finally:
-        train_sd.SDEncoders = orig
+        sd.sources.SDEncoders = orig
 
 
 def sd_args(cfg: dict, loader: str = "sbloader", workers: int = 1) -> Any:
-    import train_sd
+    from sd.cli import parse_args
 
-    return train_sd.parse_args([
+    return parse_args([
         "--loader", loader, "--workers", str(workers), "--images", str(cfg["images"]), "--size", str(cfg["size"]),
         "--rows-per-group", str(cfg["rows_per_group"]), "--batch-size", str(cfg["batch_size"]),
         "--encode-batch", str(cfg["encode_batch"]), "--encoder-actors", "1", "--steps", str(cfg["steps"]),
@@ -309,12 +309,12 @@ def sd_args(cfg: dict, loader: str = "sbloader", workers: int = 1) -> Any:
 
 def _raydata_preprocess(batch: dict, **kwargs: Any) -> dict:
     """train_sd's ``preprocess`` under Ray Data: it draws from sbloader's task context, so give it one."""
-    import train_sd
+    from sd.data import preprocess
 
     from sbloader.core.context import task_context
 
     with task_context(0, 0, int(batch["id"][0]), "preprocess", 0):
-        return train_sd.preprocess(batch, **kwargs)
+        return preprocess(batch, **kwargs)
 
 
 def raydata_source(args: Any, path: str, block_kib: int) -> Any:
@@ -331,9 +331,9 @@ def raydata_source(args: Any, path: str, block_kib: int) -> Any:
     ctx.enable_progress_bars = False
     ctx.target_max_block_size = block_kib * 1024
     logging.getLogger("ray.data").setLevel(logging.WARNING)
-    import train_sd
+    from sd.sources import BatchSource
 
-    class RayDataSource(train_sd.BatchSource):
+    class RayDataSource(BatchSource):
         kind = "raydata"
 
         def __init__(self) -> None:
@@ -361,12 +361,12 @@ def raydata_source(args: Any, path: str, block_kib: int) -> Any:
 
 def allow_source(args: Any, path: str, device: Any) -> Any:
     """train_sd's pipeline, executed with ``allow_trainer_node=True`` (``to_dataloader`` has no such option)."""
-    import train_sd
+    from sd.sources import PipelineSource
 
     from sbloader.loaders.batching import iter_batches, iter_blocks
     from sbloader.loaders.tensors import columns_to_torch as to_torch
 
-    class AllowSource(train_sd.PipelineSource):
+    class AllowSource(PipelineSource):
         def batches(self) -> Any:
             while True:
                 ex = self.dataset.execute(epoch=self.epoch, seed=args.seed, shuffle=True,
@@ -393,12 +393,14 @@ def calibrate(cfg: dict) -> dict:
     import numpy as np
     import pyarrow.parquet as pq
     import torch
-    import train_sd
+    from sd.data import ParquetCaptionDataset, dataset_path, preprocess, write_dataset
+    from sd.denoiser import DDPM, TinyUNet, step_generator
+    from sd.encoders import SDEncoders
 
     from sbloader.core.context import task_context
 
     args = sd_args(cfg)
-    path = train_sd.write_dataset(train_sd.dataset_path(args), args)
+    path = write_dataset(dataset_path(args), args)
     g = cfg["rows_per_group"]
     t = pq.read_table(path, columns=["id", "image", "caption"]).slice(0, 12 * g)
     rows = {k: t.column(k).to_numpy(zero_copy_only=False) for k in ("id", "image", "caption")}
@@ -414,27 +416,27 @@ def calibrate(cfg: dict) -> dict:
     blocks = [{k: v[s:s + g] for k, v in rows.items()} for s in range(0, 12 * g, g)]
     with task_context(0, 0, 0, "preprocess", 0):
         it = iter(blocks * 4)
-        pre_cpu, pre_wall = timed(lambda: train_sd.preprocess(next(it), **kw), 10)
-    ds = train_sd.ParquetCaptionDataset(path, args.size, args.max_tokens, args.vocab, args.seed)
+        pre_cpu, pre_wall = timed(lambda: preprocess(next(it), **kw), 10)
+    ds = ParquetCaptionDataset(path, args.size, args.max_tokens, args.vocab, args.seed)
     order = iter(np.random.default_rng(0).permutation(len(ds)).tolist())
     item_cpu, item_wall = timed(lambda: ds[(0, next(order))], 80)
-    enc = train_sd.SDEncoders(vocab=args.vocab, max_tokens=args.max_tokens, text_dim=args.text_dim,
-                              seed=args.encoder_seed, device="cpu", where="trainer")
+    enc = SDEncoders(vocab=args.vocab, max_tokens=args.max_tokens, text_dim=args.text_dim,
+                     seed=args.encoder_seed, device="cpu", where="trainer")
     with task_context(0, 0, 0, "preprocess", 0):
-        b = train_sd.preprocess(blocks[0], **kw)
+        b = preprocess(blocks[0], **kw)
     bs = args.batch_size
     sub = {k: v[:bs] for k, v in b.items()}
     enc_cpu, enc_wall = timed(lambda: enc(sub), 10)
     out = enc(sub)
     torch.manual_seed(0)
-    model = train_sd.TinyUNet(base=args.base, text_dim=args.text_dim)
+    model = TinyUNet(base=args.base, text_dim=args.text_dim)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    ddpm = train_sd.DDPM()
+    ddpm = DDPM()
     x0, ctx, mask = (torch.from_numpy(out[k]) for k in ("latents", "text_emb", "text_mask"))
     step = [0]
 
     def unet_step() -> None:
-        loss = ddpm.loss(model, x0, ctx, mask, train_sd.step_generator(0, 0, step[0], torch.device("cpu")),
+        loss = ddpm.loss(model, x0, ctx, mask, step_generator(0, 0, step[0], torch.device("cpu")),
                          args.cond_drop)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -463,17 +465,18 @@ def calibrate(cfg: dict) -> dict:
 def run_contender(name: str, cfg: dict, make_source: Any, tree: h.ProcTree, cores: tuple,
                   loader: str = "sbloader", workers: int = 1) -> dict:
     import torch
-    import train_sd
+    from sd.data import dataset_path
+    from sd.loop import train
 
     args = sd_args(cfg, loader, workers)
-    path = train_sd.dataset_path(args)
+    path = dataset_path(args)
     device = torch.device("cpu")
     timed: Optional[TimedSource] = None
     t0 = time.perf_counter()
     with h.measure(name, tree=tree, interval_s=cfg["pss_interval_s"]) as m:
         src = make_source(args, path, device)
         timed = TimedSource(src, args.steps, cfg["skip"], tree, cores)
-        r = train_sd.train(args, 0, 1, device, source=timed)
+        r = train(args, 0, 1, device, source=timed)
     res = m.result.as_dict()
     run_wall = time.perf_counter() - t0
     fig = timed.figures(args.batch_size)
@@ -557,7 +560,7 @@ def job_main(job: str, cfg: dict, out: str) -> None:
     import torch
 
     torch.set_num_threads(1)
-    import train_sd
+    from sd.sources import PipelineSource, TorchSource
 
     cores = sorted(os.sched_getaffinity(0))
     result: dict[str, Any] = {"job": job, "trainer_cores": cores, "contenders": {}}
@@ -568,7 +571,7 @@ def job_main(job: str, cfg: dict, out: str) -> None:
         for name in order:
             w = int(name[len("torch_w"):])
             result["contenders"][name] = run_contender(
-                name, cfg, lambda a, p, d: train_sd.TorchSource(a, p, 0, 1, d), tree, (cores, []),
+                name, cfg, lambda a, p, d: TorchSource(a, p, 0, 1, d), tree, (cores, []),
                 loader="torch", workers=w)
         Path(out).write_text(json.dumps(result, default=str))
         return
@@ -601,8 +604,8 @@ def job_main(job: str, cfg: dict, out: str) -> None:
             raise RuntimeError(f"an extra node listens on non-loopback addresses {bad}; stopping")
         tree = ClusterTree(extra_roots=tuple(n.pid for n in nodes))
         core_groups = (cores, [int(c) for c in cfg["node_cores"][:k]])
-        makers = {"sbloader": lambda a, p, d: pipeline_source(train_sd.PipelineSource, a, p, d),
-                  "sbloader_1node": lambda a, p, d: pipeline_source(train_sd.PipelineSource, a, p, d),
+        makers = {"sbloader": lambda a, p, d: pipeline_source(PipelineSource, a, p, d),
+                  "sbloader_1node": lambda a, p, d: pipeline_source(PipelineSource, a, p, d),
                   "sbloader_allow": allow_source,
                   "raydata": lambda a, p, d: raydata_source(a, p, cfg["raydata_block_kib"])}
         time.sleep(1.0)
@@ -888,7 +891,7 @@ def report(args: argparse.Namespace, cfg: dict, rounds: list[dict], cals: list[d
         f"{cfg['node_cores'][0]}) is added for the Ray contenders. `x torch best` divides by the better of torch's "
         "1- and 2-worker runs of the same round.",
         "",
-        f"Workload: `trainers/train_sd.py`'s own training loop (`train_sd.train`), {cfg['images']} generated "
+        f"Workload: `trainers/train_sd.py`'s own training loop (`sd.loop.train`), {cfg['images']} generated "
         f"images + captions in Parquet (row groups of {cfg['rows_per_group']}), {cfg['size']} px, batch "
         f"{cfg['batch_size']}, encoder blocks of {cfg['encode_batch']}, one encoder actor, UNet base 32 on CPU, "
         f"each run one epoch ({cfg['steps']} steps), a new iterator as users run them; figures over steps "
@@ -971,10 +974,10 @@ def report(args: argparse.Namespace, cfg: dict, rounds: list[dict], cals: list[d
         "",
         "## The contenders",
         "",
-        "- `torch_w1`/`torch_w2`: `train_sd.TorchSource` as `--loader torch` builds it: a map-style Dataset over "
+        "- `torch_w1`/`torch_w2`: `sd.sources.TorchSource` as `--loader torch` builds it: a map-style Dataset over "
         "the Parquet file (row groups read on demand, a few cached per worker), `DataLoader(batch_size=8, "
         "num_workers=1|2, persistent_workers=True)`, the encoders called on each batch in the trainer.",
-        "- `sbloader`: `train_sd.PipelineSource` as `--loader sbloader` builds it: `read_parquet(file)` (a "
+        "- `sbloader`: `sd.sources.PipelineSource` as `--loader sbloader` builds it: `read_parquet(file)` (a "
         f"partition per row group) -> `map_batches(preprocess, num_cpus=1)` -> `map_batches(SDEncoders, "
         f"batch_size={cfg['encode_batch']}, concurrency=(1, 1), num_cpus=1)` -> `to_dataloader(8, shuffle=True, "
         "seed=0, drop_last=True, deterministic=True)`.",
@@ -1119,12 +1122,12 @@ def main() -> None:
             "node_cores": [args.node_core], "node_cpus": args.node_cpus, "head_cpus": 1, "pss_interval_s": 0.5,
             "raydata_block_kib": args.raydata_block_kib}
     # Write the data once, before any job (the jobs only read it).
-    import train_sd
+    from sd.data import dataset_path, write_dataset
 
     a = sd_args(base)
     t = time.perf_counter()
-    train_sd.write_dataset(train_sd.dataset_path(a), a)
-    print(f"data: {train_sd.dataset_path(a)} ({time.perf_counter() - t:.1f}s)", flush=True)
+    write_dataset(dataset_path(a), a)
+    print(f"data: {dataset_path(a)} ({time.perf_counter() - t:.1f}s)", flush=True)
     jobs_spec = [("torch", {"order": list(TORCH)}),
                  ("cluster", {"order": list(CLUSTER), "extra_nodes": 1, "head_cpus": 1}),
                  ("cluster", {"order": ["sbloader_1node"], "extra_nodes": 0, "head_cpus": 2})]

@@ -8,7 +8,8 @@ writes per-rank metrics (losses, batch ids, the shapes of the latents and text
 embeddings the trainer received, the encoder pids behind its batches, the pool's
 actor counts) and the encoders append one line per construction to a log.
 
-The unit tests at the bottom check the script's pieces in-process (no Ray).
+The unit tests at the bottom check the script's pieces in-process (no Ray), from the
+package ``trainers/sd`` they live in, and that ``import train_sd`` still gives them.
 """
 from __future__ import annotations
 
@@ -32,6 +33,11 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "trainers" / "train_sd.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import train_sd  # noqa: E402
+from sd.checkpoints import checkpoint_files, latest_checkpoint, write_checkpoint  # noqa: E402
+from sd.cli import parse_args  # noqa: E402
+from sd.data import BOS, EpochSampler, ParquetCaptionDataset, dataset_path, tokenize, write_dataset  # noqa: E402
+from sd.denoiser import DDPM, TinyUNet, step_generator  # noqa: E402
+from sd.encoders import SDEncoders  # noqa: E402
 
 RUN_TIMEOUT_S = 240
 IMAGES, SIZE, GROUP, BATCH, STEPS = 32, 32, 8, 4, 4
@@ -106,8 +112,8 @@ class Started:
 def runs(tmp_path_factory) -> dict[str, Run]:
     root = tmp_path_factory.mktemp("train_sd")
     # Write the Parquet once, before the runs share it.
-    args = train_sd.parse_args([*map(str, COMMON), "--data", str(root / "data")])
-    train_sd.write_dataset(train_sd.dataset_path(args), args)
+    args = parse_args([*map(str, COMMON), "--data", str(root / "data")])
+    write_dataset(dataset_path(args), args)
     t0 = time.monotonic()
     started = {
         # One encoder actor at most: constructions must equal the pool's actors exactly.
@@ -243,18 +249,18 @@ def test_resume_with_the_other_loader_is_a_clear_error(runs):
 
 
 def test_tokenize_is_deterministic_padded_and_truncated():
-    toks = train_sd.tokenize(["red cat", "", "a b c d e f g h"], max_tokens=5, vocab=50)
+    toks = tokenize(["red cat", "", "a b c d e f g h"], max_tokens=5, vocab=50)
     assert toks.shape == (3, 5) and toks.dtype == np.int64
-    assert list(toks[:, 0]) == [train_sd.BOS] * 3
+    assert list(toks[:, 0]) == [BOS] * 3
     assert list(toks[0, 3:]) == [0, 0] and list(toks[1, 1:]) == [0] * 4
     words = toks[:, 1:][toks[:, 1:] != 0]
     assert (toks[2] != 0).all() and toks.max() < 50 and (words >= 2).all()
-    assert np.array_equal(toks, train_sd.tokenize(["red cat", "", "a b c d e f g h"], 5, 50))
-    assert np.array_equal(train_sd.tokenize(["Red CAT"], 5, 50), toks[:1])
+    assert np.array_equal(toks, tokenize(["red cat", "", "a b c d e f g h"], 5, 50))
+    assert np.array_equal(tokenize(["Red CAT"], 5, 50), toks[:1])
 
 
 def test_epoch_sampler_splits_like_distributed_sampler_and_skips():
-    samplers = [train_sd.EpochSampler(23, r, 3, seed=5) for r in range(3)]
+    samplers = [EpochSampler(23, r, 3, seed=5) for r in range(3)]
     keys = [list(s) for s in samplers]
     assert [len(k) for k in keys] == [7, 7, 7] == [len(s) for s in samplers]
     flat = [i for k in keys for _, i in k]
@@ -268,13 +274,13 @@ def test_epoch_sampler_splits_like_distributed_sampler_and_skips():
 
 def test_encoders_identical_per_construction_and_logged(tmp_path):
     log = tmp_path / "log.jsonl"
-    a = train_sd.SDEncoders(vocab=100, max_tokens=8, text_dim=32, seed=7, log_path=str(log))
-    b = train_sd.SDEncoders(vocab=100, max_tokens=8, text_dim=32, seed=7, log_path=str(log))
-    c = train_sd.SDEncoders(vocab=100, max_tokens=8, text_dim=32, seed=8)
+    a = SDEncoders(vocab=100, max_tokens=8, text_dim=32, seed=7, log_path=str(log))
+    b = SDEncoders(vocab=100, max_tokens=8, text_dim=32, seed=7, log_path=str(log))
+    c = SDEncoders(vocab=100, max_tokens=8, text_dim=32, seed=8)
     assert a.checksum == b.checksum != c.checksum
     rng = np.random.default_rng(0)
     batch = {"id": np.arange(3), "image": rng.integers(0, 256, (3, 3, 32, 32), dtype=np.uint8),
-             "tokens": train_sd.tokenize(["red cat", "blue", "a tree by a river"], 8, 100)}
+             "tokens": tokenize(["red cat", "blue", "a tree by a river"], 8, 100)}
     batch["image"].flags.writeable = False  # as from the object store
     oa, ob = a(batch), b(batch)
     assert oa["latents"].shape == (3, 4, 4, 4) and oa["latents"].dtype == np.float32
@@ -289,13 +295,13 @@ def test_encoders_identical_per_construction_and_logged(tmp_path):
 
 
 def test_parquet_caption_dataset_augments_per_epoch_and_index(tmp_path):
-    args = train_sd.parse_args(["--images", "12", "--size", "32", "--rows-per-group", "5", "--data", str(tmp_path)])
-    path = train_sd.write_dataset(train_sd.dataset_path(args), args)
-    ds = train_sd.ParquetCaptionDataset(path, 32, 16, 4096, seed=1, cache_row_groups=1)
+    args = parse_args(["--images", "12", "--size", "32", "--rows-per-group", "5", "--data", str(tmp_path)])
+    path = write_dataset(dataset_path(args), args)
+    ds = ParquetCaptionDataset(path, 32, 16, 4096, seed=1, cache_row_groups=1)
     assert len(ds) == 12
     x = ds[(0, 7)]
     assert x["id"] == 7 and x["image"].shape == (3, 32, 32) and x["image"].dtype == torch.uint8
-    assert x["tokens"].shape == (16,) and x["tokens"][0] == train_sd.BOS
+    assert x["tokens"].shape == (16,) and x["tokens"][0] == BOS
     ds[(0, 0)], ds[(0, 11)]  # evict row group 1 from the one-slot cache
     assert torch.equal(ds[(0, 7)]["image"], x["image"]), "the same key gave another augmentation"
     assert any(not torch.equal(ds[(e, 7)]["image"], x["image"]) for e in range(1, 6)), "epochs share their crops"
@@ -305,29 +311,39 @@ def test_parquet_caption_dataset_augments_per_epoch_and_index(tmp_path):
 
 def test_unet_ddpm_loss_trains_every_parameter():
     torch.manual_seed(0)
-    model = train_sd.TinyUNet(base=16, text_dim=32)
-    ddpm = train_sd.DDPM(steps=100)
+    model = TinyUNet(base=16, text_dim=32)
+    ddpm = DDPM(steps=100)
     x0 = torch.randn(3, 4, 4, 4)
     ctx = torch.randn(3, 8, 32)
     mask = torch.zeros(3, 8, dtype=torch.bool)
     mask[:, :3] = True
-    g = train_sd.step_generator(0, 0, 0, torch.device("cpu"))
+    g = step_generator(0, 0, 0, torch.device("cpu"))
     loss = ddpm.loss(model, x0, ctx, mask, g, cond_drop=0.5)
     loss.backward()
     assert loss.ndim == 0 and math.isfinite(loss.item())
     assert all(p.grad is not None for p in model.parameters()), "a parameter is unused (DDP would complain)"
     assert model(x0, torch.tensor([0, 5, 99]), ctx, mask).shape == x0.shape
-    g1, g2 = (train_sd.step_generator(0, 0, 7, torch.device("cpu")) for _ in range(2))
+    g1, g2 = (step_generator(0, 0, 7, torch.device("cpu")) for _ in range(2))
     assert torch.equal(torch.randn(4, generator=g1), torch.randn(4, generator=g2))
 
 
 def test_checkpoints_keep_the_newest(tmp_path):
     for step in (2, 4, 6, 8):
-        train_sd.write_checkpoint(str(tmp_path), step, keep=2, model={}, opt={}, loader_state={"kind": "torch"})
-    assert [s for s, _ in train_sd.checkpoint_files(str(tmp_path))] == [6, 8]
-    args = train_sd.parse_args(["--ckpt-dir", str(tmp_path), "--loader", "sbloader"])
+        write_checkpoint(str(tmp_path), step, keep=2, model={}, opt={}, loader_state={"kind": "torch"})
+    assert [s for s, _ in checkpoint_files(str(tmp_path))] == [6, 8]
+    args = parse_args(["--ckpt-dir", str(tmp_path), "--loader", "sbloader"])
     with pytest.raises(ValueError, match="written with --loader torch"):
-        train_sd.latest_checkpoint(args)
-    args = train_sd.parse_args(["--ckpt-dir", str(tmp_path / "none")])
+        latest_checkpoint(args)
+    args = parse_args(["--ckpt-dir", str(tmp_path / "none")])
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
-        train_sd.latest_checkpoint(args)
+        latest_checkpoint(args)
+
+
+def test_entry_script_reexports_the_package():
+    import sd.cli
+
+    assert train_sd.main is sd.cli.main
+    for name in train_sd.__all__:
+        obj = getattr(train_sd, name)
+        assert not callable(obj) or obj.__module__.startswith("sd."), (name, obj)
+    assert train_sd.SDEncoders is SDEncoders and train_sd.tokenize is tokenize
