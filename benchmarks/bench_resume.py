@@ -69,6 +69,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import _gitstate  # noqa: E402
 import _harness as h  # noqa: E402
+import _jobs  # noqa: E402
 
 NAME = "resume"
 TITLE = "Resume: the consumed ledger's cost and time to resume"
@@ -562,12 +563,6 @@ def run_inprocess(args: argparse.Namespace) -> dict:
 
 # ----- driver ------------------------------------------------------------------------------
 
-def torchrun_cmd(n: int) -> list[str]:
-    exe = shutil.which("torchrun")
-    base = [exe] if exe else [sys.executable, "-m", "torch.distributed.run"]
-    return base + ["--standalone", f"--nproc-per-node={n}"]
-
-
 def job_args(args: argparse.Namespace, rnd: int) -> list[str]:
     return ["--job", "--samples", str(args.samples), "--epochs", str(args.epochs), "--every", str(args.every),
             "--step-ms", str(args.step_ms), "--burst", str(args.burst), "--burst-at", str(args.burst_at),
@@ -577,22 +572,13 @@ def job_args(args: argparse.Namespace, rnd: int) -> list[str]:
 
 def run_job(args: argparse.Namespace, rnd: int, timeout_s: float = 400) -> dict:
     out = tempfile.mkdtemp(prefix="bench_resume_")
-    cmd = torchrun_cmd(2) + [str(HERE / "bench_resume.py")] + job_args(args, rnd) + ["--out", out]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    cmd = _jobs.torchrun_cmd(2) + [str(HERE / "bench_resume.py")] + job_args(args, rnd) + ["--out", out]
+    env = _jobs.job_env()
     env.pop("SBLOADER_NO_LEDGER", None)
     t0 = time.perf_counter()
     with open(os.path.join(out, "torchrun.log"), "w") as logf:
         proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, cwd=str(HERE.parent))
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()  # the torchrun agent we started; its ranks die with it
-            proc.wait()
-            rc = -9
+        rc = _jobs.wait_or_kill(proc, timeout_s)
     ranks = [json.loads(f.read_text()) for f in sorted(Path(out).glob("rank*.json"))]
     tail = (Path(out) / "torchrun.log").read_text()[-4000:]
     if rc != 0 or len(ranks) != 2:

@@ -56,6 +56,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import _gitstate  # noqa: E402
 import _harness as h  # noqa: E402
+import _jobs  # noqa: E402
 import _jpeg_workload as w  # noqa: E402
 
 NAME = "scaleout"
@@ -93,11 +94,7 @@ def run_job(k: int, args: argparse.Namespace, paths_file: str) -> dict:
     cmd = ["taskset", "-c", args.trainer_cores, sys.executable, str(HERE / "_scaleout_job.py"),
            "--paths-file", paths_file, "--out", out, "--extra-nodes", str(k),
            "--extra-cores", args.node_cores, "--epochs", str(args.epochs)]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    env.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    env.setdefault("OMP_NUM_THREADS", "1")
+    env = _jobs.job_env()
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.job_timeout,
                           cwd=str(HERE.parent))
@@ -318,9 +315,7 @@ def main() -> None:
     from sbloader.datagen import write_jpeg_folder
 
     paths = write_jpeg_folder(str(Path(args.data) / "jpeg"), args.images, seed=0)
-    fd, paths_file = tempfile.mkstemp(prefix="bench_scaleout_paths_", suffix=".txt")
-    with os.fdopen(fd, "w") as f:
-        f.write("\n".join(paths))
+    paths_file = _jobs.write_paths_file(paths, prefix="bench_scaleout_paths_")
     cals: list[dict] = []
     jobs: dict[int, list[dict]] = {k: [] for k in ks}
     try:

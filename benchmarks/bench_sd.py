@@ -81,6 +81,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(TRAINERS))
 import _gitstate  # noqa: E402
 import _harness as h  # noqa: E402
+import _jobs  # noqa: E402
 
 NAME = "sd"
 TORCH = ("torch_w1", "torch_w2")
@@ -627,11 +628,8 @@ def run_job(job: str, cfg: dict, args: argparse.Namespace) -> dict:
     Path(cfg_path).write_text(json.dumps(cfg))
     cmd = ["taskset", "-c", args.trainer_cores, sys.executable, str(Path(__file__).resolve()), "--job", job,
            "--job-config", cfg_path, "--job-out", out]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(TRAINERS), str(REPO)]
-                                        + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    env = _jobs.job_env(TRAINERS, REPO)
+    env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # even where the caller's environment says otherwise
     env.pop("RAY_ADDRESS", None)
     env["OMP_NUM_THREADS"] = "1"
     env["TQDM_DISABLE"] = "1"

@@ -54,6 +54,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import _gitstate  # noqa: E402
 import _harness as h  # noqa: E402
+import _jobs  # noqa: E402
 import _jpeg_workload as w  # noqa: E402
 
 NAME = "split"
@@ -79,12 +80,6 @@ def calibrate(paths: list[str], cores: int, batches: int = 6) -> dict:
             "ceiling_batch_s": BATCH / ceiling, "step_s": 1.5 * BATCH / ceiling}
 
 
-def torchrun_cmd(n: int) -> list[str]:
-    exe = shutil.which("torchrun")
-    base = [exe] if exe else [sys.executable, "-m", "torch.distributed.run"]
-    return base + ["--standalone", f"--nproc-per-node={n}"]
-
-
 @dataclass
 class JobTree(h.ProcTree):
     """The torchrun agent and everything under it (ranks, the embedded Ray)."""
@@ -96,25 +91,14 @@ class JobTree(h.ProcTree):
 def run_job(n: int, paths_file: str, step_s: float, epochs: int, timeout_s: float) -> dict:
     """One torchrun job of ``n`` ranks; its ranks' logs plus the whole job's PSS/CPU."""
     out = tempfile.mkdtemp(prefix=f"bench_split_{n}_")
-    cmd = torchrun_cmd(n) + [str(HERE / "_split_job.py"), "--paths-file", paths_file, "--out", out,
-                             "--step-s", f"{step_s:.5f}", "--epochs", str(epochs)]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    cmd = _jobs.torchrun_cmd(n) + [str(HERE / "_split_job.py"), "--paths-file", paths_file, "--out", out,
+                                   "--step-s", f"{step_s:.5f}", "--epochs", str(epochs)]
+    env = _jobs.job_env()
     t0 = time.perf_counter()
-    logf = open(os.path.join(out, "torchrun.log"), "w")
-    proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, cwd=str(HERE.parent))
-    try:
+    with open(os.path.join(out, "torchrun.log"), "w") as logf:
+        proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, cwd=str(HERE.parent))
         with h.measure(f"N={n}", tree=JobTree(root=proc.pid, include_ray_session=False), interval_s=0.5) as m:
-            rc = proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()  # the torchrun agent we started; its ranks die with it
-        proc.wait()
-        rc = -9
-    finally:
-        logf.close()
+            rc = _jobs.wait_or_kill(proc, timeout_s)
     wall = time.perf_counter() - t0
     ranks = []
     for r in range(n):
@@ -548,9 +532,7 @@ def main() -> None:
     from sbloader.datagen import write_jpeg_folder
 
     paths = write_jpeg_folder(str(Path(args.data) / "jpeg"), args.images, seed=0)
-    fd, paths_file = tempfile.mkstemp(prefix="bench_split_paths_", suffix=".txt")
-    with os.fdopen(fd, "w") as f:
-        f.write("\n".join(paths))
+    paths_file = _jobs.write_paths_file(paths, prefix="bench_split_paths_")
     cals: list[dict] = []
     jobs: dict[int, list[dict]] = {n: [] for n in ranks}
     try:
