@@ -645,12 +645,18 @@ def quiet(result: Result, max_outside_frac: float = 0.05) -> bool:
     return result.outside_cpu_frac <= max_outside_frac
 
 
+def median(values: Iterable[Optional[float]]) -> Optional[float]:
+    """The median of the numbers (None values are left out); None if none are left."""
+    xs = [v for v in values if v is not None]
+    return statistics.median(xs) if xs else None
+
+
 def summarize(values: Sequence[Optional[float]]) -> dict[str, Any]:
     """Median, min, max and n of the numbers (None values are left out)."""
     xs = [float(v) for v in values if v is not None]
     if not xs:
         return {"median": None, "min": None, "max": None, "n": 0}
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+    return {"median": median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
 def fmt_range(s: Mapping[str, Any], fmt: str = "{:.3g}", scale: float = 1.0) -> str:

@@ -237,10 +237,6 @@ def _shipped_settings() -> tuple[dict, dict]:
     return dict(rt._EMBEDDED_ENV), dict(getattr(rt, "_EMBEDDED_SYSTEM_CONFIG", {}))
 
 
-def _med(xs: list) -> Optional[float]:
-    return h.summarize(xs)["median"]
-
-
 def report(args: argparse.Namespace, runs: dict[str, list[dict]], fresh8: dict[str, list[dict]]) -> tuple[dict, str]:
     shipped_env, shipped_cfg = _shipped_settings()
     rows, summary = [], {}

@@ -138,11 +138,6 @@ def _ns_between(a: dict[str, int], b: dict[str, int]) -> int:
     return sum(v - a.get(tid, 0) for tid, v in b.items())
 
 
-def _med(xs: list) -> Optional[float]:
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
 # ----- the torchrun job (``--job``) ---------------------------------------------------
 
 def job_main(args: argparse.Namespace) -> None:
@@ -615,18 +610,18 @@ def job_figures(job: dict) -> dict:
                      "batches": d["batches"], "wall_s": d["wall_s"],
                      "epoch_ms_per_batch": d["epoch_ms_per_batch"],
                      "outside_cpu_frac": max(x for x in d["outside"] if x is not None),
-                     "machine_cpu_frac": _med(d["machine"]),
+                     "machine_cpu_frac": h.median(d["machine"]),
                      "ranks_ms_per_batch": 1e3 * d["ranks_cpu_s"] / d["batches"],
-                     "state_dict_calls": d["sd_calls"], "state_dict_ms_median": _med(d["sd_ms"]),
+                     "state_dict_calls": d["sd_calls"], "state_dict_ms_median": h.median(d["sd_ms"]),
                      "state_dict_ms_max": max(d["sd_ms"]) if d["sd_ms"] else None, "state_bytes_max": d["state_bytes"]}
     b = r0["burst"]
     sd, sp = b["state_dict"], b["state_dict_spaced"]
     burst = {"calls": sd["calls"], "spaced_calls": sp["calls"], "k": b["k"], "gap_ms": 1e3 * b["gap_s"],
              "coordinator_ms_per_call": sd["ms_per_call"], "trivial_ms_per_call": b["trivial"]["ms_per_call"],
              "spaced_ms_per_call": sp["ms_per_call"], "trivial_spaced_ms_per_call": b["trivial_spaced"]["ms_per_call"],
-             "rank_cpu_ms_per_call": sd["rank_cpu_ms_per_call"], "call_ms_median": _med(sd["call_ms"]),
+             "rank_cpu_ms_per_call": sd["rank_cpu_ms_per_call"], "call_ms_median": h.median(sd["call_ms"]),
              "call_ms_p90": sorted(sd["call_ms"])[int(0.9 * (len(sd["call_ms"]) - 1))],
-             "spaced_call_ms_median": _med(sp["call_ms"])}
+             "spaced_call_ms_median": h.median(sp["call_ms"])}
     resume = {kind: [{"rank": r["rank"], **x} for r in job["ranks"] for x in r["resume"][kind]]
               for kind in ("same", "fresh")}
     base = arms["without"]["coordinator_ms_per_batch"]
@@ -708,7 +703,7 @@ def report(args: argparse.Namespace, jobs: list[dict], cut: list[dict], inproc: 
     # how much one epoch's figure of one arm varies within a job: half the spread over the mean, the median case
     spreads = [(max(v) - min(v)) / 2 / statistics.mean(v) for f in figs for a in ARMS
                for v in [f["arms"][a]["epoch_ms_per_batch"]] if len(v) > 1]
-    summary["epoch_noise"] = statistics.median(spreads) if spreads else None
+    summary["epoch_noise"] = h.median(spreads)
     rows_a = []
     for a in ARMS:
         s = arms[a]

@@ -733,7 +733,7 @@ def summarize_rounds(rounds: list[dict]) -> dict:
     return out
 
 
-def _med(d: Any, *keys: str) -> float:
+def _median_at(d: Any, *keys: str) -> float:
     """The median at ``d[k1][k2]...`` of a summary (0 where absent)."""
     for k in keys:
         if not isinstance(d, dict) or k not in d:
@@ -744,43 +744,44 @@ def _med(d: Any, *keys: str) -> float:
 
 def reading(s: dict, cal: dict, bs: int) -> list[str]:
     """Where the time goes, in words, from this run's medians."""
-    unet_us = 1e3 * _med(cal, "unet_step_cpu_ms") / bs
-    enc_us, pre_us = 1e3 * _med(cal, "encode_cpu_ms_per_sample"), 1e3 * _med(cal, "preprocess_cpu_ms_per_sample")
+    unet_us = 1e3 * _median_at(cal, "unet_step_cpu_ms") / bs
+    enc_us = 1e3 * _median_at(cal, "encode_cpu_ms_per_sample")
+    pre_us = 1e3 * _median_at(cal, "preprocess_cpu_ms_per_sample")
     out = []
-    tb = max((c for c in TORCH if c in s), key=lambda c: _med(s[c], "samples_per_s"), default=None)
+    tb = max((c for c in TORCH if c in s), key=lambda c: _median_at(s[c], "samples_per_s"), default=None)
     if tb:
         d = s[tb]
         out.append(
-            f"- `{tb}`: core 0 does everything: {_med(d, 'core_budget', 'core0', 'ours_us'):.0f} µs of our CPU "
-            f"per sample (trainer {_med(d, 'cpu_us_per_sample_by_class', 'trainer'):.0f}: the UNet step, "
+            f"- `{tb}`: core 0 does everything: {_median_at(d, 'core_budget', 'core0', 'ours_us'):.0f} µs of our CPU "
+            f"per sample (trainer {_median_at(d, 'cpu_us_per_sample_by_class', 'trainer'):.0f}: the UNet step, "
             f"~{unet_us:.0f} alone, plus the encoders, ~{enc_us:.0f}; DataLoader workers "
-            f"{_med(d, 'cpu_us_per_sample_by_class', 'workers'):.0f}: decode, ~{pre_us:.0f} in a batch function, "
+            f"{_median_at(d, 'cpu_us_per_sample_by_class', 'workers'):.0f}: decode, ~{pre_us:.0f} in a batch function, "
             f"plus collation and the copy to the trainer). Of its stall fraction "
-            f"({100 * _med(d, 'stall_fraction'):.0f}%), {100 * _med(d, 'encode_in_next_fraction'):.0f} points are "
+            f"({100 * _median_at(d, 'stall_fraction'):.0f}%), {100 * _median_at(d, 'encode_in_next_fraction'):.0f} points are "
             "the encoders running in the trainer inside `next()`, the rest waiting for the workers' decode.")
     for c in ("sbloader", "sbloader_allow", "raydata", "sbloader_1node"):
         if c not in s:
             continue
         d = s[c]
         cls, th = d["cpu_us_per_sample_by_class"], d["trainer_threads_us_per_sample"]
-        head = sum(_med(v) for k, v in cls.items() if k not in ("trainer",) and not k.startswith("node2_"))
-        node = sum(_med(v) for k, v in cls.items() if k.startswith("node2_"))
-        main = _med(th, "main")
-        execu = _med(th, "sbloader-executor")
-        other = sum(_med(v) for k, v in th.items() if k not in ("main", "sbloader-executor"))
-        idle0 = _med(d, "core_budget", "core0", "idle_us")
-        wall = _med(d, "core_budget", "wall_us")
+        head = sum(_median_at(v) for k, v in cls.items() if k not in ("trainer",) and not k.startswith("node2_"))
+        node = sum(_median_at(v) for k, v in cls.items() if k.startswith("node2_"))
+        main = _median_at(th, "main")
+        execu = _median_at(th, "sbloader-executor")
+        other = sum(_median_at(v) for k, v in th.items() if k not in ("main", "sbloader-executor"))
+        idle0 = _median_at(d, "core_budget", "core0", "idle_us")
+        wall = _median_at(d, "core_budget", "wall_us")
         line = (f"- `{c}`: {wall:.0f} µs per sample of wall time; on core 0 the trainer's main thread takes "
                 f"{main:.0f} µs (the training step and `next()`; the UNet step alone took ~{unet_us:.0f} in the "
                 "calibration)")
         if execu:
             line += f", sbloader's executor thread {execu:.0f}"
         line += (f", the trainer's other threads (Ray core worker, gRPC, ...) {other:.0f}, the head's Ray processes "
-                 f"{head:.0f} (its workers {_med(cls, 'workers'):.0f})")
+                 f"{head:.0f} (its workers {_median_at(cls, 'workers'):.0f})")
         if "core1" in d["core_budget"]:
             line += (f"; core 1 (the node) {node:.0f} µs of our CPU per sample (decode + encode "
                      f"~{pre_us + enc_us:.0f} in the calibration), "
-                     f"idle {_med(d, 'core_budget', 'core1', 'idle_us'):.0f}")
+                     f"idle {_median_at(d, 'core_budget', 'core1', 'idle_us'):.0f}")
         line += f". Core 0 idle: {idle0:.0f} µs per sample."
         out.append(line)
     return out

@@ -153,9 +153,9 @@ def job_figures(job: dict, cal: dict, n_images: int) -> dict:
             "rtt_ms": [1e3 * v for v in rtts],
             "rtt_hit_ms": [1e3 * v for v in rtts_hit],
             "trivial_call_ms": [1e3 * v for v in r0["epochs"][e].get("trivial_call_s", [])],
-            "blocked_reply_ms_per_batch": _med([1e3 * x["sbloader_stalls"]["wait_ready_s"] / x["batches"]
+            "blocked_reply_ms_per_batch": h.median([1e3 * x["sbloader_stalls"]["wait_ready_s"] / x["batches"]
                                                 for x in eps if x["sbloader_stalls"] and x["batches"]]),
-            "fetch_ms_per_batch": _med([1e3 * x["sbloader_stalls"]["fetch_s"] / x["batches"]
+            "fetch_ms_per_batch": h.median([1e3 * x["sbloader_stalls"]["fetch_s"] / x["batches"]
                                         for x in eps if x["sbloader_stalls"] and x["batches"]]),
             "stall_frac_per_rank": [x["stall_frac"] for x in eps],
             "steady_stall_frac_per_rank": [x["steady_stall_frac"] for x in eps],
@@ -179,29 +179,24 @@ def job_figures(job: dict, cal: dict, n_images: int) -> dict:
             "images_per_s": statistics.median(e["images_per_s"] for e in eps),
             "x_ceiling": statistics.median(e["x_ceiling"] for e in eps),
             "first_batch_s": statistics.median(e["first_batch_s"] for e in eps),
-            "coordinator_cpu_ms_per_batch": _med([e["coordinator_cpu_ms_per_batch"] for e in eps]),
-            "coordinator_cpu_frac": _med([e["coordinator_cpu_frac"] for e in eps]),
-            "requests_per_batch": _med([e["requests_per_batch"] for e in eps]),
+            "coordinator_cpu_ms_per_batch": h.median([e["coordinator_cpu_ms_per_batch"] for e in eps]),
+            "coordinator_cpu_frac": h.median([e["coordinator_cpu_frac"] for e in eps]),
+            "requests_per_batch": h.median([e["requests_per_batch"] for e in eps]),
             "rtt_ms_median": _pct(rtt, 0.5), "rtt_ms_p90": _pct(rtt, 0.9), "rtt_ms_max": max(rtt) if rtt else None,
             "rtt_hit_ms_median": _pct(hit, 0.5), "rtt_hit_ms_p90": _pct(hit, 0.9),
             "trivial_call_ms_median": _pct([v for e in eps for v in e["trivial_call_ms"]], 0.5),
-            "blocked_reply_ms_per_batch": _med([e["blocked_reply_ms_per_batch"] for e in eps]),
-            "fetch_ms_per_batch": _med([e["fetch_ms_per_batch"] for e in eps]),
+            "blocked_reply_ms_per_batch": h.median([e["blocked_reply_ms_per_batch"] for e in eps]),
+            "fetch_ms_per_batch": h.median([e["fetch_ms_per_batch"] for e in eps]),
             "stall_frac_per_rank": [statistics.median(e["stall_frac_per_rank"][i] for e in eps) for i in range(nr)],
             "steady_stall_frac_per_rank": [statistics.median(e["steady_stall_frac_per_rank"][i] for e in eps)
                                            for i in range(nr)],
             "cpu_us_per_image_by_class": {k: 1e6 * v / imgs for k, v in cls.items()},
-            "outside_cpu_frac": _med([e["outside_cpu_frac"] for e in eps]),
-            "machine_cpu_frac": _med([e["machine_cpu_frac"] for e in eps]),
+            "outside_cpu_frac": h.median([e["outside_cpu_frac"] for e in eps]),
+            "machine_cpu_frac": h.median([e["machine_cpu_frac"] for e in eps]),
             "per_epoch": [{k: v for k, v in e.items() if k not in ("rtt_ms", "rtt_hit_ms", "trivial_call_ms")}
                           for e in eps],
         }
     return out
-
-
-def _med(xs: list) -> Optional[float]:
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
 
 
 def job_outside(fig: dict) -> float:
