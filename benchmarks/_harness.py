@@ -546,6 +546,41 @@ def measure(label: str, *, tree: Optional[ProcTree] = None, object_store: bool =
             r.extra["sampler_errors"] = errors
 
 
+# ----- a function alone (calibration) --------------------------------------
+
+def cpu_ms_per_item(fn: Callable[[Sequence[Any]], Any], items: Sequence[Any], batch: int, batches: int = 6, *,
+                    warm: bool = True, outputs: Optional[list] = None) -> float:
+    """Thread CPU ms per item of ``fn`` alone, called on ``batches`` chunks of ``batch`` items.
+
+    The chunks are the ones after the first chunk of ``items``; ``fn`` is called on that
+    first one beforehand to warm it up (imports, page cache) unless ``warm=False``.
+
+    Args:
+        outputs: a list that receives what ``fn`` returned for each timed chunk (else
+            each is dropped at once).
+    """
+    chunks = [items[s:s + batch] for s in range(0, min(len(items), (batches + 1) * batch), batch)]
+    if warm:
+        fn(chunks[0])
+    n = sum(len(c) for c in chunks[1:])
+    t = time.thread_time()
+    if outputs is None:
+        for c in chunks[1:]:
+            fn(c)
+    else:
+        outputs.extend(fn(c) for c in chunks[1:])
+    return (time.thread_time() - t) * 1e3 / n
+
+
+def timed_calls(fn: Callable[[], Any], reps: int) -> tuple[float, float]:
+    """(thread CPU s, wall s) per call of ``fn()`` over ``reps`` calls, after one call to warm up."""
+    fn()
+    c, w = time.thread_time(), time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.thread_time() - c) / reps, (time.perf_counter() - w) / reps
+
+
 # ----- rounds & summaries ------------------------------------------------
 
 def interleave(contenders: Mapping[str, Callable[[], Any]], rounds: int, *,

@@ -385,21 +385,12 @@ def calibrate(paths: list[str], cores: int) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    chunks = [paths[s:s + BATCH] for s in range(0, min(len(paths), 8 * BATCH), BATCH)]
-    w.preprocess_paths(chunks[0])  # warm (imports, page cache)
-    t = time.thread_time()
-    outs = [w.preprocess_paths(c) for c in chunks[1:]]
-    cpu_ms = (time.thread_time() - t) * 1e3 / sum(len(c) for c in chunks[1:])
-    t = time.thread_time()
-    for c in chunks[1:]:
-        w.preprocess_paths_decoded(c)
-    decoded_ms = (time.thread_time() - t) * 1e3 / sum(len(c) for c in chunks[1:])
+    outs: list = []
+    cpu_ms = h.cpu_ms_per_item(w.preprocess_paths, paths, BATCH, 7, outputs=outs)
+    # no warm-up call of its own: the same files, in the page cache by now
+    decoded_ms = h.cpu_ms_per_item(w.preprocess_paths_decoded, paths, BATCH, 7, warm=False)
     x = torch.from_numpy(outs[0]["image"])
-    w.cpu_work(x)
-    t = time.thread_time()
-    for _ in range(5):
-        w.cpu_work(x)
-    work_ms = (time.thread_time() - t) * 1e3 / 5
+    work_ms = h.timed_calls(lambda: w.cpu_work(x), 5)[0] * 1e3
     ceiling_batch_s = BATCH * cpu_ms / 1e3 / cores
     return {"cpu_ms_per_image": cpu_ms, "decode_then_crop_ms_per_image": decoded_ms,
             "consumer_work_ms_per_batch": work_ms,

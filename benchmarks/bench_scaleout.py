@@ -77,14 +77,7 @@ def worker_cores(contender: str, k: int) -> int:
 
 def calibrate(paths: list[str], batches: int = 6) -> dict:
     """CPU ms per image of the function alone (one thread): the per-core ceiling."""
-    chunks = [paths[s:s + w.BATCH] for s in range(0, min(len(paths), (batches + 1) * w.BATCH), w.BATCH)]
-    w.preprocess_paths(chunks[0])
-    t = time.thread_time()
-    n = 0
-    for c in chunks[1:]:
-        w.preprocess_paths(c)
-        n += len(c)
-    cpu_ms = (time.thread_time() - t) * 1e3 / n
+    cpu_ms = h.cpu_ms_per_item(w.preprocess_paths, paths, w.BATCH, batches)
     return {"cpu_ms_per_image": cpu_ms, "per_core_images_per_s": 1e3 / cpu_ms}
 
 

@@ -405,27 +405,20 @@ def calibrate(cfg: dict) -> dict:
     rows = {k: t.column(k).to_numpy(zero_copy_only=False) for k in ("id", "image", "caption")}
     kw = dict(size=args.size, max_tokens=args.max_tokens, vocab=args.vocab)
 
-    def timed(fn: Any, reps: int) -> tuple[float, float]:
-        fn()
-        c, w = time.thread_time(), time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return (time.thread_time() - c) / reps, (time.perf_counter() - w) / reps
-
     blocks = [{k: v[s:s + g] for k, v in rows.items()} for s in range(0, 12 * g, g)]
     with task_context(0, 0, 0, "preprocess", 0):
         it = iter(blocks * 4)
-        pre_cpu, pre_wall = timed(lambda: train_sd.preprocess(next(it), **kw), 10)
+        pre_cpu, pre_wall = h.timed_calls(lambda: train_sd.preprocess(next(it), **kw), 10)
     ds = train_sd.ParquetCaptionDataset(path, args.size, args.max_tokens, args.vocab, args.seed)
     order = iter(np.random.default_rng(0).permutation(len(ds)).tolist())
-    item_cpu, item_wall = timed(lambda: ds[(0, next(order))], 80)
+    item_cpu, item_wall = h.timed_calls(lambda: ds[(0, next(order))], 80)
     enc = train_sd.SDEncoders(vocab=args.vocab, max_tokens=args.max_tokens, text_dim=args.text_dim,
                               seed=args.encoder_seed, device="cpu", where="trainer")
     with task_context(0, 0, 0, "preprocess", 0):
         b = train_sd.preprocess(blocks[0], **kw)
     bs = args.batch_size
     sub = {k: v[:bs] for k, v in b.items()}
-    enc_cpu, enc_wall = timed(lambda: enc(sub), 10)
+    enc_cpu, enc_wall = h.timed_calls(lambda: enc(sub), 10)
     out = enc(sub)
     torch.manual_seed(0)
     model = train_sd.TinyUNet(base=args.base, text_dim=args.text_dim)
@@ -442,7 +435,7 @@ def calibrate(cfg: dict) -> dict:
         opt.step()
         step[0] += 1
 
-    unet_cpu, unet_wall = timed(unet_step, 30)
+    unet_cpu, unet_wall = h.timed_calls(unet_step, 30)
     res = {
         "preprocess_cpu_ms_per_sample": 1e3 * pre_cpu / g, "preprocess_wall_ms_per_sample": 1e3 * pre_wall / g,
         "torch_getitem_cpu_ms_per_sample": 1e3 * item_cpu, "torch_getitem_wall_ms_per_sample": 1e3 * item_wall,

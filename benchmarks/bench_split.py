@@ -67,14 +67,7 @@ QUIET_FRAC = 0.10
 
 def calibrate(paths: list[str], cores: int, batches: int = 6) -> dict:
     """CPU ms per image of the function alone (this process, one thread)."""
-    chunks = [paths[s:s + BATCH] for s in range(0, min(len(paths), (batches + 1) * BATCH), BATCH)]
-    w.preprocess_paths(chunks[0])  # warm: imports, page cache
-    t = time.thread_time()
-    n = 0
-    for c in chunks[1:]:
-        w.preprocess_paths(c)
-        n += len(c)
-    cpu_ms = (time.thread_time() - t) * 1e3 / n
+    cpu_ms = h.cpu_ms_per_item(w.preprocess_paths, paths, BATCH, batches)
     ceiling = cores * 1e3 / cpu_ms
     return {"cpu_ms_per_image": cpu_ms, "ceiling_images_per_s": ceiling,
             "ceiling_batch_s": BATCH / ceiling, "step_s": 1.5 * BATCH / ceiling}
