@@ -702,8 +702,10 @@ def fmt_range(s: Mapping[str, Any], fmt: str = "{:.3g}", scale: float = 1.0) -> 
     return f"{f(s['median'])} ({f(s['min'])}–{f(s['max'])})"
 
 
-def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> str:
-    """A Markdown table of ``rows`` (dicts) with the given columns, in order."""
+def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Optional[Sequence[str]] = None) -> str:
+    """A Markdown table of ``rows`` (dicts) with the given columns, in order (default: the
+    first row's keys)."""
+    columns = list(rows[0]) if columns is None else columns
     lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
     for row in rows:
         lines.append("| " + " | ".join(str(row.get(c, "")) for c in columns) + " |")

@@ -308,7 +308,7 @@ def report(args: argparse.Namespace, runs: dict[str, list[dict]], fresh8: dict[s
         "",
         f"Embedded Ray with `num_cpus` = {args.num_cpus or 'default (nproc)'}:",
         "",
-        h.markdown_table(rows, list(rows[0].keys())),
+        h.markdown_table(rows),
         "",
         "Checks (every variant, every round): the sanity pipeline; a worker's stderr forwarded to the "
         "driver (log monitor); a user error re-raised in the driver with its message; a task whose "

@@ -713,7 +713,7 @@ def report(args: argparse.Namespace, cfg: dict, cal: dict, runs: dict, first: di
                       "stall_stats() %": _f(sb, "{:.1f}", 100),
                       "fetch ms/batch": _f(fetch, "{:.2f}"), "wait-ready ms/batch": _f(ready, "{:.2f}")})
     md += ["## Drop-in: trainer-process CPU against the remote workers' CPU, per batch", "",
-           h.markdown_table(drows, list(drows[0].keys())), "",
+           h.markdown_table(drows), "",
            "Trainer CPU is the trainer process's CPU minus the consumer's own work (thread CPU time around it); "
            "`stall_stats()` is sbloader's instrument (whole epoch, first batch included), split per batch into "
            "`fetch` (`ray.get` of a ready block and the copy into writable tensors) and `wait-ready` (waiting for "
@@ -736,7 +736,7 @@ def report(args: argparse.Namespace, cfg: dict, cal: dict, runs: dict, first: di
     md += ["## First epoch (time to first batch on a first run)", "",
            "Consumer idle. `Ray init` = `sbloader.init()` / `ray.init()` in a fresh process right before; "
            "`first batch` counts from creating the iterator. torch's persistent loader: its first epoch "
-           "(workers start).", "", h.markdown_table(frows, list(frows[0].keys())), ""]
+           "(workers start).", "", h.markdown_table(frows), ""]
     # idle footprint
     irows = [{"process": k, "PSS MiB": h.mib(v["pss_bytes"]), "processes": v["processes"],
               "by class MiB": ", ".join(f"{c} {h.mib(d['pss_bytes'])}" for c, d in sorted(v["by_class"].items()))}

@@ -291,7 +291,7 @@ def report(args: argparse.Namespace, sizes: list[int], runs: dict, idle: dict,
         "",
         "## Figures",
         "",
-        h.markdown_table(rows, list(rows[0].keys())),
+        h.markdown_table(rows),
         "",
         "- Peak store = Ray's own accounting of the object store's used bytes (the raylet's store stats), sampled every "
         "0.1 s; peak PSS = summed over the whole process tree (trainer, raylet, GCS, Ray daemons, workers), sampled "

@@ -658,7 +658,7 @@ def compare_md(old: Optional[dict], summary: dict, git_now: dict) -> list[str]:
                      "without: coordinator ms/batch": h.fmt_range(s["arms"]["without"]["coordinator_ms_per_batch"],
                                                                   "{:.3f}")})
     return [f"Against an earlier run (`{old['command']}`; its figures are kept under `compare` in the JSON):", "",
-            h.markdown_table(rows, list(rows[0].keys())), ""]
+            h.markdown_table(rows), ""]
 
 
 def report(args: argparse.Namespace, jobs: list[dict], cut: list[dict], inproc: Optional[dict],
@@ -784,12 +784,12 @@ def report(args: argparse.Namespace, jobs: list[dict], cut: list[dict], inproc: 
         + (f": within a job one arm's per-epoch figures differ by about ±{100 * summary['epoch_noise']:.1f}% "
            "(median case)." if summary["epoch_noise"] is not None else "."),
         "",
-        h.markdown_table(rows_a, list(rows_a[0].keys())),
+        h.markdown_table(rows_a),
         "",
         "Per round (each round's figure = the arm's coordinator CPU summed over its epochs / its batches; per-epoch "
         "figures after it):",
         "",
-        h.markdown_table(rows_round, list(rows_round[0].keys())),
+        h.markdown_table(rows_round),
         "",
         *compare_md(compare, summary, git_now or {}),
         f"- Each job: both loaders (two coordinators, two pools) built, one warm-up epoch each, then {args.epochs} "
@@ -851,7 +851,7 @@ def report(args: argparse.Namespace, jobs: list[dict], cut: list[dict], inproc: 
         "batches since; the other ranks' calls at the same k copy it. µs per batch = the cut CPU of the epoch's "
         "calls / the batches delivered to all ranks (compare the coordinator's ms per batch above):",
         "",
-        h.markdown_table(rows_cut, list(rows_cut[0].keys())),
+        h.markdown_table(rows_cut),
         "",
         "## (b) Time from `load_state_dict(sd)` to the first batch, Ray up",
         "",
@@ -861,7 +861,7 @@ def report(args: argparse.Namespace, jobs: list[dict], cut: list[dict], inproc: 
         + f". Slowest median {worst_med:.2f} s, slowest single run {worst:.2f} s."
         if worst_med is not None else "",
         "",
-        h.markdown_table(rows_b, list(rows_b[0].keys())) if rows_b else "",
+        h.markdown_table(rows_b) if rows_b else "",
         "",
         f"- State taken after {RESUME_AT} batches of an epoch; `total` = `load_state_dict(sd)` + `iter(loader)` + the "
         "first `next()`. `same loader`: the object that took the state (it ran the epoch before: worker actors warm "

@@ -207,7 +207,7 @@ def report(args: argparse.Namespace, ks: list[int], cals: list[dict], jobs: dict
         f"agents) pinned to core(s) {args.node_cores}, joined over loopback with the head's auth token "
         f"(`_scaleout_node.py`; listening addresses checked: {', '.join(j0.get('node_listening', []))}).",
         "",
-        h.markdown_table(rows, list(rows[0].keys())),
+        h.markdown_table(rows),
         "",
         f"- Ceiling per core = the function alone, {h.fmt_range(per_core, '{:.0f}')} images/s "
         f"({h.fmt_range(h.summarize([c['cpu_ms_per_image'] for c in cals]), '{:.2f}')} ms of CPU per image), calibrated "

@@ -890,7 +890,7 @@ def report(args: argparse.Namespace, cfg: dict, rounds: list[dict], cals: list[d
         f"{100 * args.max_outside:.0f}% of a pinned core got one make-up run and the quieter of the two is kept "
         f"({len(makeups)} make-up job(s) in this run).",
         "",
-        h.markdown_table(rows, list(rows[0].keys())),
+        h.markdown_table(rows),
         "",
         "**Bounds from the calibration** (each round, on core 0, CPU time, nothing else of ours running): "
         f"UNet step alone {h.fmt_range(cal['unet_step_cpu_ms'], '{:.1f}')} ms "

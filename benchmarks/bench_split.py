@@ -340,7 +340,7 @@ def report(args: argparse.Namespace, cores: int, cals: list[dict], jobs: dict[in
         "",
         "## Throughput",
         "",
-        h.markdown_table(rows_tp, list(rows_tp[0].keys())),
+        h.markdown_table(rows_tp),
         "",
         "Total throughput = the epoch's images / (last rank's end - first rank's start). `x 1 rank` is the ratio to the "
         "1-rank job of the same round. N = 1 has no coordinator: the loader runs its executor in the rank.",
@@ -353,7 +353,7 @@ def report(args: argparse.Namespace, cores: int, cals: list[dict], jobs: dict[in
         "",
         "## Coordinator cost",
         "",
-        h.markdown_table(rows_coord, list(rows_coord[0].keys())),
+        h.markdown_table(rows_coord),
         "",
         "- Coordinator CPU = utime+stime of the coordinator actor's process (`/proc/<pid>/stat`, the pid from "
         "`SplitCoordinator.process_info()`) between the barriers around an epoch, per batch delivered to all ranks, and as a share of one core over the "
@@ -370,7 +370,7 @@ def report(args: argparse.Namespace, cores: int, cals: list[dict], jobs: dict[in
         "",
         "## Stall per rank at the simulated step",
         "",
-        h.markdown_table(rows_stall, list(rows_stall[0].keys())),
+        h.markdown_table(rows_stall),
         "",
         "Stall fraction = time the rank's loop waits in `next(it)` / the rank's epoch wall time, median over rounds "
         "(one figure per rank, rank 0 first). `floor set by 2 cores` = 1 - ceiling / demand, the stall no loader "
