@@ -15,7 +15,10 @@ Composable pieces, Linux only (everything is read from ``/proc``; no psutil):
   :func:`wait_quiet`).
 - :func:`paused`: the processes of the contenders not being measured are stopped
   meanwhile, as if the measured loader were alone on the machine.
-- :func:`summarize`, :func:`markdown_table`, :func:`write_results`.
+- :func:`cpu_ms_per_item`, :func:`timed_calls`: a function's CPU cost alone, in this
+  thread (the calibrations).
+- :func:`summarize`, :func:`median`, :func:`markdown_table`, :func:`pyplot`,
+  :func:`write_results`, :func:`publish`.
 
 Example::
 
@@ -717,6 +720,19 @@ def mib(nbytes: Optional[float]) -> str:
     return "–" if nbytes is None else f"{nbytes / 2**20:.0f}"
 
 
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the non-interactive Agg backend; None without matplotlib
+    (the benchmarks then write no figure)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
 def save_figure(fig: Any, path: Path) -> Path:
     """Lay out, save (110 dpi) and close a matplotlib figure; returns ``path``."""
     import matplotlib.pyplot as plt
@@ -757,4 +773,25 @@ def write_results(name: str, payload: Mapping[str, Any], markdown: str, *,
     ]
     mpath = results_dir / f"{name}.md"
     mpath.write_text("\n".join(header) + markdown.rstrip() + "\n")
+    return jpath, mpath
+
+
+def publish(name: str, payload: Mapping[str, Any], markdown: str, *, title: str, png: Optional[Path] = None,
+            alt: Optional[str] = None, show: bool = True, note: str = "") -> tuple[Path, Path]:
+    """:func:`write_results`, then say so: the Markdown (unless ``show=False``) and a
+    ``wrote <json> and <md>[ and <png>]<note>`` line.
+
+    Args:
+        png: a figure already saved next to the results: shown at the end of the
+            Markdown (``![alt](name.png)``, ``alt`` default ``name``) and named in the line.
+
+    Returns:
+        The JSON and Markdown paths.
+    """
+    if png is not None:
+        markdown += f"\n\n![{alt or name}]({png.name})\n"
+    jpath, mpath = write_results(name, payload, markdown, title=title)
+    if show:
+        print(mpath.read_text())
+    print(f"wrote {jpath} and {mpath}" + (f" and {png}" if png else "") + note, flush=True)
     return jpath, mpath

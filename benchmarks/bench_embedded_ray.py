@@ -37,6 +37,7 @@ from typing import Any, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as h  # noqa: E402
 
+TITLE = "The embedded Ray: footprint and settings"
 BEFORE_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
 
 # name -> _system_config of the variant (None: sbloader as shipped, nothing replaced).
@@ -368,7 +369,7 @@ def main() -> None:
         args = argparse.Namespace(**{**prev["args"], "out": args.out})
         payload, md = report(args, prev["runs"], prev["fresh_num_cpus_8_runs"])
         payload.update(machine=prev["machine"], command=prev["command"])
-        jpath, mpath = h.write_results(args.out, payload, md, title="The embedded Ray: footprint and settings")
+        jpath, mpath = h.write_results(args.out, payload, md, title=TITLE)
         print(f"re-rendered {mpath}")
         return
     machine = h.machine_info()
@@ -394,9 +395,7 @@ def main() -> None:
                       f"in {fresh8[name][-1]['idle']['ray_processes']} procs", flush=True)
     payload, md = report(args, runs, fresh8)
     payload["machine"] = machine
-    jpath, mpath = h.write_results(args.out, payload, md, title="The embedded Ray: footprint and settings")
-    print(mpath.read_text())
-    print(f"wrote {jpath} and {mpath}")
+    h.publish(args.out, payload, md, title=TITLE)
 
 
 if __name__ == "__main__":

@@ -267,9 +267,7 @@ def main() -> None:
 
     payload, md = report(args, cores, {"init_s": init_s, "cold": cold}, runs, idle)
     payload["machine"] = machine
-    jpath, mpath = h.write_results(args.out, payload, md, title="sbloader executor vs the function alone")
-    print(mpath.read_text())
-    print(f"wrote {jpath} and {mpath}")
+    h.publish(args.out, payload, md, title="sbloader executor vs the function alone")
 
 
 if __name__ == "__main__":

@@ -769,12 +769,8 @@ def report(args: argparse.Namespace, cfg: dict, cal: dict, runs: dict, first: di
 
 def chart(summary: dict, path: Path) -> Optional[Path]:
     """Grouped bars: x ceiling per loader and consumer mode, min–max whiskers."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception:
+    plt = h.pyplot()
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(11, 4.5))
     width = 0.27

@@ -919,8 +919,7 @@ def rerender(path: str, out: str) -> None:
                          old.get("compare"), old.get("git") or {})
     payload.update(machine=old["machine"], command=old["command"], git=old.get("git"),
                    total_wall_s=old.get("total_wall_s"), ranks_raw=old.get("ranks_raw"), compare=old.get("compare"))
-    jpath, mpath = h.write_results(out, payload, md, title=TITLE)
-    print(f"wrote {jpath} and {mpath}")
+    h.publish(out, payload, md, title=TITLE, show=False)
 
 
 def main() -> None:
@@ -1002,9 +1001,7 @@ def main() -> None:
     payload["git"] = git_state
     payload["total_wall_s"] = time.monotonic() - t_begin
     payload["compare"] = compare
-    jpath, mpath = h.write_results(args.out, payload, md, title=TITLE)
-    print(mpath.read_text())
-    print(f"wrote {jpath} and {mpath} in {payload['total_wall_s']:.0f} s")
+    h.publish(args.out, payload, md, title=TITLE, note=f" in {payload['total_wall_s']:.0f} s")
 
 
 if __name__ == "__main__":

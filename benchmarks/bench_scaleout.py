@@ -249,12 +249,8 @@ def report(args: argparse.Namespace, ks: list[int], cals: list[dict], jobs: dict
 
 
 def plot(ks: list[int], summary: dict, cals: list[dict], path: Path) -> Optional[Path]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = h.pyplot()
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.8))
     per_core = statistics.median(c["per_core_images_per_s"] for c in cals)
@@ -336,11 +332,7 @@ def main() -> None:
     payload["git"] = git_state
     png = plot(ks, {c: {int(k): v for k, v in d.items()} for c, d in payload["summary"].items()}, cals,
                h.RESULTS_DIR / f"{args.out}.png")
-    if png is not None:
-        md += f"\n\n![scaleout]({png.name})\n"
-    jpath, mpath = h.write_results(args.out, payload, md, title="Scale-out emulated by CPU affinity (taskset)")
-    print(mpath.read_text())
-    print(f"wrote {jpath} and {mpath}" + (f" and {png}" if png else ""))
+    h.publish(args.out, payload, md, title="Scale-out emulated by CPU affinity (taskset)", png=png, alt="scaleout")
 
 
 if __name__ == "__main__":

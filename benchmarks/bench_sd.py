@@ -1010,12 +1010,8 @@ def report(args: argparse.Namespace, cfg: dict, rounds: list[dict], cals: list[d
 
 
 def plot(s: dict, cals: list[dict], path: Path, target: float) -> Optional[Path]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = h.pyplot()
+    if plt is None:
         return None
     names = [c for c in CONTENDERS if c in s]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.6), gridspec_kw={"width_ratios": [3, 2]})
@@ -1211,13 +1207,8 @@ def render(args: argparse.Namespace, base: dict, rounds: list, cals: list, jobs:
             f"- round {f['round']}, {'make-up of ' if f.get('makeup') else ''}job {f['job']} "
             f"({', '.join(f['order'])}): `{f['error'].strip().splitlines()[-1][:300]}`" for f in meta["failures"])
     png = plot(payload["summary"], cals, h.RESULTS_DIR / f"{args.out}.png", args.target)
-    if png is not None:
-        md += f"\n\n![sd]({png.name})\n"
-    jpath, mpath = h.write_results(args.out, payload, md,
-                                   title="SD pipeline: throughput and stall fraction (torch, Ray Data, sbloader)")
-    print(mpath.read_text())
-    print(f"wrote {jpath} and {mpath}" + (f" and {png}" if png else "") +
-          f" in {payload['total_wall_s']:.0f}s", flush=True)
+    h.publish(args.out, payload, md, title="SD pipeline: throughput and stall fraction (torch, Ray Data, sbloader)",
+              png=png, alt="sd", note=f" in {payload['total_wall_s']:.0f}s")
 
 
 if __name__ == "__main__":

@@ -61,6 +61,7 @@ NAME = "split"
 BATCH = w.BATCH
 MODES = ("idle", "step", "step_scaled")
 QUIET_FRAC = 0.10
+TITLE = "Split coordinator under torchrun: 1, 2, 3 ranks"
 
 
 # ----- set-up ------------------------------------------------------------------------
@@ -421,12 +422,8 @@ def _slim(ranks: list[dict]) -> list[dict]:
 
 
 def plot(summary: dict, cals: list[dict], path: Path) -> Optional[Path]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = h.pyplot()
+    if plt is None:
         return None
     ns = sorted(summary)
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
@@ -483,10 +480,9 @@ def rerender(path: str, out: str) -> None:
     payload.update(machine=old["machine"], command=old["command"], total_wall_s=old.get("total_wall_s"),
                    git=old.get("git"))
     png = plot({n: payload["summary"][str(n)] for n in sorted(jobs)}, old["calibration"], h.RESULTS_DIR / f"{out}.png")
-    if png is not None:
+    if png is not None:  # shown in the Markdown; the line below names the JSON and Markdown only
         md += f"\n\n![split]({png.name})\n"
-    jpath, mpath = h.write_results(out, payload, md, title="Split coordinator under torchrun: 1, 2, 3 ranks")
-    print(f"wrote {jpath} and {mpath}")
+    h.publish(out, payload, md, title=TITLE, show=False)
 
 
 def main() -> None:
@@ -555,11 +551,7 @@ def main() -> None:
     payload["total_wall_s"] = time.monotonic() - t_begin
     payload["git"] = git_state
     png = plot({n: payload["summary"][str(n)] for n in ranks}, cals, h.RESULTS_DIR / f"{args.out}.png")
-    if png is not None:
-        md += f"\n\n![split]({png.name})\n"
-    jpath, mpath = h.write_results(args.out, payload, md, title="Split coordinator under torchrun: 1, 2, 3 ranks")
-    print(mpath.read_text())
-    print(f"wrote {jpath} and {mpath}" + (f" and {png}" if png else ""))
+    h.publish(args.out, payload, md, title=TITLE, png=png, alt="split")
 
 
 if __name__ == "__main__":
