@@ -15,7 +15,10 @@ Composable pieces, Linux only (everything is read from ``/proc``; no psutil):
   :func:`wait_quiet`).
 - :func:`paused`: the processes of the contenders not being measured are stopped
   meanwhile, as if the measured loader were alone on the machine.
-- :func:`summarize`, :func:`markdown_table`, :func:`write_results`.
+- :func:`cpu_ms_per_item`, :func:`timed_calls`: a function's CPU cost alone, in this
+  thread (the calibrations).
+- :func:`summarize`, :func:`median`, :func:`markdown_table`, :func:`pyplot`,
+  :func:`write_results`, :func:`publish`.
 
 Example::
 
@@ -546,6 +549,41 @@ def measure(label: str, *, tree: Optional[ProcTree] = None, object_store: bool =
             r.extra["sampler_errors"] = errors
 
 
+# ----- a function alone (calibration) --------------------------------------
+
+def cpu_ms_per_item(fn: Callable[[Sequence[Any]], Any], items: Sequence[Any], batch: int, batches: int = 6, *,
+                    warm: bool = True, outputs: Optional[list] = None) -> float:
+    """Thread CPU ms per item of ``fn`` alone, called on ``batches`` chunks of ``batch`` items.
+
+    The chunks are the ones after the first chunk of ``items``; ``fn`` is called on that
+    first one beforehand to warm it up (imports, page cache) unless ``warm=False``.
+
+    Args:
+        outputs: a list that receives what ``fn`` returned for each timed chunk (else
+            each is dropped at once).
+    """
+    chunks = [items[s:s + batch] for s in range(0, min(len(items), (batches + 1) * batch), batch)]
+    if warm:
+        fn(chunks[0])
+    n = sum(len(c) for c in chunks[1:])
+    t = time.thread_time()
+    if outputs is None:
+        for c in chunks[1:]:
+            fn(c)
+    else:
+        outputs.extend(fn(c) for c in chunks[1:])
+    return (time.thread_time() - t) * 1e3 / n
+
+
+def timed_calls(fn: Callable[[], Any], reps: int) -> tuple[float, float]:
+    """(thread CPU s, wall s) per call of ``fn()`` over ``reps`` calls, after one call to warm up."""
+    fn()
+    c, w = time.thread_time(), time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.thread_time() - c) / reps, (time.perf_counter() - w) / reps
+
+
 # ----- rounds & summaries ------------------------------------------------
 
 def interleave(contenders: Mapping[str, Callable[[], Any]], rounds: int, *,
@@ -645,12 +683,18 @@ def quiet(result: Result, max_outside_frac: float = 0.05) -> bool:
     return result.outside_cpu_frac <= max_outside_frac
 
 
+def median(values: Iterable[Optional[float]]) -> Optional[float]:
+    """The median of the numbers (None values are left out); None if none are left."""
+    xs = [v for v in values if v is not None]
+    return statistics.median(xs) if xs else None
+
+
 def summarize(values: Sequence[Optional[float]]) -> dict[str, Any]:
     """Median, min, max and n of the numbers (None values are left out)."""
     xs = [float(v) for v in values if v is not None]
     if not xs:
         return {"median": None, "min": None, "max": None, "n": 0}
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+    return {"median": median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
 def fmt_range(s: Mapping[str, Any], fmt: str = "{:.3g}", scale: float = 1.0) -> str:
@@ -661,8 +705,10 @@ def fmt_range(s: Mapping[str, Any], fmt: str = "{:.3g}", scale: float = 1.0) -> 
     return f"{f(s['median'])} ({f(s['min'])}–{f(s['max'])})"
 
 
-def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> str:
-    """A Markdown table of ``rows`` (dicts) with the given columns, in order."""
+def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Optional[Sequence[str]] = None) -> str:
+    """A Markdown table of ``rows`` (dicts) with the given columns, in order (default: the
+    first row's keys)."""
+    columns = list(rows[0]) if columns is None else columns
     lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
     for row in rows:
         lines.append("| " + " | ".join(str(row.get(c, "")) for c in columns) + " |")
@@ -672,6 +718,19 @@ def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) ->
 def mib(nbytes: Optional[float]) -> str:
     """Bytes as MiB text."""
     return "–" if nbytes is None else f"{nbytes / 2**20:.0f}"
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the non-interactive Agg backend; None without matplotlib
+    (the benchmarks then write no figure)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
 
 
 def save_figure(fig: Any, path: Path) -> Path:
@@ -714,4 +773,25 @@ def write_results(name: str, payload: Mapping[str, Any], markdown: str, *,
     ]
     mpath = results_dir / f"{name}.md"
     mpath.write_text("\n".join(header) + markdown.rstrip() + "\n")
+    return jpath, mpath
+
+
+def publish(name: str, payload: Mapping[str, Any], markdown: str, *, title: str, png: Optional[Path] = None,
+            alt: Optional[str] = None, show: bool = True, note: str = "") -> tuple[Path, Path]:
+    """:func:`write_results`, then say so: the Markdown (unless ``show=False``) and a
+    ``wrote <json> and <md>[ and <png>]<note>`` line.
+
+    Args:
+        png: a figure already saved next to the results: shown at the end of the
+            Markdown (``![alt](name.png)``, ``alt`` default ``name``) and named in the line.
+
+    Returns:
+        The JSON and Markdown paths.
+    """
+    if png is not None:
+        markdown += f"\n\n![{alt or name}]({png.name})\n"
+    jpath, mpath = write_results(name, payload, markdown, title=title)
+    if show:
+        print(mpath.read_text())
+    print(f"wrote {jpath} and {mpath}" + (f" and {png}" if png else "") + note, flush=True)
     return jpath, mpath

@@ -86,7 +86,7 @@ def main() -> None:
         f"epoch of each, median (min–max). **Private stacking / torch's shared-memory stacking, same round: "
         f"{h.fmt_range(gain, '{:.3f}')}.** CPU by process class from CPU-tick sampling.",
         "",
-        h.markdown_table(rows, list(rows[0])),
+        h.markdown_table(rows),
     ]
     h.write_results(args.out, {"rounds": args.rounds, "images": args.images, "summary": summary,
                                "raw": {k: [r.as_dict() for r in v] for k, v in runs.items()}},

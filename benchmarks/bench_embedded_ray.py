@@ -37,6 +37,7 @@ from typing import Any, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as h  # noqa: E402
 
+TITLE = "The embedded Ray: footprint and settings"
 BEFORE_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
 
 # name -> _system_config of the variant (None: sbloader as shipped, nothing replaced).
@@ -237,10 +238,6 @@ def _shipped_settings() -> tuple[dict, dict]:
     return dict(rt._EMBEDDED_ENV), dict(getattr(rt, "_EMBEDDED_SYSTEM_CONFIG", {}))
 
 
-def _med(xs: list) -> Optional[float]:
-    return h.summarize(xs)["median"]
-
-
 def report(args: argparse.Namespace, runs: dict[str, list[dict]], fresh8: dict[str, list[dict]]) -> tuple[dict, str]:
     shipped_env, shipped_cfg = _shipped_settings()
     rows, summary = [], {}
@@ -312,7 +309,7 @@ def report(args: argparse.Namespace, runs: dict[str, list[dict]], fresh8: dict[s
         "",
         f"Embedded Ray with `num_cpus` = {args.num_cpus or 'default (nproc)'}:",
         "",
-        h.markdown_table(rows, list(rows[0].keys())),
+        h.markdown_table(rows),
         "",
         "Checks (every variant, every round): the sanity pipeline; a worker's stderr forwarded to the "
         "driver (log monitor); a user error re-raised in the driver with its message; a task whose "
@@ -372,7 +369,7 @@ def main() -> None:
         args = argparse.Namespace(**{**prev["args"], "out": args.out})
         payload, md = report(args, prev["runs"], prev["fresh_num_cpus_8_runs"])
         payload.update(machine=prev["machine"], command=prev["command"])
-        jpath, mpath = h.write_results(args.out, payload, md, title="The embedded Ray: footprint and settings")
+        jpath, mpath = h.write_results(args.out, payload, md, title=TITLE)
         print(f"re-rendered {mpath}")
         return
     machine = h.machine_info()
@@ -398,9 +395,7 @@ def main() -> None:
                       f"in {fresh8[name][-1]['idle']['ray_processes']} procs", flush=True)
     payload, md = report(args, runs, fresh8)
     payload["machine"] = machine
-    jpath, mpath = h.write_results(args.out, payload, md, title="The embedded Ray: footprint and settings")
-    print(mpath.read_text())
-    print(f"wrote {jpath} and {mpath}")
+    h.publish(args.out, payload, md, title=TITLE)
 
 
 if __name__ == "__main__":

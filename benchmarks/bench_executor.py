@@ -173,7 +173,7 @@ def report(args: argparse.Namespace, cores: int, startup: dict, runs: dict[str, 
         f"**Ceiling** = single-process rows/s x {cores} cores = {h.fmt_range(ceil_s, '{:.0f}')} rows/s "
         f"({h.fmt_range(h.summarize([1e3 / r.items_per_s for r in single]), '{:.2f}')} ms of CPU per row).",
         "",
-        h.markdown_table(rows, list(rows[0].keys())),
+        h.markdown_table(rows),
         "",
         "- `sbloader`: default partitions; `sbloader-64`: `rows_per_partition=64` (one block per batch). "
         "A new iterator per round; the embedded Ray stays up between rounds, as in training.",
@@ -267,9 +267,7 @@ def main() -> None:
 
     payload, md = report(args, cores, {"init_s": init_s, "cold": cold}, runs, idle)
     payload["machine"] = machine
-    jpath, mpath = h.write_results(args.out, payload, md, title="sbloader executor vs the function alone")
-    print(mpath.read_text())
-    print(f"wrote {jpath} and {mpath}")
+    h.publish(args.out, payload, md, title="sbloader executor vs the function alone")
 
 
 if __name__ == "__main__":

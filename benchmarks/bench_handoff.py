@@ -128,7 +128,7 @@ def main() -> None:
         "process's slots lent at least once by then (their pages are memory the process keeps; both "
         "loaders share the one arena).",
         "",
-        h.markdown_table(rows, list(rows[0])),
+        h.markdown_table(rows),
     ]
     h.write_results(args.out, {"rounds": args.rounds, "images": args.images, "summary": summary,
                                "raw": {k: [r.as_dict() for r in v] for k, v in runs.items()},

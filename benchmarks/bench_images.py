@@ -385,21 +385,12 @@ def calibrate(paths: list[str], cores: int) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    chunks = [paths[s:s + BATCH] for s in range(0, min(len(paths), 8 * BATCH), BATCH)]
-    w.preprocess_paths(chunks[0])  # warm (imports, page cache)
-    t = time.thread_time()
-    outs = [w.preprocess_paths(c) for c in chunks[1:]]
-    cpu_ms = (time.thread_time() - t) * 1e3 / sum(len(c) for c in chunks[1:])
-    t = time.thread_time()
-    for c in chunks[1:]:
-        w.preprocess_paths_decoded(c)
-    decoded_ms = (time.thread_time() - t) * 1e3 / sum(len(c) for c in chunks[1:])
+    outs: list = []
+    cpu_ms = h.cpu_ms_per_item(w.preprocess_paths, paths, BATCH, 7, outputs=outs)
+    # no warm-up call of its own: the same files, in the page cache by now
+    decoded_ms = h.cpu_ms_per_item(w.preprocess_paths_decoded, paths, BATCH, 7, warm=False)
     x = torch.from_numpy(outs[0]["image"])
-    w.cpu_work(x)
-    t = time.thread_time()
-    for _ in range(5):
-        w.cpu_work(x)
-    work_ms = (time.thread_time() - t) * 1e3 / 5
+    work_ms = h.timed_calls(lambda: w.cpu_work(x), 5)[0] * 1e3
     ceiling_batch_s = BATCH * cpu_ms / 1e3 / cores
     return {"cpu_ms_per_image": cpu_ms, "decode_then_crop_ms_per_image": decoded_ms,
             "consumer_work_ms_per_batch": work_ms,
@@ -722,7 +713,7 @@ def report(args: argparse.Namespace, cfg: dict, cal: dict, runs: dict, first: di
                       "stall_stats() %": _f(sb, "{:.1f}", 100),
                       "fetch ms/batch": _f(fetch, "{:.2f}"), "wait-ready ms/batch": _f(ready, "{:.2f}")})
     md += ["## Drop-in: trainer-process CPU against the remote workers' CPU, per batch", "",
-           h.markdown_table(drows, list(drows[0].keys())), "",
+           h.markdown_table(drows), "",
            "Trainer CPU is the trainer process's CPU minus the consumer's own work (thread CPU time around it); "
            "`stall_stats()` is sbloader's instrument (whole epoch, first batch included), split per batch into "
            "`fetch` (`ray.get` of a ready block and the copy into writable tensors) and `wait-ready` (waiting for "
@@ -745,7 +736,7 @@ def report(args: argparse.Namespace, cfg: dict, cal: dict, runs: dict, first: di
     md += ["## First epoch (time to first batch on a first run)", "",
            "Consumer idle. `Ray init` = `sbloader.init()` / `ray.init()` in a fresh process right before; "
            "`first batch` counts from creating the iterator. torch's persistent loader: its first epoch "
-           "(workers start).", "", h.markdown_table(frows, list(frows[0].keys())), ""]
+           "(workers start).", "", h.markdown_table(frows), ""]
     # idle footprint
     irows = [{"process": k, "PSS MiB": h.mib(v["pss_bytes"]), "processes": v["processes"],
               "by class MiB": ", ".join(f"{c} {h.mib(d['pss_bytes'])}" for c, d in sorted(v["by_class"].items()))}
@@ -778,12 +769,8 @@ def report(args: argparse.Namespace, cfg: dict, cal: dict, runs: dict, first: di
 
 def chart(summary: dict, path: Path) -> Optional[Path]:
     """Grouped bars: x ceiling per loader and consumer mode, min–max whiskers."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception:
+    plt = h.pyplot()
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(11, 4.5))
     width = 0.27

@@ -291,7 +291,7 @@ def report(args: argparse.Namespace, sizes: list[int], runs: dict, idle: dict,
         "",
         "## Figures",
         "",
-        h.markdown_table(rows, list(rows[0].keys())),
+        h.markdown_table(rows),
         "",
         "- Peak store = Ray's own accounting of the object store's used bytes (the raylet's store stats), sampled every "
         "0.1 s; peak PSS = summed over the whole process tree (trainer, raylet, GCS, Ray daemons, workers), sampled "
@@ -345,12 +345,8 @@ def report(args: argparse.Namespace, sizes: list[int], runs: dict, idle: dict,
 
 def plot(sizes: list[int], summary: dict, path: Path, long: Optional[dict] = None,
          long_mib: int = 0, idle_bytes: Optional[float] = None) -> Optional[Path]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = h.pyplot()
+    if plt is None:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     styles = {"streaming-16MiB": "o-", "streaming-64MiB": "D-", "streaming-default": "s-", "bulk-store": "^--", "bulk-list": "v--"}
@@ -429,12 +425,8 @@ def main() -> None:
     payload["git"] = git_state
     png = plot(sizes, {k: {int(m): v for m, v in d.items()} for k, d in payload["summary"].items()},
                h.RESULTS_DIR / f"{args.out}.png", long, args.long_mib,
-               statistics.median(idle.values()) if idle else None)
-    if png is not None:
-        md += f"\n\n![memory]({png.name})\n"
-    jpath, mpath = h.write_results(args.out, payload, md, title="Memory as the dataset grows: streaming vs bulk")
-    print(mpath.read_text())
-    print(f"wrote {jpath} and {mpath}" + (f" and {png}" if png else ""))
+               h.median(idle.values()))
+    h.publish(args.out, payload, md, title="Memory as the dataset grows: streaming vs bulk", png=png, alt="memory")
 
 
 if __name__ == "__main__":

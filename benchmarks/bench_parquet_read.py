@@ -103,7 +103,7 @@ def main() -> None:
         "`footer per partition` parses the footer for every partition (pyarrow's `ParquetFile(path)` per "
         "read); `footer once` is sbloader's read path, which keeps the parsed footer per process.",
         "",
-        h.markdown_table(rows, list(rows[0])),
+        h.markdown_table(rows),
     ]
     h.write_results(args.out, {"rounds": args.rounds, "rows": payload_rows, "raw": runs}, "\n".join(md),
                     title="Parquet partition reads: footer parsed once per process vs once per partition")

@@ -177,7 +177,7 @@ def main() -> None:
         "The sampled rows run the pipeline while the harness reads the tree's PSS (and Ray's store stats) "
         "every 0.25 s.",
         "",
-        h.markdown_table(rows, list(rows[0])),
+        h.markdown_table(rows),
     ]
     h.write_results(args.out, {"rounds": args.rounds, "images": args.images, "summary": summary, "raw": runs},
                     "\n".join(md), title="Ray's bound: the function alone, inside Ray workers, and the pipeline")

@@ -69,6 +69,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import _gitstate  # noqa: E402
 import _harness as h  # noqa: E402
+import _jobs  # noqa: E402
 
 NAME = "resume"
 TITLE = "Resume: the consumed ledger's cost and time to resume"
@@ -135,11 +136,6 @@ def _ns_between(a: dict[str, int], b: dict[str, int]) -> int:
     """CPU ns the process's threads used between two :func:`_cpu_ns` snapshots (a thread that exited in
     between is left out, one born in between counts in full)."""
     return sum(v - a.get(tid, 0) for tid, v in b.items())
-
-
-def _med(xs: list) -> Optional[float]:
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
 
 
 # ----- the torchrun job (``--job``) ---------------------------------------------------
@@ -561,12 +557,6 @@ def run_inprocess(args: argparse.Namespace) -> dict:
 
 # ----- driver ------------------------------------------------------------------------------
 
-def torchrun_cmd(n: int) -> list[str]:
-    exe = shutil.which("torchrun")
-    base = [exe] if exe else [sys.executable, "-m", "torch.distributed.run"]
-    return base + ["--standalone", f"--nproc-per-node={n}"]
-
-
 def job_args(args: argparse.Namespace, rnd: int) -> list[str]:
     return ["--job", "--samples", str(args.samples), "--epochs", str(args.epochs), "--every", str(args.every),
             "--step-ms", str(args.step_ms), "--burst", str(args.burst), "--burst-at", str(args.burst_at),
@@ -576,22 +566,13 @@ def job_args(args: argparse.Namespace, rnd: int) -> list[str]:
 
 def run_job(args: argparse.Namespace, rnd: int, timeout_s: float = 400) -> dict:
     out = tempfile.mkdtemp(prefix="bench_resume_")
-    cmd = torchrun_cmd(2) + [str(HERE / "bench_resume.py")] + job_args(args, rnd) + ["--out", out]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    cmd = _jobs.torchrun_cmd(2) + [str(HERE / "bench_resume.py")] + job_args(args, rnd) + ["--out", out]
+    env = _jobs.job_env()
     env.pop("SBLOADER_NO_LEDGER", None)
     t0 = time.perf_counter()
     with open(os.path.join(out, "torchrun.log"), "w") as logf:
         proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, cwd=str(HERE.parent))
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()  # the torchrun agent we started; its ranks die with it
-            proc.wait()
-            rc = -9
+        rc = _jobs.wait_or_kill(proc, timeout_s)
     ranks = [json.loads(f.read_text()) for f in sorted(Path(out).glob("rank*.json"))]
     tail = (Path(out) / "torchrun.log").read_text()[-4000:]
     if rc != 0 or len(ranks) != 2:
@@ -628,18 +609,18 @@ def job_figures(job: dict) -> dict:
                      "batches": d["batches"], "wall_s": d["wall_s"],
                      "epoch_ms_per_batch": d["epoch_ms_per_batch"],
                      "outside_cpu_frac": max(x for x in d["outside"] if x is not None),
-                     "machine_cpu_frac": _med(d["machine"]),
+                     "machine_cpu_frac": h.median(d["machine"]),
                      "ranks_ms_per_batch": 1e3 * d["ranks_cpu_s"] / d["batches"],
-                     "state_dict_calls": d["sd_calls"], "state_dict_ms_median": _med(d["sd_ms"]),
+                     "state_dict_calls": d["sd_calls"], "state_dict_ms_median": h.median(d["sd_ms"]),
                      "state_dict_ms_max": max(d["sd_ms"]) if d["sd_ms"] else None, "state_bytes_max": d["state_bytes"]}
     b = r0["burst"]
     sd, sp = b["state_dict"], b["state_dict_spaced"]
     burst = {"calls": sd["calls"], "spaced_calls": sp["calls"], "k": b["k"], "gap_ms": 1e3 * b["gap_s"],
              "coordinator_ms_per_call": sd["ms_per_call"], "trivial_ms_per_call": b["trivial"]["ms_per_call"],
              "spaced_ms_per_call": sp["ms_per_call"], "trivial_spaced_ms_per_call": b["trivial_spaced"]["ms_per_call"],
-             "rank_cpu_ms_per_call": sd["rank_cpu_ms_per_call"], "call_ms_median": _med(sd["call_ms"]),
+             "rank_cpu_ms_per_call": sd["rank_cpu_ms_per_call"], "call_ms_median": h.median(sd["call_ms"]),
              "call_ms_p90": sorted(sd["call_ms"])[int(0.9 * (len(sd["call_ms"]) - 1))],
-             "spaced_call_ms_median": _med(sp["call_ms"])}
+             "spaced_call_ms_median": h.median(sp["call_ms"])}
     resume = {kind: [{"rank": r["rank"], **x} for r in job["ranks"] for x in r["resume"][kind]]
               for kind in ("same", "fresh")}
     base = arms["without"]["coordinator_ms_per_batch"]
@@ -676,7 +657,7 @@ def compare_md(old: Optional[dict], summary: dict, git_now: dict) -> list[str]:
                      "without: coordinator ms/batch": h.fmt_range(s["arms"]["without"]["coordinator_ms_per_batch"],
                                                                   "{:.3f}")})
     return [f"Against an earlier run (`{old['command']}`; its figures are kept under `compare` in the JSON):", "",
-            h.markdown_table(rows, list(rows[0].keys())), ""]
+            h.markdown_table(rows), ""]
 
 
 def report(args: argparse.Namespace, jobs: list[dict], cut: list[dict], inproc: Optional[dict],
@@ -721,7 +702,7 @@ def report(args: argparse.Namespace, jobs: list[dict], cut: list[dict], inproc: 
     # how much one epoch's figure of one arm varies within a job: half the spread over the mean, the median case
     spreads = [(max(v) - min(v)) / 2 / statistics.mean(v) for f in figs for a in ARMS
                for v in [f["arms"][a]["epoch_ms_per_batch"]] if len(v) > 1]
-    summary["epoch_noise"] = statistics.median(spreads) if spreads else None
+    summary["epoch_noise"] = h.median(spreads)
     rows_a = []
     for a in ARMS:
         s = arms[a]
@@ -802,12 +783,12 @@ def report(args: argparse.Namespace, jobs: list[dict], cut: list[dict], inproc: 
         + (f": within a job one arm's per-epoch figures differ by about ±{100 * summary['epoch_noise']:.1f}% "
            "(median case)." if summary["epoch_noise"] is not None else "."),
         "",
-        h.markdown_table(rows_a, list(rows_a[0].keys())),
+        h.markdown_table(rows_a),
         "",
         "Per round (each round's figure = the arm's coordinator CPU summed over its epochs / its batches; per-epoch "
         "figures after it):",
         "",
-        h.markdown_table(rows_round, list(rows_round[0].keys())),
+        h.markdown_table(rows_round),
         "",
         *compare_md(compare, summary, git_now or {}),
         f"- Each job: both loaders (two coordinators, two pools) built, one warm-up epoch each, then {args.epochs} "
@@ -869,7 +850,7 @@ def report(args: argparse.Namespace, jobs: list[dict], cut: list[dict], inproc: 
         "batches since; the other ranks' calls at the same k copy it. µs per batch = the cut CPU of the epoch's "
         "calls / the batches delivered to all ranks (compare the coordinator's ms per batch above):",
         "",
-        h.markdown_table(rows_cut, list(rows_cut[0].keys())),
+        h.markdown_table(rows_cut),
         "",
         "## (b) Time from `load_state_dict(sd)` to the first batch, Ray up",
         "",
@@ -879,7 +860,7 @@ def report(args: argparse.Namespace, jobs: list[dict], cut: list[dict], inproc: 
         + f". Slowest median {worst_med:.2f} s, slowest single run {worst:.2f} s."
         if worst_med is not None else "",
         "",
-        h.markdown_table(rows_b, list(rows_b[0].keys())) if rows_b else "",
+        h.markdown_table(rows_b) if rows_b else "",
         "",
         f"- State taken after {RESUME_AT} batches of an epoch; `total` = `load_state_dict(sd)` + `iter(loader)` + the "
         "first `next()`. `same loader`: the object that took the state (it ran the epoch before: worker actors warm "
@@ -937,8 +918,7 @@ def rerender(path: str, out: str) -> None:
                          old.get("compare"), old.get("git") or {})
     payload.update(machine=old["machine"], command=old["command"], git=old.get("git"),
                    total_wall_s=old.get("total_wall_s"), ranks_raw=old.get("ranks_raw"), compare=old.get("compare"))
-    jpath, mpath = h.write_results(out, payload, md, title=TITLE)
-    print(f"wrote {jpath} and {mpath}")
+    h.publish(out, payload, md, title=TITLE, show=False)
 
 
 def main() -> None:
@@ -1020,9 +1000,7 @@ def main() -> None:
     payload["git"] = git_state
     payload["total_wall_s"] = time.monotonic() - t_begin
     payload["compare"] = compare
-    jpath, mpath = h.write_results(args.out, payload, md, title=TITLE)
-    print(mpath.read_text())
-    print(f"wrote {jpath} and {mpath} in {payload['total_wall_s']:.0f} s")
+    h.publish(args.out, payload, md, title=TITLE, note=f" in {payload['total_wall_s']:.0f} s")
 
 
 if __name__ == "__main__":

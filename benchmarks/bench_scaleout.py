@@ -56,6 +56,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import _gitstate  # noqa: E402
 import _harness as h  # noqa: E402
+import _jobs  # noqa: E402
 import _jpeg_workload as w  # noqa: E402
 
 NAME = "scaleout"
@@ -76,14 +77,7 @@ def worker_cores(contender: str, k: int) -> int:
 
 def calibrate(paths: list[str], batches: int = 6) -> dict:
     """CPU ms per image of the function alone (one thread): the per-core ceiling."""
-    chunks = [paths[s:s + w.BATCH] for s in range(0, min(len(paths), (batches + 1) * w.BATCH), w.BATCH)]
-    w.preprocess_paths(chunks[0])
-    t = time.thread_time()
-    n = 0
-    for c in chunks[1:]:
-        w.preprocess_paths(c)
-        n += len(c)
-    cpu_ms = (time.thread_time() - t) * 1e3 / n
+    cpu_ms = h.cpu_ms_per_item(w.preprocess_paths, paths, w.BATCH, batches)
     return {"cpu_ms_per_image": cpu_ms, "per_core_images_per_s": 1e3 / cpu_ms}
 
 
@@ -93,11 +87,7 @@ def run_job(k: int, args: argparse.Namespace, paths_file: str) -> dict:
     cmd = ["taskset", "-c", args.trainer_cores, sys.executable, str(HERE / "_scaleout_job.py"),
            "--paths-file", paths_file, "--out", out, "--extra-nodes", str(k),
            "--extra-cores", args.node_cores, "--epochs", str(args.epochs)]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    env.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    env.setdefault("OMP_NUM_THREADS", "1")
+    env = _jobs.job_env()
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.job_timeout,
                           cwd=str(HERE.parent))
@@ -217,7 +207,7 @@ def report(args: argparse.Namespace, ks: list[int], cals: list[dict], jobs: dict
         f"agents) pinned to core(s) {args.node_cores}, joined over loopback with the head's auth token "
         f"(`_scaleout_node.py`; listening addresses checked: {', '.join(j0.get('node_listening', []))}).",
         "",
-        h.markdown_table(rows, list(rows[0].keys())),
+        h.markdown_table(rows),
         "",
         f"- Ceiling per core = the function alone, {h.fmt_range(per_core, '{:.0f}')} images/s "
         f"({h.fmt_range(h.summarize([c['cpu_ms_per_image'] for c in cals]), '{:.2f}')} ms of CPU per image), calibrated "
@@ -259,12 +249,8 @@ def report(args: argparse.Namespace, ks: list[int], cals: list[dict], jobs: dict
 
 
 def plot(ks: list[int], summary: dict, cals: list[dict], path: Path) -> Optional[Path]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = h.pyplot()
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.8))
     per_core = statistics.median(c["per_core_images_per_s"] for c in cals)
@@ -318,9 +304,7 @@ def main() -> None:
     from sbloader.datagen import write_jpeg_folder
 
     paths = write_jpeg_folder(str(Path(args.data) / "jpeg"), args.images, seed=0)
-    fd, paths_file = tempfile.mkstemp(prefix="bench_scaleout_paths_", suffix=".txt")
-    with os.fdopen(fd, "w") as f:
-        f.write("\n".join(paths))
+    paths_file = _jobs.write_paths_file(paths, prefix="bench_scaleout_paths_")
     cals: list[dict] = []
     jobs: dict[int, list[dict]] = {k: [] for k in ks}
     try:
@@ -348,11 +332,7 @@ def main() -> None:
     payload["git"] = git_state
     png = plot(ks, {c: {int(k): v for k, v in d.items()} for c, d in payload["summary"].items()}, cals,
                h.RESULTS_DIR / f"{args.out}.png")
-    if png is not None:
-        md += f"\n\n![scaleout]({png.name})\n"
-    jpath, mpath = h.write_results(args.out, payload, md, title="Scale-out emulated by CPU affinity (taskset)")
-    print(mpath.read_text())
-    print(f"wrote {jpath} and {mpath}" + (f" and {png}" if png else ""))
+    h.publish(args.out, payload, md, title="Scale-out emulated by CPU affinity (taskset)", png=png, alt="scaleout")
 
 
 if __name__ == "__main__":

@@ -81,6 +81,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(TRAINERS))
 import _gitstate  # noqa: E402
 import _harness as h  # noqa: E402
+import _jobs  # noqa: E402
 
 NAME = "sd"
 TORCH = ("torch_w1", "torch_w2")
@@ -406,27 +407,20 @@ def calibrate(cfg: dict) -> dict:
     rows = {k: t.column(k).to_numpy(zero_copy_only=False) for k in ("id", "image", "caption")}
     kw = dict(size=args.size, max_tokens=args.max_tokens, vocab=args.vocab)
 
-    def timed(fn: Any, reps: int) -> tuple[float, float]:
-        fn()
-        c, w = time.thread_time(), time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return (time.thread_time() - c) / reps, (time.perf_counter() - w) / reps
-
     blocks = [{k: v[s:s + g] for k, v in rows.items()} for s in range(0, 12 * g, g)]
     with task_context(0, 0, 0, "preprocess", 0):
         it = iter(blocks * 4)
-        pre_cpu, pre_wall = timed(lambda: preprocess(next(it), **kw), 10)
+        pre_cpu, pre_wall = h.timed_calls(lambda: preprocess(next(it), **kw), 10)
     ds = ParquetCaptionDataset(path, args.size, args.max_tokens, args.vocab, args.seed)
     order = iter(np.random.default_rng(0).permutation(len(ds)).tolist())
-    item_cpu, item_wall = timed(lambda: ds[(0, next(order))], 80)
+    item_cpu, item_wall = h.timed_calls(lambda: ds[(0, next(order))], 80)
     enc = SDEncoders(vocab=args.vocab, max_tokens=args.max_tokens, text_dim=args.text_dim,
                      seed=args.encoder_seed, device="cpu", where="trainer")
     with task_context(0, 0, 0, "preprocess", 0):
         b = preprocess(blocks[0], **kw)
     bs = args.batch_size
     sub = {k: v[:bs] for k, v in b.items()}
-    enc_cpu, enc_wall = timed(lambda: enc(sub), 10)
+    enc_cpu, enc_wall = h.timed_calls(lambda: enc(sub), 10)
     out = enc(sub)
     torch.manual_seed(0)
     model = TinyUNet(base=args.base, text_dim=args.text_dim)
@@ -443,7 +437,7 @@ def calibrate(cfg: dict) -> dict:
         opt.step()
         step[0] += 1
 
-    unet_cpu, unet_wall = timed(unet_step, 30)
+    unet_cpu, unet_wall = h.timed_calls(unet_step, 30)
     res = {
         "preprocess_cpu_ms_per_sample": 1e3 * pre_cpu / g, "preprocess_wall_ms_per_sample": 1e3 * pre_wall / g,
         "torch_getitem_cpu_ms_per_sample": 1e3 * item_cpu, "torch_getitem_wall_ms_per_sample": 1e3 * item_wall,
@@ -630,11 +624,8 @@ def run_job(job: str, cfg: dict, args: argparse.Namespace) -> dict:
     Path(cfg_path).write_text(json.dumps(cfg))
     cmd = ["taskset", "-c", args.trainer_cores, sys.executable, str(Path(__file__).resolve()), "--job", job,
            "--job-config", cfg_path, "--job-out", out]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(TRAINERS), str(REPO)]
-                                        + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    env = _jobs.job_env(TRAINERS, REPO)
+    env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # even where the caller's environment says otherwise
     env.pop("RAY_ADDRESS", None)
     env["OMP_NUM_THREADS"] = "1"
     env["TQDM_DISABLE"] = "1"
@@ -738,7 +729,7 @@ def summarize_rounds(rounds: list[dict]) -> dict:
     return out
 
 
-def _med(d: Any, *keys: str) -> float:
+def _median_at(d: Any, *keys: str) -> float:
     """The median at ``d[k1][k2]...`` of a summary (0 where absent)."""
     for k in keys:
         if not isinstance(d, dict) or k not in d:
@@ -749,43 +740,44 @@ def _med(d: Any, *keys: str) -> float:
 
 def reading(s: dict, cal: dict, bs: int) -> list[str]:
     """Where the time goes, in words, from this run's medians."""
-    unet_us = 1e3 * _med(cal, "unet_step_cpu_ms") / bs
-    enc_us, pre_us = 1e3 * _med(cal, "encode_cpu_ms_per_sample"), 1e3 * _med(cal, "preprocess_cpu_ms_per_sample")
+    unet_us = 1e3 * _median_at(cal, "unet_step_cpu_ms") / bs
+    enc_us = 1e3 * _median_at(cal, "encode_cpu_ms_per_sample")
+    pre_us = 1e3 * _median_at(cal, "preprocess_cpu_ms_per_sample")
     out = []
-    tb = max((c for c in TORCH if c in s), key=lambda c: _med(s[c], "samples_per_s"), default=None)
+    tb = max((c for c in TORCH if c in s), key=lambda c: _median_at(s[c], "samples_per_s"), default=None)
     if tb:
         d = s[tb]
         out.append(
-            f"- `{tb}`: core 0 does everything: {_med(d, 'core_budget', 'core0', 'ours_us'):.0f} µs of our CPU "
-            f"per sample (trainer {_med(d, 'cpu_us_per_sample_by_class', 'trainer'):.0f}: the UNet step, "
+            f"- `{tb}`: core 0 does everything: {_median_at(d, 'core_budget', 'core0', 'ours_us'):.0f} µs of our CPU "
+            f"per sample (trainer {_median_at(d, 'cpu_us_per_sample_by_class', 'trainer'):.0f}: the UNet step, "
             f"~{unet_us:.0f} alone, plus the encoders, ~{enc_us:.0f}; DataLoader workers "
-            f"{_med(d, 'cpu_us_per_sample_by_class', 'workers'):.0f}: decode, ~{pre_us:.0f} in a batch function, "
+            f"{_median_at(d, 'cpu_us_per_sample_by_class', 'workers'):.0f}: decode, ~{pre_us:.0f} in a batch function, "
             f"plus collation and the copy to the trainer). Of its stall fraction "
-            f"({100 * _med(d, 'stall_fraction'):.0f}%), {100 * _med(d, 'encode_in_next_fraction'):.0f} points are "
+            f"({100 * _median_at(d, 'stall_fraction'):.0f}%), {100 * _median_at(d, 'encode_in_next_fraction'):.0f} points are "
             "the encoders running in the trainer inside `next()`, the rest waiting for the workers' decode.")
     for c in ("sbloader", "sbloader_allow", "raydata", "sbloader_1node"):
         if c not in s:
             continue
         d = s[c]
         cls, th = d["cpu_us_per_sample_by_class"], d["trainer_threads_us_per_sample"]
-        head = sum(_med(v) for k, v in cls.items() if k not in ("trainer",) and not k.startswith("node2_"))
-        node = sum(_med(v) for k, v in cls.items() if k.startswith("node2_"))
-        main = _med(th, "main")
-        execu = _med(th, "sbloader-executor")
-        other = sum(_med(v) for k, v in th.items() if k not in ("main", "sbloader-executor"))
-        idle0 = _med(d, "core_budget", "core0", "idle_us")
-        wall = _med(d, "core_budget", "wall_us")
+        head = sum(_median_at(v) for k, v in cls.items() if k not in ("trainer",) and not k.startswith("node2_"))
+        node = sum(_median_at(v) for k, v in cls.items() if k.startswith("node2_"))
+        main = _median_at(th, "main")
+        execu = _median_at(th, "sbloader-executor")
+        other = sum(_median_at(v) for k, v in th.items() if k not in ("main", "sbloader-executor"))
+        idle0 = _median_at(d, "core_budget", "core0", "idle_us")
+        wall = _median_at(d, "core_budget", "wall_us")
         line = (f"- `{c}`: {wall:.0f} µs per sample of wall time; on core 0 the trainer's main thread takes "
                 f"{main:.0f} µs (the training step and `next()`; the UNet step alone took ~{unet_us:.0f} in the "
                 "calibration)")
         if execu:
             line += f", sbloader's executor thread {execu:.0f}"
         line += (f", the trainer's other threads (Ray core worker, gRPC, ...) {other:.0f}, the head's Ray processes "
-                 f"{head:.0f} (its workers {_med(cls, 'workers'):.0f})")
+                 f"{head:.0f} (its workers {_median_at(cls, 'workers'):.0f})")
         if "core1" in d["core_budget"]:
             line += (f"; core 1 (the node) {node:.0f} µs of our CPU per sample (decode + encode "
                      f"~{pre_us + enc_us:.0f} in the calibration), "
-                     f"idle {_med(d, 'core_budget', 'core1', 'idle_us'):.0f}")
+                     f"idle {_median_at(d, 'core_budget', 'core1', 'idle_us'):.0f}")
         line += f". Core 0 idle: {idle0:.0f} µs per sample."
         out.append(line)
     return out
@@ -901,7 +893,7 @@ def report(args: argparse.Namespace, cfg: dict, rounds: list[dict], cals: list[d
         f"{100 * args.max_outside:.0f}% of a pinned core got one make-up run and the quieter of the two is kept "
         f"({len(makeups)} make-up job(s) in this run).",
         "",
-        h.markdown_table(rows, list(rows[0].keys())),
+        h.markdown_table(rows),
         "",
         "**Bounds from the calibration** (each round, on core 0, CPU time, nothing else of ours running): "
         f"UNet step alone {h.fmt_range(cal['unet_step_cpu_ms'], '{:.1f}')} ms "
@@ -1021,12 +1013,8 @@ def report(args: argparse.Namespace, cfg: dict, rounds: list[dict], cals: list[d
 
 
 def plot(s: dict, cals: list[dict], path: Path, target: float) -> Optional[Path]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = h.pyplot()
+    if plt is None:
         return None
     names = [c for c in CONTENDERS if c in s]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.6), gridspec_kw={"width_ratios": [3, 2]})
@@ -1222,13 +1210,8 @@ def render(args: argparse.Namespace, base: dict, rounds: list, cals: list, jobs:
             f"- round {f['round']}, {'make-up of ' if f.get('makeup') else ''}job {f['job']} "
             f"({', '.join(f['order'])}): `{f['error'].strip().splitlines()[-1][:300]}`" for f in meta["failures"])
     png = plot(payload["summary"], cals, h.RESULTS_DIR / f"{args.out}.png", args.target)
-    if png is not None:
-        md += f"\n\n![sd]({png.name})\n"
-    jpath, mpath = h.write_results(args.out, payload, md,
-                                   title="SD pipeline: throughput and stall fraction (torch, Ray Data, sbloader)")
-    print(mpath.read_text())
-    print(f"wrote {jpath} and {mpath}" + (f" and {png}" if png else "") +
-          f" in {payload['total_wall_s']:.0f}s", flush=True)
+    h.publish(args.out, payload, md, title="SD pipeline: throughput and stall fraction (torch, Ray Data, sbloader)",
+              png=png, alt="sd", note=f" in {payload['total_wall_s']:.0f}s")
 
 
 if __name__ == "__main__":

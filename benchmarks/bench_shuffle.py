@@ -189,7 +189,7 @@ def main() -> None:
                "first_epochs": first, "runs": runs}
     md = [f"{n} images, {rounds} rounds of the four contenders interleaved (A B B A), CPU free, one process and "
           "one embedded Ray. Medians (min–max); `after / before` pairs the two runs of each round.", "",
-          h.markdown_table(rows, list(rows[0]))]
+          h.markdown_table(rows)]
     h.write_results(NAME, payload, "\n".join(md) + "\n", title="shuffle=True that mixes: before and after")
 
 

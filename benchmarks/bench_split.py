@@ -54,35 +54,24 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import _gitstate  # noqa: E402
 import _harness as h  # noqa: E402
+import _jobs  # noqa: E402
 import _jpeg_workload as w  # noqa: E402
 
 NAME = "split"
 BATCH = w.BATCH
 MODES = ("idle", "step", "step_scaled")
 QUIET_FRAC = 0.10
+TITLE = "Split coordinator under torchrun: 1, 2, 3 ranks"
 
 
 # ----- set-up ------------------------------------------------------------------------
 
 def calibrate(paths: list[str], cores: int, batches: int = 6) -> dict:
     """CPU ms per image of the function alone (this process, one thread)."""
-    chunks = [paths[s:s + BATCH] for s in range(0, min(len(paths), (batches + 1) * BATCH), BATCH)]
-    w.preprocess_paths(chunks[0])  # warm: imports, page cache
-    t = time.thread_time()
-    n = 0
-    for c in chunks[1:]:
-        w.preprocess_paths(c)
-        n += len(c)
-    cpu_ms = (time.thread_time() - t) * 1e3 / n
+    cpu_ms = h.cpu_ms_per_item(w.preprocess_paths, paths, BATCH, batches)
     ceiling = cores * 1e3 / cpu_ms
     return {"cpu_ms_per_image": cpu_ms, "ceiling_images_per_s": ceiling,
             "ceiling_batch_s": BATCH / ceiling, "step_s": 1.5 * BATCH / ceiling}
-
-
-def torchrun_cmd(n: int) -> list[str]:
-    exe = shutil.which("torchrun")
-    base = [exe] if exe else [sys.executable, "-m", "torch.distributed.run"]
-    return base + ["--standalone", f"--nproc-per-node={n}"]
 
 
 @dataclass
@@ -96,25 +85,14 @@ class JobTree(h.ProcTree):
 def run_job(n: int, paths_file: str, step_s: float, epochs: int, timeout_s: float) -> dict:
     """One torchrun job of ``n`` ranks; its ranks' logs plus the whole job's PSS/CPU."""
     out = tempfile.mkdtemp(prefix=f"bench_split_{n}_")
-    cmd = torchrun_cmd(n) + [str(HERE / "_split_job.py"), "--paths-file", paths_file, "--out", out,
-                             "--step-s", f"{step_s:.5f}", "--epochs", str(epochs)]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    cmd = _jobs.torchrun_cmd(n) + [str(HERE / "_split_job.py"), "--paths-file", paths_file, "--out", out,
+                                   "--step-s", f"{step_s:.5f}", "--epochs", str(epochs)]
+    env = _jobs.job_env()
     t0 = time.perf_counter()
-    logf = open(os.path.join(out, "torchrun.log"), "w")
-    proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, cwd=str(HERE.parent))
-    try:
+    with open(os.path.join(out, "torchrun.log"), "w") as logf:
+        proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, cwd=str(HERE.parent))
         with h.measure(f"N={n}", tree=JobTree(root=proc.pid, include_ray_session=False), interval_s=0.5) as m:
-            rc = proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()  # the torchrun agent we started; its ranks die with it
-        proc.wait()
-        rc = -9
-    finally:
-        logf.close()
+            rc = _jobs.wait_or_kill(proc, timeout_s)
     wall = time.perf_counter() - t0
     ranks = []
     for r in range(n):
@@ -169,9 +147,9 @@ def job_figures(job: dict, cal: dict, n_images: int) -> dict:
             "rtt_ms": [1e3 * v for v in rtts],
             "rtt_hit_ms": [1e3 * v for v in rtts_hit],
             "trivial_call_ms": [1e3 * v for v in r0["epochs"][e].get("trivial_call_s", [])],
-            "blocked_reply_ms_per_batch": _med([1e3 * x["sbloader_stalls"]["wait_ready_s"] / x["batches"]
+            "blocked_reply_ms_per_batch": h.median([1e3 * x["sbloader_stalls"]["wait_ready_s"] / x["batches"]
                                                 for x in eps if x["sbloader_stalls"] and x["batches"]]),
-            "fetch_ms_per_batch": _med([1e3 * x["sbloader_stalls"]["fetch_s"] / x["batches"]
+            "fetch_ms_per_batch": h.median([1e3 * x["sbloader_stalls"]["fetch_s"] / x["batches"]
                                         for x in eps if x["sbloader_stalls"] and x["batches"]]),
             "stall_frac_per_rank": [x["stall_frac"] for x in eps],
             "steady_stall_frac_per_rank": [x["steady_stall_frac"] for x in eps],
@@ -195,29 +173,24 @@ def job_figures(job: dict, cal: dict, n_images: int) -> dict:
             "images_per_s": statistics.median(e["images_per_s"] for e in eps),
             "x_ceiling": statistics.median(e["x_ceiling"] for e in eps),
             "first_batch_s": statistics.median(e["first_batch_s"] for e in eps),
-            "coordinator_cpu_ms_per_batch": _med([e["coordinator_cpu_ms_per_batch"] for e in eps]),
-            "coordinator_cpu_frac": _med([e["coordinator_cpu_frac"] for e in eps]),
-            "requests_per_batch": _med([e["requests_per_batch"] for e in eps]),
+            "coordinator_cpu_ms_per_batch": h.median([e["coordinator_cpu_ms_per_batch"] for e in eps]),
+            "coordinator_cpu_frac": h.median([e["coordinator_cpu_frac"] for e in eps]),
+            "requests_per_batch": h.median([e["requests_per_batch"] for e in eps]),
             "rtt_ms_median": _pct(rtt, 0.5), "rtt_ms_p90": _pct(rtt, 0.9), "rtt_ms_max": max(rtt) if rtt else None,
             "rtt_hit_ms_median": _pct(hit, 0.5), "rtt_hit_ms_p90": _pct(hit, 0.9),
             "trivial_call_ms_median": _pct([v for e in eps for v in e["trivial_call_ms"]], 0.5),
-            "blocked_reply_ms_per_batch": _med([e["blocked_reply_ms_per_batch"] for e in eps]),
-            "fetch_ms_per_batch": _med([e["fetch_ms_per_batch"] for e in eps]),
+            "blocked_reply_ms_per_batch": h.median([e["blocked_reply_ms_per_batch"] for e in eps]),
+            "fetch_ms_per_batch": h.median([e["fetch_ms_per_batch"] for e in eps]),
             "stall_frac_per_rank": [statistics.median(e["stall_frac_per_rank"][i] for e in eps) for i in range(nr)],
             "steady_stall_frac_per_rank": [statistics.median(e["steady_stall_frac_per_rank"][i] for e in eps)
                                            for i in range(nr)],
             "cpu_us_per_image_by_class": {k: 1e6 * v / imgs for k, v in cls.items()},
-            "outside_cpu_frac": _med([e["outside_cpu_frac"] for e in eps]),
-            "machine_cpu_frac": _med([e["machine_cpu_frac"] for e in eps]),
+            "outside_cpu_frac": h.median([e["outside_cpu_frac"] for e in eps]),
+            "machine_cpu_frac": h.median([e["machine_cpu_frac"] for e in eps]),
             "per_epoch": [{k: v for k, v in e.items() if k not in ("rtt_ms", "rtt_hit_ms", "trivial_call_ms")}
                           for e in eps],
         }
     return out
-
-
-def _med(xs: list) -> Optional[float]:
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
 
 
 def job_outside(fig: dict) -> float:
@@ -368,7 +341,7 @@ def report(args: argparse.Namespace, cores: int, cals: list[dict], jobs: dict[in
         "",
         "## Throughput",
         "",
-        h.markdown_table(rows_tp, list(rows_tp[0].keys())),
+        h.markdown_table(rows_tp),
         "",
         "Total throughput = the epoch's images / (last rank's end - first rank's start). `x 1 rank` is the ratio to the "
         "1-rank job of the same round. N = 1 has no coordinator: the loader runs its executor in the rank.",
@@ -381,7 +354,7 @@ def report(args: argparse.Namespace, cores: int, cals: list[dict], jobs: dict[in
         "",
         "## Coordinator cost",
         "",
-        h.markdown_table(rows_coord, list(rows_coord[0].keys())),
+        h.markdown_table(rows_coord),
         "",
         "- Coordinator CPU = utime+stime of the coordinator actor's process (`/proc/<pid>/stat`, the pid from "
         "`SplitCoordinator.process_info()`) between the barriers around an epoch, per batch delivered to all ranks, and as a share of one core over the "
@@ -398,7 +371,7 @@ def report(args: argparse.Namespace, cores: int, cals: list[dict], jobs: dict[in
         "",
         "## Stall per rank at the simulated step",
         "",
-        h.markdown_table(rows_stall, list(rows_stall[0].keys())),
+        h.markdown_table(rows_stall),
         "",
         "Stall fraction = time the rank's loop waits in `next(it)` / the rank's epoch wall time, median over rounds "
         "(one figure per rank, rank 0 first). `floor set by 2 cores` = 1 - ceiling / demand, the stall no loader "
@@ -449,12 +422,8 @@ def _slim(ranks: list[dict]) -> list[dict]:
 
 
 def plot(summary: dict, cals: list[dict], path: Path) -> Optional[Path]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = h.pyplot()
+    if plt is None:
         return None
     ns = sorted(summary)
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
@@ -511,10 +480,9 @@ def rerender(path: str, out: str) -> None:
     payload.update(machine=old["machine"], command=old["command"], total_wall_s=old.get("total_wall_s"),
                    git=old.get("git"))
     png = plot({n: payload["summary"][str(n)] for n in sorted(jobs)}, old["calibration"], h.RESULTS_DIR / f"{out}.png")
-    if png is not None:
+    if png is not None:  # shown in the Markdown; the line below names the JSON and Markdown only
         md += f"\n\n![split]({png.name})\n"
-    jpath, mpath = h.write_results(out, payload, md, title="Split coordinator under torchrun: 1, 2, 3 ranks")
-    print(f"wrote {jpath} and {mpath}")
+    h.publish(out, payload, md, title=TITLE, show=False)
 
 
 def main() -> None:
@@ -548,9 +516,7 @@ def main() -> None:
     from sbloader.datagen import write_jpeg_folder
 
     paths = write_jpeg_folder(str(Path(args.data) / "jpeg"), args.images, seed=0)
-    fd, paths_file = tempfile.mkstemp(prefix="bench_split_paths_", suffix=".txt")
-    with os.fdopen(fd, "w") as f:
-        f.write("\n".join(paths))
+    paths_file = _jobs.write_paths_file(paths, prefix="bench_split_paths_")
     cals: list[dict] = []
     jobs: dict[int, list[dict]] = {n: [] for n in ranks}
     try:
@@ -585,11 +551,7 @@ def main() -> None:
     payload["total_wall_s"] = time.monotonic() - t_begin
     payload["git"] = git_state
     png = plot({n: payload["summary"][str(n)] for n in ranks}, cals, h.RESULTS_DIR / f"{args.out}.png")
-    if png is not None:
-        md += f"\n\n![split]({png.name})\n"
-    jpath, mpath = h.write_results(args.out, payload, md, title="Split coordinator under torchrun: 1, 2, 3 ranks")
-    print(mpath.read_text())
-    print(f"wrote {jpath} and {mpath}" + (f" and {png}" if png else ""))
+    h.publish(args.out, payload, md, title=TITLE, png=png, alt="split")
 
 
 if __name__ == "__main__":

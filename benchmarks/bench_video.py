@@ -408,7 +408,7 @@ def report(results: dict[str, list[h.Result]], info: dict[str, Any],
         f"- sbloader's probe of the {info['videos']} files (demux, no decode; once per dataset, in remote tasks): "
         f"{info['probe_s']:.2f} s.",
         "",
-        h.markdown_table(rows, list(rows[0].keys())),
+        h.markdown_table(rows),
         "",
     ]
     if info["ray_data"] is None:
