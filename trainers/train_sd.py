@@ -39,4 +39,12 @@ __all__ = [
 ]
 
 if __name__ == "__main__":
+    import ray.cloudpickle
+
+    import sd
+
+    # The pipeline's functions and classes (preprocess, SDEncoders) go to Ray's workers by
+    # value, as they did when they lived in this script: a node without trainers/ on its disk
+    # runs them too.
+    ray.cloudpickle.register_pickle_by_value(sd)
     main()
