@@ -287,7 +287,7 @@ def test_first_rows_arrive_before_the_input_is_read(ray_session, tmp_path):
 # ----- a pipeline waiting for resources nobody frees says so (no silent hang)
 
 def test_stuck_message_names_the_stage_and_the_missing_resource():
-    from sbloader.executor.executor import resource_demand, stuck_message
+    from sbloader.executor.diagnostics import resource_demand, stuck_message
 
     need = resource_demand({"num_cpus": 1})
     assert need == {"CPU": 1.0}
@@ -302,7 +302,7 @@ def test_stuck_message_names_the_stage_and_the_missing_resource():
 
 
 def test_stuck_message_counts_only_the_nodes_the_pipeline_may_use():
-    from sbloader.executor.executor import stuck_message
+    from sbloader.executor.diagnostics import stuck_message
     from sbloader.runtime.placement import sum_resources
 
     per_node = {"trainer": {"CPU": 6.0, "GPU": 1.0}, "cpu-a": {"CPU": 0.0}, "cpu-b": {"CPU": 0.0}}
@@ -320,9 +320,9 @@ def test_stuck_message_counts_only_the_nodes_the_pipeline_may_use():
 def test_pipeline_waiting_for_resources_nobody_has_warns_then_stops_cleanly(ray_session, monkeypatch, caplog):
     import logging
 
-    from sbloader.executor import executor as ex
+    from sbloader.executor import diagnostics
 
-    monkeypatch.setattr(ex, "_STUCK_WARN_S", 0.3)
+    monkeypatch.setattr(diagnostics, "STUCK_WARN_S", 0.3)
     ds = sbloader.range(8, num_partitions=2).map_batches(lambda b: b, resources={"sbloader_test_absent": 1})
     executor = ds.execute()
     try:
@@ -372,7 +372,7 @@ def test_default_budget_holds_a_flat_number_of_blocks_ahead_of_a_slow_consumer(r
     consumer never makes the pipeline hold more as the dataset grows. The cap counts a
     read task's blocks per slot: as many partitions as the partition time gives for
     TARGET_TASK_S (here 0.1 s each: at most 3), not more as blocks pile up."""
-    from sbloader.executor import executor as ex
+    from sbloader.executor.budget import FREE_LAG_S
     from sbloader.executor.policy import TARGET_TASK_S, blocks_ahead_cap
 
     executor = sbloader.range(4 * partitions, num_partitions=partitions).map_batches(
@@ -387,11 +387,11 @@ def test_default_budget_holds_a_flat_number_of_blocks_ahead_of_a_slow_consumer(r
     finally:
         executor.shutdown()
     assert n == partitions
-    assert len(executor._slots) == 1
-    cap = blocks_ahead_cap(2, executor._slots[0] * int(TARGET_TASK_S / 0.1))
+    assert len(executor._loop._slots) == 1
+    cap = blocks_ahead_cap(2, executor._loop._slots[0] * int(TARGET_TASK_S / 0.1))
     assert cap < partitions, "the dataset must not fit under the cap: nothing would be tested"
     # + the block the consumer holds, + released blocks still counted until Ray frees them
-    freeing = int(ex._FREE_LAG_S / 0.02) + 2
+    freeing = int(FREE_LAG_S / 0.02) + 2
     assert executor.stats().peak_held_bytes <= (cap + 1 + freeing) * block * 1.1, \
         (executor.stats().peak_held_bytes / block, cap)
 
@@ -418,7 +418,9 @@ def test_prestarted_pool_actors_are_adopted_not_duplicated(ray_session, tmp_path
 
     import ray
 
-    from sbloader.executor.executor import ExecutionOptions, PrestartedActor, StreamingExecutor, prestart_pools
+    from sbloader.executor.options import ExecutionOptions
+    from sbloader.executor.pools import PrestartedActor, prestart_pools
+    from sbloader.executor.executor import StreamingExecutor
     from sbloader.executor.stages import build_stages
     from sbloader.loaders.batching import iter_blocks
 
@@ -456,7 +458,7 @@ class _Twice:
 def test_shutdown_from_two_threads_at_once_runs_once(ray_session):
     """A loader's consumer and its fetch thread may both shut the executor down: the
     second call must neither fail on the first's cleared state nor cache actors twice."""
-    from sbloader.executor.executor import kill_cached
+    from sbloader.executor.pools import kill_cached
 
     cache: dict = {}
     ds = sbloader.range(400, rows_per_partition=10).map_batches(_Twice, concurrency=(1, 2))
@@ -577,7 +579,8 @@ def _dies_on_5(batch):
 def test_a_task_whose_worker_dies_raises_an_error_naming_its_partitions(ray_session):
     import pickle
 
-    from sbloader.executor.executor import ExecutionOptions, StreamingExecutor
+    from sbloader.executor.options import ExecutionOptions
+    from sbloader.executor.executor import StreamingExecutor
     from sbloader.executor.stages import build_stages
     from sbloader.core.errors import TaskLostError
 
@@ -641,7 +644,7 @@ def test_a_failed_copy_of_a_delivered_partition_does_not_fail_the_epoch(ray_sess
 
 
 def test_consumer_pace_skips_the_first_blocks_then_averages_per_row():
-    from sbloader.executor.executor import ConsumerPace
+    from sbloader.executor.pace import ConsumerPace
 
     pace = ConsumerPace(skip=2, alpha=0.5)
     # a fetch thread filling its queue: three blocks taken back to back, not measured
@@ -658,7 +661,7 @@ def test_consumer_pace_skips_the_first_blocks_then_averages_per_row():
 
 
 def test_consumer_pace_reported_by_a_loader_replaces_the_executors_own():
-    from sbloader.executor.executor import ConsumerPace
+    from sbloader.executor.pace import ConsumerPace
 
     pace = ConsumerPace(skip=0)
     pace.external = True

@@ -366,7 +366,7 @@ def test_an_idle_coordinator_retires_itself(ray_session, monkeypatch):
     it would outlive the job on a kept cluster) kills its prestarted pool and itself. A call keeps it."""
     import ray
 
-    from sbloader.executor.executor import ExecutionOptions
+    from sbloader.executor.options import ExecutionOptions
     from sbloader.distributed.naming import NAMESPACE, coordinator_name, get_coordinator
 
     import sbloader

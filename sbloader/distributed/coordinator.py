@@ -29,7 +29,8 @@ from sbloader.distributed.epoch import Epoch
 from sbloader.distributed.partition_epoch import PartitionEpoch
 from sbloader.distributed.specs import EpochSpec, PartitionEpochSpec
 from sbloader.distributed.stream_epoch import StreamEpoch
-from sbloader.executor.executor import ExecutionOptions, kill_cached, prestart_pools
+from sbloader.executor.options import ExecutionOptions
+from sbloader.executor.pools import kill_cached, prestart_pools
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from sbloader.core.errors import SbloaderError
 from sbloader.core.plan import make_epoch_plan
 from sbloader.core.wire import from_wire, to_wire
 from sbloader.distributed.specs import EpochSpec
-from sbloader.executor.executor import ExecutionOptions
+from sbloader.executor.options import ExecutionOptions
 from sbloader.sources.batches import PaddedBatch, ReadyBatchSource, ShardSource
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,8 @@ from sbloader.core import ledger as _ledger
 from sbloader.core.errors import ExecutorShutdownError, SbloaderError
 from sbloader.core.split import pick_local
 from sbloader.distributed.specs import EpochSpec
-from sbloader.executor.executor import OutputBlock, StreamingExecutor
+from sbloader.executor.options import OutputBlock
+from sbloader.executor.executor import StreamingExecutor
 from sbloader.executor.stages import build_stages
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from sbloader.core.cut import progress
 from sbloader.core.errors import SbloaderError
 from sbloader.distributed.epoch import Epoch
 from sbloader.distributed.specs import PartitionEpochSpec
-from sbloader.executor.executor import OutputBlock
+from sbloader.executor.options import OutputBlock
 
 
 class PartitionEpoch(Epoch):

@@ -18,7 +18,7 @@ from sbloader.core.cut import CutPlan, last_use
 from sbloader.core.errors import SbloaderError
 from sbloader.core.plan import EpochPlan
 from sbloader.distributed.specs import PartitionEpochSpec
-from sbloader.executor.executor import ExecutionOptions
+from sbloader.executor.options import ExecutionOptions
 
 _WAIT_S = 1.0  # one coordinator request waits at most this long for a block
 _AHEAD = 2  # batches whose blocks a rank asks for ahead of the one it cuts

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from sbloader.core.plan import EpochPlan
-from sbloader.executor.executor import ExecutionOptions
+from sbloader.executor.options import ExecutionOptions
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import Any, Optional
 from sbloader.core.split import pick_local, stream_allowance, stream_tail
 from sbloader.distributed.epoch import Epoch
 from sbloader.distributed.specs import EpochSpec, StreamBatch
-from sbloader.executor.executor import OutputBlock
+from sbloader.executor.options import OutputBlock
 
 
 @dataclass(frozen=True)

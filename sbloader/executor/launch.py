@@ -11,7 +11,8 @@ from typing import Any, Optional, Sequence
 
 from sbloader.core.ops import Op
 from sbloader.core.plan import EpochPlan
-from sbloader.executor.executor import ExecutionOptions, StreamingExecutor
+from sbloader.executor.options import ExecutionOptions
+from sbloader.executor.executor import StreamingExecutor
 from sbloader.executor.handoff import SlotArena, consumer_arena
 from sbloader.executor.stages import build_stages
 from sbloader.runtime.placement import exclusions_here

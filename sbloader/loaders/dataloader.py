@@ -20,7 +20,7 @@ from sbloader.core.errors import StateDictError
 from sbloader.core.plan import draw_epoch_seed, epoch_seed_from
 from sbloader.core.split import split_epoch as split_positions
 from sbloader.core.stats import ExecutionStats, StallStats
-from sbloader.executor.executor import kill_cached
+from sbloader.executor.pools import kill_cached
 from sbloader.loaders import dropin_state
 from sbloader.loaders.dropin_args import check_torch_args, decide_split, is_iterable_dataset
 from sbloader.loaders.dropin_epoch import (DropinCarry, DropinSettings, local_epoch, pool_epoch, safe_len,

@@ -30,7 +30,7 @@ from sbloader.core.ops import Op
 from sbloader.core.plan import make_epoch_plan
 from sbloader.core.stats import ExecutionStats, StallStats
 from sbloader.distributed import dropin_client
-from sbloader.executor.executor import ExecutionOptions
+from sbloader.executor.options import ExecutionOptions
 from sbloader.executor.launch import arena_here, options_here, start_execution
 from sbloader.executor.tasks import pack
 from sbloader.loaders.dropin_state import EpochRun

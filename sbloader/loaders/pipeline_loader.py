@@ -19,7 +19,7 @@ from sbloader.core.ops import rows_changing
 from sbloader.core.plan import draw_epoch_seed
 from sbloader.core.split import split_epoch
 from sbloader.core.stats import ExecutionStats, StallStats
-from sbloader.executor.executor import kill_cached
+from sbloader.executor.pools import kill_cached
 from sbloader.loaders import pipeline_state
 from sbloader.loaders.batching import window_of
 from sbloader.loaders.epoch import EpochIterator

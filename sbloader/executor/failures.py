@@ -1,0 +1,87 @@
+"""How a Ray call's failure reaches the consumer, and how a call's shared argument travels."""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import ray
+
+from sbloader.core.errors import SbloaderError, TaskLostError
+from sbloader.executor.tasks import Packed, pack
+
+_INLINE_ARG_BYTES = 64 * 1024
+
+
+def unwrap(e: BaseException) -> BaseException:
+    """The sbloader error inside a Ray task error, else the error itself."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, SbloaderError):
+        return cause
+    return e
+
+
+def lost(stage_name: str, epoch: int, items: Sequence[tuple], partition_id: int, e: BaseException) -> TaskLostError:
+    """A call's failure outside the user's functions, as a :class:`TaskLostError` naming the
+    call's partitions (``items``: its ``(plan position, Partition)`` pairs; Ray's own error
+    names none)."""
+    parts = [part for _, part in items]
+    ids = tuple(p.id for p in parts) or (partition_id,)
+    labels = tuple(p.label for p in parts)
+    first = (str(e).strip().splitlines() or [""])[0]
+    cause = f"{type(e).__name__}: {first[:300]}" if first else type(e).__name__
+    err = TaskLostError(stage_name, epoch, ids, labels, cause)
+    err.__cause__ = e
+    return err
+
+
+def sort_failures(refs: Sequence[Any], inflight: dict, other_copy: Callable[[Any], bool],
+                  stage_names: Sequence[str], epoch: int) -> list:
+    """After a failed batch ``ray.get`` of metadata refs: each ref's metadata, or None for a
+    failed copy of a partition that another copy delivered or may still deliver (a
+    speculated partition). Any other failure is raised, as a
+    :class:`~sbloader.core.errors.TaskLostError` when it happened outside the user's functions.
+
+    Args:
+        refs: the metadata refs.
+        inflight: their records (metadata ref -> ``Running``).
+        other_copy: whether another copy of a record's partition covers it.
+        stage_names: the stages' names.
+        epoch: the epoch.
+    """
+    metas = []
+    for r in refs:
+        try:
+            metas.append(ray.get(r))
+        except Exception as e:
+            run = inflight[r]
+            # The failed task's block ref holds the same error; fetch it so Ray does not
+            # also print it as an "unhandled error" when the ref is dropped.
+            try:
+                ray.get(run.block_ref, timeout=0)
+            except Exception:
+                pass
+            if not other_copy(run):
+                if unwrap(e) is e:
+                    raise lost(stage_names[run.stage], epoch, run.call.items, run.partition_id, e)
+                raise
+            metas.append(None)
+    return metas
+
+
+def shared_arg(payload: Any) -> Any:
+    """The read tasks' shared argument: by value when small, else one object in the store.
+
+    By value matters for placement: a task whose argument lives in the trainer
+    node's object store can be leased there by Ray's locality-aware scheduling
+    despite a node-label constraint.
+    """
+    packed = pack(payload)  # pickled once here, not once per task
+    if isinstance(packed, Packed):
+        return packed if len(packed.data) <= _INLINE_ARG_BYTES else ray.put(payload)
+    import ray.cloudpickle as cloudpickle
+
+    try:  # it holds Ray handles: by value through Ray's serialisation when small
+        if len(cloudpickle.dumps(payload)) <= _INLINE_ARG_BYTES:
+            return payload
+    except Exception:  # not picklable by value here: let Ray's own serialisation say why
+        pass
+    return ray.put(payload)

@@ -1,0 +1,322 @@
+"""The scheduling loop of one execution: what its background thread does.
+
+State: a queue of waiting inputs per stage (ordered by plan position), the calls in
+flight, the actor pools (:mod:`~sbloader.executor.pools`), the ready outputs
+(:mod:`~sbloader.executor.outputs`) and the bytes held (:mod:`~sbloader.executor.budget`).
+Each step scales the pools, launches again the partitions of straggling read calls
+(:mod:`~sbloader.executor.stragglers`), and asks the pure policy
+(:mod:`~sbloader.executor.policy`) which stage to feed next under the memory budget.
+Finished calls are collected with ``ray.wait`` on their small metadata refs: block
+bytes never pass through this process.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import sys
+import time
+from typing import Optional
+
+import ray
+
+from sbloader.core.block import BlockMeta
+from sbloader.core.errors import SbloaderError
+from sbloader.core.plan import EpochPlan
+from sbloader.core.stats import ExecutionStats, OperatorStats
+from sbloader.executor.budget import MemoryBudget
+from sbloader.executor.calls import Call, Running, Solo
+from sbloader.executor.diagnostics import ProgressBars, StuckWatch, resource_demand
+from sbloader.executor.failures import shared_arg, sort_failures
+from sbloader.executor.handoff import SlotArena, SlotLease
+from sbloader.executor.launcher import Launcher
+from sbloader.executor.options import ExecutionOptions, OutputBlock
+from sbloader.executor.outputs import Outputs
+from sbloader.executor.pace import ConsumerPace
+from sbloader.executor.policy import StageView, blocks_ahead_cap, select_stage
+from sbloader.executor.pools import ActorPools
+from sbloader.executor.sizing import Sizing
+from sbloader.executor.stages import Stage, stage_concurrency
+from sbloader.executor.stragglers import Stragglers
+from sbloader.executor.tasks import EpochInfo
+from sbloader.sources.base import Source
+
+
+class Scheduler:
+    """The state and the steps of one execution's scheduling loop (the caller holds the lock).
+
+    Args:
+        source: the dataset's source.
+        stages: physical stages (first is the read stage).
+        plan: the epoch plan.
+        options: budget, order, placement and progress.
+        pace: the consumer's pace.
+        actor_cache: pool actors kept from an earlier execution or started ahead; at the
+            end they go back there.
+        estimates: an earlier execution's output block sizes per stage.
+        arena: the consumer's shared-memory slots (None: blocks go through the object store).
+    """
+
+    def __init__(self, source: Source, stages: list[Stage], plan: EpochPlan, options: ExecutionOptions,
+                 pace: ConsumerPace, actor_cache: Optional[dict], estimates: Optional[list],
+                 arena: Optional[SlotArena]) -> None:
+        from sbloader.runtime.session import cluster_cpus
+
+        self._stages, self._plan, self._opts, self._arena = stages, plan, options, arena
+        self._counter = itertools.count()
+        self.queues: list[list] = [[] for _ in stages]
+        self.inflight: dict[ray.ObjectRef, Running] = {}
+        self._stage_inflight = [0] * len(stages)
+        self.stragglers = Stragglers()
+        self.sizing = Sizing(len(stages), estimates, pace)
+        self.est = self.sizing.block_bytes  # output bytes per block, per stage
+        self.stats = ExecutionStats(operators=[OperatorStats(s.name) for s in stages])
+        self.outputs = Outputs(options.deterministic, dropped=self.drop_output)
+        self.watch = StuckWatch(options.exclude_nodes)
+        self._throttle_mark: dict[int, float] = {}
+        cpus = cluster_cpus()
+        budget = options.memory_budget
+        if budget is None:
+            budget = int(ray.cluster_resources().get("object_store_memory", 2 * 2**30) * 0.25)
+        self.budget = MemoryBudget(budget, len(stages))
+        self.stats.memory_budget = self.budget.budget
+        self._slots = [stage_concurrency(s, cpus) if s.kind != "actor" else 0 for s in stages]
+        bounds = {i: s.ops[0].pool_bounds(cpus) for i, s in enumerate(stages) if s.kind == "actor"}
+        self.pools = ActorPools(stages, bounds, options, self.stats.operators, actor_cache)
+        parts = {p.id: p for p in source.partitions(plan.epoch, plan.epoch_seed, shuffle=plan.shuffle)}
+        missing = [pid for pid in plan.order if pid not in parts]
+        if missing:
+            raise SbloaderError(f"the epoch plan names partitions the source does not have: {missing[:5]}")
+        self._launcher = Launcher(stages, options, EpochInfo(plan.epoch, plan.epoch_seed, plan.shuffle),
+                                  shared_arg((source.reader(), source.shared())), self.pools)
+        for seq, pid in enumerate(plan.order):
+            heapq.heappush(self.queues[0], (seq, next(self._counter), parts[pid]))
+        self.remaining = len(plan.order)
+        self.bars = ProgressBars(stages, source.num_rows(), options.progress)
+
+    def step(self) -> None:
+        """Scale the pools, launch again the partitions of straggling read calls, launch work."""
+        queued = {i: len(self.queues[i]) for i in self.pools.pools}
+        ok = {i: self.held() + (self.est[i] or 0.0) <= self.budget.budget for i in queued}
+        self.pools.scale(queued, ok)
+        calls = {id(r.call): r.call for r in self.inflight.values() if r.stage == 0 and len(r.call.items) > 1}
+        self.stragglers.speculate(calls.values(), self.sizing.partition_s or 0.0, self.requeue)
+        self.launch()
+
+    def waiting(self) -> list:
+        """The refs the loop waits on: calls' metadata and actors' constructors."""
+        return list(self.inflight) + list(self.pools.pending)
+
+    def held(self) -> float:
+        return self.budget.held(sum(r.input_bytes + r.est_bytes for r in self.inflight.values()))
+
+    def drop_output(self, item: OutputBlock) -> None:
+        self.budget.output -= item.meta.nbytes
+        self.free_lease(item.lease)
+
+    def requeue(self, seq: int, solo: Solo) -> None:
+        heapq.heappush(self.queues[0], (seq, next(self._counter), solo))
+        self.remaining += 1
+
+    def waiting_demand(self) -> list[tuple[str, int, dict]]:
+        """Per stage with work in flight: its name, the calls in flight, the resources one needs."""
+        pending = self.pools.pending_per_stage()
+        return [(s.name, n, resource_demand(s.ray_options)) for i, s in enumerate(self._stages)
+                if (n := self._stage_inflight[i] + pending.get(i, 0))]
+
+    def finished(self) -> bool:
+        return (self.remaining == 0 and not any(self.queues)
+                and all(self.stragglers.moot(r) for r in self.inflight.values()))
+
+    def _stage_view(self, i: int) -> StageView:
+        q = self.queues[i]
+        if self._stages[i].kind == "actor":
+            free = self.pools.free_slots(i)
+        else:
+            free = max(0, self._slots[i] - self._stage_inflight[i])
+        est = self.est[i]
+        if i == 0 and est is not None:  # the next call's output: one block per partition it reads
+            est *= self._group_size()
+        return StageView(i, len(q), q[0][0] if q else None, self._stage_inflight[i], free, est)
+
+    def _group_size(self) -> int:
+        """Partitions the source stage's next call reads (:meth:`Sizing.group`).
+
+        One per call for a pool that reads (the drop-in's workers): an actor runs its
+        calls one after another, so a call queued behind a straggling one would wait
+        for it, and a relaunched straggler would block the actor it lands on. Actor
+        calls cost Ray about half what tasks do (no lease), and grouping them showed
+        no gain (see docs/architecture.md). One for a partition launched again.
+        """
+        q = self.queues[0]
+        if self._stages[0].kind == "actor" or (q and isinstance(q[0][2], Solo)):
+            return 1
+        slots = self._slots[0]
+        return self.sizing.group(len(q), slots, self._call_bytes(slots), self._blocks_ahead())
+
+    def _call_bytes(self, slots: int) -> float:
+        return Sizing.call_bytes(self.budget.budget, slots, self._opts.prefetch_blocks)
+
+    def launch(self) -> None:
+        now = time.perf_counter()
+        while True:
+            views = [self._stage_view(i) for i in range(len(self._stages))]
+            consumer_ready = self.budget.freeing() or self.outputs.ready()
+            decision = select_stage(views, self.budget.budget, self.held(), consumer_ready,
+                                    source_blocked=self._blocks_ahead() >= self._ahead_cap())
+            for i in range(len(self._stages)):
+                if i in decision.throttled:
+                    self._throttle_mark.setdefault(i, now)
+                elif i in self._throttle_mark:
+                    self.stats.operators[i].throttled_s += now - self._throttle_mark.pop(i)
+            if decision.launch is None:
+                return
+            if decision.launch == 0:  # the source stage: a "read" task stage, or an actor pool that reads
+                self._launch_read()
+            else:
+                self._launch_block(decision.launch)
+
+    def _blocks_ahead(self) -> int:
+        """Blocks not yet taken by the consumer: in flight, between stages, or ready."""
+        return len(self.inflight) + sum(len(q) for q in self.queues[1:]) + self.outputs.waiting()
+
+    def _ahead_cap(self) -> int:
+        if self.pools.pools:
+            # Not with an actor pool: a pool sized to the CPUs it may use (or left with only
+            # those after a node died) would starve the reads it waits for once they are held
+            # back; there the memory budget alone bounds it.
+            return sys.maxsize
+        # the source stage's slots count its calls' blocks (several partitions per task at the
+        # partition time's target, Sizing.cap_group); later stages one block per task
+        slots = sum(self._slots[1:])
+        group = 1 if self._stages[0].kind == "actor" else self.sizing.cap_group(self._call_bytes(self._slots[0]))
+        return blocks_ahead_cap(self._opts.prefetch_blocks, self._slots[0] * group + slots)
+
+    def _lease(self, i: int) -> Optional[SlotLease]:
+        """A shared-memory slot for a block stage ``i`` will make, if it hands blocks to the
+        consumer, its block size is known and a slot is free."""
+        if self._arena is None or i != len(self._stages) - 1 or not self.est[i]:
+            return None
+        return self._arena.lease(self.est[i], self.budget.budget)
+
+    def free_lease(self, lease: Optional[SlotLease]) -> None:
+        """The lease's task has finished and nothing will read its slot."""
+        if lease is not None and self._arena is not None:
+            self._arena.free(lease)
+
+    def _launch_block(self, i: int) -> None:
+        """One call of stage ``i`` (after the source) on the next block waiting for it."""
+        seq, _, out = heapq.heappop(self.queues[i])
+        self.budget.queued[i] -= out.meta.nbytes
+        lease = self._lease(i)
+        try:
+            block_ref, meta_ref, actor = self._launcher.block(i, out.ref, out.meta, lease)
+        except BaseException:  # nothing was launched: the slot was never written
+            self.free_lease(lease)
+            raise
+        call = Call(1, actor)
+        self._stage_inflight[i] += 1
+        self.inflight[meta_ref] = Running(i, seq, block_ref, out.meta.nbytes, self.est[i] or 0.0, call,
+                                           out.meta.partition_id, lease)
+
+    def _launch_read(self) -> None:
+        """One call of the source stage: a task (or a pool actor's call) that reads the next few
+        partitions of the plan, each returned as its own block and metadata."""
+        q = self.queues[0]
+        k = self._group_size()
+        items = []
+        while q and len(items) < k and not (items and isinstance(q[0][2], Solo)):
+            seq, _, item = heapq.heappop(q)
+            if isinstance(item, Solo):
+                self.stragglers.queued_again.discard(item.part.id)
+                self.stats.speculative_partitions += 1
+                item = item.part
+            items.append((seq, item))
+        seqs, parts = tuple(seq for seq, _ in items), tuple(part for _, part in items)
+        leases = tuple(self._lease(0) for _ in parts)
+        arg = leases if any(lease is not None for lease in leases) else None
+        try:
+            refs, actor = self._launcher.read(parts, seqs, arg)
+        except BaseException:  # nothing was launched: the slots were never written
+            for lease in leases:
+                self.free_lease(lease)
+            raise
+        call = Call(len(parts), actor, tuple(items), time.monotonic())
+        self.remaining -= len(parts)
+        self._stage_inflight[0] += 1
+        for j, (seq, part) in enumerate(items):
+            self.inflight[refs[2 * j + 1]] = Running(0, seq, refs[2 * j], 0, self.est[0] or 0.0, call, part.id,
+                                                      leases[j])
+
+    def collect(self, ready: list) -> tuple[list, list, list]:
+        """(Outside the lock) The metadata of the finished calls among ``ready``:
+        ``(actor refs, metadata refs, their metadata or None for a failed duplicate)``."""
+        metas_refs = [r for r in ready if r in self.inflight]
+        actor_refs = [r for r in ready if r in self.pools.pending]
+        if actor_refs:
+            ray.get(actor_refs)  # raises the constructor's error, if any
+        try:
+            metas = ray.get(metas_refs) if metas_refs else []
+        except Exception:
+            metas = self._sort_failures(metas_refs)
+        return actor_refs, metas_refs, metas
+
+    def apply(self, actor_refs: list, metas_refs: list, metas: list) -> None:
+        """(Under the lock) Record what :meth:`collect` found."""
+        for r in actor_refs:
+            self.pools.constructed(r)
+        for ref, meta in zip(metas_refs, metas):
+            run = self.inflight.pop(ref)
+            if meta is None:  # a failed copy of a partition another copy still covers
+                self.free_lease(run.lease)
+                self._free_slot(run)
+                self.stats.failed_copies += 1
+                continue
+            self._on_done(run, meta)
+
+    def _sort_failures(self, refs: list) -> list:
+        return sort_failures(refs, self.inflight, lambda run: self.stragglers.other_copy(run, self.inflight.values()),
+                             [s.name for s in self._stages], self._plan.epoch)
+
+    def _free_slot(self, run: Running) -> None:
+        """One of the call's partitions came back: on its last, the call's slot is free."""
+        run.call.left -= 1
+        if run.call.left == 0:
+            self._stage_inflight[run.stage] -= 1
+            self.stats.operators[run.stage].tasks += 1
+            if run.call.actor is not None:
+                run.call.actor.inflight -= 1
+                run.call.actor.idle_since = time.monotonic()
+
+    def _on_done(self, run: Running, meta: BlockMeta) -> None:
+        i = run.stage
+        self._free_slot(run)
+        lease = run.lease
+        if lease is not None and meta.node_id != lease.node_id:  # made elsewhere: the slot holds nothing
+            self.free_lease(lease)
+            lease = None
+        last = i + 1 == len(self._stages)
+        duplicate = (meta.partition_id in self.stragglers.done if i == 0 else False) or \
+            (last and self.outputs.delivered(meta.partition_id))
+        if duplicate:  # the other copy of a speculated partition won
+            self.stats.duplicates_dropped += 1
+            self.free_lease(lease)
+            return
+        if i == 0:
+            self.remaining -= self.stragglers.came_back(meta.partition_id, self.queues[0])
+        st = self.stats.operators[i]
+        st.rows, st.blocks, st.bytes = st.rows + meta.num_rows, st.blocks + 1, st.bytes + meta.nbytes
+        st.task_s += meta.task_s
+        st.skipped += meta.skipped
+        self.sizing.observe(i, meta, st.blocks, last)
+        self.bars.update(i, meta.num_rows)
+        out = OutputBlock(run.block_ref, meta, lease)
+        if not last:
+            heapq.heappush(self.queues[i + 1], (run.seq, next(self._counter), out))
+            self.budget.queued[i + 1] += meta.nbytes
+        else:
+            if self.outputs.add(run.seq, out):
+                self.budget.output += meta.nbytes
+            else:
+                self.free_lease(lease)
+            self.budget.check(self.est, self._opts.prefetch_blocks)
+        self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, int(self.held()))

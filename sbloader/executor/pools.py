@@ -1,0 +1,193 @@
+"""The actor pools of an execution: one per callable-class stage (``map_batches(Class)``).
+
+A pool starts its minimum of actors, grows by one while inputs wait and no call slot
+is free (and the memory budget allows more work), and retires an actor idle for
+longer than the idle timeout, down to its minimum (the decisions:
+:func:`~sbloader.executor.policy.pool_delta`). Each actor runs up to
+:data:`ACTOR_SLOTS` calls (one running, one queued behind it). At the end of an
+execution the actors are killed, or left in the caller's actor cache for the next
+(``persistent_workers``); actors started ahead of an epoch (:func:`prestart_pools`)
+are adopted from that cache while they may still be constructing.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import ray
+
+from sbloader.core.stats import OperatorStats
+from sbloader.executor.options import ExecutionOptions
+from sbloader.executor.policy import PoolView, pool_delta
+from sbloader.executor.stages import Stage, build_stages
+from sbloader.executor.tasks import MapActor
+
+ACTOR_SLOTS = 2  # calls in flight per actor: one running, one queued behind it
+IDLE_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class PrestartedActor:
+    """A pool actor started before its epoch's executor (see :func:`prestart_pools`).
+
+    Attributes:
+        handle: the actor.
+        ready_ref: resolves once its callable class is constructed.
+    """
+
+    handle: Any
+    ready_ref: ray.ObjectRef
+
+
+@dataclass
+class PoolActor:
+    """An actor of a pool: its handle, its constructor's ref while it starts, its calls in flight."""
+
+    handle: Any
+    ready_ref: Optional[ray.ObjectRef]
+    inflight: int = 0
+    idle_since: float = field(default_factory=time.monotonic)
+
+    @property
+    def ready(self) -> bool:
+        """Its callable class is constructed."""
+        return self.ready_ref is None
+
+
+def kill_cached(actor_cache: Optional[dict]) -> None:
+    """Kill every actor kept in an actor cache (handles or :class:`PrestartedActor`) and empty it."""
+    for handles in (actor_cache or {}).values():
+        for h in handles:
+            try:
+                ray.kill(h.handle if isinstance(h, PrestartedActor) else h)
+            except Exception:  # already dead, or Ray is shutting down
+                pass
+        handles.clear()
+
+
+def new_pool_actor(stage: Stage, index: int, pool_size: int, opts: ExecutionOptions) -> Any:
+    """Create one actor of an actor stage's pool (its constructor runs in the background)."""
+    return MapActor.options(
+        max_restarts=opts.max_task_retries,
+        max_task_retries=opts.max_task_retries,
+        **opts.placed(stage.ray_options),
+    ).remote(stage.ops[0], index, pool_size)
+
+
+def prestart_pools(source_name: str, ops: Sequence[Any], options: ExecutionOptions,
+                   actor_cache: dict[int, list]) -> int:
+    """Start the minimum number of actors of each actor pool of a pipeline ahead of its epoch.
+
+    They go into ``actor_cache`` (as :class:`PrestartedActor`), where the epoch's executor
+    adopts them: the actors' process start and the callable class's construction (for
+    the drop-in loader: importing torch and unpickling the dataset, about a second each)
+    overlap with whatever comes before the epoch starts. A pool that already has cached
+    actors is left alone.
+
+    Returns:
+        The number of actors started.
+    """
+    from sbloader.runtime.session import cluster_cpus
+
+    stages = build_stages(source_name, list(ops))
+    cpus = cluster_cpus()
+    started = 0
+    for i, stage in enumerate(stages):
+        if stage.kind != "actor" or actor_cache.get(i):
+            continue
+        lo, hi = stage.ops[0].pool_bounds(cpus)
+        for index in range(lo):
+            handle = new_pool_actor(stage, index, hi, options)
+            actor_cache.setdefault(i, []).append(PrestartedActor(handle, handle.ready.remote()))
+            started += 1
+    return started
+
+
+class ActorPools:
+    """Every actor pool of one execution.
+
+    Args:
+        stages: the execution's stages (the actor stages get a pool).
+        bounds: per actor stage index, its pool's ``(min, max)`` actors.
+        options: the execution's options (placement, retries).
+        stats: the execution's per-stage counters.
+        actor_cache: actors kept from an earlier execution or started ahead, adopted
+            here; at the end the pools' actors go back there (None: they are killed).
+    """
+
+    def __init__(self, stages: Sequence[Stage], bounds: dict[int, tuple[int, int]], options: ExecutionOptions,
+                 stats: Sequence[OperatorStats], actor_cache: Optional[dict] = None) -> None:
+        self._stages, self._bounds, self._opts, self._stats = stages, bounds, options, stats
+        self._cache = actor_cache
+        self.pools: dict[int, list[PoolActor]] = {i: [] for i in bounds}
+        self.pending: dict[ray.ObjectRef, tuple[int, PoolActor]] = {}  # constructor ref -> actor
+        for i, handles in (actor_cache or {}).items():
+            if i not in self.pools:
+                continue
+            for h in handles:  # persistent workers kept from an earlier epoch, or started ahead
+                if isinstance(h, PrestartedActor):  # may still be constructing
+                    actor = PoolActor(h.handle, h.ready_ref)
+                    self.pending[h.ready_ref] = (i, actor)
+                    stats[i].actors_created += 1
+                else:
+                    actor = PoolActor(h, None)
+                self.pools[i].append(actor)
+            handles.clear()
+
+    def free_slots(self, i: int) -> int:
+        """Calls the ready actors of pool ``i`` can take now."""
+        return sum(max(0, ACTOR_SLOTS - a.inflight) for a in self.pools[i] if a.ready)
+
+    def least_busy(self, i: int) -> PoolActor:
+        """The ready actor of pool ``i`` with the fewest calls in flight (one more is counted)."""
+        actor = min((a for a in self.pools[i] if a.ready), key=lambda a: a.inflight)
+        actor.inflight += 1
+        return actor
+
+    def scale(self, queued: dict[int, int], budget_ok: dict[int, bool]) -> None:
+        """Grow or shrink each pool by the policy (``queued``: inputs waiting per pool)."""
+        now = time.monotonic()
+        for i, actors in self.pools.items():
+            lo, hi = self._bounds[i]
+            ready = [a for a in actors if a.ready]
+            idle = [a for a in ready if a.inflight == 0 and now - a.idle_since > IDLE_TIMEOUT_S]
+            view = PoolView(size=len(actors), pending=len(actors) - len(ready), min_size=lo, max_size=hi,
+                            queued=queued.get(i, 0), free_slots=self.free_slots(i), idle_actors=len(idle))
+            delta = pool_delta(view, budget_ok.get(i, True))
+            for _ in range(max(0, delta)):
+                handle = new_pool_actor(self._stages[i], self._stats[i].actors_created, hi, self._opts)
+                actor = PoolActor(handle, handle.ready.remote())
+                actors.append(actor)
+                self.pending[actor.ready_ref] = (i, actor)
+                self._stats[i].actors_created += 1
+            if delta < 0:
+                actors.remove(idle[0])
+                ray.kill(idle[0].handle)
+
+    def constructed(self, ref: ray.ObjectRef) -> None:
+        """An actor's constructor returned (its ``ready`` ref came back)."""
+        i, actor = self.pending.pop(ref)
+        self._stats[i].actors_ready += 1
+        actor.ready_ref = None
+        actor.idle_since = time.monotonic()
+
+    def pending_per_stage(self) -> dict[int, int]:
+        """Actors still starting, per pool."""
+        out: dict[int, int] = {}
+        for i, _ in self.pending.values():
+            out[i] = out.get(i, 0) + 1
+        return out
+
+    def shutdown(self) -> None:
+        """Kill every pool's actors, or leave them in the actor cache for the next execution."""
+        for i, actors in self.pools.items():
+            for a in actors:
+                if self._cache is not None:  # kept for the next epoch, even if still starting
+                    self._cache.setdefault(i, []).append(a.handle if a.ready else PrestartedActor(a.handle, a.ready_ref))
+                    continue
+                try:
+                    ray.kill(a.handle)
+                except Exception:
+                    pass
+            actors.clear()
