@@ -30,7 +30,7 @@ from sbloader import transforms  # noqa: E402  (sbloader.transforms: Pillow/NumP
 
 __version__ = "0.1.0"
 
-__all__ = sorted([
+__all__ = [
     "Batch",
     "BlockMeta",
     "DataLoader",
@@ -59,4 +59,4 @@ __all__ = sorted([
     "report_skipped",
     "shutdown",
     "transforms",
-])
+]

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import sbloader
+from sbloader.sources import video_probe as P
 from sbloader.sources import videos as V
 from sbloader.datagen import write_video
 from sbloader.core.errors import SourceReadError
@@ -215,14 +216,14 @@ def test_seek_points_pure():
     dts = [-1, 0, 1, 2, 3, 4, 5]
     key = [True, False, False, False, True, False, False]
     pts_of = sorted(pts)
-    points = V.seek_points(pts, dts, key, span=2)
+    points = P.seek_points(pts, dts, key, span=2)
     assert [p.frame for p in points] == [0, 2, 4, 6]
     assert [p.pts for p in points] == [pts_of[f] for f in (0, 2, 4, 6)]
     # Frame 4 (pts 4) is decoded after packet 4 (the keyframe, pts 6), so the keyframe does not
     # precede it on screen: decode from the start. Frame 6 (pts 6) seeks to the keyframe's dts.
     assert [p.seek_ts for p in points] == [None, None, None, 3]
-    assert V.seek_points([0, None, 2], [0, 1, 2], [True] * 3, span=1) == tuple(
-        V.SeekPoint(f, None, None) for f in range(3))  # no timestamps: count from the start
+    assert P.seek_points([0, None, 2], [0, 1, 2], [True] * 3, span=1) == tuple(
+        P.SeekPoint(f, None, None) for f in range(3))  # no timestamps: count from the start
 
 
 def test_reader_is_small_and_picklable(videos):
@@ -263,15 +264,15 @@ def test_listing(videos, tmp_path):
 
 def test_probes_run_remotely_for_many_files(ray_session, videos, tmp_path):
     paths = []
-    for k in range(V.DRIVER_PROBE_MAX_FILES + 2):
+    for k in range(P.DRIVER_PROBE_MAX_FILES + 2):
         src = list(videos)[k % len(videos)]
         dst = tmp_path / f"v{k}{Path(src).suffix}"
         shutil.copy(src, dst)
         paths.append(str(dst))
-    metas = V.gather_probes(paths, span=4)
+    metas = P.gather_probes(paths, span=4)
     assert [m.path for m in metas] == paths
     assert [m.num_frames for m in metas] == [len(videos[list(videos)[k % len(videos)]]) for k in range(len(paths))]
-    assert metas == V.probe_videos(paths, span=4)
+    assert metas == P.probe_videos(paths, span=4)
 
 
 def test_video_trainer_runs(ray_session, tmp_path):

@@ -17,7 +17,8 @@ from sbloader.sources.files import PathLike, check_on_error, files_per_partition
 from sbloader.sources.images import DEFAULT_FILES_PER_PARTITION, IMAGE_EXTENSIONS, ImageSource, check_mode
 from sbloader.sources.memory import ItemsSource, RangeSource, TorchSource, _parallelism
 from sbloader.sources.parquet import PARQUET_EXTENSIONS, ParquetSource, _check_columns, gather_footers
-from sbloader.sources.videos import VIDEO_EXTENSIONS, VideoSource, _check_size, _positive_int, gather_probes
+from sbloader.sources.video_probe import gather_probes
+from sbloader.sources.videos import VIDEO_EXTENSIONS, VideoSource, _check_size, _positive_int
 
 
 def from_items(items: Sequence[Any], *, num_partitions: Optional[int] = None,

@@ -310,11 +310,6 @@ class SplitCoordinator:
         ep = self._epochs.get(epoch)
         return ep.silent_ranks(self._stall_report_s) if ep is not None else []
 
-    def epoch_stats(self, epoch: int) -> Optional[dict]:
-        """The execution statistics of an epoch (as a dict)."""
-        st = self.execution_stats(epoch)
-        return st.to_dict() if st is not None else None
-
     def execution_stats(self, epoch: int) -> Optional[Any]:
         """The :class:`~sbloader.core.stats.ExecutionStats` of an epoch running or recently finished here."""
         ep = self._epochs.get(epoch)

@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 import ray
 
-from sbloader.executor.handoff import SlotLease
+from sbloader.executor.slot_store import SlotLease
 from sbloader.sources.base import Partition
 
 

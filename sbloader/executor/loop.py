@@ -27,7 +27,8 @@ from sbloader.executor.budget import MemoryBudget
 from sbloader.executor.calls import Call, Running, Solo
 from sbloader.executor.diagnostics import ProgressBars, StuckWatch, resource_demand
 from sbloader.executor.failures import shared_arg, sort_failures
-from sbloader.executor.handoff import SlotArena, SlotLease
+from sbloader.executor.handoff import SlotArena
+from sbloader.executor.slot_store import SlotLease
 from sbloader.executor.launcher import Launcher
 from sbloader.executor.options import ExecutionOptions, OutputBlock
 from sbloader.executor.outputs import Outputs

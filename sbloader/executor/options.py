@@ -7,7 +7,7 @@ from typing import Optional
 import ray
 
 from sbloader.core.block import BlockMeta
-from sbloader.executor.handoff import SlotLease
+from sbloader.executor.slot_store import SlotLease
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from sbloader.core.errors import SourceReadError, UserFunctionError, picklable
 from sbloader.core.ops import Op, apply_op
 from sbloader.core.plan import row_permutation
 from sbloader.sources.base import Partition
-from sbloader.executor.handoff import SlotLease, store_here
+from sbloader.executor.slot_store import SlotLease, store_here
 
 _NODE_ID: list[str] = []
 _UNPACKED: dict[bytes, Any] = {}  # per worker process: digest -> the unpickled argument

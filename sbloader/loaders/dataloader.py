@@ -23,8 +23,8 @@ from sbloader.core.stats import ExecutionStats, StallStats
 from sbloader.executor.pools import kill_cached
 from sbloader.loaders import dropin_state
 from sbloader.loaders.dropin_args import check_torch_args, decide_split, is_iterable_dataset
-from sbloader.loaders.dropin_epoch import (DropinCarry, DropinSettings, local_epoch, pool_epoch, safe_len,
-                                           split_epoch, stream_epoch)
+from sbloader.loaders.dropin_epoch import (DropinCarry, DropinSettings, find_coordinator, local_epoch, pool_epoch,
+                                           safe_len, split_epoch, stream_epoch)
 from sbloader.loaders.epoch import EpochIterator
 from sbloader.runtime.world import World
 
@@ -259,26 +259,15 @@ class DataLoader:
         if run is None and self._resume is not None:
             return dict(self._resume)  # loaded, not iterated yet: the same state again
         consumed: ledger.Ranges = []
-        if run is not None and not run.complete:
-            consumed = self._consumed(run)
+        if run is not None and not run.complete:  # every rank's first k batches, k this rank's count
+            consumed = run.consumed(self.world.world_size if self.split else 1, self.in_order,
+                                    lambda: self._coordinator())
         gen = self._user_generator()
         header = {**dropin_state.FORMAT.header(self._fingerprint()), "base_seed": self._base_seed,
                   "world_size": self.world.world_size,
                   # the user's generator after the epoch's draws: a resumed job continues its sequence
                   "generator": dropin_state.encode_generator(gen)}
         return dropin_state.make_state(header, self._epoch, run, consumed, type(self.sampler).__name__)
-
-    def _consumed(self, run: dropin_state.EpochRun) -> ledger.Ranges:
-        """The positions consumed once every rank took as many batches as this one."""
-        if not self.split:
-            return ledger.merge(list(run.prior) + [r for b in run.taken for r in run.batch_ranges[b]])
-        from sbloader.distributed.naming import ledger_enabled
-
-        if self.in_order and ledger_enabled():
-            return run.local_cut(len(run.taken), self.world.world_size)
-        from sbloader.distributed.dropin_client import coordinator_cut
-
-        return coordinator_cut(self._coordinator(), run.epoch, len(run.taken), len(run.order))
 
     def load_state_dict(self, state_dict: dict, strict: bool = True) -> None:
         """Resume from a :meth:`state_dict`: the next iteration replays exactly what was not consumed.
@@ -330,10 +319,12 @@ class DataLoader:
         w = self.world
         if self.split and self._iterable:
             epoch, epoch_seed = self._next_epoch()
-            it = stream_epoch(s, self._split_carry(stream=True), w.rank, epoch, epoch_seed)
+            self._coordinator(stream=True)
+            it = stream_epoch(s, self._carry, w.rank, epoch, epoch_seed)
         elif self.split:
             self._run = run = self._start_run(w.world_size)
-            it = split_epoch(s, self._split_carry(), run, w.rank, self._reconnect)
+            self._coordinator()
+            it = split_epoch(s, self._carry, run, w.rank, self._reconnect)
         else:
             run = self._start_run(1) if self._stateful else None
             self._run = run
@@ -381,54 +372,20 @@ class DataLoader:
 
     def _start_run(self, world_size: int) -> dropin_state.EpochRun:
         """Begin the next epoch: fresh, or the one a loaded state left unfinished."""
-        from torch.utils.data import DistributedSampler
-
         resume, self._resume = self._resume, None
-        n = len(self.dataset)
-        if resume is not None and resume.get("epoch_seed") is not None:
-            if not resume.get("order"):
-                raise StateDictError("the state has no sampler order to resume from; it cannot be replayed")
-            epoch, epoch_seed = resume["epoch"], resume["epoch_seed"]
-            self._epoch = epoch + 1
-            order = dropin_state.recompute_order(self.sampler, n, resume["order"])
-            prior = [tuple(r) for r in resume["consumed"]]
-            return dropin_state.plan_run(epoch, epoch_seed, order, resume["order"], prior, self.batch_size or 1,
-                                         world_size, self.drop_last)
-        if isinstance(self.sampler, DistributedSampler):
-            # the user drives the epoch through sampler.set_epoch, as under torch
-            epoch = int(self.sampler.epoch)
-            epoch_seed = epoch_seed_from(self.sampler.seed, epoch)
-            self._epoch = epoch + 1
-        else:
-            epoch, epoch_seed = self._next_epoch()
-        order, order_state = dropin_state.capture_order(self.sampler, n, whole=True)
-        return dropin_state.plan_run(epoch, epoch_seed, order, order_state, [], self.batch_size or 1, world_size,
-                                     self.drop_last)
+        run = dropin_state.start_run(self.sampler, len(self.dataset), resume, self._next_epoch,
+                                     self.batch_size or 1, world_size, self.drop_last)
+        self._epoch = run.epoch + 1
+        return run
 
     def _coordinator(self, stream: bool = False) -> Any:
         """The loader's coordinator: found, or created (then rank 0 has it start the worker pool)."""
-        carry = self._carry
-        if carry.coordinator is None:
-            from sbloader.distributed.naming import get_coordinator
-            from sbloader.runtime.session import ensure_initialized
-
-            ensure_initialized()
-            w = self.world
+        if self._carry.coordinator is None:
             fp = {"dataset": type(self.dataset).__name__, "len": safe_len(self.dataset),
                   "batch_size": self.batch_size, "drop_last": self.drop_last, "dataset_id": self.dataset_id}
-            carry.coordinator = get_coordinator(w.job_id, self.name, w.world_size, fp, w.restart_count,
-                                                self.stall_report_s)
-            if w.rank == 0:  # not awaited: the pool starts while the ranks plan the epoch
-                from sbloader.sources.batches import ReadyBatchSource, ShardSource
-
-                s = self._settings()
-                source = ShardSource.name if stream else ReadyBatchSource.name
-                carry.coordinator.prewarm.remote(source, (s.worker_op(),), s.coordinator_options())
-        return carry.coordinator
-
-    def _split_carry(self, stream: bool = False) -> DropinCarry:
-        self._coordinator(stream)
-        return self._carry
+            self._carry.coordinator = find_coordinator(self.world, self.name, fp, self.stall_report_s,
+                                                       self._settings(), stream)
+        return self._carry.coordinator
 
     def _reconnect(self) -> Any:
         """A new coordinator after the old one died."""

@@ -124,6 +124,21 @@ class DropinCarry:
     last_split_run: Optional[EpochRun] = None
 
 
+def find_coordinator(world: Any, name: str, fingerprint: dict, stall_report_s: float, settings: DropinSettings,
+                     stream: bool) -> Any:
+    """The job's coordinator of a loader: found, or created by the first rank to ask; rank 0 then
+    has it start the worker pool (not awaited: the pool starts while the ranks plan the epoch)."""
+    from sbloader.distributed.naming import get_coordinator
+    from sbloader.runtime.session import ensure_initialized
+
+    ensure_initialized()
+    coord = get_coordinator(world.job_id, name, world.world_size, fingerprint, world.restart_count, stall_report_s)
+    if world.rank == 0:
+        source = ShardSource.name if stream else ReadyBatchSource.name
+        coord.prewarm.remote(source, (settings.worker_op(),), settings.coordinator_options())
+    return coord
+
+
 def safe_len(x: Any) -> Optional[int]:
     """``len(x)``, or None for an object without one."""
     try:

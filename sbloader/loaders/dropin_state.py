@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -69,6 +69,20 @@ class EpochRun:
     def finished(self) -> None:
         """(:class:`~sbloader.loaders.epoch.Run`) the epoch ran to its end."""
         self.complete = True
+
+    def consumed(self, world_size: int, in_order: bool, coordinator: Callable[[], Any]) -> ledger.Ranges:
+        """The positions consumed once every rank took as many batches as this one: this rank's
+        own batches alone (one rank), the plan's cut (in order), or the coordinator's delivery
+        logs' (``in_order=False``: batches go to whichever rank asks first)."""
+        if world_size == 1:
+            return ledger.merge(list(self.prior) + [r for b in self.taken for r in self.batch_ranges[b]])
+        from sbloader.distributed.naming import ledger_enabled
+
+        if in_order and ledger_enabled():
+            return self.local_cut(len(self.taken), world_size)
+        from sbloader.distributed.dropin_client import coordinator_cut
+
+        return coordinator_cut(coordinator(), self.epoch, len(self.taken), len(self.order))
 
     def local_cut(self, k: int, world_size: int) -> ledger.Ranges:
         """The consumed ledger after every rank's first ``k`` batches, from the plan alone.
@@ -197,6 +211,31 @@ def plan_run(epoch: int, epoch_seed: int, order: np.ndarray, order_state: Option
            for spec in plan.batches]
     return EpochRun(epoch, epoch_seed, order, order_state, list(prior), batches, pads, ranks, branges,
                     plan.per_rank, ids=ids)
+
+
+def start_run(sampler: Any, dataset_len: int, resume: Optional[dict], next_epoch: Callable[[], tuple[int, int]],
+              batch_size: int, world_size: int, drop_last: bool) -> EpochRun:
+    """The run of the next epoch: the one a loaded state (``resume``) left unfinished, or a fresh
+    one (``next_epoch()`` gives its number and seed; a ``DistributedSampler``'s epoch is the
+    user's ``sampler.set_epoch``, as under torch)."""
+    from torch.utils.data import DistributedSampler
+
+    from sbloader.core.plan import epoch_seed_from
+
+    if resume is not None and resume.get("epoch_seed") is not None:
+        if not resume.get("order"):
+            raise StateDictError("the state has no sampler order to resume from; it cannot be replayed")
+        order = recompute_order(sampler, dataset_len, resume["order"])
+        prior = [tuple(r) for r in resume["consumed"]]
+        return plan_run(resume["epoch"], resume["epoch_seed"], order, resume["order"], prior, batch_size,
+                        world_size, drop_last)
+    if isinstance(sampler, DistributedSampler):
+        epoch = int(sampler.epoch)
+        epoch_seed = epoch_seed_from(sampler.seed, epoch)
+    else:
+        epoch, epoch_seed = next_epoch()
+    order, order_state = capture_order(sampler, dataset_len, whole=True)
+    return plan_run(epoch, epoch_seed, order, order_state, [], batch_size, world_size, drop_last)
 
 
 def fingerprint(dataset: Any, dataset_id: Optional[str], batch_size: Optional[int], drop_last: bool,

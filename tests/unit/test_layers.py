@@ -106,3 +106,27 @@ def test_no_import_cycles() -> None:
 def test_modules_stay_small(path: Path) -> None:
     lines = len(path.read_text().splitlines())
     assert lines <= MAX_MODULE_LINES, f"{_name(path)} has {lines} lines; split it by concern"
+
+
+MAX_PUBLIC_MEMBERS = 15
+# The user's pipeline handle: its methods are the public API DESIGN.md names (transformations,
+# introspection, iteration); each is a few lines over core.ops, executor.launch and loaders.
+API_FACADES = {"sbloader.dataset.dataset.Dataset"}
+
+
+def _classes() -> list[tuple[str, ast.ClassDef]]:
+    out = []
+    for p in _modules():
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ClassDef):
+                out.append((f"{_name(p)}.{node.name}", node))
+    return out
+
+
+@pytest.mark.parametrize("name,node", _classes(), ids=lambda x: x if isinstance(x, str) else "")
+def test_no_class_has_more_than_fifteen_public_members(name: str, node: ast.ClassDef) -> None:
+    public = [n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+              and not n.name.startswith("_")]
+    if name in API_FACADES:
+        pytest.skip(f"{name}: the public API's facade ({len(public)} methods, each a few lines)")
+    assert len(public) <= MAX_PUBLIC_MEMBERS, f"{name} has {len(public)} public methods: {public}; split it"
