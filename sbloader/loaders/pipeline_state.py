@@ -49,8 +49,8 @@ def make_state(fp: dict, epoch: int, run: Optional[PipelineRun]) -> dict:
     fresh = {"epoch_seed": None, "done": [], "partial": {}, "batches": 0}
     if run is None:
         return {**FORMAT.header(fp), "epoch": int(epoch), **fresh}
-    if run.complete:
-        return {**FORMAT.header(fp), "epoch": run.epoch + 1, **fresh}
+    if run.complete or (run.order and len(run.done) >= len(run.order)):
+        return {**FORMAT.header(fp), "epoch": run.epoch + 1, **fresh}  # the epoch is done: start the next cleanly
     place = {pid: i for i, pid in enumerate(run.order)}
     partial = sorted(((place[pid], int(n)) for pid, n in run.taken.items() if n > 0))
     return {**FORMAT.header(fp), "epoch": run.epoch, "epoch_seed": run.epoch_seed,

@@ -1,5 +1,8 @@
 """A torchrun job that checkpoints its loader and may SIGKILL itself, for resume tests.
 
+``--loader dropin`` (the default) loads a map-style Dataset with ``sbloader.DataLoader``;
+``--loader native`` the same ids through ``sbloader.range(...).map_batches(...).to_dataloader``.
+
 Each rank appends, per step, the ids of its batch to ``OUT/run{R}.rank{r}.jsonl``
 (with the augmentation values and, when the batch has padding rows, the padding
 mask as ``pad``); rank 0 saves ``{"step", "loader"}`` to ``CKPT`` every
@@ -60,6 +63,23 @@ def kill_job(out: str, attempt: int) -> None:
     os.killpg(own, signal.SIGKILL)
 
 
+def delayed_aug(batch: dict) -> dict:
+    """A native pipeline's map: the same random delays, an augmentation from the seeded RNG."""
+    import numpy as np
+
+    for _ in range(len(batch["id"])):
+        time.sleep(int.from_bytes(os.urandom(2), "little") / 65535 * float(os.environ.get("RESUME_MAX_DELAY", "0")))
+    return {"id": batch["id"], "aug": np.random.random(len(batch["id"]))}
+
+
+def native_loader(args: argparse.Namespace):
+    """The same epoch through a native pipeline: ids in partitions of 10, a shuffle window of 3."""
+    os.environ["RESUME_MAX_DELAY"] = str(args.max_delay)  # Ray's workers inherit it
+    ds = sbloader.range(args.n, rows_per_partition=10).map_batches(delayed_aug)
+    return ds.to_dataloader(args.batch_size, shuffle=True, seed=args.seed, shuffle_window=3,
+                            deterministic=bool(args.in_order), persistent_workers=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -74,6 +94,7 @@ def main() -> None:
     p.add_argument("--max-delay", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--sync", type=int, default=1)
+    p.add_argument("--loader", choices=["dropin", "native"], default="dropin")
     args = p.parse_args()
 
     rank = int(os.environ["RANK"])
@@ -81,9 +102,12 @@ def main() -> None:
         import torch.distributed as dist
 
         dist.init_process_group("gloo")
-    loader = sbloader.DataLoader(Ids(args.n, args.max_delay), batch_size=args.batch_size, shuffle=True,
-                                 num_workers=args.workers, persistent_workers=True, seed=args.seed,
-                                 in_order=bool(args.in_order), dataset_id="ids")
+    if args.loader == "native":
+        loader = native_loader(args)
+    else:
+        loader = sbloader.DataLoader(Ids(args.n, args.max_delay), batch_size=args.batch_size, shuffle=True,
+                                     num_workers=args.workers, persistent_workers=True, seed=args.seed,
+                                     in_order=bool(args.in_order), dataset_id="ids")
     step = 0
     if os.path.exists(args.ckpt):
         with open(args.ckpt) as f:

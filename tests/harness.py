@@ -1,0 +1,142 @@
+"""The one resume harness: save the state at every step of a small epoch and resume from each.
+
+Modelled on torchdata's ``run_test_save_load_state``. For every stateful piece (the
+drop-in loader in this process, on a worker pool, split across ranks; the native
+loader in one process and split across ranks) :func:`check_resume_everywhere`
+runs one uninterrupted epoch, then for every step ``k`` of it: a fresh loader per
+rank takes its first ``k`` batches, rank 0's ``state_dict()`` goes through JSON,
+and fresh loaders (of the same or another world size) load it and run the rest.
+The ids the first part took plus every id of the rest must be the epoch, each
+exactly once; with ``same_order`` (a deterministic loader, the same world size) the
+resumed run must repeat the uninterrupted one batch for batch. A state taken after
+the epoch's last batch starts the next epoch, whole.
+
+Ranks run in threads of this process (rank/world_size given to the loader), on the
+test session's Ray.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+MakeLoader = Callable[[int, int, str], Any]  # (rank, world_size, name) -> a loader
+_NAMES = itertools.count()
+
+
+@dataclass
+class Taken:
+    """What one rank's loop took: each batch's ids (padding left out)."""
+
+    batches: list
+
+    @property
+    def ids(self) -> list:
+        return [i for b in self.batches for i in b]
+
+
+def ids_of(batch: Any, key: str) -> list:
+    """The ids of a batch's real rows (rows marked ``sbloader_padding`` left out)."""
+    ids = np.asarray(batch[key]).reshape(-1)
+    pad = batch.get("sbloader_padding") if isinstance(batch, dict) else None
+    if pad is not None:
+        ids = ids[~np.asarray(pad).astype(bool)]
+    return [int(i) for i in ids]
+
+
+def run_ranks(make: MakeLoader, world_size: int, name: str, key: str, take: Optional[int] = None,
+              state: Optional[dict] = None, timeout: float = 120.0) -> tuple[list[Taken], Optional[dict]]:
+    """Every rank's loader in a thread: load ``state`` if given, take ``take`` batches (None: the
+    epoch). Returns what each rank took and rank 0's state after it (JSON round-tripped)."""
+    out: list = [None] * world_size
+    saved: list = [None]
+    errors: list = []
+    barrier = threading.Barrier(world_size)
+
+    def rank_loop(rank: int) -> None:
+        try:
+            loader = make(rank, world_size, name)
+            if state is not None:
+                loader.load_state_dict(json.loads(json.dumps(state)))
+            it = iter(loader)
+            batches = [ids_of(batch, key) for batch in (itertools.islice(it, take) if take is not None else it)]
+            barrier.wait(timeout)  # every rank took its k batches: rank 0 checkpoints now
+            if rank == 0 and take is not None:
+                saved[0] = json.loads(json.dumps(loader.state_dict()))
+            barrier.wait(timeout)
+            out[rank] = Taken(batches)
+            del it
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=rank_loop, args=(r,), daemon=True) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    free_coordinators(name)
+    if errors:
+        raise errors[0]
+    assert not any(t.is_alive() for t in threads), f"a rank hung ({name})"
+    return out, saved[0]
+
+
+def free_coordinators(name: str) -> None:
+    """Shut down and kill the split coordinators of loaders called ``name`` (each run of the
+    harness is a job of its own: its pool must not hold CPUs the next run needs)."""
+    import ray
+
+    from sbloader.distributed.naming import NAMESPACE
+
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] != NAMESPACE or not entry["name"].endswith(f":{name}"):
+            continue
+        try:
+            handle = ray.get_actor(entry["name"], namespace=NAMESPACE)
+            ray.get(handle.shutdown.remote(), timeout=10)
+            ray.kill(handle)
+        except Exception:  # gone already
+            pass
+
+
+def check_resume_everywhere(make: MakeLoader, epoch_ids: list, *, key: str = "id", world_size: int = 1,
+                            resume_world_sizes: tuple = (), same_order: bool = False,
+                            steps: Optional[list] = None) -> None:
+    """Save at every step of an epoch and resume from each; see the module's docstring.
+
+    Args:
+        make: builds a loader for ``(rank, world_size, name)``.
+        epoch_ids: the ids one epoch yields (each once).
+        key: the batch column (or key) holding the ids.
+        world_size: ranks of the interrupted run.
+        resume_world_sizes: other world sizes to resume onto as well.
+        same_order: the resumed run (same world size) repeats the uninterrupted one.
+        steps: the steps to save at (default: every step, 0 and the last included).
+    """
+    base = f"resume{next(_NAMES)}"
+    whole, _ = run_ranks(make, world_size, f"{base}-whole", key)
+    per_rank = len(whole[0].batches)
+    assert all(len(t.batches) == per_rank for t in whole), "ranks got different batch counts"
+    assert sorted(i for t in whole for i in t.ids) == sorted(epoch_ids)
+    for k in (steps if steps is not None else range(per_rank + 1)):
+        head, state = run_ranks(make, world_size, f"{base}-head{k}", key, take=k)
+        taken = [i for t in head for i in t.ids]
+        for ws in (world_size,) + tuple(resume_world_sizes):
+            rest, _ = run_ranks(make, ws, f"{base}-rest{k}-{ws}", key, state=state)
+            if k == per_rank:  # a state taken after the epoch's last batch starts the next epoch
+                assert sorted(taken) == sorted(epoch_ids)
+                assert sorted(i for t in rest for i in t.ids) == sorted(epoch_ids), f"{ws} rank(s): next epoch"
+                continue
+            got = taken + [i for t in rest for i in t.ids]
+            assert sorted(got) == sorted(epoch_ids), (
+                f"resumed at step {k} onto {ws} rank(s): lost {sorted(set(epoch_ids) - set(got))}, "
+                f"twice {sorted(i for i in set(got) if got.count(i) > 1)}")
+            if same_order and ws == world_size:
+                for r in range(ws):
+                    assert head[r].batches + rest[r].batches == whole[r].batches, \
+                        f"rank {r} resumed at step {k} did not repeat the uninterrupted run"

@@ -1,0 +1,72 @@
+"""Every stateful piece resumed from every step of a small epoch (the shared harness, issue #18).
+
+The drop-in loader in this process (``num_workers=0``), on a pool of workers, and
+split across two ranks by its coordinator; the native loader in one process (with
+and without a shuffle window) and split across two ranks. Each: exactly once from
+every step, onto the same and another world size; the same batches again where the
+loader is deterministic and the world size the same.
+"""
+from __future__ import annotations
+
+import pytest
+
+import sbloader
+from harness import check_resume_everywhere
+
+N = 24
+BS = 4
+
+
+def _dropin(num_workers: int, **kw):
+    def make(rank: int, world_size: int, name: str):
+        return sbloader.DataLoader(list(range(N)), batch_size=BS, shuffle=True, num_workers=num_workers, seed=3,
+                                   rank=rank, world_size=world_size, name=name, job_id="resume-everywhere", **kw)
+    return make
+
+
+def _native(**kw):
+    def make(rank: int, world_size: int, name: str):
+        ds = sbloader.from_items([{"id": i} for i in range(N)], rows_per_partition=5)
+        return ds.to_dataloader(BS, shuffle=True, seed=3, deterministic=True, rank=rank, world_size=world_size,
+                                name=name, **kw)
+    return make
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_drop_in_in_one_process(ray_session, workers):
+    def make(rank, world_size, name):
+        loader = _dropin(workers)(rank, world_size, name)
+        return _Ids(loader)
+    check_resume_everywhere(make, list(range(N)), key="id", same_order=True)
+
+
+def test_the_drop_in_split_across_ranks(ray_session):
+    check_resume_everywhere(lambda r, w, n: _Ids(_dropin(1)(r, w, n)), list(range(N)), key="id", world_size=2,
+                            resume_world_sizes=(1, 3), same_order=True, steps=[0, 1, 2, 3])
+
+
+@pytest.mark.parametrize("window", [1, 3])
+def test_the_native_loader_in_one_process(ray_session, window):
+    check_resume_everywhere(_native(shuffle_window=window), list(range(N)), key="id", resume_world_sizes=(2,),
+                            same_order=True)
+
+
+def test_the_native_loader_split_across_ranks(ray_session):
+    check_resume_everywhere(_native(shuffle_window=3), list(range(N)), key="id", world_size=2,
+                            resume_world_sizes=(1, 3), same_order=True, steps=[0, 1, 2, 3])
+
+
+class _Ids:
+    """A drop-in loader whose batches (tensors of ids) read as ``{"id": ...}``."""
+
+    def __init__(self, loader) -> None:
+        self.loader = loader
+
+    def __iter__(self):
+        return ({"id": b.numpy()} for b in self.loader)
+
+    def state_dict(self) -> dict:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state)
