@@ -34,8 +34,8 @@ def decode_array(data: Union[bytes, np.ndarray], mode: Optional[str] = "RGB") ->
     augmentation works on arrays.
 
     Most JPEGs are decoded by libjpeg-turbo straight into the array, with the same
-    pixels as ``np.asarray(decode(data, mode))`` and about 14% less CPU
-    (``benchmarks/results/jpeg.md``); other files with Pillow, where ``"RGB"`` also
+    pixels as ``np.asarray(decode(data, mode))`` and less CPU
+    (figures: ``benchmarks/results/jpeg.md``); other files with Pillow, where ``"RGB"`` also
     scales 16-bit images to 0..255 instead of clipping them. When the augmentation
     starts from a Pillow image (a crop, a resize), :func:`decode` skips the array.
 

@@ -1,5 +1,10 @@
 """Shared fixtures: one embedded local Ray for the whole test session.
 
+The tests: ``unit/`` needs no Ray (pure functions, types, the layering of the package);
+``ray/`` runs on the session's Ray; ``e2e/`` starts processes of its own (torchrun
+jobs, ``ray.cluster_utils.Cluster`` clusters, the trainers). ``harness.py`` is the
+one resume harness every stateful piece is checked with.
+
 Tests that need their own cluster (``ray.cluster_utils.Cluster``) or torchrun run
 in subprocesses, so they never fight over this one.
 """
@@ -23,7 +28,8 @@ def ray_session():
     # Ray workers inherit this environment: let them import functions defined in
     # test modules (pickled by reference).
     tests_dir = os.path.dirname(os.path.abspath(__file__))
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH", "")) if p)
+    dirs = [tests_dir] + [os.path.join(tests_dir, d) for d in ("unit", "ray", "e2e")]
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in dirs + [os.environ.get("PYTHONPATH", "")] if p)
     info = sbloader.init(num_cpus=TEST_CPUS, object_store_memory=512 * 2**20)
     yield info
     sbloader.shutdown()

@@ -13,12 +13,12 @@ import numpy as np
 
 from sbloader.core.plan import resolve_rows_per_partition
 from sbloader.dataset.dataset import Dataset
-from sbloader.sources.files import PathLike, check_on_error, files_per_partition_for, list_files
+from sbloader.sources.files import PathLike, check_on_error, check_size, files_per_partition_for, list_files
 from sbloader.sources.images import DEFAULT_FILES_PER_PARTITION, IMAGE_EXTENSIONS, ImageSource, check_mode
 from sbloader.sources.memory import ItemsSource, RangeSource, TorchSource, _parallelism
 from sbloader.sources.parquet import PARQUET_EXTENSIONS, ParquetSource, _check_columns, gather_footers
 from sbloader.sources.video_probe import gather_probes
-from sbloader.sources.videos import VIDEO_EXTENSIONS, VideoSource, _check_size, _positive_int
+from sbloader.sources.videos import VIDEO_EXTENSIONS, VideoSource, _positive_int
 
 
 def from_items(items: Sequence[Any], *, num_partitions: Optional[int] = None,
@@ -119,9 +119,8 @@ def read_images(
             with its augmentation, e.g. :func:`sbloader.transforms.decode_crop_flip`.
             That is the faster path when the augmentation starts from a Pillow
             image (a random crop, a resize): it skips the full-size decoded array
-            that ``decode=True`` builds and the augmentation converts back (in
-            ``benchmarks/results/images.md`` 5–6% of the workers' CPU per image,
-            60–80 µs of 1.2 ms). ``size`` and ``mode`` then do not apply, and
+            that ``decode=True`` builds and the augmentation converts back (a few
+            percent of the workers' CPU: ``benchmarks/results/images.md``). ``size`` and ``mode`` then do not apply, and
             ``on_error`` covers reading the file only: a corrupt image raises (or is
             skipped) where the ``map_batches`` function decodes it.
 
@@ -137,14 +136,7 @@ def read_images(
         raise ValueError(f"size={size!r} needs decode=True: with decode=False the files' bytes are handed "
                          "on undecoded; resize where the map_batches function decodes them")
     check_mode(mode)
-    if size is not None:
-        try:
-            w, h = size
-        except (TypeError, ValueError):
-            raise ValueError(f"size must be (width, height), found {size!r}") from None
-        if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v > 0 for v in (w, h)):
-            raise ValueError(f"size must be (width, height) with positive integers, found {size!r}")
-        size = (int(w), int(h))
+    size = check_size(size)
     if isinstance(extensions, str):
         extensions = (extensions,)
     files = list_files(paths_or_dir, extensions, "image")
@@ -283,7 +275,7 @@ def read_videos(
     clip_len = _positive_int("clip_len", clip_len, allow_none=True)
     frame_stride = _positive_int("frame_stride", frame_stride)
     fpp = _positive_int("frames_per_partition", frames_per_partition, allow_none=True)
-    size = _check_size(size)
+    size = check_size(size)
     if isinstance(decode_threads, bool) or not isinstance(decode_threads, (int, np.integer)) or decode_threads < 0:
         raise ValueError(f"decode_threads must be an integer >= 0 (0: FFmpeg picks), found {decode_threads!r}")
     try:

@@ -1,10 +1,8 @@
 """Same-node hand-off of output blocks through a shared-memory arena, past the object store.
 
-A block a task returns through Ray costs the worker a put into the plasma store
-(~3–4 ms for a 9.6 MB block on fresh pages, ~1 ms warm), the raylet its
-bookkeeping and the consumer a plasma get. On the image workload (2 cores) the
-slots give the pipeline 5–7% more images/s than that hand-off, and the drop-in
-loader 4–5% (``benchmarks/bench_handoff.py``, side by side, two runs).
+A block a task returns through Ray costs the worker a put into the plasma store,
+the raylet its bookkeeping and the consumer a plasma get; the slots skip all
+three (the gain, side by side: ``benchmarks/results/handoff.md``).
 
 When the consumer's node may run tasks, the executor lends each final-stage
 partition a *slot* of a :class:`SlotArena`, a file in ``/dev/shm`` the consumer

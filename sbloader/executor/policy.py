@@ -78,8 +78,8 @@ def blocks_ahead_cap(prefetch_blocks: int, total_slots: int) -> int:
 
 
 # A read task takes several partitions once one partition's time is known, so that
-# Ray's fixed cost per task (about 6 ms of CPU across the trainer, the raylet and
-# the worker; see docs/architecture.md) is spread over about this many seconds of work.
+# Ray's fixed cost per task (CPU in the trainer, the raylet and the worker;
+# benchmarks/results/executor.md) is spread over about this many seconds of work.
 TARGET_TASK_S = 0.35
 MAX_PARTITIONS_PER_TASK = 16
 MAX_CALL_BYTES = 128 * 2**20  # output of one call (Ray Data's largest target block size)

@@ -2,8 +2,8 @@
 per output block, and the read-call sizes those allow.
 
 A read task takes several partitions once one partition's time is known, so that
-Ray's fixed cost per task (about 6 ms of CPU across the trainer, the raylet and the
-worker) is spread over about ``TARGET_TASK_S`` of work, but only while the pipeline
+Ray's fixed cost per task (CPU in the trainer, the raylet and the worker:
+``benchmarks/results/executor.md``) is spread over about ``TARGET_TASK_S`` of work, but only while the pipeline
 is the bottleneck (:func:`~sbloader.executor.policy.partitions_per_task`).
 """
 from __future__ import annotations

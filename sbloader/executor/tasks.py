@@ -34,8 +34,8 @@ class Packed:
     """An argument pickled once by the driver and shipped as bytes.
 
     Ray would otherwise cloudpickle the operators (user functions, by value when
-    defined in ``__main__``) again for every task, ~0.1–0.2 ms of the trainer's
-    CPU each; bytes cost a copy. The worker unpickles a digest once and reuses it.
+    defined in ``__main__``) again for every task, at a cost in the trainer's CPU
+    per task; bytes cost a copy. The worker unpickles a digest once and reuses it.
 
     Attributes:
         digest: a hash of ``data``.

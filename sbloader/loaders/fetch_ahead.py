@@ -1,8 +1,8 @@
 """Fetch ready batches in a background thread, a few ahead of the training loop.
 
 Taking a ready batch costs the trainer a ``ray.get`` of its block and the one
-copy into writable (or pinned) memory: ~1–2 ms per batch, which the training
-loop would otherwise wait for on every step. torch's DataLoader hides its own
+copy into writable (or pinned) memory, which the training loop would otherwise
+wait for on every step. torch's DataLoader hides its own
 equivalent (unpickling, pinning) in its pin-memory thread; this is ours. The
 thread only moves bytes that are already produced; ``ray.get`` and large copies
 release the GIL, so it overlaps the step.

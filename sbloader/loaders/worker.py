@@ -36,8 +36,8 @@ def _stack_in_private_memory() -> Any:
 
     Under torch's ``get_worker_info()`` (which the actors set, as torch's workers do),
     ``default_collate`` stacks every tensor into a fresh shared-memory segment, for
-    torch's pipe to the main process: 3.0 ms against 0.4 ms for a 64x3x224x224 uint8
-    batch, on pages faulted in anew each time. Here a batch leaves by a copy into a
+    torch's pipe to the main process, on pages faulted in anew each time (several
+    times the private stacking: ``benchmarks/results/collate.md``). Here a batch leaves by a copy into a
     slot or Ray's object store anyway. ``get_worker_info()`` stays visible to the
     dataset and to a custom ``collate_fn``; only the tensor stacking of the collate
     map (what ``default_collate`` calls, also from a custom ``collate_fn``) changes.

@@ -16,7 +16,7 @@ import numpy as np
 
 from sbloader.core.context import get_context
 from sbloader.core.errors import SourceReadError
-from sbloader.sources.base import Partition
+from sbloader.sources.base import IO_UNIT_SHUFFLE_WINDOW, Partition
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -165,3 +165,48 @@ def read_error(partition: Partition, path: str, exc: BaseException, hint: str) -
     epoch = ctx.epoch if ctx is not None else -1
     pid = ctx.partition_id if ctx is not None else partition.id
     return SourceReadError(operator, pid, epoch, traceback.format_exc(), f"{exc!r}; {hint}", path=path)
+
+
+def check_size(size: Any) -> Optional[tuple[int, int]]:
+    """A ``(width, height)`` of positive integers, or None; ``ValueError`` naming the value otherwise."""
+    if size is None:
+        return None
+    try:
+        w, h = size
+    except (TypeError, ValueError):
+        raise ValueError(f"size must be (width, height), found {size!r}") from None
+    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v > 0 for v in (w, h)):
+        raise ValueError(f"size must be (width, height) with positive integers, found {size!r}")
+    return int(w), int(h)
+
+
+class IOUnitSource:
+    """Base of a file source whose partitions are fixed units of I/O (row groups or their
+    row ranges, videos or their frame ranges), planned once from the files' metadata and
+    the same every epoch. Their rows sit together in the input, so a shuffled batch draws
+    from several (``shuffle_window``). Subclasses set ``_files`` and ``_parts``."""
+
+    #: A partition is one unit of I/O whose rows sit together in the input: a shuffled
+    #: batch draws from several.
+    shuffle_window = IO_UNIT_SHUFFLE_WINDOW
+    _files: list
+    _parts: list
+
+    @property
+    def files(self) -> list:
+        """The files' metadata, in partition order."""
+        return list(self._files)
+
+    def shared(self) -> Any:
+        """Nothing is shared: each partition carries its file and range."""
+        return None
+
+    def partitions(self, epoch: int, epoch_seed: int, shuffle: bool = False) -> list[Partition]:
+        """The planned partitions; the same for every epoch."""
+        return list(self._parts)
+
+    def num_rows(self) -> Optional[int]:
+        """Rows from the files' metadata (None when a file's is unreadable under ``"raise"``)."""
+        if any(p.num_rows is None for p in self._parts):
+            return None
+        return sum(p.num_rows for p in self._parts)

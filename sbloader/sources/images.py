@@ -27,10 +27,9 @@ from sbloader.sources.files import read_error
 
 #: Files per partition when neither ``files_per_partition`` nor ``num_partitions`` is given:
 #: one training batch of a typical size per task. Every partition is a task and a
-#: block, each with a fixed cost in the trainer (scheduling, fetch) and in Ray; in
-#: benchmarks/results/images.md (04:31 run) 64 files per partition instead of 16 cut
-#: the trainer's CPU per image from 145 to 49 µs and raised images/s 13% (CPU free)
-#: and 17% (CPU work in the consumer).
+#: block, each with a fixed cost in the trainer (scheduling, fetch) and in Ray: 64
+#: files per partition instead of 16 cut the trainer's CPU per image by about two
+#: thirds (benchmarks/results/images.md).
 DEFAULT_FILES_PER_PARTITION = 64
 
 #: Extensions ``read_images`` lists in a directory or a glob by default.

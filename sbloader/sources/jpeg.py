@@ -1,9 +1,8 @@
 """A faster JPEG-to-array decode for ``read_images``, with Pillow's pixels.
 
 Pillow decodes JPEG with libjpeg-turbo into its own image memory (RGB as 4 bytes
-per pixel), and ``np.asarray`` then packs that into a new ``HxWx3`` buffer: for
-the 320x240 to 640x480 images of ``benchmarks/bench_jpeg.py`` 625 µs of decode
-and 72 µs of packing per image. simplejpeg calls libjpeg-turbo (its own bundled
+per pixel), and ``np.asarray`` then packs that into a new ``HxWx3`` buffer (what
+each costs: ``benchmarks/results/jpeg.md``). simplejpeg calls libjpeg-turbo (its own bundled
 build) with Pillow's settings, accurate DCT and smooth chroma upsampling, straight
 into a NumPy array, without the second buffer.
 

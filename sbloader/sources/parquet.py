@@ -24,8 +24,8 @@ import ray
 
 from sbloader.core.block import ROW_COLUMN, Block
 from sbloader.core.context import report_skipped
-from sbloader.sources.files import read_error
-from sbloader.sources.base import IO_UNIT_SHUFFLE_WINDOW, Partition
+from sbloader.sources.files import IOUnitSource, read_error
+from sbloader.sources.base import Partition
 
 #: Extensions ``read_parquet`` lists in a directory or a glob by default.
 PARQUET_EXTENSIONS = (".parquet", ".parq", ".pq")
@@ -135,8 +135,8 @@ def cached_footer(path: str) -> Any:
     per process while the file keeps its size and modification time.
 
     Every partition of a file needs its footer, and parsing it is most of the cost
-    of reading a small row group from a file with many: 4 of 4.4 ms per partition
-    with 500 row groups of 20 columns, 43 of 49 ms with 2,000 of 50. A read
+    of reading a small row group from a file with many row groups
+    (``benchmarks/results/parquet_read.md``). A read
     process keeps the footers of the files it read last, up to
     :data:`FOOTER_CACHE_BYTES` of serialized footer (and at least the newest one).
 
@@ -236,7 +236,7 @@ def _read_parquet_partition(shared: Any, partition: Partition, *, columns: Optio
 # ----- the source -------------------------------------------------------------------
 
 
-class ParquetSource:
+class ParquetSource(IOUnitSource):
     """Parquet row groups (or row ranges of them) as partitions (``read_parquet``).
 
     Args:
@@ -247,9 +247,6 @@ class ParquetSource:
     """
 
     name = "Parquet"
-    #: A partition is one unit of I/O (a row group; a video or a range of its frames)
-    #: whose rows sit together in the input: a shuffled batch draws from several.
-    shuffle_window = IO_UNIT_SHUFFLE_WINDOW
 
     def __init__(self, files: Sequence[FileMeta], columns: Optional[tuple[str, ...]], on_error: str,
                  rows_per_partition: Optional[int]) -> None:
@@ -277,28 +274,9 @@ class ParquetSource:
                     parts.append(Partition(len(parts), b - a, Piece(fm.path, rg, a, b, rows), label))
         return parts
 
-    @property
-    def files(self) -> list[FileMeta]:
-        """The files' footers, in partition order."""
-        return list(self._files)
-
-    def shared(self) -> Any:
-        """Nothing is shared: each partition carries its file and row range."""
-        return None
-
-    def partitions(self, epoch: int, epoch_seed: int, shuffle: bool = False) -> list[Partition]:
-        """One partition per row group (or row range); the same for every epoch."""
-        return list(self._parts)
-
     def reader(self) -> Callable[[Any, Partition], Block]:
         """The module-level read function with this source's options bound."""
         return functools.partial(_read_parquet_partition, columns=self._columns, on_error=self._on_error)
-
-    def num_rows(self) -> Optional[int]:
-        """Rows from the footers (None when a file's footer is unreadable under ``"raise"``)."""
-        if any(p.num_rows is None for p in self._parts):
-            return None
-        return sum(p.num_rows for p in self._parts)
 
     def fingerprint(self) -> dict:
         """Type, row and partition counts, and a digest of the files and their row groups."""

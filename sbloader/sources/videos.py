@@ -25,8 +25,8 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import numpy as np
 
 from sbloader.core.context import report_skipped
-from sbloader.sources.files import read_error
-from sbloader.sources.base import IO_UNIT_SHUFFLE_WINDOW, Partition
+from sbloader.sources.files import IOUnitSource, read_error
+from sbloader.sources.base import Partition
 from sbloader.sources.video_probe import VideoDecodeError, VideoMeta
 
 #: Extensions ``read_videos`` lists in a directory or a glob by default.
@@ -199,7 +199,7 @@ def _rows_of(frames: int, clip_len: Optional[int], stride: int) -> int:
     return frames // (clip_len * stride)
 
 
-class VideoSource:
+class VideoSource(IOUnitSource):
     """Videos cut into partitions of one file or a frame range (``read_videos``).
 
     Args:
@@ -214,9 +214,6 @@ class VideoSource:
     """
 
     name = "Videos"
-    #: A partition is one unit of I/O (a row group; a video or a range of its frames)
-    #: whose rows sit together in the input: a shuffled batch draws from several.
-    shuffle_window = IO_UNIT_SHUFFLE_WINDOW
 
     def __init__(self, files: Sequence[VideoMeta], *, clip_len: Optional[int], frame_stride: int,
                  frames_per_partition: Optional[int], size: Optional[tuple[int, int]], on_error: str,
@@ -254,29 +251,10 @@ class VideoSource:
                 parts.append(Partition(len(parts), _rows_of(b - a, self._clip_len, self._stride), piece, label))
         return parts
 
-    @property
-    def files(self) -> list[VideoMeta]:
-        """The files' probes, in partition order."""
-        return list(self._files)
-
-    def shared(self) -> Any:
-        """Nothing is shared: each partition carries its file and frame range."""
-        return None
-
-    def partitions(self, epoch: int, epoch_seed: int, shuffle: bool = False) -> list[Partition]:
-        """One partition per file or frame range; the same for every epoch."""
-        return list(self._parts)
-
     def reader(self) -> Callable[[Any, Partition], dict]:
         """The module-level decode function with this source's options bound."""
         return functools.partial(_read_video_partition, clip_len=self._clip_len, frame_stride=self._stride,
                                  size=self._size, on_error=self._on_error, decode_threads=self._threads)
-
-    def num_rows(self) -> Optional[int]:
-        """Rows from the probes (None when a file is unreadable under ``"raise"``)."""
-        if any(p.num_rows is None for p in self._parts):
-            return None
-        return sum(p.num_rows for p in self._parts)
 
     def fingerprint(self) -> dict:
         """Type, row and partition counts, options, and a digest of the files and their frame counts."""
@@ -301,15 +279,3 @@ def _positive_int(name: str, value: Any, allow_none: bool = False) -> Optional[i
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{name} must be a positive integer{' or None' if allow_none else ''}, found {value!r}")
     return int(value)
-
-
-def _check_size(size: Any) -> Optional[tuple[int, int]]:
-    if size is None:
-        return None
-    try:
-        w, h = size
-    except (TypeError, ValueError):
-        raise ValueError(f"size must be (width, height), found {size!r}") from None
-    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v > 0 for v in (w, h)):
-        raise ValueError(f"size must be (width, height) with positive integers, found {size!r}")
-    return int(w), int(h)

@@ -22,7 +22,7 @@ import pytest
 
 from sbloader.core.split import split_epoch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "tests" / "scripts"
 SCRIPT = SCRIPTS / "split_job.py"
 JOB_TIMEOUT_S = 150
@@ -432,3 +432,24 @@ def test_distributed_sampler_drop_last(dist_sampler_drop_last):
         assert compositions(job, epoch) == planned_compositions(kept, 3), \
             f"epoch {epoch}: batches are not the plan's chunks of the sampler's permutation"
     assert compositions(job, 0) != compositions(job, 1), "set_epoch did not change the order"
+
+
+# ----- an IterableDataset split by the coordinator, a real torchrun job ---------------------------------------------------------------------------
+
+
+def test_torchrun_three_ranks_iterable_split(tmp_path_factory):
+    """3 ranks, 88 ids kept of 103 (2 worker shards of 44), batches of 10: 10 batches (8 full, 2 of 4
+    rows) per epoch; 3 whole batches per rank, the shortest left over cut as 2 + 1 + 1 rows."""
+    job = run_job(tmp_path_factory, "iterable_split", 3, "--iterable", 1, "--shuffle", 0, "--epochs", 2)
+    expected = [i for i in range(103) if i % 7]
+    for lg in job.ranks:
+        assert lg["len"] is None, f"rank {lg['rank']}: len(loader) = {lg['len']}, expected TypeError"
+    for epoch in range(2):
+        counts = [len(job.batches(r, epoch)) for r in range(3)]
+        assert counts == [4, 4, 4], f"epoch {epoch}: batches per rank {counts}"
+        batches = job.all_batches(epoch)
+        real = sorted(i for b in batches for i in real_ids(b))
+        assert real == expected, f"epoch {epoch}: {collections.Counter(real).most_common(3)}"
+        assert not [i for b in batches for i in padded_ids(b)], f"epoch {epoch}: padding with 4 rows for 3 ranks"
+        assert sorted(len(job.batches(r, epoch)[-1]["ids"]) for r in range(3)) == [1, 1, 2]
+    assert job.ranks[0]["held_epochs"] == [], f"the coordinator still holds epochs {job.ranks[0]['held_epochs']}"

@@ -3,7 +3,8 @@
 The equalising rule and the tail's re-cut are pure (``sbloader.core.split``), tested
 over random interleavings without Ray; the rank-side cutting of collated batches
 (``sbloader.core.batch_slice``) without Ray too; then two ranks driven in one process
-(``rank=``/``world_size=`` overrides, a thread each) and a real 3-rank torchrun job.
+(``rank=``/``world_size=`` overrides, a thread each); the real 3-rank torchrun job is in
+``tests/e2e/test_torchrun.py``.
 """
 from __future__ import annotations
 
@@ -226,26 +227,3 @@ def test_drop_last_equal_counts_of_whole_batches(ray_session, ws):
     rows = [i for b in ranks for ids, _ in b for i in ids]
     assert len(rows) == len(set(rows)) and set(rows) <= set(expected_ids(n))
     assert all(len(ids) == bs for b in ranks for ids, _ in b), "drop_last gave a short batch"
-
-
-# ----- a real torchrun job ---------------------------------------------------------------------------
-
-
-def test_torchrun_three_ranks_iterable_split(tmp_path_factory):
-    """3 ranks, 88 ids kept of 103 (2 worker shards of 44), batches of 10: 10 batches (8 full, 2 of 4
-    rows) per epoch; 3 whole batches per rank, the shortest left over cut as 2 + 1 + 1 rows."""
-    from test_torchrun import padded_ids, real_ids, run_job
-
-    job = run_job(tmp_path_factory, "iterable_split", 3, "--iterable", 1, "--shuffle", 0, "--epochs", 2)
-    expected = [i for i in range(103) if i % 7]
-    for lg in job.ranks:
-        assert lg["len"] is None, f"rank {lg['rank']}: len(loader) = {lg['len']}, expected TypeError"
-    for epoch in range(2):
-        counts = [len(job.batches(r, epoch)) for r in range(3)]
-        assert counts == [4, 4, 4], f"epoch {epoch}: batches per rank {counts}"
-        batches = job.all_batches(epoch)
-        real = sorted(i for b in batches for i in real_ids(b))
-        assert real == expected, f"epoch {epoch}: {collections.Counter(real).most_common(3)}"
-        assert not [i for b in batches for i in padded_ids(b)], f"epoch {epoch}: padding with 4 rows for 3 ranks"
-        assert sorted(len(job.batches(r, epoch)[-1]["ids"]) for r in range(3)) == [1, 1, 2]
-    assert job.ranks[0]["held_epochs"] == [], f"the coordinator still holds epochs {job.ranks[0]['held_epochs']}"

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "trainers" / "train_sd.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import train_sd  # noqa: E402

@@ -36,7 +36,7 @@ from typing import Optional
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "trainers" / "train_classifier.py"
 RUN_TIMEOUT_S = 300
 IMAGES, CLASSES, SIZE, BATCH, EPOCHS = 32, 2, 16, 4, 2

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "failures.py")
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts", "failures.py")
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from sbloader.sources import videos as V
 from sbloader.datagen import write_video
 from sbloader.core.errors import SourceReadError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # (file name, codec, keyframe interval, B-frames): MP4, Matroska and AVI; with
 # B-frames, decode order differs from presentation order, which seeking must handle.

@@ -292,7 +292,6 @@ def test_local_cut_equals_the_ledger_cut_over_plans():
     """In order, state_dict() cuts from the plan alone (no coordinator call): over split plans of
     several sizes, world sizes, drop_last and a prior, at k rising, repeating and falling, the
     local cut equals ledger.cut over the delivery logs the coordinator would keep (plan order per rank)."""
-    from types import SimpleNamespace
 
     from sbloader.core import ledger
     from sbloader.core.split import split_epoch
