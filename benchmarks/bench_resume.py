@@ -487,7 +487,7 @@ class _InProcess:
         sd = self._state(self.same_dropin)
         # the warm loader's actors go (2 cores: a second pool of 2 x 1 CPU would wait for them)
         self.same_dropin.__del__()
-        self.same_dropin._actor_cache.clear()
+        self.same_dropin._carry.actor_cache.clear()
         _wait_cpus(2)
         t = time.perf_counter()
         fresh = drop_in(self.ds)
@@ -500,7 +500,7 @@ class _InProcess:
     def dropin_fresh_no_state(self) -> dict:
         """Control: a fresh loader's first batch without any state (a cold start, nothing to resume)."""
         self.same_dropin.__del__()
-        self.same_dropin._actor_cache.clear()
+        self.same_dropin._carry.actor_cache.clear()
         _wait_cpus(2)
         fresh = drop_in(self.ds)
         t0 = time.perf_counter()
