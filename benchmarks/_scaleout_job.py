@@ -256,7 +256,7 @@ def main() -> None:
         pipe = ds.to_dataloader(w.BATCH, shuffle=True)
         result["pipeline"] = run_epochs("pipeline", lambda: iter(pipe), lambda b: b["image"], args.epochs, tree_args,
                                         pipe, cores_arg)
-        del pipe
+        pipe = None  # the pool goes before the next contender
         if can_allow:  # the same pipeline allowed on the trainer's node too
             last: dict = {}
 

@@ -17,6 +17,7 @@ from sbloader.dataset.dataset import Dataset
 from sbloader.core.errors import (
     ExecutorShutdownError,
     MemoryBudgetError,
+    ResourceError,
     SbloaderError,
     SourceReadError,
     StateDictError,
@@ -38,6 +39,7 @@ __all__ = [
     "ExecutionStats",
     "ExecutorShutdownError",
     "MemoryBudgetError",
+    "ResourceError",
     "OperatorStats",
     "Provenance",
     "RuntimeInfo",

@@ -55,6 +55,10 @@ class UserFunctionError(SbloaderError):
         )
 
 
+class ResourceError(SbloaderError):
+    """The nodes a pipeline may use cannot hold what its stages need to make progress."""
+
+
 class SourceReadError(UserFunctionError):
     """A source could not read its input (a corrupt file, a missing column...)."""
 

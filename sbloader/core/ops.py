@@ -84,23 +84,39 @@ class Op:
         return inspect.isclass(self.fn)
 
     def ray_resources(self) -> dict[str, Any]:
-        """The ``.options(...)`` resources for the task or actor."""
-        out: dict[str, Any] = {"num_cpus": 1.0 if self.num_cpus is None else self.num_cpus}
+        """The ``.options(...)`` resources for the task or actor.
+
+        A task holds one CPU unless ``num_cpus`` says otherwise. An actor stage given no
+        ``num_cpus`` is placed as Ray places its default actors: it needs a CPU to be placed
+        and holds none while it runs (``num_cpus`` left out of its options), so the tasks
+        that feed it keep every core, and the operating system shares the cores between
+        them by the work each does. The executor still counts one CPU per such actor
+        when it sizes the pool (:func:`sbloader.executor.diagnostics.resource_demand`).
+        An actor stage given ``num_gpus`` holds no CPU either: its work runs on the GPU.
+        Pass ``num_cpus=`` to make the actor hold CPUs of its own.
+        """
+        out: dict[str, Any] = {}
+        if self.num_cpus is not None:
+            out["num_cpus"] = self.num_cpus
+        elif not self.is_actor:
+            out["num_cpus"] = 1.0
+        elif self.num_gpus:
+            out["num_cpus"] = 0.0
         if self.num_gpus:
             out["num_gpus"] = self.num_gpus
         if self.resources:
             out["resources"] = dict(self.resources)
         return out
 
-    def pool_bounds(self, cluster_cpus: float) -> tuple[int, int]:
-        """``(min, max)`` actors of an actor pool."""
+    def pool_range(self) -> tuple[int, Optional[int]]:
+        """``(min, max)`` actors of an actor pool from ``concurrency`` (max None: as many as
+        the room the other stages' reservations leave, :mod:`sbloader.executor.reservations`)."""
         c = self.concurrency
         if isinstance(c, tuple):
             return c
         if isinstance(c, int):
             return (c, c)
-        per = self.ray_resources()["num_cpus"] or 1.0
-        return (1, max(1, int(cluster_cpus // per)))
+        return (1, None)
 
 
 def rows_changing(ops: Sequence[Op]) -> bool:

@@ -21,6 +21,14 @@ class OperatorStats:
         actors_created: actors launched (actor stages only).
         actors_ready: actors whose class was constructed (a launched actor can be
             stopped at the end of an epoch before it is ready).
+        actors_retired: actors the pool let go, idle with no input coming.
+        actors_lost: actors that died (their calls ran again on others).
+        construction_s: seconds the actors spent constructing the callable class, in all.
+        resource_wait_s: seconds the stage's work waited for resources before it ran:
+            actors from their launch to their construction, tasks from their launch
+            to their start (Ray's scheduling queue).
+        pool_limit: (actor stages) the most actors the pool may have: its maximum, or
+            the room the other stages' reservations leave.
     """
 
     name: str
@@ -33,6 +41,11 @@ class OperatorStats:
     skipped: int = 0
     actors_created: int = 0
     actors_ready: int = 0
+    actors_retired: int = 0
+    actors_lost: int = 0
+    construction_s: float = 0.0
+    resource_wait_s: float = 0.0
+    pool_limit: int = 0
 
 
 @dataclass
@@ -80,19 +93,43 @@ class ExecutionStats:
         d["skipped"] = self.skipped
         return d
 
+    def starved(self, least_s: float = 0.5, least_share: float = 0.1) -> Optional[OperatorStats]:
+        """The stage whose work waited longest for resources (Ray's queue for a task, the
+        launch-to-ready time of an actor), when that wait is at least ``least_s`` seconds,
+        ``least_share`` of the wall time, and longer than the stage's work itself (a task
+        queued behind its stage's own running tasks, as the executor keeps one, waits
+        less than they work); else None."""
+        if not self.operators:
+            return None
+        worst = max(self.operators, key=lambda o: o.resource_wait_s)
+        w = worst.resource_wait_s
+        if w >= max(least_s, least_share * self.wall_s) and w > worst.task_s:
+            return worst
+        return None
+
     def __str__(self) -> str:
-        head = f"{'operator':<40} {'rows':>9} {'blocks':>7} {'MiB':>9} {'tasks':>6} {'task s':>8} {'throttled s':>11} {'skipped':>7}"
+        head = (f"{'operator':<40} {'rows':>9} {'blocks':>7} {'MiB':>9} {'tasks':>6} {'task s':>8} "
+                f"{'throttled s':>11} {'wait s':>7} {'skipped':>7}")
         lines = [head, "-" * len(head)]
         for o in self.operators:
             lines.append(
                 f"{o.name[:40]:<40} {o.rows:>9} {o.blocks:>7} {o.bytes / 2**20:>9.1f} {o.tasks:>6} "
-                f"{o.task_s:>8.2f} {o.throttled_s:>11.2f} {o.skipped:>7}"
+                f"{o.task_s:>8.2f} {o.throttled_s:>11.2f} {o.resource_wait_s:>7.2f} {o.skipped:>7}"
             )
+            if o.actors_created:
+                built = f", construction {o.construction_s / o.actors_ready:.2f}s each" if o.actors_ready else ""
+                lines.append(f"  pool: {o.actors_created} constructed (limit {o.pool_limit}), {o.actors_retired} "
+                             f"retired, {o.actors_lost} lost{built}")
         first = f"{self.first_block_s:.3f}s" if self.first_block_s is not None else "n/a"
         lines.append(
             f"wall {self.wall_s:.2f}s, first block {first}, peak held {self.peak_held_bytes / 2**20:.1f} MiB "
             f"of {self.memory_budget / 2**20:.1f} MiB budget, consumer waited {self.stall_s:.2f}s"
         )
+        starved = self.starved()
+        if starved is not None:
+            lines.append(f"starved: {starved.name} waited {starved.resource_wait_s:.2f}s before its work ran (Ray "
+                         "starting workers, or CPUs/GPUs held by other stages or jobs); if it recurs after the "
+                         "first epoch, lower the other pools' sizes or num_cpus, or give Ray more nodes")
         return "\n".join(lines)
 
 

@@ -22,6 +22,7 @@ class Call:
         items: a read call's ``(plan position, Partition)`` pairs.
         started: ``time.monotonic()`` at launch.
         speculated: its partitions were launched again (it straggled).
+        task_s: seconds its partitions ran, so far (their metadata's ``task_s``).
     """
 
     left: int
@@ -29,6 +30,7 @@ class Call:
     items: tuple = ()
     started: float = 0.0
     speculated: bool = False
+    task_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
+import os
 import sys
 import time
+from dataclasses import replace
 from typing import Optional
 
 import ray
 
 from sbloader.core.block import BlockMeta
-from sbloader.core.errors import SbloaderError
+from sbloader.core.errors import ResourceError, SbloaderError
 from sbloader.core.plan import EpochPlan
 from sbloader.core.stats import ExecutionStats, OperatorStats
 from sbloader.executor.budget import MemoryBudget
@@ -35,11 +38,16 @@ from sbloader.executor.outputs import Outputs
 from sbloader.executor.pace import ConsumerPace
 from sbloader.executor.policy import StageView, blocks_ahead_cap, select_stage
 from sbloader.executor.pools import ActorPools
+from sbloader.executor.reservations import StageNeeds, pool_limit, shortfall
 from sbloader.executor.sizing import Sizing
 from sbloader.executor.stages import Stage, stage_concurrency
 from sbloader.executor.stragglers import Stragglers
 from sbloader.executor.tasks import EpochInfo
 from sbloader.sources.base import Source
+
+logger = logging.getLogger(__name__)
+
+WAIT_ENV = "SBLOADER_WAIT_FOR_RESOURCES"  # 1: a cluster too small for the pipeline is waited for, not refused
 
 
 class Scheduler:
@@ -81,8 +89,8 @@ class Scheduler:
         self.budget = MemoryBudget(budget, len(stages))
         self.stats.memory_budget = self.budget.budget
         self._slots = [stage_concurrency(s, cpus) if s.kind != "actor" else 0 for s in stages]
-        bounds = {i: s.ops[0].pool_bounds(cpus) for i, s in enumerate(stages) if s.kind == "actor"}
-        self.pools = ActorPools(stages, bounds, options, self.stats.operators, actor_cache)
+        self.pools = ActorPools(stages, pool_bounds(stages, options.exclude_nodes), options, self.stats.operators,
+                                actor_cache)
         parts = {p.id: p for p in source.partitions(plan.epoch, plan.epoch_seed, shuffle=plan.shuffle)}
         missing = [pid for pid in plan.order if pid not in parts]
         if missing:
@@ -98,10 +106,18 @@ class Scheduler:
         """Scale the pools, launch again the partitions of straggling read calls, launch work."""
         queued = {i: len(self.queues[i]) for i in self.pools.pools}
         ok = {i: self.held() + (self.est[i] or 0.0) <= self.budget.budget for i in queued}
-        self.pools.scale(queued, ok)
+        self.pools.scale(queued, ok, {i: self._upstream_active(i) for i in queued})
         calls = {id(r.call): r.call for r in self.inflight.values() if r.stage == 0 and len(r.call.items) > 1}
         self.stragglers.speculate(calls.values(), self.sizing.partition_s or 0.0, self.requeue)
         self.launch()
+
+    def _upstream_active(self, i: int) -> bool:
+        """Input that will reach stage ``i`` is still coming: partitions to read, or work queued
+        or running in a stage before it."""
+        if i == 0:
+            return False
+        return (self.remaining > 0 or any(self.queues[j] for j in range(1, i))
+                or any(self._stage_inflight[j] for j in range(i)))
 
     def waiting(self) -> list:
         """The refs the loop waits on: calls' metadata and actors' constructors."""
@@ -214,7 +230,7 @@ class Scheduler:
         except BaseException:  # nothing was launched: the slot was never written
             self.free_lease(lease)
             raise
-        call = Call(1, actor)
+        call = Call(1, actor, started=time.monotonic())
         self._stage_inflight[i] += 1
         self.inflight[meta_ref] = Running(i, seq, block_ref, out.meta.nbytes, self.est[i] or 0.0, call,
                                            out.meta.partition_id, lease)
@@ -252,19 +268,17 @@ class Scheduler:
         """(Outside the lock) The metadata of the finished calls among ``ready``:
         ``(actor refs, metadata refs, their metadata or None for a failed duplicate)``."""
         metas_refs = [r for r in ready if r in self.inflight]
-        actor_refs = [r for r in ready if r in self.pools.pending]
-        if actor_refs:
-            ray.get(actor_refs)  # raises the constructor's error, if any
+        actors = [(r, _constructed(r)) for r in ready if r in self.pools.pending]
         try:
             metas = ray.get(metas_refs) if metas_refs else []
         except Exception:
             metas = self._sort_failures(metas_refs)
-        return actor_refs, metas_refs, metas
+        return actors, metas_refs, metas
 
-    def apply(self, actor_refs: list, metas_refs: list, metas: list) -> None:
+    def apply(self, actors: list, metas_refs: list, metas: list) -> None:
         """(Under the lock) Record what :meth:`collect` found."""
-        for r in actor_refs:
-            self.pools.constructed(r)
+        for r, info in actors:
+            self.pools.constructed(r, info)
         for ref, meta in zip(metas_refs, metas):
             run = self.inflight.pop(ref)
             if meta is None:  # a failed copy of a partition another copy still covers
@@ -278,19 +292,24 @@ class Scheduler:
         return sort_failures(refs, self.inflight, lambda run: self.stragglers.other_copy(run, self.inflight.values()),
                              [s.name for s in self._stages], self._plan.epoch)
 
-    def _free_slot(self, run: Running) -> None:
-        """One of the call's partitions came back: on its last, the call's slot is free."""
+    def _free_slot(self, run: Running, task_s: float = 0.0) -> None:
+        """One of the call's partitions came back: on its last, the call's slot is free (a
+        task's time not spent running, Ray's scheduling queue, counts as waiting for resources)."""
         run.call.left -= 1
+        run.call.task_s += task_s
         if run.call.left == 0:
             self._stage_inflight[run.stage] -= 1
-            self.stats.operators[run.stage].tasks += 1
+            st = self.stats.operators[run.stage]
+            st.tasks += 1
+            if run.call.actor is None and run.call.started:
+                st.resource_wait_s += max(0.0, time.monotonic() - run.call.started - run.call.task_s)
             if run.call.actor is not None:
                 run.call.actor.inflight -= 1
                 run.call.actor.idle_since = time.monotonic()
 
     def _on_done(self, run: Running, meta: BlockMeta) -> None:
         i = run.stage
-        self._free_slot(run)
+        self._free_slot(run, meta.task_s)
         lease = run.lease
         if lease is not None and meta.node_id != lease.node_id:  # made elsewhere: the slot holds nothing
             self.free_lease(lease)
@@ -321,3 +340,44 @@ class Scheduler:
                 self.free_lease(lease)
             self.budget.check(self.est, self._opts.prefetch_blocks)
         self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, int(self.held()))
+
+
+def _constructed(ref: ray.ObjectRef) -> Optional[tuple]:
+    """An actor's ``ready()``: ``(node, pid, construction seconds)``, or None when the actor died
+    for a reason of its own (a lost worker or node); its constructor's error is raised."""
+    try:
+        return ray.get(ref)
+    except ray.exceptions.ActorDiedError as e:
+        if getattr(e, "actor_init_failed", False):
+            raise
+        return None
+
+
+def pool_bounds(stages: list[Stage], exclude_nodes: tuple) -> dict[int, tuple[int, int]]:
+    """Each actor pool's ``(min, limit)``: the limit its maximum, or the room the other stages'
+    reservations leave on the nodes the pipeline may use (:mod:`~sbloader.executor.reservations`).
+
+    Raises:
+        ResourceError: the nodes cannot hold one task of every task stage and one actor of
+            every pool at once: some stage could never run. On a cluster whose autoscaler
+            adds nodes on demand, :data:`WAIT_ENV` set to 1 makes it a warning: the
+            pipeline waits for the nodes (the stuck watch warns while it does).
+    """
+    from sbloader.runtime.placement import usable_resources
+
+    needs = []
+    for s in stages:
+        lo, hi = s.actor_op.pool_range() if s.kind == "actor" else (1, None)
+        needs.append(StageNeeds(s.name, s.kind == "actor", resource_demand(s.ray_options), lo, hi))
+    _, total = usable_resources(exclude_nodes)
+    fatal = shortfall([replace(n, min_actors=1) for n in needs], total)
+    if fatal:
+        if os.environ.get(WAIT_ENV) == "1":
+            logger.warning("sbloader: %s; waiting for nodes that have them (%s=1)", fatal, WAIT_ENV)
+        else:
+            raise ResourceError(f"{fatal}. On a cluster whose autoscaler adds such nodes on demand, set {WAIT_ENV}=1 "
+                                "to wait for them instead")
+    short = shortfall(needs, total)
+    if short:  # every stage can run, but a pool cannot start its whole minimum
+        logger.warning("sbloader: %s; the pools start the actors the room holds", short)
+    return {i: (n.min_actors, pool_limit(needs, total, i)) for i, n in enumerate(needs) if n.actor}

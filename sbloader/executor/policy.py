@@ -193,10 +193,17 @@ class PoolView:
         size: live actors (ready or starting).
         pending: actors still starting.
         min_size: lower bound from ``concurrency``.
-        max_size: upper bound from ``concurrency``.
+        max_size: upper bound: ``concurrency``'s, or the room the other stages'
+            reservations leave (:func:`sbloader.executor.reservations.pool_limit`).
         queued: inputs waiting for the pool.
         free_slots: task slots free on ready actors.
-        idle_actors: ready actors idle for longer than the idle timeout.
+        idle_actors: ready actors idle for longer than their idle limit
+            (:func:`sbloader.executor.reservations.idle_limit_s`).
+        upstream_active: input that will feed the pool is still coming (a stage before it
+            has work queued or running, or partitions are still to be read).
+        constructed: actors the pool launched in this execution (adopted ones not counted).
+        lost: actors of the pool that died in this execution.
+        reads: the pool reads the source itself (its input is the epoch's partitions).
     """
 
     size: int
@@ -206,6 +213,10 @@ class PoolView:
     queued: int
     free_slots: int
     idle_actors: int
+    upstream_active: bool = False
+    constructed: int = 0
+    lost: int = 0
+    reads: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_size <= self.max_size:
@@ -215,17 +226,28 @@ class PoolView:
 def pool_delta(pool: PoolView, budget_ok: bool = True) -> int:
     """How many actors to add (>0) or remove (<0) now.
 
-    Grows to ``min_size`` at once; then by one actor at a time while inputs wait
-    and no slot is free (and the budget allows more work), never while an actor
-    is still starting; shrinks by one idle actor at a time down to ``min_size``.
+    Grows to ``min_size`` at once; then by one actor at a time while inputs wait and no
+    slot is free (and the budget allows more work), never while an actor is still
+    starting, and never past ``max_size`` actors constructed in the execution unless
+    some died (a pool does not churn: building a model can cost seconds). A pool that
+    reads the source knows its input (the epoch's partitions, queued from the start):
+    it starts at once as many actors as the queued partitions would keep busy, up to
+    ``max_size``, also while others start, so that its first epoch pays one
+    construction time, not one per actor. Shrinks by one idle actor at a time down to
+    ``min_size``, only once nothing upstream will feed it again: an actor retired
+    while reads are still coming would be built again.
     """
     if pool.size < pool.min_size:
         return pool.min_size - pool.size
+    may_build = pool.max_size + pool.lost - pool.constructed
+    wanted = pool.queued - pool.free_slots
+    if pool.reads and wanted > 0 and budget_ok and may_build > 0:
+        return max(0, min(wanted, pool.max_size - pool.size, may_build))
     if pool.pending > 0:
         return 0
-    if pool.queued > pool.free_slots and pool.size < pool.max_size and budget_ok:
+    if wanted > 0 and pool.size < pool.max_size and budget_ok and may_build > 0:
         return 1
-    if pool.queued == 0 and pool.idle_actors > 0 and pool.size > pool.min_size:
+    if pool.queued == 0 and not pool.upstream_active and pool.idle_actors > 0 and pool.size > pool.min_size:
         return -1
     return 0
 

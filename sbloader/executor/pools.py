@@ -1,8 +1,11 @@
 """The actor pools of an execution: one per callable-class stage (``map_batches(Class)``).
 
-A pool starts its minimum of actors, grows by one while inputs wait and no call slot
-is free (and the memory budget allows more work), and retires an actor idle for
-longer than the idle timeout, down to its minimum (the decisions:
+A pool starts its minimum of actors and grows by one while inputs wait and no call
+slot is free (and the memory budget allows more work), up to its limit: its
+``concurrency`` maximum, or the room the other stages' reservations leave
+(:mod:`~sbloader.executor.reservations`), so it never takes the resources the stages
+that feed it need. It retires an actor only when nothing upstream will feed it again
+and the actor has been idle for longer than building one took (the decisions:
 :func:`~sbloader.executor.policy.pool_delta`). Each actor runs up to
 :data:`ACTOR_SLOTS` calls (one running, one queued behind it). At the end of an
 execution the actors are killed, or left in the caller's actor cache for the next
@@ -20,11 +23,12 @@ import ray
 from sbloader.core.stats import OperatorStats
 from sbloader.executor.options import ExecutionOptions
 from sbloader.executor.policy import PoolView, pool_delta
+from sbloader.executor.reservations import idle_limit_s
 from sbloader.executor.stages import Stage, build_stages
 from sbloader.executor.tasks import MapActor
 
 ACTOR_SLOTS = 2  # calls in flight per actor: one running, one queued behind it
-IDLE_TIMEOUT_S = 5.0
+IDLE_TIMEOUT_S = 5.0  # the least an actor sits idle before it may be retired
 
 
 @dataclass(frozen=True)
@@ -34,10 +38,13 @@ class PrestartedActor:
     Attributes:
         handle: the actor.
         ready_ref: resolves once its callable class is constructed.
+        counted: an earlier execution launched it (and counted it in its stats); it was
+            still starting when that execution ended.
     """
 
     handle: Any
     ready_ref: ray.ObjectRef
+    counted: bool = False
 
 
 @dataclass
@@ -48,6 +55,7 @@ class PoolActor:
     ready_ref: Optional[ray.ObjectRef]
     inflight: int = 0
     idle_since: float = field(default_factory=time.monotonic)
+    launched: float = field(default_factory=time.monotonic)
 
     @property
     def ready(self) -> bool:
@@ -72,7 +80,7 @@ def new_pool_actor(stage: Stage, index: int, pool_size: int, opts: ExecutionOpti
         max_restarts=opts.max_task_retries,
         max_task_retries=opts.max_task_retries,
         **opts.placed(stage.ray_options),
-    ).remote(stage.ops[0], index, pool_size)
+    ).remote(stage.actor_op, index, pool_size, stage.ops[:-1])
 
 
 def prestart_pools(source_name: str, ops: Sequence[Any], options: ExecutionOptions,
@@ -91,14 +99,13 @@ def prestart_pools(source_name: str, ops: Sequence[Any], options: ExecutionOptio
     from sbloader.runtime.session import cluster_cpus
 
     stages = build_stages(source_name, list(ops))
-    cpus = cluster_cpus()
     started = 0
     for i, stage in enumerate(stages):
         if stage.kind != "actor" or actor_cache.get(i):
             continue
-        lo, hi = stage.ops[0].pool_bounds(cpus)
+        lo, hi = stage.actor_op.pool_range()
         for index in range(lo):
-            handle = new_pool_actor(stage, index, hi, options)
+            handle = new_pool_actor(stage, index, hi or int(cluster_cpus()), options)
             actor_cache.setdefault(i, []).append(PrestartedActor(handle, handle.ready.remote()))
             started += 1
     return started
@@ -109,7 +116,7 @@ class ActorPools:
 
     Args:
         stages: the execution's stages (the actor stages get a pool).
-        bounds: per actor stage index, its pool's ``(min, max)`` actors.
+        bounds: per actor stage index, its pool's ``(min, limit)`` actors.
         options: the execution's options (placement, retries).
         stats: the execution's per-stage counters.
         actor_cache: actors kept from an earlier execution or started ahead, adopted
@@ -122,6 +129,10 @@ class ActorPools:
         self._cache = actor_cache
         self.pools: dict[int, list[PoolActor]] = {i: [] for i in bounds}
         self.pending: dict[ray.ObjectRef, tuple[int, PoolActor]] = {}  # constructor ref -> actor
+        self._built = {i: 0 for i in bounds}  # actors launched in this execution
+        self._lost = {i: 0 for i in bounds}
+        for i, (_, limit) in bounds.items():
+            stats[i].pool_limit = limit
         for i, handles in (actor_cache or {}).items():
             if i not in self.pools:
                 continue
@@ -129,7 +140,8 @@ class ActorPools:
                 if isinstance(h, PrestartedActor):  # may still be constructing
                     actor = PoolActor(h.handle, h.ready_ref)
                     self.pending[h.ready_ref] = (i, actor)
-                    stats[i].actors_created += 1
+                    if not h.counted:
+                        stats[i].actors_created += 1
                 else:
                     actor = PoolActor(h, None)
                 self.pools[i].append(actor)
@@ -145,15 +157,25 @@ class ActorPools:
         actor.inflight += 1
         return actor
 
-    def scale(self, queued: dict[int, int], budget_ok: dict[int, bool]) -> None:
-        """Grow or shrink each pool by the policy (``queued``: inputs waiting per pool)."""
+    def idle_limit_s(self, i: int) -> float:
+        """How long an actor of pool ``i`` sits idle before it may be retired."""
+        st = self._stats[i]
+        mean = st.construction_s / st.actors_ready if st.actors_ready else None
+        return idle_limit_s(mean, IDLE_TIMEOUT_S)
+
+    def scale(self, queued: dict[int, int], budget_ok: dict[int, bool], upstream_active: dict[int, bool]) -> None:
+        """Grow or shrink each pool by the policy (``queued``: inputs waiting per pool;
+        ``upstream_active``: input that will feed it is still coming)."""
         now = time.monotonic()
         for i, actors in self.pools.items():
             lo, hi = self._bounds[i]
             ready = [a for a in actors if a.ready]
-            idle = [a for a in ready if a.inflight == 0 and now - a.idle_since > IDLE_TIMEOUT_S]
+            limit_s = self.idle_limit_s(i)
+            idle = [a for a in ready if a.inflight == 0 and now - a.idle_since > limit_s]
             view = PoolView(size=len(actors), pending=len(actors) - len(ready), min_size=lo, max_size=hi,
-                            queued=queued.get(i, 0), free_slots=self.free_slots(i), idle_actors=len(idle))
+                            queued=queued.get(i, 0), free_slots=self.free_slots(i), idle_actors=len(idle),
+                            upstream_active=upstream_active.get(i, False), constructed=self._built[i],
+                            lost=self._lost[i], reads=self._stages[i].reads)
             delta = pool_delta(view, budget_ok.get(i, True))
             for _ in range(max(0, delta)):
                 handle = new_pool_actor(self._stages[i], self._stats[i].actors_created, hi, self._opts)
@@ -161,14 +183,26 @@ class ActorPools:
                 actors.append(actor)
                 self.pending[actor.ready_ref] = (i, actor)
                 self._stats[i].actors_created += 1
+                self._built[i] += 1
             if delta < 0:
                 actors.remove(idle[0])
+                self._stats[i].actors_retired += 1
                 ray.kill(idle[0].handle)
 
-    def constructed(self, ref: ray.ObjectRef) -> None:
-        """An actor's constructor returned (its ``ready`` ref came back)."""
+    def constructed(self, ref: ray.ObjectRef, info: Optional[tuple]) -> None:
+        """An actor's constructor returned (its ``ready`` ref came back with ``(node, pid,
+        construction seconds)``), or the actor died before (``info`` None)."""
         i, actor = self.pending.pop(ref)
-        self._stats[i].actors_ready += 1
+        st = self._stats[i]
+        if info is None:
+            self.pools[i].remove(actor)
+            st.actors_lost += 1
+            self._lost[i] += 1
+            return
+        built_s = float(info[2]) if len(info) > 2 else 0.0
+        st.actors_ready += 1
+        st.construction_s += built_s
+        st.resource_wait_s += max(0.0, time.monotonic() - actor.launched - built_s)
         actor.ready_ref = None
         actor.idle_since = time.monotonic()
 
@@ -184,7 +218,7 @@ class ActorPools:
         for i, actors in self.pools.items():
             for a in actors:
                 if self._cache is not None:  # kept for the next epoch, even if still starting
-                    self._cache.setdefault(i, []).append(a.handle if a.ready else PrestartedActor(a.handle, a.ready_ref))
+                    self._cache.setdefault(i, []).append(a.handle if a.ready else PrestartedActor(a.handle, a.ready_ref, True))
                     continue
                 try:
                     ray.kill(a.handle)

@@ -221,25 +221,31 @@ class MapActor:
         op: the ``map_batches`` operator whose class this actor runs.
         actor_index: this actor's index in its pool (0, 1, ...).
         pool_size: the pool's maximum size.
+        before: (a pool that reads) the function operators fused into the read, applied
+            before the class.
     """
 
-    def __init__(self, op: Op, actor_index: int = 0, pool_size: int = 1) -> None:
+    def __init__(self, op: Op, actor_index: int = 0, pool_size: int = 1, before: tuple = ()) -> None:
         from sbloader.core.context import set_actor_info
 
+        t0 = time.perf_counter()
         self._op = op
         set_actor_info(actor_index, pool_size)
         self._instance = op.fn(*op.fn_constructor_args, **dict(op.fn_constructor_kwargs))
+        self._read_ops = tuple(before) + (op,)
+        self._read_fns = tuple(o.fn for o in before) + (self._instance,)
+        self._construction_s = time.perf_counter() - t0
 
     def read_process(self, reader_and_shared: tuple, partitions: tuple, info: EpochInfo,
                      seqs: tuple, name: str, leases: Optional[tuple] = None) -> tuple:
         """Read partitions, then apply the callable to each (the read is fused into the
         pool): a block and its metadata per partition (``num_returns=2 * len(partitions)``)."""
-        return read_partitions(reader_and_shared, partitions, seqs, info, name, (self._op,), fns=(self._instance,),
+        return read_partitions(reader_and_shared, partitions, seqs, info, name, self._read_ops, fns=self._read_fns,
                                leases=leases)
 
-    def ready(self) -> tuple[str, int]:
-        """Node id and pid once the instance is constructed."""
-        return _node_id(), os.getpid()
+    def ready(self) -> tuple[str, int, float]:
+        """Node id, pid and the seconds the construction took, once the instance is constructed."""
+        return _node_id(), os.getpid(), self._construction_s
 
     @ray.method(num_returns=2)
     def process(self, block: Block, meta: BlockMeta, info: EpochInfo,

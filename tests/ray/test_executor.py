@@ -254,6 +254,60 @@ def test_actor_pool_constructs_once_per_actor_and_autoscales_within_bounds(ray_s
     assert 2 <= len(inits) <= created
 
 
+def test_pool_never_retires_while_input_is_coming(ray_session, tmp_path, monkeypatch):
+    """The pools on their own, driven step by step: a pool grows on queued input, up to its
+    limit; an idle actor stays while input will still come from upstream and is retired
+    once none will; and no more than the limit is ever constructed in one execution."""
+    from sbloader.core.ops import Op
+    from sbloader.core.stats import OperatorStats
+    from sbloader.executor import pools
+    from sbloader.executor.options import ExecutionOptions
+    from sbloader.executor.stages import build_stages
+
+    monkeypatch.setattr(pools, "IDLE_TIMEOUT_S", 0.1)
+    log = tmp_path / "init.log"
+    ops = [Op("map_batches", _Tagger, "T", concurrency=(1, 2), fn_constructor_kwargs={"log": str(log), "delay": 0})]
+    stages = build_stages("Range", ops)
+    stats = [OperatorStats(s.name) for s in stages]
+    pool = pools.ActorPools(stages, {1: (1, 2)}, ExecutionOptions(), stats, None)
+
+    def settle() -> None:  # let every starting actor finish its constructor
+        while pool.pending:
+            for ref in list(pool.pending):
+                pool.constructed(ref, ray.get(ref))
+
+    def step(queued: int, upstream: bool) -> None:
+        pool.scale({1: queued}, {1: True}, {1: upstream})
+        settle()
+
+    step(0, True)
+    assert len(pool.pools[1]) == 1  # the minimum at once
+    step(5, True)
+    assert len(pool.pools[1]) == 2  # queued input and no free slot: one more
+    step(5, True)
+    assert len(pool.pools[1]) == 2 and stats[1].pool_limit == 2  # never past the limit
+    time.sleep(0.3)  # both idle for longer than the idle limit
+    for _ in range(3):
+        step(0, True)  # ... but the reads will feed them again
+    assert len(pool.pools[1]) == 2 and stats[1].actors_retired == 0
+    step(0, False)
+    assert len(pool.pools[1]) == 1 and stats[1].actors_retired == 1  # nothing will come: one goes
+    step(5, True)
+    # the pool built its limit already in this execution: it does not build a third actor
+    assert len(pool.pools[1]) == 1 and stats[1].actors_created == 2
+    assert stats[1].actors_ready == 2 and stats[1].construction_s >= 0 and stats[1].resource_wait_s >= 0
+    assert len(log.read_text().splitlines()) == 2
+    pool.shutdown()
+
+
+def test_pool_that_cannot_fit_says_so_before_it_starts(ray_session):
+    gpus = ray.cluster_resources().get("GPU", 0)
+    ds = sbloader.range(10).map_batches(_Tagger, num_gpus=gpus + 1, fn_constructor_kwargs={"log": "/dev/null",
+                                                                                         "delay": 0})
+    with pytest.raises(sbloader.ResourceError, match=r"MapBatches\(_Tagger\) needs GPU=.*its pool's minimum"):
+        list(ds.iter_rows())
+
+
 def test_fixed_size_actor_pool(ray_session, tmp_path):
     log = tmp_path / "init.log"
     ds = sbloader.range(40, num_partitions=8).map_batches(
@@ -324,6 +378,10 @@ def test_pipeline_waiting_for_resources_nobody_has_warns_then_stops_cleanly(ray_
 
     monkeypatch.setattr(diagnostics, "STUCK_WARN_S", 0.3)
     ds = sbloader.range(8, num_partitions=2).map_batches(lambda b: b, resources={"sbloader_test_absent": 1})
+    with pytest.raises(sbloader.ResourceError, match=r"MapBatches\(<lambda>\) needs sbloader_test_absent=1 \(one task\)"):
+        ds.execute()
+    # an autoscaling cluster may add such nodes: waited for, with the warnings
+    monkeypatch.setenv("SBLOADER_WAIT_FOR_RESOURCES", "1")
     executor = ds.execute()
     try:
         with caplog.at_level(logging.WARNING, logger="sbloader.executor.executor"):

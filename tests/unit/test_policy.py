@@ -208,26 +208,39 @@ def test_min_budget_grid(ests: tuple, final: float, prefetch: int) -> None:
 )
 def test_pool_delta_grid(min_size: int, max_size: int) -> None:
     for size in range(0, max_size + 1):
-        for pending, queued, free, idle, budget_ok in itertools.product(
-            range(0, size + 1), range(0, 5), range(0, 4), range(0, 3), (True, False)
+        for pending, queued, free, idle, budget_ok, upstream, built, lost, reads in itertools.product(
+            range(0, size + 1), range(0, 5), range(0, 4), range(0, 3), (True, False), (True, False),
+            range(0, max_size + 2), range(0, 2), (False, True)
         ):
             if idle > size - pending:
                 continue
-            pool = PoolView(size, pending, min_size, max_size, queued, free, idle)
+            pool = PoolView(size, pending, min_size, max_size, queued, free, idle, upstream, built, lost, reads)
             d = pool_delta(pool, budget_ok)
             if size < min_size:
                 assert d == min_size - size  # to min at once
                 continue
             assert min_size <= size + d <= max_size
-            assert d in (-1, 0, 1)
-            grow = pending == 0 and queued > free and size < max_size and budget_ok
-            assert (d == 1) is grow
+            may_build = max_size + lost - built
+            if d > 0:
+                assert budget_ok and queued > free
+                assert d <= may_build  # never more constructions in an execution than its max (+ lost)
+            if reads:
+                # a pool that reads: as many as the queued partitions keep busy, at once, starting or not
+                want = min(queued - free, max_size - size, may_build) if budget_ok else 0
+                assert d == max(0, want) or (d == -1 and want <= 0)
+            else:
+                assert d in (-1, 0, 1)
+                grow = pending == 0 and queued > free and size < max_size and budget_ok and may_build > 0
+                assert (d == 1) is grow
+                if pending > 0:
+                    assert d == 0  # never grows (or shrinks) while an actor starts
             if d == -1:
-                assert queued == 0 and idle > 0 and size > min_size
-            if pending == 0:
-                assert (d == -1) is (queued == 0 and idle > 0 and size > min_size)
-            if pending > 0:
-                assert d == 0  # never grows (or shrinks) while an actor starts
+                assert queued == 0 and idle > 0 and size > min_size and not upstream
+                assert pending == 0 or reads
+            if pending == 0 and not (reads and d > 0):
+                assert (d == -1) is (queued == 0 and idle > 0 and size > min_size and not upstream)
+            if upstream:
+                assert d != -1  # never retired while input that will feed it is still coming
 
 
 def test_pool_delta_default_budget_ok() -> None:

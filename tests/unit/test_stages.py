@@ -94,13 +94,36 @@ def test_callable_class_gets_its_own_actor_stage() -> None:
         ("actor", ("Enc2",)),
         ("task", ("c",)),
     ]
-    assert stages[1].ray_options == {"num_cpus": 1.0, "num_gpus": 1}
+    assert stages[1].ray_options == {"num_cpus": 0.0, "num_gpus": 1}  # a GPU actor holds no CPU unless told
     assert stages[1].name == "Enc"
 
 
-def test_class_first() -> None:
+def test_class_first_takes_the_read_in() -> None:
+    """A class right after the read, its pool left to the executor: its actors read."""
     stages = build_stages("S", [aop("Enc"), fop("a"), fop("b")])
-    assert _shape(stages) == [("read", ()), ("actor", ("Enc",)), ("task", ("a", "b"))]
+    assert _shape(stages) == [("actor", ("Enc",)), ("task", ("a", "b"))]
+    assert stages[0].reads and stages[0].name == "ReadS->Enc" and stages[0].actor_op.name == "Enc"
+    # the functions fused into the read go into the pool with it, applied before the class
+    stages = build_stages("S", [fop("a"), fop("b"), aop("Enc"), fop("c")])
+    assert _shape(stages) == [("actor", ("a", "b", "Enc")), ("task", ("c",))]
+    assert stages[0].reads and stages[0].name == "ReadS->a->b->Enc"
+    # a class holds no CPU while it runs unless told (Ray's default for actors)
+    assert stages[0].ray_options == {}
+
+
+@pytest.mark.parametrize("kw", [dict(concurrency=2), dict(concurrency=(1, 4)), dict(num_cpus=1), dict(num_cpus=2),
+                                dict(num_gpus=1), dict(resources={"x": 1})])
+def test_class_whose_pool_the_user_sized_keeps_a_read_stage(kw: dict) -> None:
+    stages = build_stages("S", [fop("a"), aop("Enc", **kw)])
+    assert _shape(stages) == [("read", ("a",)), ("actor", ("Enc",))]
+    assert not stages[1].reads
+
+
+def test_only_the_first_class_takes_the_read() -> None:
+    stages = build_stages("S", [aop("A"), aop("B")])
+    assert _shape(stages) == [("actor", ("A",)), ("actor", ("B",))]
+    stages = build_stages("S", [fop("x", num_cpus=2), aop("A")])
+    assert _shape(stages) == [("read", ()), ("task", ("x",)), ("actor", ("A",))]
 
 
 def test_concurrency_on_a_function_starts_a_stage() -> None:
@@ -134,13 +157,15 @@ def test_build_stages_invariants(length: int, seed: int) -> None:
     rng = np.random.default_rng(seed * 31 + length)
     ops = [TEMPLATES[int(rng.integers(len(TEMPLATES)))](i) for i in range(length)]
     stages = build_stages("X", ops)
-    assert stages[0].kind == "read" and stages[0].name.startswith("ReadX")
-    assert all(s.kind != "read" for s in stages[1:])
+    assert stages[0].reads and stages[0].name.startswith("ReadX")
+    assert stages[0].kind == "read" or (stages[0].kind == "actor" and stages[0].actor_op.concurrency is None)
+    assert all(s.kind != "read" and not s.reads for s in stages[1:])
     # Every operator once, in order.
     assert [op for s in stages for op in s.ops] == ops
     for s in stages:
         if s.kind == "actor":
-            assert len(s.ops) == 1 and s.ops[0].is_actor
+            assert s.ops[-1].is_actor and not any(op.is_actor for op in s.ops[:-1])
+            assert len(s.ops) == 1 or s.reads  # functions before a class only in a pool that reads
             continue
         assert not any(op.is_actor for op in s.ops)
         assert s.kind == "read" or s.ops
@@ -166,6 +191,10 @@ def test_stage_validation(kind: str, nops: int) -> None:
     ops = tuple(aop(f"A{i}") for i in range(nops))
     with pytest.raises(ValueError):
         Stage("s", kind, ops, ())
+    with pytest.raises(ValueError, match="only an actor stage that reads"):
+        Stage("s", "actor", (fop("a"), aop("A")), ())
+    with pytest.raises(ValueError, match="its last operator"):
+        Stage("s", "actor", (aop("A"), fop("a")), (), True)
 
 
 # ----- stage_concurrency ------------------------------------------------------------------

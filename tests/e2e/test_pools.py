@@ -1,0 +1,72 @@
+"""Actor pools on Rays of their own (``tests/scripts/pools_job.py``): a fresh 2-CPU Ray, one
+node with a logical GPU, and a two-node cluster with the GPU on the other node.
+
+The allocation rule itself: ``tests/unit/test_reservations.py``; the pools driven step by
+step: ``tests/ray/test_executor.py::test_pool_never_retires_while_input_is_coming``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts", "pools_job.py")
+
+
+def _run(scenario: str, tmp_path) -> dict:
+    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    proc = subprocess.run([sys.executable, SCRIPT, scenario, str(tmp_path)], capture_output=True, text=True,
+                          timeout=300, cwd=str(tmp_path), env=env)
+    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    assert len(lines) == 1, f"pools job {scenario} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
+    return lines[0]
+
+
+def test_pools_on_two_cpus_never_starve_their_reads(tmp_path):
+    """The issue's case on a fresh 2-CPU Ray: a JPEG read feeding a callable class.
+
+    With default concurrency the pool takes the read in (its actors read their
+    partitions): up to one actor per CPU, built once for two epochs. With
+    ``concurrency=(1, 2)`` a read stage of its own feeds the pool, which stops at one
+    actor so that the read stage keeps the other CPU. Either way no actor is retired,
+    none is built twice, and every image comes once per epoch."""
+    out = _run("starve", tmp_path)
+    for name, limit in (("default", 2), ("bounded", 1)):
+        run = out[name]
+        first, second = run["epochs"]
+        for epoch in (first, second):
+            assert epoch["rows"] == epoch["distinct"] == out["files"], epoch
+            assert epoch["pool"]["retired"] == 0 and epoch["pool"]["lost"] == 0, epoch["report"]
+            assert epoch["pool"]["limit"] == limit, epoch["report"]
+        assert 1 <= first["pool"]["created"] <= limit and second["pool"]["created"] == 0, (name, run)
+        assert run["built"] == first["pool"]["created"]  # constructed once each, counted by the class itself
+        assert f"(limit {limit}), 0 retired, 0 lost" in first["report"]
+    assert out["default"]["epochs"][0]["stages"] == ["ReadImages->MapBatches(Crop)"]
+    assert out["bounded"]["epochs"][0]["stages"] == ["ReadImages", "MapBatches(Crop)"]
+
+
+def test_cold_pool_of_one_to_two_constructs_at_most_two(tmp_path):
+    out = _run("cold", tmp_path)
+    assert out["ids"]
+    assert 1 <= out["built"] <= 2 and out["pool"]["created"] <= 2, out
+    assert out["pool"]["retired"] == 0, out
+    assert out["pool"]["construction_s"] >= 0.5 * out["built"] - 0.05  # Tagger sleeps 0.5 s to build
+
+
+def test_gpu_pool_holds_no_cpu_on_a_logical_gpu(tmp_path):
+    """``ray.init(num_gpus=1)`` without a GPU: the GPU actor holds the GPU and no CPU, so the
+    read stage keeps both CPUs; every row once."""
+    out = _run("gpu1", tmp_path)
+    assert out["ids"]
+    assert out["gpu_actor_cpus"] == [0.0]
+    assert out["pool"]["created"] == 1 and out["pool"]["limit"] == 1 and out["built"] == 1
+    assert out["gpu_nodes"] == [out["node"]] and out["read_nodes"] == [out["node"]]
+
+
+def test_gpu_pool_stays_on_the_gpu_node_cpu_stages_run_on_both(tmp_path):
+    out = _run("gpu2", tmp_path)
+    assert out["ids"]
+    assert out["gpu_nodes"] == [out["gpu_node"]], out
+    assert out["gpu_actor_cpus"] == [0.0]
+    assert set(out["read_nodes"]) == {out["head"], out["gpu_node"]}, out  # CPUs free on both nodes
