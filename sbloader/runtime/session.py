@@ -5,16 +5,25 @@ Ray of its own with ``address="local"`` (never a stale cluster found on the
 machine), bound to loopback, dashboard off, token authentication left on, once per
 process, stopped at exit. With an address it joins that cluster and never shuts
 it down.
+
+The embedded Ray is started on a thread of its own that lives as long as the
+process (:func:`on_owner_thread`): Linux delivers a child's parent-death signal
+when the *thread* that spawned it exits, so a Ray started from a short-lived
+thread (a prefetching wrapper, an application's worker thread) would die with
+that thread. Ray's daemons still die with the process, also on SIGKILL.
 """
 from __future__ import annotations
 
 import atexit
 import logging
 import os
+import queue
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
+from sbloader.runtime import reaper as _reaper
 from sbloader.runtime import rendezvous as _rendezvous
 from sbloader.runtime.world import World
 
@@ -22,6 +31,66 @@ logger = logging.getLogger(__name__)
 
 _LOCK = threading.Lock()
 _STATE: dict[str, Any] = {"owned": False, "info": None}
+_T = TypeVar("_T")
+_OWNER: dict[str, Any] = {"thread": None, "calls": None}
+_OWNER_LOCK = threading.Lock()
+
+
+def _owner_loop(calls: "queue.SimpleQueue[tuple[Callable[[], Any], Future]]") -> None:
+    while True:
+        fn, done = calls.get()
+        if not done.set_running_or_notify_cancel():
+            continue
+        try:
+            done.set_result(fn())
+        except BaseException as exc:  # handed to the caller, raised there
+            done.set_exception(exc)
+
+
+VERBOSE_ENV = "SBLOADER_RAY_VERBOSE"  # 1: show Ray's start-up messages (token banner, thread notices)
+
+# Ray's loggers that speak while a Ray starts or is joined; at WARNING they print
+# a token-auth banner and a note that SIGTERM is left to the owner thread. Both
+# are about a Ray the user never asked for, so they are hidden unless asked.
+_STARTUP_LOGGERS = ("ray._private.worker", "ray._private.authentication.authentication_token_setup")
+
+
+class _Quiet:
+    """Raise Ray's start-up loggers to ERROR while Ray starts (unless ``SBLOADER_RAY_VERBOSE=1``)."""
+
+    def __enter__(self) -> None:
+        self._saved = []
+        if os.environ.get(VERBOSE_ENV) == "1":
+            return
+        for name in _STARTUP_LOGGERS:
+            log = logging.getLogger(name)
+            self._saved.append((log, log.level))
+            log.setLevel(logging.ERROR)
+
+    def __exit__(self, *exc: Any) -> None:
+        for log, level in self._saved:
+            log.setLevel(level)
+
+
+def on_owner_thread(fn: Callable[[], _T]) -> _T:
+    """Run ``fn`` on the process's owner thread and return its result (or raise its error).
+
+    The owner thread is a daemon thread started on first use that never ends
+    while the process lives. Processes spawned from it (the embedded Ray's GCS,
+    raylet and log monitor) carry a parent-death signal bound to it, so they live
+    exactly as long as the process, whichever thread asked for them.
+    """
+    if threading.current_thread() is _OWNER["thread"]:
+        return fn()
+    with _OWNER_LOCK:
+        if _OWNER["thread"] is None or not _OWNER["thread"].is_alive():
+            calls: queue.SimpleQueue = queue.SimpleQueue()
+            thread = threading.Thread(target=_owner_loop, args=(calls,), name="sbloader-ray-owner", daemon=True)
+            thread.start()
+            _OWNER.update(thread=thread, calls=calls)
+        done: Future = Future()
+        _OWNER["calls"].put((fn, done))
+    return done.result()
 
 # Environment of the embedded Ray, set before it starts so every Ray process
 # inherits it.
@@ -129,13 +198,15 @@ def init(
             kwargs["_system_config"] = {**_EMBEDDED_SYSTEM_CONFIG, **(kwargs.get("_system_config") or {})}
 
             def start() -> str:
-                ray.init(
-                    address="local",
-                    num_cpus=num_cpus,
-                    num_gpus=num_gpus,
-                    object_store_memory=object_store_memory,
-                    **kwargs,
-                )
+                with _Quiet():
+                    on_owner_thread(lambda: ray.init(
+                        address="local",
+                        num_cpus=num_cpus,
+                        num_gpus=num_gpus,
+                        object_store_memory=object_store_memory,
+                        **kwargs,
+                    ))
+                _STATE["reaper"] = _start_reaper()
                 return ray.get_runtime_context().gcs_address
 
             world = World.detect()
@@ -160,6 +231,19 @@ def init(
         return info
 
 
+def _start_reaper() -> Any:
+    """A reaper for the embedded Ray's processes (:mod:`sbloader.runtime.reaper`), or None."""
+    try:
+        from ray._private import worker as ray_worker
+
+        node = ray_worker._global_node
+        pids = [proc.pid for _, proc in node.live_processes()] if node is not None else []
+        return _reaper.start(pids)
+    except Exception as exc:  # Ray internals moved: the parent-death signals still stop most of it
+        logger.debug("sbloader: no reaper for the embedded Ray (%s)", exc)
+        return None
+
+
 def shutdown() -> None:
     """Stop the embedded Ray if sbloader started it; only forget a joined cluster."""
     import ray
@@ -170,6 +254,9 @@ def shutdown() -> None:
             if world is not None:
                 _rendezvous.wait_all_left(world)  # the other ranks still use this Ray
             ray.shutdown()
+            reaper = _STATE.pop("reaper", None)
+            if reaper is not None:
+                reaper.stdin.close()  # Ray is stopped: the reaper sweeps what is left and exits
         elif ray.is_initialized() and _STATE["info"] is not None:
             ray.shutdown()
             if world is not None:
