@@ -30,6 +30,9 @@ def ray_session():
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     dirs = [tests_dir] + [os.path.join(tests_dir, d) for d in ("unit", "ray", "e2e")]
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in dirs + [os.environ.get("PYTHONPATH", "")] if p)
+    # Tests simulate the ranks of one job as threads of this process (rank=/world_size=),
+    # where no launcher identifies the job: the session is one job, named here.
+    os.environ.setdefault("SBLOADER_JOB_ID", f"tests-{os.getpid()}")
     info = sbloader.init(num_cpus=TEST_CPUS, object_store_memory=512 * 2**20)
     yield info
     sbloader.shutdown()
@@ -52,10 +55,10 @@ def _free_split_coordinators():
     from sbloader.distributed.naming import NAMESPACE
 
     for entry in ray.util.list_named_actors(all_namespaces=True):
-        if entry["namespace"] != NAMESPACE or not entry["name"].startswith("sbloader-coordinator:"):
+        if not entry["namespace"].startswith(NAMESPACE) or not entry["name"].startswith("sbloader-coordinator:"):
             continue
         try:
-            handle = ray.get_actor(entry["name"], namespace=NAMESPACE)
+            handle = ray.get_actor(entry["name"], namespace=entry["namespace"])
         except ValueError:  # already gone
             continue
         try:

@@ -94,10 +94,10 @@ def free_coordinators(name: str) -> None:
     from sbloader.distributed.naming import NAMESPACE
 
     for entry in ray.util.list_named_actors(all_namespaces=True):
-        if entry["namespace"] != NAMESPACE or not entry["name"].endswith(f":{name}"):
+        if not entry["namespace"].startswith(NAMESPACE) or not entry["name"].endswith(f":{name}"):
             continue
         try:
-            handle = ray.get_actor(entry["name"], namespace=NAMESPACE)
+            handle = ray.get_actor(entry["name"], namespace=entry["namespace"])
             ray.get(handle.shutdown.remote(), timeout=10)
             ray.kill(handle)
         except Exception:  # gone already

@@ -26,6 +26,7 @@ import ray
 from sbloader.core.errors import SbloaderError
 from sbloader.core.plan import EpochPlan
 from sbloader.distributed.epoch import Epoch
+from sbloader.distributed.job_watch import DRIVER_CHECK_S, JobWatch
 from sbloader.distributed.partition_epoch import PartitionEpoch
 from sbloader.distributed.specs import EpochSpec, PartitionEpochSpec
 from sbloader.distributed.stream_epoch import StreamEpoch
@@ -57,9 +58,12 @@ class SplitCoordinator:
     """
 
     def __init__(self, world_size: int, fingerprint: dict, stall_report_s: float = 60.0,
-                 ledger: bool = True, idle_exit_s: float = DEFAULT_IDLE_EXIT_S) -> None:
+                 ledger: bool = True, idle_exit_s: float = DEFAULT_IDLE_EXIT_S,
+                 job_token: Optional[str] = None) -> None:
         self._idle_exit_s = float(idle_exit_s)
         self._last_call = time.monotonic()
+        self._job_token = job_token
+        self._watch = JobWatch()  # the ranks' processes: the coordinator exits once all are gone
         threading.Thread(target=self._reap_when_idle, daemon=True, name="sbloader-idle-exit").start()
         self._world_size = world_size
         self._ledger = ledger
@@ -74,11 +78,25 @@ class SplitCoordinator:
         self._rebuilt: set[int] = set()  # epochs rebuilt here (finished ones leave _epochs)
         self._finished_stats: dict[int, Any] = {}  # the last few finished epochs' ExecutionStats
 
-    def hello(self, world_size: int, fingerprint: dict) -> dict:
-        """Check that a rank's loader matches this coordinator's."""
+    def hello(self, world_size: int, fingerprint: dict, token: Optional[str] = None, rank: Optional[int] = None,
+              driver: Optional[str] = None) -> dict:
+        """Check that a rank's loader matches this coordinator's, and that the rank belongs to its job.
+
+        Args:
+            token: the job's token (:mod:`sbloader.runtime.job`); another job's is refused.
+            rank, driver: the rank and its process's Ray job, recorded by a
+                :class:`JobWatch` (a second live process claiming a rank is refused).
+        """
         self._last_call = time.monotonic()
+        refused = {"ok": False, "world_size": self._world_size, "fingerprint": self._fingerprint}
+        if self._job_token is not None and token is not None and token != self._job_token:
+            return {**refused, "reason": "token"}
         if world_size != self._world_size or fingerprint != self._fingerprint:
-            return {"ok": False, "world_size": self._world_size, "fingerprint": self._fingerprint}
+            return refused
+        if rank is not None and driver is not None:
+            holder = self._watch.claim(rank, driver)
+            if holder is not None:
+                return {**refused, "reason": "rank", "holder": holder}
         return {"ok": True}
 
     def prewarm(self, source_name: str, ops: tuple, options: ExecutionOptions) -> int:
@@ -330,14 +348,22 @@ class SplitCoordinator:
         return {"pid": os.getpid(), "rss": rss}
 
     def _reap_when_idle(self) -> None:
-        """(Thread) Kill the pool and this actor once no rank has called for ``idle_exit_s``."""
+        """(Thread) Kill the pool and this actor once the job is over.
+
+        Over means: every process that said hello is gone (their Ray jobs are dead:
+        :class:`~sbloader.distributed.job_watch.JobWatch`, the job ended or crashed),
+        or no rank called for ``idle_exit_s``.
+        """
         while True:
             idle = time.monotonic() - self._last_call
             if idle >= self._idle_exit_s:
+                logger.warning("sbloader coordinator: no rank called for %.0f s; the job is taken to be over, "
+                               "releasing the worker pool and exiting", self._idle_exit_s)
                 break
-            time.sleep(min(30.0, max(0.2, self._idle_exit_s - idle)))
-        logger.warning("sbloader coordinator: no rank called for %.0f s; the job is taken to be over, "
-                       "releasing the worker pool and exiting", self._idle_exit_s)
+            if self._watch.over():
+                logger.info("sbloader coordinator: every rank's process has exited; releasing the pool")
+                break
+            time.sleep(min(DRIVER_CHECK_S, max(0.2, self._idle_exit_s - idle)))
         try:
             self.shutdown()
         finally:

@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Union
 
 import ray
 
 from sbloader.core.errors import SbloaderError
 from sbloader.distributed.coordinator import DEFAULT_IDLE_EXIT_S, SplitCoordinator
+from sbloader.runtime.job import JobIdentity, token_of
 
-
+#: prefix of every job's namespace (``sbloader-<job id>``): a job's named actors live in its own
 NAMESPACE = "sbloader"
 NO_LEDGER_ENV = "SBLOADER_NO_LEDGER"
 IDLE_EXIT_ENV = "SBLOADER_COORDINATOR_IDLE_EXIT_S"
@@ -39,26 +40,47 @@ def coordinator_name(job_id: str, loader_name: str, restart_count: int = 0) -> s
     return f"sbloader-coordinator:{job_id}:{restart_count}:{loader_name}"
 
 
-def get_coordinator(job_id: str, loader_name: str, world_size: int, fingerprint: dict,
-                    restart_count: int = 0, stall_report_s: float = 60.0) -> Any:
-    """The job's coordinator for a loader: created by the first rank to ask, found by the rest."""
-    name = coordinator_name(job_id, loader_name, restart_count)
+def as_identity(job: Union[JobIdentity, str]) -> JobIdentity:
+    """A job identity; a bare id string (tests, tools) gets the token derived from it."""
+    return job if isinstance(job, JobIdentity) else JobIdentity(job, token_of(job), "job_id=")
+
+
+def get_coordinator(job: Union[JobIdentity, str], loader_name: str, world_size: int, fingerprint: dict,
+                    restart_count: int = 0, stall_report_s: float = 60.0, rank: int = 0) -> Any:
+    """The job's coordinator for a loader: created by the first rank to ask, found by the rest.
+
+    It lives in the job's namespace and keeps the job's token: a rank of another job
+    that reaches it anyway (the same ``job_id=`` given to two jobs) is refused.
+    """
+    job = as_identity(job)
+    name = coordinator_name(job.job_id, loader_name, restart_count)
     handle = SplitCoordinator.options(
-        name=name, namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
-    ).remote(world_size, fingerprint, stall_report_s, ledger_enabled(), idle_exit_s())
-    reply = ray.get(handle.hello.remote(world_size, fingerprint))
+        name=name, namespace=job.namespace, get_if_exists=True, lifetime="detached",
+    ).remote(world_size, fingerprint, stall_report_s, ledger_enabled(), idle_exit_s(), job.token)
+    reply = ray.get(handle.hello.remote(world_size, fingerprint, job.token, rank, ray.get_runtime_context().get_job_id()))
     if not reply["ok"]:
+        if reply.get("reason") == "token":
+            raise SbloaderError(
+                f"coordinator {name!r} in namespace {job.namespace!r} belongs to another job (its token differs): "
+                "two jobs were given the same job id. Give each job its own job_id= (or SBLOADER_JOB_ID), or leave "
+                "it unset so the launcher's identity is used."
+            )
+        if reply.get("reason") == "rank":
+            raise SbloaderError(
+                f"coordinator {name!r}: rank {rank} is already served to another live process "
+                f"(Ray job {reply.get('holder')}); two jobs share one job id. Give each job its own job_id=."
+            )
         raise SbloaderError(
             f"coordinator {name!r} already exists for another loader: found world_size="
             f"{reply['world_size']} and {reply['fingerprint']}, expected world_size={world_size} and "
             f"{fingerprint}. Give the loader a distinct name= or a fresh job id."
         )
     if restart_count > 0:
-        _retire(coordinator_name(job_id, loader_name, restart_count - 1))
+        _retire(coordinator_name(job.job_id, loader_name, restart_count - 1), job.namespace)
     return handle
 
 
-def _retire(name: str) -> None:
+def _retire(name: str, namespace: str) -> None:
     """Kill the coordinator of the job's previous (elastic) restart and its worker pool.
 
     Coordinators are detached, so they outlive the rank that created them; after
@@ -66,7 +88,7 @@ def _retire(name: str) -> None:
     nobody (the new job resumes from a checkpoint) but would keep its pool's CPUs.
     """
     try:
-        old = ray.get_actor(name, namespace=NAMESPACE)
+        old = ray.get_actor(name, namespace=namespace)
     except ValueError:  # none, or already retired by another rank
         return
     try:

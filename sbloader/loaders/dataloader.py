@@ -83,7 +83,8 @@ class DataLoader:
             process); ranks find the loader's coordinator by job id and name.
         rank: override the rank (default: torchrun's ``RANK``).
         world_size: override the world size (default: ``WORLD_SIZE``).
-        job_id: override the job id (default: ``TORCHELASTIC_RUN_ID``).
+        job_id: the job's id, the same on every rank and unique per job (default: taken from the
+            launcher, see docs/launchers.md; needed only where the launcher gives nothing).
         stall_report_s: seconds after which a rank that stopped asking is reported.
         allow_trainer_node: let workers run on the trainer's node even when other
             nodes have CPUs (by default they avoid it; see :mod:`sbloader.runtime.placement`).

@@ -131,8 +131,12 @@ def find_coordinator(world: Any, name: str, fingerprint: dict, stall_report_s: f
     from sbloader.distributed.naming import get_coordinator
     from sbloader.runtime.session import ensure_initialized
 
+    from sbloader.runtime.job import identify
+
+    job = identify(world)
     ensure_initialized()
-    coord = get_coordinator(world.job_id, name, world.world_size, fingerprint, world.restart_count, stall_report_s)
+    coord = get_coordinator(job, name, world.world_size, fingerprint, world.restart_count, stall_report_s,
+                            rank=world.rank)
     if world.rank == 0:
         source = ShardSource.name if stream else ReadyBatchSource.name
         coord.prewarm.remote(source, (settings.worker_op(),), settings.coordinator_options())

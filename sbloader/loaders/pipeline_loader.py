@@ -78,6 +78,8 @@ class PipelineLoader:
             process's node too (by default they avoid it when other nodes have CPUs).
         name: the loader's name in the job (default: its creation index in the
             process); split across ranks, the ranks find its coordinator by job id and name.
+        job_id: the job's id, the same on every rank and unique per job (default: taken from
+            the launcher, see docs/launchers.md; needed only where the launcher gives nothing).
     """
 
     def __init__(self, dataset: Pipeline, batch_size: int = 256, *, shuffle: bool = False,
@@ -87,7 +89,8 @@ class PipelineLoader:
                  collate_fn: Optional[Callable] = None, generator: Any = None,
                  rank: Optional[int] = None, world_size: Optional[int] = None,
                  persistent_workers: bool = False, allow_trainer_node: bool = False,
-                 shuffle_window: Optional[int] = None, name: Optional[str] = None) -> None:
+                 shuffle_window: Optional[int] = None, name: Optional[str] = None,
+                 job_id: Optional[str] = None) -> None:
         if batch_size is None or batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, found {batch_size}")
         self.dataset = dataset
@@ -97,7 +100,7 @@ class PipelineLoader:
         self.seed = seed
         self.generator = generator
         self.persistent_workers = persistent_workers
-        self.world = World.detect(rank=rank, world_size=world_size)
+        self.world = World.detect(rank=rank, world_size=world_size, job_id=job_id)
         self.name = name if name is not None else f"pipeline{next(_LOADER_COUNTER)}"
         pin = pin_memory and _accelerator()
         if pin_memory and not pin:
@@ -197,10 +200,13 @@ class PipelineLoader:
             from sbloader.distributed.naming import get_coordinator
             from sbloader.runtime.session import ensure_initialized
 
-            ensure_initialized()
+            from sbloader.runtime.job import identify
+
             w = self.world
-            self._coordinator = get_coordinator(w.job_id, self.name, w.world_size, self._fingerprint(),
-                                                w.restart_count)
+            job = identify(w)
+            ensure_initialized()
+            self._coordinator = get_coordinator(job, self.name, w.world_size, self._fingerprint(),
+                                                w.restart_count, rank=w.rank)
         return self._coordinator
 
     def __iter__(self) -> EpochIterator:

@@ -1,10 +1,12 @@
 """One embedded Ray per single-node torchrun job, shared by its ranks.
 
 Local rank 0 starts the Ray (loopback only) and publishes its address and auth
-token in a private file named after the job and the torchrun agent (the ranks'
-common parent process, so a stale file from another run can never match); the
-other ranks wait for the file and join. At exit, rank 0 waits (bounded) for the
-others to leave before stopping Ray.
+token where the job's other ranks find it: in the job's torch.distributed store
+when there is one (the process group's, or torchrun's agent store), else in a
+private file named after the job's identity (:mod:`sbloader.runtime.job`: unique
+per job, never guessed from parent PIDs, so a launcher that starts ranks as
+children of rank 0, like Lightning's, works). The other ranks wait and join. At
+exit, rank 0 waits (bounded) for the others to leave before stopping Ray.
 """
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ import json
 import os
 import tempfile
 import time
+from datetime import timedelta
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Optional
 
 from sbloader.core.errors import SbloaderError
 from sbloader.runtime.world import World
@@ -29,8 +32,9 @@ def rendezvous_dir() -> Path:
 
 
 def _key(world: World) -> str:
-    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in world.job_id)
-    return f"{safe}-{world.restart_count}-{os.getppid()}"
+    from sbloader.runtime.job import identify, safe
+
+    return f"{safe(identify(world).job_id)}-{world.restart_count}"
 
 
 def publish(world: World, address: str, token: str) -> Path:
@@ -91,27 +95,44 @@ def read_token() -> str:
         return ""
 
 
-def join_shared(world: World, start: Callable[[], str], connect: Callable[[str], None]) -> bool:
+def join_shared(world: World, start: Callable[[], str], connect: Callable[[str], None],
+                store: Optional[Any] = None) -> bool:
     """Start (local rank 0) or join (others) the job's embedded Ray.
 
     Args:
         world: this process's place in the job.
         start: starts the embedded Ray and returns its address.
         connect: joins a Ray at an address.
+        store: the job's torch.distributed store, when there is one (else a file).
 
     Returns:
         True if this process started (and so owns) the Ray.
     """
     if not world.single_node:
         raise SbloaderError(
-            f"a multi-node torchrun job (world size {world.world_size}, {world.local_world_size} ranks on this "
-            "node) needs one Ray cluster for all nodes: start it with `ray start --head` and set RAY_ADDRESS"
+            f"a multi-node job (world size {world.world_size}, {world.local_world_size} ranks on this "
+            "node) needs one Ray cluster for all nodes: start it with `ray start --head` and set RAY_ADDRESS "
+            "(docs/multinode.md)"
         )
+    store_key = f"sbloader/embedded-ray/{_key(world)}"
     if world.local_rank == 0:
         address = start()
-        publish(world, address, read_token())
+        if store is not None:
+            store.set(store_key, json.dumps({"address": address, "token": read_token()}))
+        else:
+            publish(world, address, read_token())
         return True
-    info = wait_for(world)
+    if store is not None:
+        try:
+            store.wait([store_key], timedelta(seconds=_TIMEOUT_S))
+        except Exception as exc:
+            raise SbloaderError(
+                f"rank {world.rank} waited {_TIMEOUT_S:.0f} s for local rank 0 to start the embedded Ray ({exc}); "
+                "does local rank 0 create an sbloader loader too? Or set RAY_ADDRESS to a running cluster."
+            ) from None
+        info = json.loads(store.get(store_key))
+    else:
+        info = wait_for(world)
     if info.get("token"):
         os.environ["RAY_AUTH_TOKEN"] = info["token"]
         # Ray read its auth settings when it was imported; re-read them now.

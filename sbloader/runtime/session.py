@@ -23,6 +23,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, TypeVar
 
+from sbloader.runtime import join as _join
 from sbloader.runtime import reaper as _reaper
 from sbloader.runtime import rendezvous as _rendezvous
 from sbloader.runtime.world import World
@@ -213,8 +214,11 @@ def init(
             if world.world_size > 1:
                 # torchrun: one embedded Ray per job, started by local rank 0.
                 join_kwargs = {k: v for k, v in kwargs.items() if k != "_system_config"}
+                from sbloader.runtime.job import store_for_rendezvous
+
                 embedded = _rendezvous.join_shared(
-                    world, start, lambda addr: ray.init(address=addr, **join_kwargs)
+                    world, start, lambda addr: ray.init(address=addr, **join_kwargs),
+                    store=store_for_rendezvous(world),
                 )
                 _STATE["world"] = world
             else:
@@ -222,7 +226,8 @@ def init(
                 embedded = True
             atexit.register(shutdown)
         else:
-            ray.init(address=address, **kwargs)
+            with _Quiet():
+                ray.init(address=_join.prepare(address), **kwargs)
             embedded = False
         ctx = ray.get_runtime_context()
         info = RuntimeInfo(address=ctx.gcs_address, embedded=embedded, node_id=ctx.get_node_id())

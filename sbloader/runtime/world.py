@@ -15,7 +15,8 @@ class World:
         world_size: number of ranks.
         local_rank: rank on this node.
         local_world_size: ranks on this node.
-        job_id: the job's id (``TORCHELASTIC_RUN_ID``), shared by every rank.
+        job_id: the job id given by the user (``job_id=`` or ``SBLOADER_JOB_ID``), or None:
+            :func:`sbloader.runtime.job.identify` then takes it from the launcher.
         restart_count: torchrun's restart count (a new incarnation of the job).
     """
 
@@ -23,7 +24,7 @@ class World:
     world_size: int = 1
     local_rank: int = 0
     local_world_size: int = 1
-    job_id: str = "local"
+    job_id: Optional[str] = None
     restart_count: int = 0
 
     def __post_init__(self) -> None:
@@ -42,17 +43,32 @@ class World:
     @classmethod
     def detect(cls, rank: Optional[int] = None, world_size: Optional[int] = None,
                job_id: Optional[str] = None) -> "World":
-        """Read torchrun's variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ...), with overrides.
+        """Read the launcher's variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ...), with overrides.
 
-        Outside torchrun this is a world of one.
+        Once a torch.distributed process group exists, its rank and world size win
+        over the environment (Lightning's launcher, for one, sets no ``RANK`` in the
+        processes it starts). Outside any launcher this is a world of one.
         """
         env = os.environ
-        ws = world_size if world_size is not None else int(env.get("WORLD_SIZE", "1"))
-        r = rank if rank is not None else int(env.get("RANK", "0"))
+        group = _process_group()
+        ws = world_size if world_size is not None else group[1] if group else int(env.get("WORLD_SIZE", "1"))
+        r = rank if rank is not None else group[0] if group else int(env.get("RANK", "0"))
         local_ws = int(env.get("LOCAL_WORLD_SIZE", str(ws if "LOCAL_RANK" in env or ws == 1 else 1)))
         local_r = int(env.get("LOCAL_RANK", "0"))
         if rank is not None and "LOCAL_RANK" not in env:
             local_ws, local_r = 1, 0
-        jid = job_id or env.get("TORCHELASTIC_RUN_ID") or env.get("SBLOADER_JOB_ID") or "local"
+        jid = job_id or env.get("SBLOADER_JOB_ID") or None
         return cls(rank=r, world_size=ws, local_rank=local_r, local_world_size=max(local_ws, local_r + 1),
                    job_id=jid, restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")))
+
+
+def _process_group() -> Optional[tuple[int, int]]:
+    """(rank, world size) of the default torch.distributed process group, or None."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+    except Exception:
+        pass
+    return None

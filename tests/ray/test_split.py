@@ -349,7 +349,7 @@ def test_a_restarted_job_retires_the_previous_restarts_coordinator(ray_session):
     get_coordinator("test-retire", "loader", 2, fp, restart_count=1)
 
     def names() -> set:
-        return {e["name"] for e in ray.util.list_named_actors(all_namespaces=True) if e["namespace"] == NAMESPACE}
+        return {e["name"] for e in ray.util.list_named_actors(all_namespaces=True) if e["namespace"].startswith(NAMESPACE)}
 
     deadline = time.monotonic() + 15  # the kill is asynchronous
     while coordinator_name("test-retire", "loader", 0) in names() and time.monotonic() < deadline:
@@ -383,7 +383,7 @@ def test_an_idle_coordinator_retires_itself(ray_session, monkeypatch):
     deadline = time.monotonic() + 30
     name = coordinator_name("test-idle", "idle")
     while time.monotonic() < deadline and name in {
-            e["name"] for e in ray.util.list_named_actors(all_namespaces=True) if e["namespace"] == NAMESPACE}:
+            e["name"] for e in ray.util.list_named_actors(all_namespaces=True) if e["namespace"].startswith(NAMESPACE)}:
         time.sleep(0.2)
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(coord.hello.remote(2, fp), timeout=10)

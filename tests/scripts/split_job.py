@@ -155,7 +155,7 @@ def main() -> None:
     from sbloader.distributed.naming import NAMESPACE
 
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a.get("namespace") == NAMESPACE] if hasattr(ray.util, "list_named_actors") else []
+             if str(a.get("namespace")).startswith(NAMESPACE)] if hasattr(ray.util, "list_named_actors") else []
     log["coordinators"] = sorted(names)
     log["coordinator_ids"] = [ld._carry.coordinator._actor_id.hex() for ld in loaders]
     # Epochs the first loader's coordinator still holds (it drops an epoch once every

@@ -24,7 +24,7 @@ def env(monkeypatch):
 
 def test_outside_torchrun_is_a_world_of_one(env):
     w = World.detect()
-    assert w == World(rank=0, world_size=1, local_rank=0, local_world_size=1, job_id="local", restart_count=0)
+    assert w == World(rank=0, world_size=1, local_rank=0, local_world_size=1, job_id=None, restart_count=0)
     assert w.single_node
 
 
@@ -33,7 +33,7 @@ def test_torchrun_single_node(env):
         TORCHELASTIC_RESTART_COUNT=1)
     w = World.detect()
     assert (w.rank, w.world_size, w.local_rank, w.local_world_size) == (2, 3, 2, 3)
-    assert (w.job_id, w.restart_count) == ("job-7", 1)
+    assert (w.job_id, w.restart_count) == (None, 1)  # the run id is read by runtime.job.identify
     assert w.single_node
 
 
@@ -68,14 +68,12 @@ def test_overrides_win_over_the_environment(env):
 def test_rank_override_without_torchrun(env):
     w = World.detect(rank=3, world_size=4)
     assert (w.rank, w.world_size, w.local_rank, w.local_world_size) == (3, 4, 0, 1)
-    assert w.job_id == "local"
+    assert w.job_id is None
 
 
-def test_job_id_sources(env):
-    env(SBLOADER_JOB_ID="sb")
+def test_job_id_given_by_the_user(env):
+    env(SBLOADER_JOB_ID="sb", TORCHELASTIC_RUN_ID="te")
     assert World.detect().job_id == "sb"
-    env(TORCHELASTIC_RUN_ID="te")
-    assert World.detect().job_id == "te"  # torchrun's id first
     assert World.detect(job_id="explicit").job_id == "explicit"
 
 

@@ -1,0 +1,230 @@
+"""A real cluster started with the ``ray`` CLI, as docs/multinode.md tells users to.
+
+A head (``ray start --head``) and a second node (``ray start --address``), both on
+127.0.0.1 with their own ports and temp dirs, stopped by pid at the end. Jobs
+join with ``RAY_ADDRESS`` and token authentication (Ray's default), as the
+quick start's commands do. The second node runs Ray's CLI through
+``tests/scripts/ray_cli.py``, which only keeps its loopback address (see there).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+JOB = HERE.parent / "scripts" / "cluster_job.py"
+RAY_CLI = HERE.parent / "scripts" / "ray_cli.py"
+ROWS = 480
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _procs_by_parent() -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError):
+                continue
+            out.setdefault(ppid, []).append(int(entry))
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _tree(roots: list[int]) -> list[int]:
+    children = _procs_by_parent()
+    out, todo = [], list(roots)
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
+
+
+def _ray_daemons(marker: str) -> list[int]:
+    """The daemons (gcs, raylets, monitors) whose command line names ``marker`` (a node's temp dir or port)."""
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and marker in _cmdline(int(p))]
+
+
+def _kill(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+class Cluster:
+    """The head and the second node: address, env for jobs, and the pids to stop."""
+
+    def __init__(self) -> None:
+        self.root = tempfile.mkdtemp(prefix="sbrc", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+        self.port = _free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+        base["RAY_USAGE_STATS_ENABLED"] = "0"
+        self.env = base
+        self.raylets_before = set(self._raylets())
+        head = subprocess.run(
+            ["ray", "start", "--head", "--node-ip-address=127.0.0.1", f"--port={self.port}", "--num-cpus=2",
+             "--include-dashboard=false", f"--temp-dir={self.root}/head"],
+            env=dict(base, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0"), capture_output=True, text=True, timeout=120)
+        assert head.returncode == 0, head.stdout[-2000:] + head.stderr[-2000:]
+        self.head_raylet = set(self._raylets()) - self.raylets_before
+        node = subprocess.run(
+            [sys.executable, str(RAY_CLI), "start", f"--address={self.address}", "--node-ip-address=127.0.0.1",
+             "--num-cpus=2", '--resources={"node2": 1}', "--dashboard-agent-listen-port=0",
+             "--metrics-export-port=0"],
+            env=dict(base, RAY_AUTH_MODE="token"), capture_output=True, text=True, timeout=120)
+        assert node.returncode == 0, node.stdout[-2000:] + node.stderr[-2000:]
+        self.node2_raylet = set(self._raylets()) - self.raylets_before - self.head_raylet
+
+    def _raylets(self) -> list[int]:
+        return [p for p in _ray_daemons("raylet_socket_name") if "/raylet " in _cmdline(p) or
+                _cmdline(p).split(" ", 1)[0].endswith("/raylet")]
+
+    def kill_node2(self) -> None:
+        _kill(_tree(sorted(self.node2_raylet)))
+
+    def stop(self) -> None:
+        daemons = _ray_daemons(self.root) + _ray_daemons(f":{self.port}") + sorted(self.head_raylet | self.node2_raylet)
+        _kill(sorted(set(_tree(daemons))))
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def _torchrun(cluster: Cluster, out: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
+    """Two torchrun agents of one rank each (two machines of one GPU in docs/multinode.md), one job."""
+    rdzv = _free_port()
+    procs = []
+    for node_rank in range(2):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+               f"--node-rank={node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{rdzv}",
+               f"--rdzv-id=job-{out.name}", "--max-restarts=0", str(JOB), "--out", str(out), *args]
+        procs.append(subprocess.Popen(cmd, env=dict(cluster.env, RAY_ADDRESS=cluster.address, **(env or {})),
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def _wait(procs: list, timeout: float = 300) -> str:
+    deadline = time.monotonic() + timeout
+    out = ""
+    for p in procs:
+        try:
+            out += p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] or ""
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError(f"the job hung for {timeout:.0f} s")
+        assert p.returncode == 0, f"a rank failed (rc {p.returncode}):\n{out[-4000:]}"
+    return out
+
+
+def _epochs(out: Path) -> list[list[dict]]:
+    logs = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for log in logs:
+        assert log["info"]["embedded"] is False and log["info"]["address"].startswith("127.0.0.1:")
+    return [[log["epochs"][e] for log in logs] for e in range(len(logs[0]["epochs"]))]
+
+
+def _leftovers(cluster: Cluster) -> dict:
+    """Live actors and placement groups on the cluster, seen by a fresh driver."""
+    code = ("import json, ray; ray.init(address='%s', logging_level='ERROR'); "
+            "from ray._private.state import state; "
+            "actors = [a['ActorClassName'] for a in state.actor_table(None).values() if a['State'] != 'DEAD']; "
+            "pgs = [p for p in ray.util.placement_group_table().values() if p['state'] != 'REMOVED']; "
+            "print(json.dumps({'actors': actors, 'pgs': len(pgs)}))") % cluster.address
+    proc = subprocess.run([sys.executable, "-c", code], env=dict(cluster.env, RAY_AUTH_MODE="token"),
+                          capture_output=True, text=True, timeout=120)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+    assert lines, proc.stderr[-2000:]
+    return json.loads(lines[-1])
+
+
+def test_two_rank_job_joins_with_ray_address_reads_on_both_nodes_and_leaves_nothing(cluster, tmp_path):
+    _wait(_torchrun(cluster, tmp_path))
+    for ranks in _epochs(tmp_path):
+        ids = [i for r in ranks for i in r["ids"]]
+        assert sorted(ids) == list(range(ROWS)), "every sample exactly once per epoch"
+        assert len(ranks[0]["ids"]) == len(ranks[1]["ids"])
+        assert len({n for r in ranks for n in r["nodes"]}) == 2, "blocks came from one node only"
+    deadline = time.monotonic() + 30
+    left = _leftovers(cluster)
+    while (left["actors"] or left["pgs"]) and time.monotonic() < deadline:
+        time.sleep(1.0)
+        left = _leftovers(cluster)
+    assert left == {"actors": [], "pgs": 0}, f"the job left this on the cluster: {left}"
+
+
+def test_second_node_killed_mid_epoch_still_exactly_once(cluster, tmp_path):
+    procs = _torchrun(cluster, tmp_path, "--delay", "0.15", "--epochs", "1")
+    deadline = time.monotonic() + 180
+    while not (tmp_path / "started").exists():
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the job did not start"
+        time.sleep(0.1)
+    cluster.kill_node2()
+    _wait(procs)
+    (ranks,) = _epochs(tmp_path)
+    ids = [i for r in ranks for i in r["ids"]]
+    assert sorted(ids) == list(range(ROWS))
+
+
+def _fails_fast(cluster: Cluster, env: dict, expect: str) -> None:
+    """The first use of sbloader fails with ``expect`` within 10 s (timed from the call, after the imports)."""
+    code = ("import sys, time, sbloader\n"
+            "t0 = time.monotonic()\n"
+            "try:\n"
+            "    sum(1 for _ in sbloader.range(10).iter_batches(batch_size=5))\n"
+            "finally:\n"
+            "    print('TOOK', time.monotonic() - t0, file=sys.stderr)\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=dict(cluster.env, **env), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0
+    assert expect in proc.stderr, proc.stderr[-3000:]
+    took = float(proc.stderr.split("TOOK ")[1].split()[0])
+    assert took < 10, f"failed after {took:.1f} s"
+
+
+def test_a_wrong_token_fails_within_seconds_saying_how_to_give_it(cluster):
+    _fails_fast(cluster, {"RAY_ADDRESS": cluster.address, "RAY_AUTH_TOKEN": "not-the-token"},
+                "refused this process's authentication token")
+
+
+def test_an_unreachable_address_fails_within_seconds_naming_it(cluster):
+    port = _free_port()
+    _fails_fast(cluster, {"RAY_ADDRESS": f"127.0.0.1:{port}"}, f"no Ray cluster answers at 127.0.0.1:{port}")
+
+
+def test_a_ray_client_address_is_refused_at_once(cluster):
+    _fails_fast(cluster, {"RAY_ADDRESS": "ray://127.0.0.1:10001"}, "Ray Client")
