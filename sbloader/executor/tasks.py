@@ -50,6 +50,21 @@ class _HoldsRayHandle(Exception):
     pass
 
 
+def _main_by_value(cloudpickle: Any) -> None:
+    """In a process started by multiprocessing's spawn (Lightning's ``ddp_spawn``,
+    ``torch.multiprocessing.spawn``) the script runs as ``__mp_main__``: its classes
+    must travel by value, as ``__main__``'s do, since Ray's workers cannot import it."""
+    import sys
+
+    mp_main = sys.modules.get("__mp_main__")
+    if mp_main is not None and not getattr(mp_main, "_sbloader_by_value", False):
+        try:
+            cloudpickle.register_pickle_by_value(mp_main)
+            mp_main._sbloader_by_value = True
+        except (ValueError, TypeError):
+            pass
+
+
 def pack(obj: Any) -> Any:
     """``obj`` as a :class:`Packed`, or ``obj`` itself when it holds Ray object refs or
     actor handles (those must go through Ray's own serialisation, which tracks them)."""
@@ -65,6 +80,7 @@ def pack(obj: Any) -> Any:
                 raise _HoldsRayHandle()
             return super().reducer_override(o)
 
+    _main_by_value(cloudpickle)
     buf = io.BytesIO()
     try:
         _Pickler(buf, protocol=5).dump(obj)

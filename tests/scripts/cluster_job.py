@@ -37,7 +37,8 @@ def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
     ds = sbloader.range(args.rows, num_partitions=args.partitions).map_batches(tag, batch_size=10,
                                                                               fn_kwargs={"delay": args.delay})
-    loader = ds.to_dataloader(batch_size=8, shuffle=True, seed=3)
+    # both "machines" of the test are one: without this the reads keep off the node the ranks run on
+    loader = ds.to_dataloader(batch_size=8, shuffle=True, seed=3, allow_trainer_node=True)
     log: dict = {"epochs": [], "info": None}
     for _ in range(args.epochs):
         ids, nodes = [], []

@@ -3,9 +3,10 @@
     python lightning_job.py OUT STRATEGY DEVICES [--stop-at STEP] [--resume CKPT]
 
 The model records the sample ids of every batch its ``training_step`` receives;
-each rank writes ``OUT/rank{R}.json`` (per epoch, the ids). ``--stop-at`` saves a
-checkpoint at that global step of the first epoch and exits (a preemption);
-``--resume`` continues from one with ``Trainer.fit(ckpt_path=...)``.
+each rank writes ``OUT/rank{R}[-resumed].json`` (per epoch, the ids). ``--stop-at``
+saves a checkpoint at that global step of the first epoch and exits (a
+preemption); ``--resume`` continues from one with ``Trainer.fit(ckpt_path=...)``:
+Lightning restores the loader's ``state_dict`` itself.
 """
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ import json
 import os
 import sys
 
+import lightning as L
 import torch
+
+import sbloader
 
 N = 96
 
@@ -28,46 +32,46 @@ class Ids(torch.utils.data.Dataset):
         return {"id": i, "x": torch.full((4,), float(i))}
 
 
+class Model(L.LightningModule):
+    """A linear model that logs the ids it trains on."""
+
+    def __init__(self, out: str, stop_at: int | None, resumed: bool) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+        self.out, self.stop_at, self.resumed = out, stop_at, resumed
+        self.seen: dict[int, list[int]] = {}
+
+    def train_dataloader(self):
+        return sbloader.DataLoader(Ids(), batch_size=8, shuffle=True, num_workers=2)
+
+    def training_step(self, batch, idx):
+        self.seen.setdefault(self.current_epoch, []).extend(int(i) for i in batch["id"])
+        if self.stop_at is not None and self.global_step == self.stop_at:
+            self.trainer.save_checkpoint(os.path.join(self.out, "mid.ckpt"))
+            self.dump()
+            self.trainer.strategy.barrier()
+            os._exit(0)  # a preemption right after the checkpoint
+        return self.lin(batch["x"]).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def on_train_end(self) -> None:
+        self.dump()
+
+    def dump(self) -> None:
+        name = f"rank{self.global_rank}{'-resumed' if self.resumed else ''}.json"
+        with open(os.path.join(self.out, name), "w") as f:
+            json.dump({str(k): v for k, v in self.seen.items()}, f)
+
+
 def main() -> None:
-    import lightning as L
-
-    import sbloader
-
     out, strategy, devices = sys.argv[1], sys.argv[2], int(sys.argv[3])
     stop_at = int(sys.argv[sys.argv.index("--stop-at") + 1]) if "--stop-at" in sys.argv else None
     resume = sys.argv[sys.argv.index("--resume") + 1] if "--resume" in sys.argv else None
-
-    class Model(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = torch.nn.Linear(4, 1)
-            self.seen: dict[int, list[int]] = {}
-
-        def train_dataloader(self):
-            return sbloader.DataLoader(Ids(), batch_size=8, shuffle=True, num_workers=2)
-
-        def training_step(self, batch, idx):
-            self.seen.setdefault(self.current_epoch, []).extend(int(i) for i in batch["id"])
-            if stop_at is not None and self.global_step == stop_at:
-                self.trainer.save_checkpoint(os.path.join(out, "mid.ckpt"))
-                self._dump()
-                self.trainer.strategy.barrier()
-                os._exit(0)  # a preemption right after the checkpoint
-            return self.lin(batch["x"]).mean()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.01)
-
-        def on_train_end(self) -> None:
-            self._dump()
-
-        def _dump(self) -> None:
-            with open(os.path.join(out, f"rank{self.global_rank}{'-resumed' if resume else ''}.json"), "w") as f:
-                json.dump({str(k): v for k, v in self.seen.items()}, f)
-
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=2, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(Model(), ckpt_path=resume)
+    trainer.fit(Model(out, stop_at, resume is not None), ckpt_path=resume)
 
 
 if __name__ == "__main__":

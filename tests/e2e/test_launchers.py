@@ -1,0 +1,60 @@
+"""The drop-in under the trainers people use, each launched as its users launch it.
+
+PyTorch Lightning's ``Trainer`` with ``strategy="ddp"`` (its launcher starts rank 1
+as a child process of rank 0, with no ``RANK`` in its environment), ``"ddp_spawn"``
+(ranks started by multiprocessing's spawn) and one device; a mid-epoch resume
+through Lightning's own checkpoint, on the same and on a different device count.
+Every sample once per epoch across ranks, equal counts, and a timeout that turns
+a hang into a failure.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lightning", reason="the test extra installs lightning")
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "lightning_job.py"
+N = 96
+ENV = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "SBLOADER_JOB_ID")}
+ENV["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
+
+def _lightning(out: Path, strategy: str, devices: int, *args: str) -> None:
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(out), strategy, str(devices), *args], env=ENV,
+                          capture_output=True, text=True, timeout=420, cwd=str(out))
+    assert proc.returncode == 0, f"lightning {strategy} x{devices} failed:\n{(proc.stdout + proc.stderr)[-4000:]}"
+
+
+def _seen(out: Path, ranks: int, suffix: str = "") -> list[dict]:
+    return [json.loads((out / f"rank{r}{suffix}.json").read_text()) for r in range(ranks)]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
+def test_lightning_two_ranks_every_sample_once_per_epoch(tmp_path, strategy):
+    _lightning(tmp_path, strategy, 2)
+    ranks = _seen(tmp_path, 2)
+    for epoch in ("0", "1"):
+        assert len(ranks[0][epoch]) == len(ranks[1][epoch]) == N // 2
+        assert sorted(ranks[0][epoch] + ranks[1][epoch]) == list(range(N))
+    assert ranks[0]["0"] != ranks[0]["1"], "shuffle=True: another order each epoch"
+
+
+@pytest.mark.parametrize("resume_devices", [2, 1])
+def test_lightning_mid_epoch_resume_through_its_checkpoint_is_exactly_once(tmp_path, resume_devices):
+    """Stop at step 2 of epoch 0 on 2 devices (a checkpoint, then a hard exit); ``fit(ckpt_path=...)``
+    on ``resume_devices``: Lightning restores the loader's state, the rest of epoch 0 comes exactly
+    once, then a whole epoch 1."""
+    _lightning(tmp_path, "ddp", 2, "--stop-at", "2")
+    before = _seen(tmp_path, 2)
+    _lightning(tmp_path, "ddp", resume_devices, "--resume", str(tmp_path / "mid.ckpt"))
+    after = _seen(tmp_path, resume_devices, "-resumed")
+    epoch0 = [i for r in before + after for i in r.get("0", [])]
+    assert sorted(epoch0) == list(range(N)), "epoch 0 across the preemption: every sample exactly once"
+    epoch1 = [i for r in after for i in r["1"]]
+    assert sorted(epoch1) == list(range(N))
