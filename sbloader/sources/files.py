@@ -112,6 +112,47 @@ def list_files(paths: Union[PathLike, Sequence[PathLike]], extensions: Optional[
     return out
 
 
+def list_inputs(paths: Union[PathLike, Sequence[PathLike]], extensions: Optional[Sequence[str]], what: str,
+                skip_prefixes: tuple[str, ...] = (".",), filesystem: Any = None) -> tuple[list[str], dict]:
+    """List local paths (as :func:`list_files`) and remote URIs (``s3://``, ``gs://``,
+    ``https://``...: :func:`~sbloader.sources.filesystems.list_uris`), entry by entry in
+    the order given.
+
+    Args:
+        paths: local paths, URIs, globs of either, or a list of those.
+        extensions: extensions to keep when listing (None: every file).
+        what: what the caller reads, for error messages (``"image"``).
+        skip_prefixes: name prefixes a listing leaves out.
+        filesystem: a ``pyarrow.fs.FileSystem`` or fsspec filesystem that every entry
+            is read through (None: local paths from the OS, URIs by their scheme).
+
+    Returns:
+        The paths and URIs, and ``{uri: (size, mtime_ns)}`` for the remote ones (what
+        the read tasks' cache checks entries against).
+    """
+    from sbloader.sources.filesystems import is_remote, list_uris
+
+    entries = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths) if not isinstance(paths, bytes) else [paths]
+    if filesystem is None and not any(is_remote(e) for e in entries):
+        return list_files(paths, extensions, what, skip_prefixes), {}
+    if not entries:
+        raise ValueError(f"read_{what}s needs at least one path, found an empty list")
+    exts = tuple(e.lower() if e.startswith(".") else "." + e.lower() for e in extensions) if extensions else None
+    out: list[str] = []
+    versions: dict = {}
+    for entry in entries:
+        if not isinstance(entry, (str, os.PathLike)):
+            raise TypeError(f"each path must be a str or os.PathLike, found {entry!r}")
+        e = os.fspath(entry)
+        if filesystem is None and not is_remote(e):
+            out.extend(list_files(e, extensions, what, skip_prefixes))
+            continue
+        for obj in list_uris([e], exts, what, skip_prefixes, filesystem):
+            out.append(obj.uri)
+            versions[obj.uri] = (obj.size, obj.mtime_ns)
+    return out, versions
+
+
 def _walk(root: str, keep: Callable[[str], bool], skip_prefixes: tuple[str, ...]) -> Iterable[str]:
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
         dirnames[:] = [d for d in dirnames if not d.startswith(skip_prefixes)]
