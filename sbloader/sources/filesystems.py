@@ -94,8 +94,9 @@ def _strip_scheme(uri: str, filesystem: Any) -> str:
         pass
     if not is_remote(uri):
         return uri
-    rest = uri.split("://", 1)[1]
-    return rest if scheme_of(uri) in PYARROW_SCHEMES and scheme_of(uri) not in ("hdfs", "viewfs") else "/" + rest
+    if scheme_of(uri) in ("hdfs", "viewfs"):  # the host is the filesystem, not part of the path
+        return urlsplit(uri).path or "/"
+    return uri.split("://", 1)[1]  # bucket/key (s3, gs, abfs: the container), or host/path
 
 
 def resolve(uri: str, filesystem: Any = None) -> tuple[Any, str]:
@@ -163,11 +164,17 @@ def _mtime_ns(info: Any) -> int:
         return 0
 
 
+def _rel(base_path: str, child_path: str) -> str:
+    """``child_path`` relative to ``base_path`` (filesystems differ on a leading ``/``)."""
+    b, c = base_path.strip("/"), child_path.lstrip("/")
+    if b and not c.startswith(b + "/"):
+        raise ValueError(f"the filesystem listed {child_path!r} under {base_path!r}, which does not contain it")
+    return c[len(b):].lstrip("/") if b else c
+
+
 def _join(base_uri: str, base_path: str, child_path: str) -> str:
     """The URI of ``child_path`` listed under ``base_path`` (the fs path of ``base_uri``)."""
-    b = base_path.rstrip("/")
-    tail = child_path[len(b):] if child_path.startswith(b) else "/" + child_path.split("/")[-1]
-    return base_uri.rstrip("/") + tail
+    return base_uri.rstrip("/") + "/" + _rel(base_path, child_path)
 
 
 @dataclass
@@ -246,7 +253,7 @@ def list_uris(entries: Sequence[str], extensions: Optional[tuple[str, ...]], wha
         files = [f for f in found if f.type == pafs.FileType.File]
         listed += len(files)
         rel_ok = [f for f in files if not any(part.startswith(skip_prefixes)
-                                              for part in f.path[len(path.rstrip("/")):].split("/") if part)]
+                                              for part in _rel(path, f.path).split("/"))]
         if pattern is not None:
             rel_ok = [f for f in rel_ok if fnmatch.fnmatchcase(f.path, pattern)]
         kept = sorted((ObjectInfo(_join(uri, path, f.path), int(f.size or 0), _mtime_ns(f))
