@@ -120,7 +120,7 @@ class DiskCache:
     def put(self, uri: str, version: str, data: bytes) -> Optional[str]:
         """Store ``data`` (atomically: a temporary file renamed into place) and return its path,
         or None when the cache is full of entries read too recently to evict."""
-        if not self._make_room(len(data)):
+        if not self.make_room(len(data)):
             return None
         p = self.path_for(uri, version)
         os.makedirs(os.path.dirname(p), exist_ok=True)
@@ -159,7 +159,9 @@ class DiskCache:
         """Bytes cached in the directory (counted now)."""
         return sum(s for _, s, _ in self._entries())
 
-    def _make_room(self, need: int) -> bool:
+    def make_room(self, need: int) -> bool:
+        """Whether ``need`` more bytes fit, after evicting entries not read in the last
+        :data:`PROTECT_S` seconds (oldest first) if they must."""
         if self.max_bytes is None:
             return True
         if need > self.max_bytes:

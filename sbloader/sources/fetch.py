@@ -82,6 +82,8 @@ class _Got:
     admitted: bool = True
 
 
+_BACKGROUND: dict = {}  # counts of prefetches, reported by the next read in this process
+_BACKGROUND_LOCK = threading.Lock()
 _POOL: list[ThreadPoolExecutor] = []
 _POOL_LOCK = threading.Lock()
 
@@ -166,12 +168,16 @@ class RemoteFiles:
 
     def _report(self, got: _Got) -> None:
         n = len(got.data) if got.data is not None else 0
-        counts = {"retries": got.retries}
+        with _BACKGROUND_LOCK:
+            counts = dict(_BACKGROUND)
+            _BACKGROUND.clear()
+        counts["retries"] = counts.get("retries", 0) + got.retries
         if got.error is None:
             if got.hit:
                 counts.update(cache_hits=1, cache_bytes=n)
             else:
-                counts.update(cache_misses=1, bytes_read=n, not_admitted=0 if got.admitted else 1)
+                counts.update(cache_misses=1, not_admitted=0 if got.admitted else 1,
+                              bytes_read=counts.get("bytes_read", 0) + n)
         report_counters(counts)
 
     def read_many(self, uris: Sequence[str]) -> Iterator[tuple[str, Union[bytes, BaseException]]]:
@@ -236,7 +242,18 @@ class RemoteFiles:
             return
         pool = _pool(self.max_in_flight)
         for u in uris:
-            pool.submit(self._get, u, True)
+            pool.submit(self._prefetch_one, u)
+
+    def _prefetch_one(self, uri: str) -> None:
+        size, _ = self._version(uri)
+        cache = cache_here(self.cache)
+        if size is None or cache is None or not cache.make_room(size):
+            return  # a full cache admits nothing: fetching ahead would only read it twice
+        got = self._get(uri, True)
+        if got.error is None and not got.hit and got.data is not None:
+            with _BACKGROUND_LOCK:
+                for k, v in (("prefetched", 1), ("bytes_read", len(got.data)), ("retries", got.retries)):
+                    _BACKGROUND[k] = _BACKGROUND.get(k, 0) + v
 
 
 def remote_files(versions: dict, filesystem: Any, cache: bool, cache_dir: Any, cache_max_bytes: Optional[int],

@@ -38,6 +38,10 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
 
 _MODES = ("RGB", "RGBA", "L", None)
 
+#: Partitions after its own (by id) whose remote objects a read task fetches into the
+#: node's cache while it decodes.
+PREFETCH_PARTITIONS = 1
+
 
 def check_mode(mode: Any) -> None:
     """Raise ``ValueError`` unless ``mode`` is an output mode the decode supports."""
@@ -135,6 +139,16 @@ def _read_bytes(path: str) -> bytes:
         return f.read()
 
 
+def _then_prefetch(items: Any, remote: RemoteFiles, uris: Sequence[str]) -> Any:
+    """Yield ``items``, starting the prefetch of ``uris`` once the first item is back."""
+    first = True
+    for item in items:
+        yield item
+        if first:
+            remote.prefetch(uris)
+            first = False
+
+
 def _read_image_files(shared: Any, partition: Partition, *, size: Optional[tuple[int, int]],
                       mode: Optional[str], on_error: str, decode: bool = True,
                       remote: Optional[RemoteFiles] = None) -> Block:
@@ -146,6 +160,11 @@ def _read_image_files(shared: Any, partition: Partition, *, size: Optional[tuple
     kept: list[str] = []
     rows: list[int] = []
     fetched = remote.read_many(paths) if remote is not None else ((p, None) for p in paths)
+    if remote is not None and shared is not None:
+        # The next partitions' objects go into the node's cache behind this one's requests.
+        nxt = [u for k in range(1, PREFETCH_PARTITIONS + 1) if partition.id + k < len(shared)
+               for u in shared[partition.id + k]]
+        fetched = _then_prefetch(fetched, remote, nxt)
     for i, (path, got) in enumerate(fetched):
         try:
             if isinstance(got, BaseException):
@@ -212,8 +231,11 @@ class ImageSource:
         return list(self._paths)
 
     def shared(self) -> Any:
-        """Nothing is shared: each partition carries its own file names."""
-        return None
+        """Remote objects cached: the epoch's partitions' URIs by id (a read task prefetches the
+        next ones into the node's cache); otherwise nothing (each partition carries its files)."""
+        if self._remote is None or not self._remote.cache.enabled or self._parts is None:
+            return None
+        return tuple(p.payload for p in self._parts[1])
 
     def partitions(self, epoch: int, epoch_seed: int, shuffle: bool = False) -> list[Partition]:
         """Runs of ``files_per_partition`` files of the listing: in its order (the same every
