@@ -14,6 +14,7 @@ No test talks to a real cloud: the AWS variables point every client at the proxy
 from __future__ import annotations
 
 import http.client
+import json
 import socket
 import threading
 import time
@@ -21,6 +22,9 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional
+
+#: A GET of this path answers the proxy's counts as JSON (never forwarded).
+STATS_PATH = "/__sbloader_proxy_stats"
 
 _HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade"}
 
@@ -96,6 +100,15 @@ def _handler(proxy: FaultProxy) -> type:
             return conn
 
         def _forward(self) -> None:
+            if self.path == STATS_PATH:  # the counts, for a benchmark running the proxy in another process
+                with proxy.lock:
+                    body = json.dumps({"object_gets": proxy.object_gets, "object_get_bytes": proxy.object_get_bytes,
+                                       "latency_s": proxy.latency_s}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return
             if proxy.latency_s:
                 time.sleep(proxy.latency_s)
             path = self.path
@@ -158,11 +171,23 @@ def _handler(proxy: FaultProxy) -> type:
     return Handler
 
 
+def start_proxy(upstream_port: int, port: Optional[int] = None,
+                latency_s: float = 0.0) -> tuple[ThreadingHTTPServer, FaultProxy]:
+    """A fault proxy on 127.0.0.1 (``port``, or a free one) in front of ``upstream_port``,
+    serving in a daemon thread."""
+    proxy = FaultProxy(upstream_port, latency_s=latency_s)
+    httpd = ThreadingHTTPServer(("127.0.0.1", port or 0), _handler(proxy))
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, name="s3-fault-proxy", daemon=True).start()
+    return httpd, proxy
+
+
 class S3Server:
     """moto's S3 server and the fault proxy in front, both on 127.0.0.1, in threads."""
 
     def __init__(self, moto_server: object, http_server: ThreadingHTTPServer, proxy: FaultProxy) -> None:
         self._moto = moto_server
+        self.moto_port = moto_server.get_host_and_port()[1]
         self._http = http_server
         self.proxy = proxy
         self.endpoint = f"http://127.0.0.1:{http_server.server_address[1]}"
@@ -178,10 +203,7 @@ class S3Server:
         moto_port = free_port()
         moto = ThreadedMotoServer(ip_address="127.0.0.1", port=moto_port, verbose=False)
         moto.start()
-        proxy = FaultProxy(moto_port)
-        httpd = ThreadingHTTPServer(("127.0.0.1", proxy_port or 0), _handler(proxy))
-        httpd.daemon_threads = True
-        threading.Thread(target=httpd.serve_forever, name="s3-fault-proxy", daemon=True).start()
+        httpd, proxy = start_proxy(moto_port, proxy_port)
         return cls(moto, httpd, proxy)
 
     def client(self):
