@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 from urllib.parse import urlsplit
 
+import ray
+
 #: Schemes resolved by ``pyarrow.fs.FileSystem.from_uri``.
 PYARROW_SCHEMES = frozenset({"s3", "gs", "gcs", "abfs", "abfss", "hdfs", "viewfs"})
 
@@ -177,6 +179,74 @@ def _join(base_uri: str, base_path: str, child_path: str) -> str:
     return base_uri.rstrip("/") + "/" + _rel(base_path, child_path)
 
 
+#: A prefix with at least this many sub-prefixes ("folders") is listed by Ray tasks, each
+#: listing a group of them, instead of by the driver alone.
+PARALLEL_LISTING_MIN_PREFIXES = 64
+
+#: Sub-prefixes one listing task lists, at most.
+_PREFIXES_PER_LISTING_TASK = 16
+
+
+@dataclass(frozen=True)
+class _Listed:
+    """A listed file: its path in the filesystem, size and modification time (picklable)."""
+
+    path: str
+    size: int
+    mtime_ns: int
+
+
+def _list_recursive(fs: Any, path: str) -> list[_Listed]:
+    import pyarrow.fs as pafs
+
+    try:
+        found = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
+    except FileNotFoundError:
+        return []
+    return [_Listed(f.path, int(f.size or 0), _mtime_ns(f)) for f in found if f.type == pafs.FileType.File]
+
+
+def list_prefixes(uris: Sequence[str], filesystem: Any = None) -> list[list[_Listed]]:
+    """List each prefix recursively (what a listing task runs)."""
+    out = []
+    for u in uris:
+        fs, path = resolve(u, filesystem)
+        out.append(_list_recursive(fs, path))
+    return out
+
+
+_list_task = ray.remote(num_cpus=0.25, max_retries=3)(list_prefixes)
+
+
+def _list_prefix(fs: Any, path: str, uri: str, filesystem: Any) -> list[_Listed]:
+    """Every file under ``path``: one recursive listing in the driver, or, when the
+    prefix has many sub-prefixes, one Ray task per group of them (the order is restored
+    by the caller's sort)."""
+    import pyarrow.fs as pafs
+
+    try:
+        top = fs.get_file_info(pafs.FileSelector(path, recursive=False, allow_not_found=True))
+    except FileNotFoundError:
+        return []
+    dirs = sorted(f.path for f in top if f.type == pafs.FileType.Directory)
+    if len(dirs) < PARALLEL_LISTING_MIN_PREFIXES:
+        return _list_recursive(fs, path)
+    from sbloader.runtime.session import ensure_initialized
+
+    ensure_initialized()
+    sub_uris = [_join(uri, path, d) for d in dirs]
+    step = _PREFIXES_PER_LISTING_TASK
+    refs = [_list_task.remote(sub_uris[i:i + step], filesystem) for i in range(0, len(sub_uris), step)]
+    files = [_Listed(f.path, int(f.size or 0), _mtime_ns(f)) for f in top if f.type == pafs.FileType.File]
+    groups = [list(zip(dirs[i:i + step], sub_uris[i:i + step])) for i in range(0, len(dirs), step)]
+    for listed_group, group in zip(ray.get(refs), groups):
+        for (d, sub_uri), listed in zip(group, listed_group):
+            # The task resolved the sub-prefix itself: put its paths back under ``d``.
+            _, sub_path = resolve(sub_uri, filesystem)
+            files.extend(_Listed(d.rstrip("/") + "/" + _rel(sub_path, f.path), f.size, f.mtime_ns) for f in listed)
+    return files
+
+
 @dataclass
 class ListingStats:
     """How long listing took.
@@ -246,17 +316,13 @@ def list_uris(entries: Sequence[str], extensions: Optional[tuple[str, ...]], wha
             out.append(ObjectInfo(uri, int(info.size or 0), _mtime_ns(info)))
             listed += 1
             continue
-        try:
-            found = fs.get_file_info(pafs.FileSelector(path.rstrip("/") or "/", recursive=True, allow_not_found=True))
-        except FileNotFoundError:
-            found = []
-        files = [f for f in found if f.type == pafs.FileType.File]
+        files = _list_prefix(fs, path.rstrip("/") or "/", uri, filesystem)
         listed += len(files)
         rel_ok = [f for f in files if not any(part.startswith(skip_prefixes)
                                               for part in _rel(path, f.path).split("/"))]
         if pattern is not None:
             rel_ok = [f for f in rel_ok if fnmatch.fnmatchcase(f.path, pattern)]
-        kept = sorted((ObjectInfo(_join(uri, path, f.path), int(f.size or 0), _mtime_ns(f))
+        kept = sorted((ObjectInfo(_join(uri, path, f.path), f.size, f.mtime_ns)
                        for f in rel_ok if keep(f.path)), key=lambda o: o.uri)
         if not kept:
             if not files and pattern is None:

@@ -15,6 +15,7 @@ from PIL import Image
 import sbloader
 from sbloader.core.errors import SourceReadError
 from sbloader.datagen import write_image_parquet, write_video
+from sbloader.sources import filesystems
 from sbloader.sources.filesystems import LAST_LISTING, list_uris
 
 BUCKET = "sbloader-tests"
@@ -207,7 +208,7 @@ def test_parquet_and_videos_over_s3_equal_local(ray_session, bucket, tmp_path):
     assert all(str(p).startswith(f"s3://{BUCKET}/vid/") for p in next(rds.iter_batches(4))["path"])
 
 
-def test_listing_a_few_thousand_keys_is_sorted_and_paginated(bucket):
+def test_listing_a_few_thousand_keys_is_sorted_and_paginated(ray_session, bucket, monkeypatch):
     keys = [f"many/{i % 7}/{i:05d}.jpg" for i in range(2500)]
     bucket.put_many(BUCKET, {k: b"x" for k in keys})
     bucket.proxy.reset_counts()
@@ -216,6 +217,20 @@ def test_listing_a_few_thousand_keys_is_sorted_and_paginated(bucket):
     assert all(o.size == 1 for o in objs)
     assert bucket.proxy.counts[("GET", "list")] >= 3  # 1,000 keys a page
     assert LAST_LISTING.objects == 2500 and LAST_LISTING.seconds_per_1000 > 0
+    monkeypatch.setattr(filesystems, "PARALLEL_LISTING_MIN_PREFIXES", 3)
+    monkeypatch.setattr(filesystems, "_PREFIXES_PER_LISTING_TASK", 2)
+    launched = []
+
+    class _Counting:
+        def remote(self, *args):
+            launched.append(args[0])
+            return task.remote(*args)
+
+    task = filesystems._list_task
+    monkeypatch.setattr(filesystems, "_list_task", _Counting())
+    # 7 sub-prefixes: listed by 4 Ray tasks, the same objects in the same order
+    assert list_uris([f"s3://{BUCKET}/many"], (".jpg",), "image") == objs
+    assert [len(g) for g in launched] == [2, 2, 2, 1]
     globbed = list_uris([f"s3://{BUCKET}/many/3/*.jpg"], None, "image")
     assert [o.uri for o in globbed] == sorted(f"s3://{BUCKET}/{k}" for k in keys if k.startswith("many/3/"))
 

@@ -159,3 +159,18 @@ def test_a_missing_object_or_too_many_failures_name_the_uri(tmp_path):
     rf, _ = _flaky_files(tmp_path, 9, FileNotFoundError("gone"), cache=False)
     (got,) = list(rf.read_many(["flaky://0.bin"]))
     assert isinstance(got[1], FileNotFoundError) and "flaky://0.bin" in str(got[1])
+
+
+def test_an_fsspec_filesystem_lists_and_reads_through_the_same_path(tmp_path):
+    fsspec = pytest.importorskip("fsspec")
+    mem = fsspec.filesystem("memory")
+    for name, data in (("bkt/x/b.png", b"bb"), ("bkt/x/a.png", b"a"), ("bkt/x/sub/c.png", b"ccc")):
+        mem.pipe(f"memory://{name}", data)
+    objs = list_uris(["memory://bkt/x"], (".png",), "image", filesystem=mem)
+    assert [(o.uri, o.size) for o in objs] == [("memory://bkt/x/a.png", 1), ("memory://bkt/x/b.png", 2),
+                                               ("memory://bkt/x/sub/c.png", 3)]
+    rf = remote_files({o.uri: (o.size, o.mtime_ns) for o in objs}, mem, True, str(tmp_path), None, 2)
+    assert [b for _, b in rf.read_many([o.uri for o in objs])] == [b"a", b"bb", b"ccc"]
+    assert rf.read("memory://bkt/x/sub/c.png") == b"ccc"  # now from the cache
+    with open(rf.local("memory://bkt/x/b.png"), "rb") as f:
+        assert f.read() == b"bb"
