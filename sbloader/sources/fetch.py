@@ -256,6 +256,21 @@ class RemoteFiles:
                     _BACKGROUND[k] = _BACKGROUND.get(k, 0) + v
 
 
+def files_ahead(shared: Any, partition_id: int, count: int = 2) -> list[str]:
+    """The next ``count`` distinct files after partition ``partition_id``'s own, from a
+    source's ``shared()`` tuple of each partition's file (nothing when it is None)."""
+    if not shared:
+        return []
+    own = shared[partition_id] if partition_id < len(shared) else None
+    out: list[str] = []
+    for path in shared[partition_id + 1:]:
+        if path != own and path not in out:
+            out.append(path)
+            if len(out) == count:
+                break
+    return out
+
+
 def remote_files(versions: dict, filesystem: Any, cache: bool, cache_dir: Any, cache_max_bytes: Optional[int],
                  max_in_flight: int) -> Optional[RemoteFiles]:
     """The :class:`RemoteFiles` of a source whose listing found remote objects (``versions``)

@@ -232,6 +232,7 @@ class IOUnitSource:
     shuffle_window = IO_UNIT_SHUFFLE_WINDOW
     _files: list
     _parts: list
+    _remote: Any = None  # a RemoteFiles when the files are remote
 
     @property
     def files(self) -> list:
@@ -239,8 +240,11 @@ class IOUnitSource:
         return list(self._files)
 
     def shared(self) -> Any:
-        """Nothing is shared: each partition carries its file and range."""
-        return None
+        """Remote files cached: each partition's file by id (a read task fetches the next
+        partitions' files into the node's cache); otherwise nothing."""
+        if self._remote is None or not self._remote.cache.enabled:
+            return None
+        return tuple(p.payload.path for p in self._parts)
 
     def partitions(self, epoch: int, epoch_seed: int, shuffle: bool = False) -> list[Partition]:
         """The planned partitions; the same for every epoch."""

@@ -246,6 +246,10 @@ def _read_parquet_partition(shared: Any, partition: Partition, *, columns: Optio
                             on_error: str, remote: Any = None) -> Block:
     """Read one partition (a row range of one row group) into NumPy columns."""
     piece: Piece = partition.payload
+    if remote is not None:
+        from sbloader.sources.fetch import files_ahead
+
+        remote.prefetch(files_ahead(shared, partition.id))
     try:
         table = _read_rows(piece, columns, remote)
         return {name: _column_to_numpy(table.column(name)) for name in table.column_names}

@@ -183,7 +183,12 @@ def _read_video_partition(shared: Any, partition: Partition, *, clip_len: Option
     try:
         if piece.error:
             raise VideoDecodeError(f"cannot probe {piece.path!r}: {piece.error}")
-        source = remote.local(piece.path) if remote is not None else None
+        source = None
+        if remote is not None:
+            from sbloader.sources.fetch import files_ahead
+
+            remote.prefetch(files_ahead(shared, partition.id))
+            source = remote.local(piece.path)
         frames = decode_piece(piece, frame_stride=frame_stride, size=size, decode_threads=decode_threads,
                               source=source)
         return _to_block(piece, frames, clip_len, frame_stride)

@@ -174,3 +174,11 @@ def test_an_fsspec_filesystem_lists_and_reads_through_the_same_path(tmp_path):
     assert rf.read("memory://bkt/x/sub/c.png") == b"ccc"  # now from the cache
     with open(rf.local("memory://bkt/x/b.png"), "rb") as f:
         assert f.read() == b"bb"
+
+
+def test_files_ahead_are_the_next_distinct_files():
+    from sbloader.sources.fetch import files_ahead
+
+    shared = ("a", "a", "b", "b", "c", "d")
+    assert files_ahead(shared, 0) == ["b", "c"] and files_ahead(shared, 4) == ["d"] and files_ahead(shared, 5) == []
+    assert files_ahead(None, 0) == []
