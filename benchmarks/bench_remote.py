@@ -57,6 +57,12 @@ def _object_gets(endpoint: str) -> int:
         return int(json.loads(r.read())["object_gets"])
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _upload(moto: str, root: str) -> int:
     import boto3
     from concurrent.futures import ThreadPoolExecutor
@@ -99,18 +105,20 @@ def _s3fs(endpoint: str) -> Any:
                              region="us-east-1", scheme="http")
 
 
-def _epochs(make_iter: Callable[[], Any], images_of: Callable[[Any], Any], endpoint: Any,
+def _epochs(make_iter: Callable[[], Any], images_of: Callable[[Any], Any], endpoint: Any, server_pid: int,
             n_epochs: int = 2) -> list[dict]:
     out = []
     for _ in range(n_epochs):
         load0 = os.getloadavg()[0]
         before = _object_gets(endpoint) if endpoint else 0
+        cpu0 = _cpu_s(server_pid)
         t0 = time.perf_counter()
         n = 0
         for b in make_iter():
             n += int(images_of(b).shape[0])
         wall = time.perf_counter() - t0
-        r = {"images": n, "wall_s": wall, "images_per_s": n / wall, "loadavg1": load0}
+        r = {"images": n, "wall_s": wall, "images_per_s": n / wall, "loadavg1": load0,
+             "server_cpu_s": _cpu_s(server_pid) - cpu0}
         if endpoint:
             r["object_gets"] = _object_gets(endpoint) - before
         out.append(r)
@@ -146,7 +154,7 @@ def run_one(name: str, lat: str, cfg: dict) -> list[dict]:
                                   include_paths=True, shuffle="files").map_batches(w.rd_crop_flip_batch,
                                                                                    batch_format="numpy")
         make, of = (lambda: ds.iter_torch_batches(batch_size=BATCH)), (lambda b: b["image"])
-    return [dict(r, contender=name, latency_ms=lat, epoch=i + 1) for i, r in enumerate(_epochs(make, of, endpoint))]
+    return [dict(r, contender=name, latency_ms=lat, epoch=i + 1) for i, r in enumerate(_epochs(make, of, endpoint, cfg["server_pid"]))]
 
 
 def main() -> None:
@@ -164,7 +172,7 @@ def main() -> None:
     os.environ.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                        "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"})
     root = tempfile.mkdtemp(prefix="sbl-bench-remote-")
-    cfg: dict = {"proxies": info["proxies"], "root": root, "cleanup": [root]}
+    cfg: dict = {"proxies": info["proxies"], "root": root, "cleanup": [root], "server_pid": proc.pid}
     try:
         from sbloader.datagen import write_jpeg_folder
 
@@ -216,8 +224,11 @@ def _markdown(rows: list[dict], listing: dict, args: argparse.Namespace) -> str:
         for lat in (["0"] if name == "sbloader local" else lats):
             gets = [r.get("object_gets") for r in rows if r["contender"] == name and r["latency_ms"] == lat
                     and r["epoch"] == 2]
+            scpu = [r["server_cpu_s"] / r["images"] * 1000 for r in rows if r["contender"] == name
+                    and r["latency_ms"] == lat and r["epoch"] == 1]
             table.append({"contender": name, "latency ms": "local disk" if name == "sbloader local" else lat,
                           "epoch 1 img/s": med(name, lat, 1), "epoch 2 img/s": med(name, lat, 2),
+                          "store CPU ms/img, epoch 1": h.fmt_range(h.summarize(scpu), "{:.1f}"),
                           "epoch 2 object GETs": h.fmt_range(h.summarize(gets), "{:.0f}") if name != "sbloader local"
                           else "–"})
     ratios = []
@@ -232,7 +243,9 @@ def _markdown(rows: list[dict], listing: dict, args: argparse.Namespace) -> str:
             f"consumer idle; {args.rounds} interleaved rounds (median (min–max)); every epoch timed from the "
             f"iterator's creation (start-up included). moto serves on 127.0.0.1 in its own process; a proxy adds "
             f"the latency to every request (HEAD, GET, LIST). sbloader and Ray Data share one embedded Ray "
-            f"(num_cpus=2); torch's DataLoader runs 2 workers.\n\n"
+            f"(num_cpus=2); torch's DataLoader runs 2 workers. The store (moto + proxies, Python) runs on the "
+            f"same 2 cores: its CPU per image (column 'store CPU') is taken from the loaders, which a real "
+            f"object store would not do.\n\n"
             + h.markdown_table(table) + "\n\n**Ratios, per round** (median (min–max)):\n\n"
             + h.markdown_table(ratios)
             + f"\n\nListing: {listing['objects']} objects in {listing['seconds']:.3f} s "

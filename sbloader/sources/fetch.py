@@ -28,7 +28,7 @@ from sbloader.sources.cache import CacheConfig, cache_here
 from sbloader.sources.filesystems import resolve
 
 #: Requests a read task keeps in flight by default.
-DEFAULT_MAX_IN_FLIGHT = 16
+DEFAULT_MAX_IN_FLIGHT = 32
 
 _NOT_RETRYABLE_WORDS = ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "NoSuchBucket",
                         "NoSuchKey", "response code: 400", "response code: 401", "response code: 403",
