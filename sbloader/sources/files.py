@@ -132,7 +132,15 @@ def list_inputs(paths: Union[PathLike, Sequence[PathLike]], extensions: Optional
     """
     from sbloader.sources.filesystems import is_remote, list_uris
 
-    entries = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths) if not isinstance(paths, bytes) else [paths]
+    if isinstance(paths, (str, os.PathLike)):
+        entries = [paths]
+    else:
+        try:
+            entries = list(paths)
+        except TypeError:
+            raise TypeError(
+                f"paths must be a path, a URI, a glob or a list of those, found {type(paths).__name__}"
+            ) from None
     if filesystem is None and not any(is_remote(e) for e in entries):
         return list_files(paths, extensions, what, skip_prefixes), {}
     if not entries:
