@@ -237,8 +237,15 @@ class RemoteFiles:
         return self.local(uri)
 
     def prefetch(self, uris: Sequence[str]) -> None:
-        """Fetch objects into the cache in the background (nothing when the cache is off)."""
-        if not self.cache.enabled:
+        """Fetch objects into the cache in the background: only when the cache has room for
+        all of them now (a full cache admits nothing, so fetching ahead would read the
+        objects twice). Reads filling the cache meanwhile can still leave one out: it is
+        then read again when its partition runs."""
+        if not self.cache.enabled or not uris:
+            return
+        cache = cache_here(self.cache)
+        sizes = [self._version(u)[0] for u in uris]
+        if cache is None or any(s is None for s in sizes) or not cache.make_room(sum(sizes)):
             return
         pool = _pool(self.max_in_flight)
         for u in uris:
