@@ -17,6 +17,13 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only
 import pytest
 
 import sbloader
+from s3_server import S3Server, free_port, s3_environment
+
+# The S3-compatible server's endpoint (the fault proxy in front of moto) is fixed now,
+# before any Ray starts, so the session's Ray workers inherit it with the other AWS
+# variables: every S3 client in the tests (pyarrow, boto3) talks to 127.0.0.1 only.
+_S3_PROXY_PORT = free_port()
+os.environ.update(s3_environment(f"http://127.0.0.1:{_S3_PROXY_PORT}"))
 
 # More logical CPUs than the 2 cores, so a pipeline never waits on its own bookkeeping.
 TEST_CPUS = 8
@@ -36,6 +43,15 @@ def ray_session():
     info = sbloader.init(num_cpus=TEST_CPUS, object_store_memory=512 * 2**20)
     yield info
     sbloader.shutdown()
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server on a free port of 127.0.0.1 with the fault proxy in front (on the
+    port the AWS variables name), started on first use and stopped at the end."""
+    server = S3Server.start(_S3_PROXY_PORT)
+    yield server
+    server.stop()
 
 
 @pytest.fixture(autouse=True)

@@ -64,6 +64,8 @@ class BlockMeta:
         pid: the process that produced the block.
         batch_rows: samples in each row, when the producer said (its
             ``BATCH_ROWS_COLUMN``); empty otherwise.
+        counters: ``(name, count)`` pairs the read reported (remote sources: cache
+            hits and misses, bytes read, retries); empty otherwise.
     """
 
     epoch: int
@@ -77,6 +79,7 @@ class BlockMeta:
     skipped: int = 0
     pid: int = 0
     batch_rows: tuple = ()
+    counters: tuple = ()
 
     def __post_init__(self) -> None:
         if self.num_rows < 0 or self.nbytes < 0:

@@ -41,6 +41,7 @@ class TaskContext:
     rng: np.random.Generator = field(repr=False)
     skipped: int = 0
     skipped_paths: list = field(default_factory=list, repr=False)
+    counters: dict = field(default_factory=dict, repr=False)
 
 
 def get_context() -> Optional[TaskContext]:
@@ -97,6 +98,21 @@ def report_skipped(path: str, reason: str, rows: int = 1) -> None:
     if ctx is not None:
         ctx.skipped += rows
         ctx.skipped_paths.append(path)
+
+
+def report_counters(counts: dict) -> None:
+    """Add named counts (a source's cache hits, bytes read...) to the running task's
+    context; they reach ``stats()`` as the operator's ``counters``. Outside a task, nothing.
+
+    Args:
+        counts: name -> integer to add (zeros are left out).
+    """
+    ctx = get_context()
+    if ctx is None:
+        return
+    for k, v in counts.items():
+        if v:
+            ctx.counters[k] = ctx.counters.get(k, 0) + int(v)
 
 
 _ACTOR_INFO: dict[str, int] = {}

@@ -29,6 +29,9 @@ class OperatorStats:
             to their start (Ray's scheduling queue).
         pool_limit: (actor stages) the most actors the pool may have: its maximum, or
             the room the other stages' reservations leave.
+        counters: named counts the stage's reads reported (remote sources:
+            ``cache_hits``, ``cache_misses``, ``bytes_read`` from the store,
+            ``cache_bytes`` read from the node-local cache, ``retries``, ``not_admitted``).
     """
 
     name: str
@@ -46,6 +49,7 @@ class OperatorStats:
     construction_s: float = 0.0
     resource_wait_s: float = 0.0
     pool_limit: int = 0
+    counters: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -120,6 +124,8 @@ class ExecutionStats:
                 built = f", construction {o.construction_s / o.actors_ready:.2f}s each" if o.actors_ready else ""
                 lines.append(f"  pool: {o.actors_created} constructed (limit {o.pool_limit}), {o.actors_retired} "
                              f"retired, {o.actors_lost} lost{built}")
+            if o.counters:
+                lines.append("  reads: " + ", ".join(f"{k} {v}" for k, v in sorted(o.counters.items())))
         first = f"{self.first_block_s:.3f}s" if self.first_block_s is not None else "n/a"
         lines.append(
             f"wall {self.wall_s:.2f}s, first block {first}, peak held {self.peak_held_bytes / 2**20:.1f} MiB "

@@ -13,7 +13,8 @@ import numpy as np
 
 from sbloader.core.plan import resolve_rows_per_partition
 from sbloader.dataset.dataset import Dataset
-from sbloader.sources.files import PathLike, check_on_error, check_size, files_per_partition_for, list_files
+from sbloader.sources.fetch import DEFAULT_MAX_IN_FLIGHT, remote_files
+from sbloader.sources.files import PathLike, check_on_error, check_size, files_per_partition_for, list_inputs
 from sbloader.sources.images import DEFAULT_FILES_PER_PARTITION, IMAGE_EXTENSIONS, ImageSource, check_mode
 from sbloader.sources.memory import ItemsSource, RangeSource, TorchSource, _parallelism
 from sbloader.sources.parquet import PARQUET_EXTENSIONS, ParquetSource, _check_columns, gather_footers
@@ -76,6 +77,11 @@ def read_images(
     num_partitions: Optional[int] = None,
     extensions: Optional[Sequence[str]] = IMAGE_EXTENSIONS,
     decode: bool = True,
+    filesystem: Any = None,
+    cache: bool = True,
+    cache_dir: Optional[str] = None,
+    cache_max_bytes: Optional[int] = None,
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
 ) -> Dataset:
     """A dataset of images decoded with Pillow: columns ``image`` and ``path``.
 
@@ -123,6 +129,18 @@ def read_images(
             percent of the workers' CPU: ``benchmarks/results/images.md``). ``size`` and ``mode`` then do not apply, and
             ``on_error`` covers reading the file only: a corrupt image raises (or is
             skipped) where the ``map_batches`` function decodes it.
+        filesystem: a ``pyarrow.fs.FileSystem`` or fsspec filesystem to read every
+            path through (None: local paths from the OS; ``s3://``, ``gs://``,
+            ``abfs://``, ``hdfs://`` URIs through ``pyarrow.fs`` with credentials and
+            endpoint from the environment; other schemes through fsspec). See
+            ``docs/remote_data.md``.
+        cache: keep remote objects in a node-local disk cache, so a later epoch reads
+            no object bytes from the store (remote sources only).
+        cache_dir: the cache's directory on every node (default
+            ``$SBLOADER_CACHE_DIR``, else ``<tmp>/sbloader-cache-<uid>``).
+        cache_max_bytes: bound on the cache's bytes per node (None: unbounded); when
+            full, new objects are read without being cached, never waiting for room.
+        max_in_flight: requests to the store a read task keeps in flight.
 
     Returns:
         A lazy :class:`~sbloader.dataset.dataset.Dataset`.
@@ -139,9 +157,10 @@ def read_images(
     size = check_size(size)
     if isinstance(extensions, str):
         extensions = (extensions,)
-    files = list_files(paths_or_dir, extensions, "image")
+    files, versions = list_inputs(paths_or_dir, extensions, "image", filesystem=filesystem)
+    remote = remote_files(versions, filesystem, cache, cache_dir, cache_max_bytes, max_in_flight)
     fpp = files_per_partition_for(len(files), files_per_partition, num_partitions, DEFAULT_FILES_PER_PARTITION)
-    return Dataset(ImageSource(files, fpp, size, mode, on_error, decode))
+    return Dataset(ImageSource(files, fpp, size, mode, on_error, decode, remote))
 
 
 def read_parquet(
@@ -151,6 +170,10 @@ def read_parquet(
     on_error: str = "raise",
     rows_per_partition: Optional[int] = None,
     extensions: Optional[Sequence[str]] = PARQUET_EXTENSIONS,
+    filesystem: Any = None,
+    cache: bool = True,
+    cache_dir: Optional[str] = None,
+    cache_max_bytes: Optional[int] = None,
 ) -> Dataset:
     """A dataset over Parquet files: one partition per row group, NumPy columns.
 
@@ -179,6 +202,17 @@ def read_parquet(
         extensions: extensions kept when listing a directory or a glob
             (case-insensitive); None keeps every file. Files named explicitly are
             always read.
+        filesystem: a ``pyarrow.fs.FileSystem`` or fsspec filesystem to read every
+            path through (None: local paths from the OS; ``s3://``, ``gs://``,
+            ``abfs://``, ``hdfs://`` URIs through ``pyarrow.fs`` with credentials and
+            endpoint from the environment; other schemes through fsspec). See
+            ``docs/remote_data.md``.
+        cache: keep remote files (whole) in a node-local disk cache, so a later epoch reads
+            no object bytes from the store (remote sources only).
+        cache_dir: the cache's directory on every node (default
+            ``$SBLOADER_CACHE_DIR``, else ``<tmp>/sbloader-cache-<uid>``).
+        cache_max_bytes: bound on the cache's bytes per node (None: unbounded); when
+            full, new objects are read without being cached, never waiting for room.
 
     Returns:
         A lazy :class:`~sbloader.dataset.dataset.Dataset`.
@@ -196,8 +230,9 @@ def read_parquet(
         raise ValueError(f"rows_per_partition must be a positive integer or None, found {rows_per_partition!r}")
     if isinstance(extensions, str):
         extensions = (extensions,)
-    files = list_files(paths, extensions, "parquet", skip_prefixes=(".", "_"))
-    metas = gather_footers(files)
+    files, versions = list_inputs(paths, extensions, "parquet", skip_prefixes=(".", "_"), filesystem=filesystem)
+    remote = remote_files(versions, filesystem, cache, cache_dir, cache_max_bytes, DEFAULT_MAX_IN_FLIGHT)
+    metas = gather_footers(files, filesystem)
     if cols is not None:
         for fm in metas:
             if fm.error:
@@ -209,7 +244,7 @@ def read_parquet(
                     f"Fix columns=, or pass columns=None to read every column"
                 )
     rpp = int(rows_per_partition) if rows_per_partition is not None else None
-    return Dataset(ParquetSource(metas, cols, on_error, rpp))
+    return Dataset(ParquetSource(metas, cols, on_error, rpp, remote))
 
 
 def read_videos(
@@ -222,6 +257,10 @@ def read_videos(
     on_error: str = "raise",
     decode_threads: int = 1,
     extensions: Optional[Sequence[str]] = VIDEO_EXTENSIONS,
+    filesystem: Any = None,
+    cache: bool = True,
+    cache_dir: Optional[str] = None,
+    cache_max_bytes: Optional[int] = None,
 ) -> Dataset:
     """A dataset of video frames or clips decoded with PyAV (on the cluster's CPUs).
 
@@ -262,6 +301,17 @@ def read_videos(
         extensions: extensions kept when listing a directory or a glob
             (case-insensitive); None keeps every file. Files named explicitly are
             always read.
+        filesystem: a ``pyarrow.fs.FileSystem`` or fsspec filesystem to read every
+            path through (None: local paths from the OS; ``s3://``, ``gs://``,
+            ``abfs://``, ``hdfs://`` URIs through ``pyarrow.fs`` with credentials and
+            endpoint from the environment; other schemes through fsspec). See
+            ``docs/remote_data.md``.
+        cache: keep remote objects in a node-local disk cache, so a later epoch reads
+            no object bytes from the store (remote sources only).
+        cache_dir: the cache's directory on every node (default
+            ``$SBLOADER_CACHE_DIR``, else ``<tmp>/sbloader-cache-<uid>``).
+        cache_max_bytes: bound on the cache's bytes per node (None: unbounded); when
+            full, new objects are read without being cached, never waiting for room.
 
     Returns:
         A lazy :class:`~sbloader.dataset.dataset.Dataset`.
@@ -284,9 +334,10 @@ def read_videos(
         raise ImportError(f"read_videos needs PyAV: pip install av ({e})") from e
     if isinstance(extensions, str):
         extensions = (extensions,)
-    files = list_files(paths, extensions, "video")
+    files, versions = list_inputs(paths, extensions, "video", filesystem=filesystem)
+    remote = remote_files(versions, filesystem, cache, cache_dir, cache_max_bytes, DEFAULT_MAX_IN_FLIGHT)
     unit = frame_stride * (clip_len or 1)
     span = max(1, fpp // unit) * unit if fpp is not None else None
-    metas = gather_probes(files, span)
+    metas = gather_probes(files, span, remote)
     return Dataset(VideoSource(metas, clip_len=clip_len, frame_stride=frame_stride, frames_per_partition=span,
-                               size=size, on_error=on_error, decode_threads=int(decode_threads)))
+                               size=size, on_error=on_error, decode_threads=int(decode_threads), remote=remote))

@@ -327,6 +327,8 @@ class Scheduler:
         st.rows, st.blocks, st.bytes = st.rows + meta.num_rows, st.blocks + 1, st.bytes + meta.nbytes
         st.task_s += meta.task_s
         st.skipped += meta.skipped
+        for k, v in meta.counters:
+            st.counters[k] = st.counters.get(k, 0) + v
         self.sizing.observe(i, meta, st.blocks, last)
         self.bars.update(i, meta.num_rows)
         out = OutputBlock(run.block_ref, meta, lease)

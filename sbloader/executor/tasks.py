@@ -131,7 +131,8 @@ def _node_id() -> str:
     return _NODE_ID[0]
 
 
-def _make_meta(block: Block, info: EpochInfo, partition_id: int, seq: int, t0: float, skipped: int) -> BlockMeta:
+def _make_meta(block: Block, info: EpochInfo, partition_id: int, seq: int, t0: float, skipped: int,
+               counters: Optional[dict] = None) -> BlockMeta:
     rows = block.get(ROW_COLUMN)
     rr = (int(rows.min()), int(rows.max()) + 1) if rows is not None and len(rows) else (0, 0)
     return BlockMeta(
@@ -146,6 +147,7 @@ def _make_meta(block: Block, info: EpochInfo, partition_id: int, seq: int, t0: f
         skipped=skipped,
         pid=os.getpid(),
         batch_rows=tuple(int(n) for n in block[BATCH_ROWS_COLUMN]) if BATCH_ROWS_COLUMN in block else (),
+        counters=tuple(sorted(counters.items())) if counters else (),
     )
 
 
@@ -172,8 +174,10 @@ def apply_ops(ops: Sequence[Op], block: Block, info: EpochInfo, partition_id: in
     return block, skipped
 
 
-def read_partition(reader_and_shared: tuple, partition: Partition, info: EpochInfo, name: str) -> tuple[Block, int]:
-    """Read a partition, attach the row column and apply the epoch's row shuffle."""
+def read_partition(reader_and_shared: tuple, partition: Partition, info: EpochInfo, name: str,
+                   counters: Optional[dict] = None) -> tuple[Block, int]:
+    """Read a partition, attach the row column and apply the epoch's row shuffle; the
+    counts the read reported (:func:`~sbloader.core.context.report_counters`) are added to ``counters``."""
     reader, shared = reader_and_shared
     ctx = task_context(info.epoch, info.epoch_seed, partition.id, name, -1)
     try:
@@ -191,6 +195,9 @@ def read_partition(reader_and_shared: tuple, partition: Partition, info: EpochIn
         block[ROW_COLUMN] = np.arange(n, dtype=np.int64)
     if info.shuffle_rows and n > 1:
         block = take(block, row_permutation(n, info.epoch_seed, partition.id))
+    if counters is not None:
+        for k, v in c.counters.items():
+            counters[k] = counters.get(k, 0) + v
     return block, c.skipped
 
 
@@ -204,9 +211,10 @@ def read_partitions(reader_and_shared: tuple, partitions: Sequence[Partition], s
     out: list = []
     for j, (part, seq) in enumerate(zip(partitions, seqs)):
         t0 = time.perf_counter()
-        block, skipped = read_partition(rs, part, info, name)
+        counters: dict = {}
+        block, skipped = read_partition(rs, part, info, name, counters)
         block, skipped2 = apply_ops(ops, block, info, part.id, fns=fns)
-        meta = _make_meta(block, info, part.id, seq, t0, skipped + skipped2)
+        meta = _make_meta(block, info, part.id, seq, t0, skipped + skipped2, counters)
         out += [store_here(block, leases[j] if leases else None, _node_id()), meta]
     return tuple(out)
 

@@ -112,6 +112,55 @@ def list_files(paths: Union[PathLike, Sequence[PathLike]], extensions: Optional[
     return out
 
 
+def list_inputs(paths: Union[PathLike, Sequence[PathLike]], extensions: Optional[Sequence[str]], what: str,
+                skip_prefixes: tuple[str, ...] = (".",), filesystem: Any = None) -> tuple[list[str], dict]:
+    """List local paths (as :func:`list_files`) and remote URIs (``s3://``, ``gs://``,
+    ``https://``...: :func:`~sbloader.sources.filesystems.list_uris`), entry by entry in
+    the order given.
+
+    Args:
+        paths: local paths, URIs, globs of either, or a list of those.
+        extensions: extensions to keep when listing (None: every file).
+        what: what the caller reads, for error messages (``"image"``).
+        skip_prefixes: name prefixes a listing leaves out.
+        filesystem: a ``pyarrow.fs.FileSystem`` or fsspec filesystem that every entry
+            is read through (None: local paths from the OS, URIs by their scheme).
+
+    Returns:
+        The paths and URIs, and ``{uri: (size, mtime_ns)}`` for the remote ones (what
+        the read tasks' cache checks entries against).
+    """
+    from sbloader.sources.filesystems import is_remote, list_uris
+
+    if isinstance(paths, (str, os.PathLike)):
+        entries = [paths]
+    else:
+        try:
+            entries = list(paths)
+        except TypeError:
+            raise TypeError(
+                f"paths must be a path, a URI, a glob or a list of those, found {type(paths).__name__}"
+            ) from None
+    if filesystem is None and not any(is_remote(e) for e in entries):
+        return list_files(paths, extensions, what, skip_prefixes), {}
+    if not entries:
+        raise ValueError(f"read_{what}s needs at least one path, found an empty list")
+    exts = tuple(e.lower() if e.startswith(".") else "." + e.lower() for e in extensions) if extensions else None
+    out: list[str] = []
+    versions: dict = {}
+    for entry in entries:
+        if not isinstance(entry, (str, os.PathLike)):
+            raise TypeError(f"each path must be a str or os.PathLike, found {entry!r}")
+        e = os.fspath(entry)
+        if filesystem is None and not is_remote(e):
+            out.extend(list_files(e, extensions, what, skip_prefixes))
+            continue
+        for obj in list_uris([e], exts, what, skip_prefixes, filesystem):
+            out.append(obj.uri)
+            versions[obj.uri] = (obj.size, obj.mtime_ns)
+    return out, versions
+
+
 def _walk(root: str, keep: Callable[[str], bool], skip_prefixes: tuple[str, ...]) -> Iterable[str]:
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
         dirnames[:] = [d for d in dirnames if not d.startswith(skip_prefixes)]
@@ -191,6 +240,7 @@ class IOUnitSource:
     shuffle_window = IO_UNIT_SHUFFLE_WINDOW
     _files: list
     _parts: list
+    _remote: Any = None  # a RemoteFiles when the files are remote
 
     @property
     def files(self) -> list:
@@ -198,8 +248,11 @@ class IOUnitSource:
         return list(self._files)
 
     def shared(self) -> Any:
-        """Nothing is shared: each partition carries its file and range."""
-        return None
+        """Remote files cached: each partition's file by id (a read task fetches the next
+        partitions' files into the node's cache); otherwise nothing."""
+        if self._remote is None or not self._remote.cache.enabled:
+            return None
+        return tuple(p.payload.path for p in self._parts)
 
     def partitions(self, epoch: int, epoch_seed: int, shuffle: bool = False) -> list[Partition]:
         """The planned partitions; the same for every epoch."""

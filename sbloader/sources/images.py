@@ -23,6 +23,7 @@ from sbloader.core.block import ROW_COLUMN, Block, to_column
 from sbloader.core.context import report_skipped
 from sbloader.core.plan import cut_members, member_positions
 from sbloader.sources.base import Partition
+from sbloader.sources.fetch import RemoteFiles
 from sbloader.sources.files import read_error
 
 #: Files per partition when neither ``files_per_partition`` nor ``num_partitions`` is given:
@@ -36,6 +37,10 @@ DEFAULT_FILES_PER_PARTITION = 64
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
 
 _MODES = ("RGB", "RGBA", "L", None)
+
+#: Partitions after its own (by id) whose remote objects a read task fetches into the
+#: node's cache while it decodes.
+PREFETCH_PARTITIONS = 1
 
 
 def check_mode(mode: Any) -> None:
@@ -134,17 +139,38 @@ def _read_bytes(path: str) -> bytes:
         return f.read()
 
 
+def _then_prefetch(items: Any, remote: RemoteFiles, uris: Sequence[str]) -> Any:
+    """Yield ``items``, starting the prefetch of ``uris`` once the first item is back."""
+    first = True
+    for item in items:
+        yield item
+        if first:
+            remote.prefetch(uris)
+            first = False
+
+
 def _read_image_files(shared: Any, partition: Partition, *, size: Optional[tuple[int, int]],
-                      mode: Optional[str], on_error: str, decode: bool = True) -> Block:
+                      mode: Optional[str], on_error: str, decode: bool = True,
+                      remote: Optional[RemoteFiles] = None) -> Block:
     """Decode (or, with ``decode=False``, read) the files of one partition into columns
-    ``image`` and ``path``."""
+    ``image`` and ``path``. With ``remote``, the objects are fetched many at once (and
+    through the node's cache) while the ones already back are decoded, in order."""
     paths: Sequence[str] = partition.payload
     images: list[Any] = []
     kept: list[str] = []
     rows: list[int] = []
-    for i, path in enumerate(paths):
+    fetched = remote.read_many(paths) if remote is not None else ((p, None) for p in paths)
+    if remote is not None and shared is not None:
+        # The next partitions' objects go into the node's cache behind this one's requests.
+        nxt = [u for k in range(1, PREFETCH_PARTITIONS + 1) if partition.id + k < len(shared)
+               for u in shared[partition.id + k]]
+        fetched = _then_prefetch(fetched, remote, nxt)
+    for i, (path, got) in enumerate(fetched):
         try:
-            arr = _decode(path, size, mode) if decode else _read_bytes(path)
+            if isinstance(got, BaseException):
+                raise got
+            data = got if got is not None else _read_bytes(path)
+            arr = _decode_bytes(data, size, mode, name=path) if decode else data
         except Exception as e:
             what = "decode the image" if decode else "read the file"
             if on_error == "skip":
@@ -181,14 +207,17 @@ class ImageSource:
         mode: Pillow mode of the output (``"RGB"``, ``"RGBA"``, ``"L"``) or None.
         on_error: ``"raise"`` or ``"skip"``.
         decode: decode in the read (``image`` arrays), or hand on the encoded bytes.
+        remote: how the read tasks fetch remote objects (None: every path is local).
     """
 
     name = "Images"
     shuffle_window = 1  # under shuffle every partition is a uniform sample of the files
 
     def __init__(self, paths: Sequence[str], files_per_partition: int, size: Optional[tuple[int, int]],
-                 mode: Optional[str], on_error: str, decode: bool = True) -> None:
+                 mode: Optional[str], on_error: str, decode: bool = True,
+                 remote: Optional[RemoteFiles] = None) -> None:
         self._decode = bool(decode)
+        self._remote = remote
         self._paths = list(paths)
         self._fpp = int(files_per_partition)
         self._size = size
@@ -202,8 +231,11 @@ class ImageSource:
         return list(self._paths)
 
     def shared(self) -> Any:
-        """Nothing is shared: each partition carries its own file names."""
-        return None
+        """Remote objects cached: the epoch's partitions' URIs by id (a read task prefetches the
+        next ones into the node's cache); otherwise nothing (each partition carries its files)."""
+        if self._remote is None or not self._remote.cache.enabled or self._parts is None:
+            return None
+        return tuple(p.payload for p in self._parts[1])
 
     def partitions(self, epoch: int, epoch_seed: int, shuffle: bool = False) -> list[Partition]:
         """Runs of ``files_per_partition`` files of the listing: in its order (the same every
@@ -223,7 +255,7 @@ class ImageSource:
     def reader(self) -> Callable[[Any, Partition], Block]:
         """The module-level decode function with this source's options bound."""
         return functools.partial(_read_image_files, size=self._size, mode=self._mode, on_error=self._on_error,
-                                 decode=self._decode)
+                                 decode=self._decode, remote=self._remote)
 
     def num_rows(self) -> Optional[int]:
         """Files listed (rows delivered, unless some are skipped under ``on_error="skip"``)."""

@@ -83,16 +83,24 @@ class ParquetFooterError(OSError):
     """The footer of a Parquet file could not be read when the dataset was planned."""
 
 
-def read_footer(path: str) -> FileMeta:
+def read_footer(path: str, filesystem: Any = None) -> FileMeta:
     """Read one file's footer; a failure is recorded in ``FileMeta.error``, never raised.
 
     Args:
-        path: the file.
+        path: the file, or an object's URI (only the footer's bytes are read: range requests).
+        filesystem: the user's ``filesystem=`` for URIs (None: each URI's scheme decides).
     """
     import pyarrow.parquet as pq
 
+    from sbloader.sources.filesystems import is_remote, resolve
+
     try:
-        md = pq.read_metadata(path)
+        if is_remote(path) or filesystem is not None:
+            fs, inner = resolve(path, filesystem)
+            with fs.open_input_file(inner) as f:
+                md = pq.read_metadata(f)
+        else:
+            md = pq.read_metadata(path)
         names = tuple(md.schema.to_arrow_schema().names)
         rgs = tuple(int(md.row_group(i).num_rows) for i in range(md.num_row_groups))
         return FileMeta(path, rgs, names)
@@ -100,30 +108,38 @@ def read_footer(path: str) -> FileMeta:
         return FileMeta(path, (), (), repr(e))
 
 
-def read_footers(paths: Sequence[str]) -> list[FileMeta]:
-    """Read the footers of several files (see :func:`read_footer`)."""
-    return [read_footer(p) for p in paths]
+def read_footers(paths: Sequence[str], filesystem: Any = None) -> list[FileMeta]:
+    """Read the footers of several files (see :func:`read_footer`); remote ones several at once."""
+    from sbloader.sources.filesystems import is_remote
+
+    if len(paths) > 1 and (filesystem is not None or any(is_remote(p) for p in paths)):
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=min(16, len(paths))) as pool:
+            return list(pool.map(lambda p: read_footer(p, filesystem), paths))
+    return [read_footer(p, filesystem) for p in paths]
 
 
 _read_footers_task = ray.remote(num_cpus=1, max_retries=3)(read_footers)
 
 
-def gather_footers(paths: Sequence[str]) -> list[FileMeta]:
+def gather_footers(paths: Sequence[str], filesystem: Any = None) -> list[FileMeta]:
     """Footers of every file: in the driver for a handful, else in remote Ray tasks.
 
     Args:
-        paths: the files, in order.
+        paths: the files (or URIs), in order.
+        filesystem: the user's ``filesystem=`` for URIs.
 
     Returns:
         One :class:`FileMeta` per path, in the same order.
     """
     if len(paths) <= DRIVER_FOOTER_MAX_FILES:
-        return read_footers(paths)
+        return read_footers(paths, filesystem)
     from sbloader.runtime.session import cluster_cpus, ensure_initialized
 
     ensure_initialized()
     per_task = max(_MIN_FILES_PER_FOOTER_TASK, math.ceil(len(paths) / max(1, int(2 * cluster_cpus()))))
-    refs = [_read_footers_task.remote(list(paths[i:i + per_task])) for i in range(0, len(paths), per_task)]
+    refs = [_read_footers_task.remote(list(paths[i:i + per_task]), filesystem) for i in range(0, len(paths), per_task)]
     return [m for chunk in ray.get(refs) for m in chunk]
 
 
@@ -174,14 +190,24 @@ def _column_to_numpy(col: Any) -> np.ndarray:
     return col.to_numpy()
 
 
-def _read_rows(piece: Piece, columns: Optional[Sequence[str]]) -> Any:
+def _open(piece: Piece, remote: Any) -> Any:
+    """A ``ParquetFile`` of the piece: a local file (or a remote object's cache entry) with
+    its footer parsed once per process; with the cache off, the object itself (range reads)."""
+    import pyarrow.parquet as pq
+
+    src = remote.local_or_random_access(piece.path) if remote is not None else piece.path
+    if isinstance(src, str):
+        return pq.ParquetFile(src, metadata=cached_footer(src))
+    return pq.ParquetFile(src)
+
+
+def _read_rows(piece: Piece, columns: Optional[Sequence[str]], remote: Any = None) -> Any:
     """Rows ``[start, stop)`` of the piece's row group as an Arrow table."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     if piece.error:
         raise ParquetFooterError(f"cannot read the Parquet footer of {piece.path!r}: {piece.error}")
-    pf = pq.ParquetFile(piece.path, metadata=cached_footer(piece.path))
+    pf = _open(piece, remote)
     names = pf.schema_arrow.names
     if columns is not None:
         missing = [c for c in columns if c not in names]
@@ -217,11 +243,15 @@ def _read_rows(piece: Piece, columns: Optional[Sequence[str]]) -> Any:
 
 
 def _read_parquet_partition(shared: Any, partition: Partition, *, columns: Optional[tuple[str, ...]],
-                            on_error: str) -> Block:
+                            on_error: str, remote: Any = None) -> Block:
     """Read one partition (a row range of one row group) into NumPy columns."""
     piece: Piece = partition.payload
+    if remote is not None:
+        from sbloader.sources.fetch import files_ahead
+
+        remote.prefetch(files_ahead(shared, partition.id))
     try:
-        table = _read_rows(piece, columns)
+        table = _read_rows(piece, columns, remote)
         return {name: _column_to_numpy(table.column(name)) for name in table.column_names}
     except Exception as e:
         if on_error == "skip":
@@ -244,13 +274,16 @@ class ParquetSource(IOUnitSource):
         columns: columns to read (None: all).
         on_error: ``"raise"`` or ``"skip"``.
         rows_per_partition: split row groups larger than this (None: never).
+        remote: how the read tasks fetch remote objects
+            (:class:`~sbloader.sources.fetch.RemoteFiles`; None: every path is local).
     """
 
     name = "Parquet"
 
     def __init__(self, files: Sequence[FileMeta], columns: Optional[tuple[str, ...]], on_error: str,
-                 rows_per_partition: Optional[int]) -> None:
+                 rows_per_partition: Optional[int], remote: Any = None) -> None:
         self._files = list(files)
+        self._remote = remote
         self._columns = columns
         self._on_error = on_error
         self._rpp = rows_per_partition
@@ -276,7 +309,8 @@ class ParquetSource(IOUnitSource):
 
     def reader(self) -> Callable[[Any, Partition], Block]:
         """The module-level read function with this source's options bound."""
-        return functools.partial(_read_parquet_partition, columns=self._columns, on_error=self._on_error)
+        return functools.partial(_read_parquet_partition, columns=self._columns, on_error=self._on_error,
+                                 remote=self._remote)
 
     def fingerprint(self) -> dict:
         """Type, row and partition counts, and a digest of the files and their row groups."""

@@ -8,7 +8,7 @@ files) otherwise, as ``read_parquet`` reads footers.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 import ray
@@ -97,7 +97,7 @@ def seek_points(pts: Sequence[Optional[int]], dts: Sequence[Optional[int]], keyf
     return tuple(out)
 
 
-def probe_video(path: str, span: Optional[int] = None) -> VideoMeta:
+def probe_video(path: str, span: Optional[int] = None, remote: Any = None) -> VideoMeta:
     """Count the frames of a file's first video stream and find its seek points.
 
     Demuxes the stream (reads every packet, decodes none). A failure is recorded
@@ -106,11 +106,14 @@ def probe_video(path: str, span: Optional[int] = None) -> VideoMeta:
     Args:
         path: the file.
         span: frames per range (None: the whole file is one range).
+        remote: how to fetch a remote object (:class:`~sbloader.sources.fetch.RemoteFiles`:
+            the probe leaves it in the node's cache for the reads); None: ``path`` is local.
     """
     try:
         import av
 
-        with av.open(path, metadata_errors="ignore") as container:
+        source = remote.local(path) if remote is not None else path
+        with av.open(source, metadata_errors="ignore") as container:
             if not container.streams.video:
                 kinds = sorted({s.type for s in container.streams}) or ["none"]
                 raise VideoDecodeError(f"no video stream (streams: {kinds})")
@@ -131,31 +134,32 @@ def probe_video(path: str, span: Optional[int] = None) -> VideoMeta:
         return VideoMeta(path, 0, (), repr(e))
 
 
-def probe_videos(paths: Sequence[str], span: Optional[int] = None) -> list[VideoMeta]:
+def probe_videos(paths: Sequence[str], span: Optional[int] = None, remote: Any = None) -> list[VideoMeta]:
     """Probe several files (see :func:`probe_video`)."""
-    return [probe_video(p, span) for p in paths]
+    return [probe_video(p, span, remote) for p in paths]
 
 
 _probe_task = ray.remote(num_cpus=1, max_retries=3)(probe_videos)
 
 
-def gather_probes(paths: Sequence[str], span: Optional[int] = None) -> list[VideoMeta]:
+def gather_probes(paths: Sequence[str], span: Optional[int] = None, remote: Any = None) -> list[VideoMeta]:
     """Probe every file: in the driver for a handful, else in remote Ray tasks.
 
     Args:
         paths: the files, in order.
         span: frames per range (None: one range per file).
+        remote: how to fetch remote objects (None: every path is local).
 
     Returns:
         One :class:`VideoMeta` per path, in the same order.
     """
     if len(paths) <= DRIVER_PROBE_MAX_FILES:
-        return probe_videos(paths, span)
+        return probe_videos(paths, span, remote)
     from sbloader.runtime.session import cluster_cpus, ensure_initialized
 
     ensure_initialized()
     per_task = max(_MIN_FILES_PER_PROBE_TASK, math.ceil(len(paths) / max(1, int(2 * cluster_cpus()))))
-    refs = [_probe_task.remote(list(paths[i:i + per_task]), span) for i in range(0, len(paths), per_task)]
+    refs = [_probe_task.remote(list(paths[i:i + per_task]), span, remote) for i in range(0, len(paths), per_task)]
     return [m for chunk in ray.get(refs) for m in chunk]
 
 

@@ -67,7 +67,7 @@ def _to_rgb(frame: Any, size: Optional[tuple[int, int]]) -> np.ndarray:
 
 
 def _decode_once(piece: VideoPiece, seek: bool, stride: int, size: Optional[tuple[int, int]],
-                 threads: int) -> tuple[list[np.ndarray], int]:
+                 threads: int, source: Any = None) -> tuple[list[np.ndarray], int]:
     """One attempt at frames ``[start, stop)``: the RGB arrays of every ``stride``-th
     frame, and how many frames of the range were seen (-1: the seek landed late)."""
     import av
@@ -75,7 +75,9 @@ def _decode_once(piece: VideoPiece, seek: bool, stride: int, size: Optional[tupl
     want = piece.stop - piece.start
     kept: list[np.ndarray] = []
     got = 0
-    with av.open(piece.path, metadata_errors="ignore") as container:
+    if hasattr(source, "seek"):
+        source.seek(0)
+    with av.open(source if source is not None else piece.path, metadata_errors="ignore") as container:
         if not container.streams.video:
             raise VideoDecodeError("no video stream")
         stream = container.streams.video[0]
@@ -109,7 +111,7 @@ def _decode_once(piece: VideoPiece, seek: bool, stride: int, size: Optional[tupl
 
 
 def decode_piece(piece: VideoPiece, *, frame_stride: int = 1, size: Optional[tuple[int, int]] = None,
-                 decode_threads: int = 1) -> list[np.ndarray]:
+                 decode_threads: int = 1, source: Any = None) -> list[np.ndarray]:
     """Decode frames ``start, start + frame_stride, ...`` below ``stop`` of one piece.
 
     Seeks when the piece has a seek point; if the decoder does not land where the
@@ -120,6 +122,8 @@ def decode_piece(piece: VideoPiece, *, frame_stride: int = 1, size: Optional[tup
         frame_stride: keep every ``frame_stride``-th frame of the range.
         size: resize to ``(width, height)`` (bilinear), or None.
         decode_threads: FFmpeg decoder threads (0: FFmpeg picks).
+        source: what to open instead of ``piece.path`` (a remote object's cache
+            entry, or its bytes in a buffer).
 
     Returns:
         ``HxWx3`` ``uint8`` RGB arrays.
@@ -130,9 +134,9 @@ def decode_piece(piece: VideoPiece, *, frame_stride: int = 1, size: Optional[tup
     """
     want = piece.stop - piece.start
     seek = piece.seek_ts is not None and piece.start_pts is not None
-    kept, got = _decode_once(piece, seek, frame_stride, size, decode_threads)
+    kept, got = _decode_once(piece, seek, frame_stride, size, decode_threads, source)
     if got != want and seek:
-        kept, got = _decode_once(piece, False, frame_stride, size, decode_threads)
+        kept, got = _decode_once(piece, False, frame_stride, size, decode_threads, source)
     if got != want:
         raise VideoDecodeError(
             f"frames [{piece.start}, {piece.stop}) of {piece.path!r}: decoded {max(got, 0)} of the {want} "
@@ -172,13 +176,21 @@ def _to_block(piece: VideoPiece, frames: list[np.ndarray], clip_len: Optional[in
 
 
 def _read_video_partition(shared: Any, partition: Partition, *, clip_len: Optional[int], frame_stride: int,
-                          size: Optional[tuple[int, int]], on_error: str, decode_threads: int) -> dict:
+                          size: Optional[tuple[int, int]], on_error: str, decode_threads: int,
+                          remote: Any = None) -> dict:
     """Decode one partition into columns ``frame``/``clip``, ``path`` and ``frame_index``."""
     piece: VideoPiece = partition.payload
     try:
         if piece.error:
             raise VideoDecodeError(f"cannot probe {piece.path!r}: {piece.error}")
-        frames = decode_piece(piece, frame_stride=frame_stride, size=size, decode_threads=decode_threads)
+        source = None
+        if remote is not None:
+            from sbloader.sources.fetch import files_ahead
+
+            remote.prefetch(files_ahead(shared, partition.id))
+            source = remote.local(piece.path)
+        frames = decode_piece(piece, frame_stride=frame_stride, size=size, decode_threads=decode_threads,
+                              source=source)
         return _to_block(piece, frames, clip_len, frame_stride)
     except Exception as e:
         where = "the file" if piece.error else f"frames [{piece.start}, {piece.stop})"
@@ -211,14 +223,17 @@ class VideoSource(IOUnitSource):
         size: target ``(width, height)`` or None.
         on_error: ``"raise"`` or ``"skip"``.
         decode_threads: FFmpeg decoder threads per read task.
+        remote: how the read tasks fetch remote objects
+            (:class:`~sbloader.sources.fetch.RemoteFiles`; None: every path is local).
     """
 
     name = "Videos"
 
     def __init__(self, files: Sequence[VideoMeta], *, clip_len: Optional[int], frame_stride: int,
                  frames_per_partition: Optional[int], size: Optional[tuple[int, int]], on_error: str,
-                 decode_threads: int) -> None:
+                 decode_threads: int, remote: Any = None) -> None:
         self._files = list(files)
+        self._remote = remote
         self._clip_len = clip_len
         self._stride = frame_stride
         self._fpp = frames_per_partition
@@ -254,7 +269,8 @@ class VideoSource(IOUnitSource):
     def reader(self) -> Callable[[Any, Partition], dict]:
         """The module-level decode function with this source's options bound."""
         return functools.partial(_read_video_partition, clip_len=self._clip_len, frame_stride=self._stride,
-                                 size=self._size, on_error=self._on_error, decode_threads=self._threads)
+                                 size=self._size, on_error=self._on_error, decode_threads=self._threads,
+                                 remote=self._remote)
 
     def fingerprint(self) -> dict:
         """Type, row and partition counts, options, and a digest of the files and their frame counts."""

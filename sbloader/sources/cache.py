@@ -1,0 +1,223 @@
+"""The node-local disk cache of remote objects: a later epoch reads no object bytes.
+
+An object is stored under a name hashed from its URI and its version (size and
+modification time from the listing), so a changed object, listed again, is a
+different entry and is read from the store again. An entry is written to a
+temporary file in the same folder and renamed into place (atomic), under an
+exclusive ``flock`` on the entry's lock file, so several processes on one node
+(read tasks, ranks) share one directory and download an object once. A hit is
+checked against the listed size.
+
+**Eviction never throttles a read.** With ``max_bytes`` set, the writer evicts,
+oldest last read first, only entries not read in the last :data:`PROTECT_S`
+seconds (left over from other datasets or long ago); when no entry may go, the new
+object is *not admitted* (it is served from memory and the read goes on at the
+store's speed). So a dataset larger than the cache keeps a fixed part of itself
+cached every epoch (hit rate = cache / dataset) instead of thrashing as plain LRU
+does over repeated scans, and no read ever waits for room (the throttling a full
+cache caused in mosaicml/streaming#339, #507).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+#: Entries read within this many seconds are never evicted to make room.
+PROTECT_S = 600.0
+
+#: The environment variable naming the cache directory.
+CACHE_DIR_ENV = "SBLOADER_CACHE_DIR"
+
+
+def default_cache_dir() -> str:
+    """``$SBLOADER_CACHE_DIR``, else ``<tmp>/sbloader-cache-<uid>`` (resolved on the node that reads)."""
+    env = os.environ.get(CACHE_DIR_ENV)
+    if env:
+        return os.path.abspath(os.path.expanduser(env))
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    return os.path.join(tempfile.gettempdir(), f"sbloader-cache-{uid}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How remote objects are cached on each node.
+
+    Attributes:
+        enabled: whether to cache at all.
+        dir: the directory; None: :func:`default_cache_dir` on the node that reads.
+        max_bytes: bound on the bytes cached (None: unbounded).
+    """
+
+    enabled: bool = True
+    dir: Optional[str] = None
+    max_bytes: Optional[int] = None
+
+
+def cache_config(cache: bool, cache_dir: Optional[str], cache_max_bytes: Optional[int]) -> CacheConfig:
+    """Validate the ``cache=``, ``cache_dir=`` and ``cache_max_bytes=`` arguments.
+
+    Raises:
+        ValueError: naming the argument that is wrong.
+    """
+    if not isinstance(cache, bool):
+        raise ValueError(f"cache must be True or False, found {cache!r}")
+    if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
+        raise ValueError(f"cache_dir must be a path or None, found {cache_dir!r}")
+    if cache_max_bytes is not None and (isinstance(cache_max_bytes, bool) or not isinstance(cache_max_bytes, int)
+                                        or cache_max_bytes < 0):
+        raise ValueError(f"cache_max_bytes must be an integer >= 0 or None (unbounded), found {cache_max_bytes!r}")
+    d = os.path.abspath(os.path.expanduser(os.fspath(cache_dir))) if cache_dir is not None else None
+    return CacheConfig(cache, d, cache_max_bytes)
+
+
+def entry_name(uri: str, version: str) -> str:
+    """The file name of an object's entry: a hash of its URI and version."""
+    return hashlib.sha256(f"{uri}\0{version}".encode("utf-8", "surrogateescape")).hexdigest()
+
+
+class DiskCache:
+    """One process's handle on a node's cache directory.
+
+    Args:
+        root: the cache directory (created if missing).
+        max_bytes: bound on the bytes cached (None: unbounded).
+    """
+
+    def __init__(self, root: str, max_bytes: Optional[int] = None) -> None:
+        self.root = root
+        self.max_bytes = max_bytes
+        os.makedirs(root, exist_ok=True)
+        self._lock = threading.Lock()
+        self._used: Optional[int] = None  # bytes cached, as this process last counted
+
+    def path_for(self, uri: str, version: str) -> str:
+        """Where an object's entry lives (whether or not it exists)."""
+        name = entry_name(uri, version)
+        return os.path.join(self.root, name[:2], name)
+
+    def get(self, uri: str, version: str, size: int) -> Optional[str]:
+        """The entry's path if it is cached with ``size`` bytes (its read time is updated), else None."""
+        p = self.path_for(uri, version)
+        try:
+            if os.stat(p).st_size != size:
+                return None
+            os.utime(p)  # the read time the eviction goes by
+        except OSError:
+            return None
+        return p
+
+    def lock(self, uri: str, version: str) -> "_FileLock":
+        """An exclusive lock on the entry across processes (hold it while downloading)."""
+        p = self.path_for(uri, version)
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        return _FileLock(p + ".lock")
+
+    def put(self, uri: str, version: str, data: bytes) -> Optional[str]:
+        """Store ``data`` (atomically: a temporary file renamed into place) and return its path,
+        or None when the cache is full of entries read too recently to evict."""
+        if not self.make_room(len(data)):
+            return None
+        p = self.path_for(uri, version)
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(p))
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, p)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        with self._lock:
+            if self._used is not None:
+                self._used += len(data)
+        return p
+
+    def _entries(self) -> list[tuple[float, int, str]]:
+        out = []
+        for sub in os.scandir(self.root):
+            if not sub.is_dir():
+                continue
+            for e in os.scandir(sub.path):
+                if e.name.endswith(".lock") or e.name.startswith(".tmp-"):
+                    continue
+                try:
+                    st = e.stat()
+                except OSError:
+                    continue
+                out.append((st.st_mtime, st.st_size, e.path))
+        return out
+
+    def used_bytes(self) -> int:
+        """Bytes cached in the directory (counted now)."""
+        return sum(s for _, s, _ in self._entries())
+
+    def make_room(self, need: int) -> bool:
+        """Whether ``need`` more bytes fit, after evicting entries not read in the last
+        :data:`PROTECT_S` seconds (oldest first) if they must."""
+        if self.max_bytes is None:
+            return True
+        if need > self.max_bytes:
+            return False
+        with self._lock:
+            if self._used is not None and self._used + need <= self.max_bytes:
+                return True
+            entries = self._entries()  # other processes write too: count again before evicting
+            used = sum(s for _, s, _ in entries)
+            now = time.time()
+            for mtime, size, path in sorted(entries):
+                if used + need <= self.max_bytes or now - mtime < PROTECT_S:
+                    break
+                try:
+                    os.unlink(path)
+                    used -= size
+                except OSError:
+                    pass
+            self._used = used
+            return used + need <= self.max_bytes
+
+
+class _FileLock:
+    """``fcntl.flock`` on a lock file, as a context manager (a no-op where fcntl is missing)."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self._fd: Optional[int] = None
+
+    def __enter__(self) -> "_FileLock":
+        self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            import fcntl
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+        except ImportError:
+            pass
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing releases the flock
+            self._fd = None
+
+
+_CACHES: dict[tuple[str, Optional[int]], DiskCache] = {}
+_CACHES_LOCK = threading.Lock()
+
+
+def cache_here(config: CacheConfig) -> Optional[DiskCache]:
+    """This process's :class:`DiskCache` for ``config`` (None when caching is off)."""
+    if not config.enabled:
+        return None
+    root = config.dir or default_cache_dir()
+    key = (root, config.max_bytes)
+    with _CACHES_LOCK:
+        c = _CACHES.get(key)
+        if c is None:
+            c = _CACHES[key] = DiskCache(root, config.max_bytes)
+        return c

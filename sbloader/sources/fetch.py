@@ -1,0 +1,297 @@
+"""Reading remote objects inside a read task: many requests in flight, retries with
+backoff, and the node-local cache in front (:mod:`sbloader.sources.cache`).
+
+A :class:`RemoteFiles` travels with a source's reader: the user's filesystem (or
+None: resolved from each URI's scheme on the worker), the cache settings, and every
+object's listed size and modification time (its version). A read task asks it for
+the objects of its partition at once (:meth:`RemoteFiles.read_many`): up to
+``max_in_flight`` requests run in a thread pool while the task decodes the ones
+already back, in order, so a store's per-request latency is paid once per
+``max_in_flight`` objects rather than per object.
+
+Counters (``cache_hits``, ``cache_misses``, ``bytes_read`` from the store,
+``cache_bytes`` read from the cache, ``retries``, ``not_admitted``) are reported
+to the task's context and reach ``stats()``.
+"""
+from __future__ import annotations
+
+import io
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional, Sequence, Union
+
+from sbloader.core.context import report_counters
+from sbloader.sources.cache import CacheConfig, cache_here
+from sbloader.sources.filesystems import resolve
+
+#: Requests a read task keeps in flight by default.
+DEFAULT_MAX_IN_FLIGHT = 32
+
+_NOT_RETRYABLE_WORDS = ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "NoSuchBucket",
+                        "NoSuchKey", "response code: 400", "response code: 401", "response code: 403",
+                        "response code: 404")
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Retries of one request, with exponential backoff and full jitter.
+
+    Attributes:
+        attempts: tries in all (>= 1).
+        base_s: the first backoff's upper bound; it doubles each retry.
+        max_s: the largest backoff.
+    """
+
+    attempts: int = 6
+    base_s: float = 0.05
+    max_s: float = 2.0
+
+    def backoff(self, retry: int, rng: random.Random) -> float:
+        """Seconds to wait before retry number ``retry`` (0-based): uniform in ``[0, min(max, base * 2**retry)]``."""
+        return rng.uniform(0.0, min(self.max_s, self.base_s * (2 ** retry)))
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """Whether a failed request may succeed when tried again: throttling (503, SlowDown),
+    5xx, timeouts and dropped connections are; a missing object, a missing bucket and
+    refused credentials are not."""
+    if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
+        return False
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    if isinstance(exc, OSError):
+        msg = str(exc)
+        return not any(w in msg for w in _NOT_RETRYABLE_WORDS)
+    return False
+
+
+class ObjectChangedError(OSError):
+    """An object's size differs from the listing's: it changed after the dataset was created."""
+
+
+@dataclass
+class _Got:
+    data: Optional[bytes] = None
+    path: Optional[str] = None  # the cache entry, when one holds it
+    error: Optional[BaseException] = None
+    hit: bool = False
+    retries: int = 0
+    admitted: bool = True
+
+
+_BACKGROUND: dict = {}  # counts of prefetches, reported by the next read in this process
+_BACKGROUND_LOCK = threading.Lock()
+_POOL: list[ThreadPoolExecutor] = []
+_POOL_LOCK = threading.Lock()
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    with _POOL_LOCK:
+        if not _POOL or _POOL[0]._max_workers < workers:
+            _POOL[:] = [ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sbloader-fetch")]
+        return _POOL[0]
+
+
+@dataclass(frozen=True)
+class RemoteFiles:
+    """How a read task gets a source's remote objects.
+
+    Attributes:
+        filesystem: the user's ``filesystem=`` (None: each URI's scheme decides).
+        cache: the node-local cache settings.
+        versions: ``uri -> (size, mtime_ns)`` from the listing.
+        max_in_flight: requests one read task keeps in flight.
+        retry: retries of each request.
+    """
+
+    filesystem: Any = None
+    cache: CacheConfig = CacheConfig()
+    versions: dict = field(default_factory=dict, compare=False, repr=False)
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+    retry: RetryPolicy = RetryPolicy()
+
+    def _version(self, uri: str) -> tuple[Optional[int], str]:
+        v = self.versions.get(uri)
+        return (None, "unlisted") if v is None else (int(v[0]), f"{v[0]}-{v[1]}")
+
+    def _download(self, uri: str, size: Optional[int], got: _Got) -> bytes:
+        rng = random.Random()
+        for attempt in range(self.retry.attempts):
+            try:
+                fs, path = resolve(uri, self.filesystem)
+                with fs.open_input_stream(path) as f:
+                    data = f.read()
+                if size is not None and len(data) != size:
+                    raise ObjectChangedError(f"{uri!r} has {len(data)} bytes where the listing said {size}: it "
+                                             f"changed after the dataset was created; create the dataset again")
+                return data
+            except FileNotFoundError as e:
+                raise FileNotFoundError(f"no such object: {uri!r} ({e}); check the bucket and key, or pass "
+                                        f"on_error='skip'") from e
+            except ObjectChangedError:
+                raise
+            except Exception as e:
+                if not is_retryable(e) or attempt + 1 >= self.retry.attempts:
+                    raise OSError(f"cannot read {uri!r} after {attempt + 1} tries: {e}") from e
+                got.retries += 1
+                time.sleep(self.retry.backoff(attempt, rng))
+        raise AssertionError("unreachable")
+
+    def _get(self, uri: str, want_path: bool) -> _Got:
+        got = _Got()
+        try:
+            size, version = self._version(uri)
+            cache = cache_here(self.cache) if size is not None else None
+            if cache is None:
+                got.data = self._download(uri, size, got)
+                return got
+            p = cache.get(uri, version, size)
+            if p is None:
+                with cache.lock(uri, version):  # another process may be fetching it: wait, then hit
+                    p = cache.get(uri, version, size)
+                    if p is None:
+                        got.data = self._download(uri, size, got)
+                        p = cache.put(uri, version, got.data)
+                        got.admitted = p is not None
+                        got.path = p
+                        return got
+            got.hit, got.path = True, p
+            if not want_path:
+                with open(p, "rb") as f:
+                    got.data = f.read()
+        except Exception as e:
+            got.error = e
+        return got
+
+    def _report(self, got: _Got) -> None:
+        n = len(got.data) if got.data is not None else 0
+        with _BACKGROUND_LOCK:
+            counts = dict(_BACKGROUND)
+            _BACKGROUND.clear()
+        counts["retries"] = counts.get("retries", 0) + got.retries
+        if got.error is None:
+            if got.hit:
+                counts.update(cache_hits=1, cache_bytes=n)
+            else:
+                counts.update(cache_misses=1, not_admitted=0 if got.admitted else 1,
+                              bytes_read=counts.get("bytes_read", 0) + n)
+        report_counters(counts)
+
+    def read_many(self, uris: Sequence[str]) -> Iterator[tuple[str, Union[bytes, BaseException]]]:
+        """Each object's bytes (or the exception that read raised), in the order given,
+        with up to ``max_in_flight`` requests running at once."""
+        if not uris:
+            return
+        pool = _pool(self.max_in_flight)
+        window = max(1, self.max_in_flight)
+        futures = [pool.submit(self._get, u, False) for u in uris[:window]]
+        nxt = len(futures)
+        for i, uri in enumerate(uris):
+            got = futures[i].result()
+            futures[i] = None  # drop the bytes once handed on
+            if nxt < len(uris):
+                futures.append(pool.submit(self._get, uris[nxt], False))
+                nxt += 1
+            self._report(got)
+            yield uri, got.error if got.error is not None else got.data
+
+    def read(self, uri: str) -> bytes:
+        """One object's bytes (from the cache when it holds them)."""
+        got = self._get(uri, False)
+        self._report(got)
+        if got.error is not None:
+            raise got.error
+        return got.data
+
+    def local(self, uri: str) -> Union[str, io.BytesIO]:
+        """The object as a local file (its cache entry) or, with the cache off or full,
+        an in-memory buffer: what pyarrow and PyAV open. A local path comes back as it is."""
+        if self.filesystem is None and uri not in self.versions:
+            return uri
+        got = self._get(uri, True)
+        if got.error is None and got.hit:
+            import os
+            report_counters({"cache_hits": 1, "cache_bytes": os.path.getsize(got.path)})
+            return got.path
+        self._report(got)
+        if got.error is not None:
+            raise got.error
+        return got.path if got.path is not None else io.BytesIO(got.data)
+
+    def local_or_random_access(self, uri: str) -> Any:
+        """The object as a local file (its cache entry), or with the cache off a
+        random-access pyarrow file on the store (a reader of a few row groups then
+        fetches only their byte ranges). Local paths come back as they are."""
+        if not self.cache.enabled and (self.filesystem is not None or uri in self.versions):
+            fs, path = resolve(uri, self.filesystem)
+            try:
+                return fs.open_input_file(path)
+            except FileNotFoundError as e:
+                raise FileNotFoundError(f"no such object: {uri!r} ({e}); check the bucket and key, or pass "
+                                        f"on_error='skip'") from e
+        if self.filesystem is None and uri not in self.versions:
+            return uri
+        return self.local(uri)
+
+    def prefetch(self, uris: Sequence[str]) -> None:
+        """Fetch objects into the cache in the background: only when the cache has room for
+        all of them now (a full cache admits nothing, so fetching ahead would read the
+        objects twice). Reads filling the cache meanwhile can still leave one out: it is
+        then read again when its partition runs."""
+        if not self.cache.enabled or not uris:
+            return
+        cache = cache_here(self.cache)
+        sizes = [self._version(u)[0] for u in uris]
+        if cache is None or any(s is None for s in sizes) or not cache.make_room(sum(sizes)):
+            return
+        pool = _pool(self.max_in_flight)
+        for u in uris:
+            pool.submit(self._prefetch_one, u)
+
+    def _prefetch_one(self, uri: str) -> None:
+        size, _ = self._version(uri)
+        cache = cache_here(self.cache)
+        if size is None or cache is None or not cache.make_room(size):
+            return  # a full cache admits nothing: fetching ahead would only read it twice
+        got = self._get(uri, True)
+        if got.error is None and not got.hit and got.data is not None:
+            with _BACKGROUND_LOCK:
+                for k, v in (("prefetched", 1), ("bytes_read", len(got.data)), ("retries", got.retries)):
+                    _BACKGROUND[k] = _BACKGROUND.get(k, 0) + v
+
+
+def files_ahead(shared: Any, partition_id: int, count: int = 2) -> list[str]:
+    """The next ``count`` distinct files after partition ``partition_id``'s own, from a
+    source's ``shared()`` tuple of each partition's file (nothing when it is None)."""
+    if not shared:
+        return []
+    own = shared[partition_id] if partition_id < len(shared) else None
+    out: list[str] = []
+    for path in shared[partition_id + 1:]:
+        if path != own and path not in out:
+            out.append(path)
+            if len(out) == count:
+                break
+    return out
+
+
+def remote_files(versions: dict, filesystem: Any, cache: bool, cache_dir: Any, cache_max_bytes: Optional[int],
+                 max_in_flight: int) -> Optional[RemoteFiles]:
+    """The :class:`RemoteFiles` of a source whose listing found remote objects (``versions``)
+    or that reads through the user's ``filesystem``; None for local paths only.
+
+    Raises:
+        ValueError: a cache argument or ``max_in_flight`` is invalid (naming it).
+    """
+    from sbloader.sources.cache import cache_config
+
+    config = cache_config(cache, cache_dir, cache_max_bytes)
+    if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
+        raise ValueError(f"max_in_flight must be a positive integer (requests a read task keeps in flight), "
+                         f"found {max_in_flight!r}")
+    if not versions and filesystem is None:
+        return None
+    return RemoteFiles(filesystem, config, dict(versions), max_in_flight)

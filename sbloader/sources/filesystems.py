@@ -1,0 +1,336 @@
+"""Where a source's files live: local paths, or URIs of object stores and other
+filesystems, resolved into a ``pyarrow.fs.FileSystem`` and a path inside it.
+
+``s3://``, ``gs://`` (``gcs://``), ``abfs://`` (``abfss://``), ``hdfs://`` and
+``viewfs://`` go through ``pyarrow.fs`` (credentials, region and endpoint from the
+standard environment: for S3 ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY``, ``AWS_DEFAULT_REGION``, ``AWS_PROFILE`` and the AWS
+config files). Any other scheme (``http://``, ``https://``...) goes through fsspec
+when it is installed, wrapped as a pyarrow filesystem, so the rest of sbloader
+sees one interface. A user's ``filesystem=`` (a ``pyarrow.fs.FileSystem`` or an
+fsspec filesystem) replaces the resolution for every URI.
+
+Listing (:func:`list_uris`) pages through the store (pyarrow asks S3 for 1,000
+keys a request) and returns the objects sorted by URI, with their size and
+modification time, so partition ids are stable and a cache can tell a changed
+object (:mod:`sbloader.sources.cache`).
+"""
+from __future__ import annotations
+
+import fnmatch
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+from urllib.parse import urlsplit
+
+import ray
+
+#: Schemes resolved by ``pyarrow.fs.FileSystem.from_uri``.
+PYARROW_SCHEMES = frozenset({"s3", "gs", "gcs", "abfs", "abfss", "hdfs", "viewfs"})
+
+_GLOB_CHARS = frozenset("*?[")
+_FS_CACHE: dict[tuple[str, str], tuple[Any, str]] = {}
+_FS_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One listed object.
+
+    Attributes:
+        uri: the object's URI (``s3://bucket/key``), as rows' ``path`` shows it.
+        size: bytes, from the listing.
+        mtime_ns: last modification (nanoseconds since the epoch; 0 when the store
+            does not say). With ``size`` it is the object's version for the cache.
+    """
+
+    uri: str
+    size: int
+    mtime_ns: int = 0
+
+    @property
+    def version(self) -> str:
+        """``size-mtime``: changes when the object is written again."""
+        return f"{self.size}-{self.mtime_ns}"
+
+
+def scheme_of(path: Any) -> str:
+    """The URI scheme of ``path`` in lower case, or ``""`` for a local path (``file://`` counts
+    as local; so does a Windows drive letter)."""
+    if not isinstance(path, str) or "://" not in path:
+        return ""
+    scheme = path.split("://", 1)[0].lower()
+    return "" if scheme == "file" or len(scheme) <= 1 else scheme
+
+
+def is_remote(path: Any) -> bool:
+    """Whether ``path`` is a URI of a remote filesystem (anything but a local path)."""
+    return scheme_of(path) != ""
+
+
+def _as_arrow(filesystem: Any) -> Any:
+    """A ``pyarrow.fs.FileSystem`` for a pyarrow or fsspec filesystem."""
+    import pyarrow.fs as pafs
+
+    if isinstance(filesystem, pafs.FileSystem):
+        return filesystem
+    try:
+        import fsspec
+    except ImportError:
+        fsspec = None
+    if fsspec is not None and isinstance(filesystem, fsspec.AbstractFileSystem):
+        return pafs.PyFileSystem(pafs.FSSpecHandler(filesystem))
+    raise TypeError(f"filesystem must be a pyarrow.fs.FileSystem or an fsspec filesystem, found "
+                    f"{type(filesystem).__name__}")
+
+
+def _strip_scheme(uri: str, filesystem: Any) -> str:
+    """The path of ``uri`` inside a user's ``filesystem``."""
+    try:
+        import fsspec
+        if isinstance(filesystem, fsspec.AbstractFileSystem):
+            return filesystem._strip_protocol(uri)
+    except ImportError:
+        pass
+    if not is_remote(uri):
+        return uri
+    if scheme_of(uri) in ("hdfs", "viewfs"):  # the host is the filesystem, not part of the path
+        return urlsplit(uri).path or "/"
+    return uri.split("://", 1)[1]  # bucket/key (s3, gs, abfs: the container), or host/path
+
+
+def resolve(uri: str, filesystem: Any = None) -> tuple[Any, str]:
+    """The ``pyarrow.fs.FileSystem`` holding ``uri`` and the path inside it.
+
+    Filesystems are built once per process for each (scheme, bucket or host) and
+    reused: building an S3 filesystem may ask the store for the bucket's region.
+
+    Args:
+        uri: ``s3://bucket/key``, ``gs://...``, ``https://...``, or a local path.
+        filesystem: a ``pyarrow.fs.FileSystem`` or fsspec filesystem to use instead
+            of the one the scheme names.
+
+    Raises:
+        ValueError: the scheme needs fsspec and it is not installed, or fsspec has
+            no filesystem for it.
+    """
+    import pyarrow.fs as pafs
+
+    if filesystem is not None:
+        return _as_arrow(filesystem), _strip_scheme(uri, filesystem)
+    scheme = scheme_of(uri)
+    if not scheme:
+        local = uri.split("://", 1)[1] if uri.lower().startswith("file://") else uri
+        return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(local))
+    parts = urlsplit(uri)
+    key = (scheme, parts.netloc)
+    with _FS_LOCK:
+        hit = _FS_CACHE.get(key)
+    if hit is None:
+        if scheme in PYARROW_SCHEMES:
+            fs, root = pafs.FileSystem.from_uri(f"{scheme}://{parts.netloc}/")
+        else:
+            fs, root = _fsspec_resolve(uri), None
+        hit = (fs, root)
+        with _FS_LOCK:
+            _FS_CACHE.setdefault(key, hit)
+    fs, root = hit
+    if root is None:  # fsspec: its own path rules
+        return fs, fs.handler.fs._strip_protocol(uri)
+    rest = uri.split("://", 1)[1][len(parts.netloc):].lstrip("/")
+    return fs, (root.rstrip("/") + "/" + rest) if rest else root
+
+
+def _fsspec_resolve(uri: str) -> Any:
+    import pyarrow.fs as pafs
+
+    try:
+        import fsspec
+    except ImportError:
+        raise ValueError(f"{uri!r} needs fsspec for its scheme {scheme_of(uri)!r}: pip install fsspec "
+                         f"(and the package for the protocol, e.g. aiohttp for http), or pass filesystem=") from None
+    try:
+        fs, _ = fsspec.core.url_to_fs(uri)
+    except (ImportError, ValueError) as e:
+        raise ValueError(f"fsspec cannot open {uri!r}: {e}; install the package for the protocol or pass "
+                         f"filesystem=") from e
+    return pafs.PyFileSystem(pafs.FSSpecHandler(fs))
+
+
+def _mtime_ns(info: Any) -> int:
+    try:
+        return int(info.mtime_ns or 0)
+    except (AttributeError, TypeError, ValueError):
+        return 0
+
+
+def _rel(base_path: str, child_path: str) -> str:
+    """``child_path`` relative to ``base_path`` (filesystems differ on a leading ``/``)."""
+    b, c = base_path.strip("/"), child_path.lstrip("/")
+    if b and not c.startswith(b + "/"):
+        raise ValueError(f"the filesystem listed {child_path!r} under {base_path!r}, which does not contain it")
+    return c[len(b):].lstrip("/") if b else c
+
+
+def _join(base_uri: str, base_path: str, child_path: str) -> str:
+    """The URI of ``child_path`` listed under ``base_path`` (the fs path of ``base_uri``)."""
+    return base_uri.rstrip("/") + "/" + _rel(base_path, child_path)
+
+
+#: A prefix with at least this many sub-prefixes ("folders") is listed by Ray tasks, each
+#: listing a group of them, instead of by the driver alone.
+PARALLEL_LISTING_MIN_PREFIXES = 64
+
+#: Sub-prefixes one listing task lists, at most.
+_PREFIXES_PER_LISTING_TASK = 16
+
+
+@dataclass(frozen=True)
+class _Listed:
+    """A listed file: its path in the filesystem, size and modification time (picklable)."""
+
+    path: str
+    size: int
+    mtime_ns: int
+
+
+def _list_recursive(fs: Any, path: str) -> list[_Listed]:
+    import pyarrow.fs as pafs
+
+    try:
+        found = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
+    except FileNotFoundError:
+        return []
+    return [_Listed(f.path, int(f.size or 0), _mtime_ns(f)) for f in found if f.type == pafs.FileType.File]
+
+
+def list_prefixes(uris: Sequence[str], filesystem: Any = None) -> list[list[_Listed]]:
+    """List each prefix recursively (what a listing task runs)."""
+    out = []
+    for u in uris:
+        fs, path = resolve(u, filesystem)
+        out.append(_list_recursive(fs, path))
+    return out
+
+
+_list_task = ray.remote(num_cpus=0.25, max_retries=3)(list_prefixes)
+
+
+def _list_prefix(fs: Any, path: str, uri: str, filesystem: Any) -> list[_Listed]:
+    """Every file under ``path``: one recursive listing in the driver, or, when the
+    prefix has many sub-prefixes, one Ray task per group of them (the order is restored
+    by the caller's sort)."""
+    import pyarrow.fs as pafs
+
+    try:
+        top = fs.get_file_info(pafs.FileSelector(path, recursive=False, allow_not_found=True))
+    except FileNotFoundError:
+        return []
+    dirs = sorted(f.path for f in top if f.type == pafs.FileType.Directory)
+    if len(dirs) < PARALLEL_LISTING_MIN_PREFIXES:
+        return _list_recursive(fs, path)
+    from sbloader.runtime.session import ensure_initialized
+
+    ensure_initialized()
+    sub_uris = [_join(uri, path, d) for d in dirs]
+    step = _PREFIXES_PER_LISTING_TASK
+    refs = [_list_task.remote(sub_uris[i:i + step], filesystem) for i in range(0, len(sub_uris), step)]
+    files = [_Listed(f.path, int(f.size or 0), _mtime_ns(f)) for f in top if f.type == pafs.FileType.File]
+    groups = [list(zip(dirs[i:i + step], sub_uris[i:i + step])) for i in range(0, len(dirs), step)]
+    for listed_group, group in zip(ray.get(refs), groups):
+        for (d, sub_uri), listed in zip(group, listed_group):
+            # The task resolved the sub-prefix itself: put its paths back under ``d``.
+            _, sub_path = resolve(sub_uri, filesystem)
+            files.extend(_Listed(d.rstrip("/") + "/" + _rel(sub_path, f.path), f.size, f.mtime_ns) for f in listed)
+    return files
+
+
+@dataclass
+class ListingStats:
+    """How long listing took.
+
+    Attributes:
+        objects: objects listed (before filtering by extension).
+        seconds: wall seconds spent listing.
+    """
+
+    objects: int = 0
+    seconds: float = 0.0
+
+    @property
+    def seconds_per_1000(self) -> float:
+        """Listing seconds per 1,000 objects."""
+        return 1000.0 * self.seconds / self.objects if self.objects else 0.0
+
+
+#: What the last :func:`list_uris` call in this process measured.
+LAST_LISTING = ListingStats()
+
+
+def list_uris(entries: Sequence[str], extensions: Optional[tuple[str, ...]], what: str,
+              skip_prefixes: tuple[str, ...] = (".",), filesystem: Any = None) -> list[ObjectInfo]:
+    """List URIs (prefixes, globs, objects) into objects sorted by URI within each entry.
+
+    A prefix (``s3://bucket/dir/``, or ``s3://bucket/dir`` naming no object) is listed
+    recursively, leaving out names (and folders) starting with one of
+    ``skip_prefixes``; a glob (``*``, ``?``, ``[`` after the last ``/`` before them)
+    lists its folder and keeps the matches. Both keep only names ending with one of
+    ``extensions`` (lower case, with the dot). An object named explicitly is kept.
+
+    Args:
+        entries: URIs, in the user's order (kept).
+        extensions: extensions to keep when listing (None: every object).
+        what: what the caller reads, for error messages (``"image"``).
+        skip_prefixes: name prefixes a listing leaves out.
+        filesystem: the user's filesystem, or None to resolve from the scheme.
+
+    Returns:
+        One :class:`ObjectInfo` per object.
+
+    Raises:
+        FileNotFoundError: an entry names nothing (the message names the URI).
+        ValueError: a prefix or glob holds nothing to read.
+    """
+    import pyarrow.fs as pafs
+
+    t0 = time.perf_counter()
+    listed = 0
+    out: list[ObjectInfo] = []
+
+    def keep(name: str) -> bool:
+        base = name.rsplit("/", 1)[-1]
+        return (extensions is None or base.lower().endswith(extensions)) and not base.startswith(skip_prefixes)
+
+    for uri in entries:
+        fs, path = resolve(uri, filesystem)
+        pattern = None
+        if _GLOB_CHARS & set(uri.split("://", 1)[-1]):
+            head = uri[:min(uri.index(c) for c in _GLOB_CHARS if c in uri)]
+            base_uri = head[:head.rfind("/") + 1] if "/" in head.split("://", 1)[-1] else head
+            pattern, uri = path, base_uri
+            fs, path = resolve(base_uri, filesystem)
+        info = fs.get_file_info(path) if pattern is None else None
+        if info is not None and info.type == pafs.FileType.File:
+            out.append(ObjectInfo(uri, int(info.size or 0), _mtime_ns(info)))
+            listed += 1
+            continue
+        files = _list_prefix(fs, path.rstrip("/") or "/", uri, filesystem)
+        listed += len(files)
+        rel_ok = [f for f in files if not any(part.startswith(skip_prefixes)
+                                              for part in _rel(path, f.path).split("/"))]
+        if pattern is not None:
+            rel_ok = [f for f in rel_ok if fnmatch.fnmatchcase(f.path, pattern)]
+        kept = sorted((ObjectInfo(_join(uri, path, f.path), f.size, f.mtime_ns)
+                       for f in rel_ok if keep(f.path)), key=lambda o: o.uri)
+        if not kept:
+            if not files and pattern is None:
+                raise FileNotFoundError(f"no such object or prefix: {uri!r} (check the bucket, the key and the "
+                                        f"credentials/endpoint in the environment)")
+            raise ValueError(f"found no {what} objects with extensions {list(extensions or ())} under "
+                             f"{(uri + ('' if pattern is None else ' matching the pattern'))!r}; check the URI "
+                             f"or pass extensions=...")
+        out.extend(kept)
+    LAST_LISTING.objects, LAST_LISTING.seconds = listed, time.perf_counter() - t0
+    return out

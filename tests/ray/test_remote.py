@@ -1,0 +1,256 @@
+"""Sources over s3:// against moto's S3 server on 127.0.0.1 (tests/s3_server.py), behind a
+proxy that injects latency and faults and counts the requests that reach the store."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import sbloader
+from sbloader.core.errors import SourceReadError
+from sbloader.datagen import write_image_parquet, write_video
+from sbloader.sources import filesystems
+from sbloader.sources.filesystems import LAST_LISTING, list_uris
+
+BUCKET = "sbloader-tests"
+
+
+def _upload(server, root: str, prefix: str) -> list[str]:
+    client = server.client()
+    paths = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs]
+    keys = [f"{prefix}/{os.path.relpath(p, root)}" for p in paths]
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda pk: client.upload_file(pk[0], BUCKET, pk[1]), zip(paths, keys)))
+    return keys
+
+
+@pytest.fixture(scope="module")
+def bucket(s3_server):
+    client = s3_server.client()
+    try:
+        client.create_bucket(Bucket=BUCKET)
+    except client.exceptions.BucketAlreadyOwnedByYou:
+        pass
+    return s3_server
+
+
+@pytest.fixture(scope="module")
+def images(bucket, tmp_path_factory):
+    """24 small PNGs of distinct pixels, on local disk and under s3://BUCKET/images/."""
+    root = tmp_path_factory.mktemp("images")
+    rng = np.random.default_rng(0)
+    for i in range(24):
+        d = root / f"class_{i % 3}"
+        d.mkdir(exist_ok=True)
+        Image.fromarray(rng.integers(0, 255, (8 + i % 5, 10, 3), dtype=np.uint8)).save(d / f"{i:03d}.png")
+    _upload(bucket, str(root), "images")
+    return str(root), f"s3://{BUCKET}/images"
+
+
+_SERVER: list = []
+
+
+@pytest.fixture(autouse=True)
+def _remember_server(s3_server):
+    _SERVER[:] = [s3_server]
+
+
+def _server():
+    """The session's S3 server (its proxy counts the requests)."""
+    return _SERVER[0]
+
+
+def _rows(ds, **kw) -> dict:
+    out = {}
+    for b in ds.iter_batches(8, **kw):
+        for p, im in zip(b["path"], b["image"]):
+            assert str(p) not in out, f"{p} delivered twice"
+            out[str(p)] = np.asarray(im)
+    return out
+
+
+def _same(local: dict, remote: dict, root: str, uri: str) -> None:
+    assert sorted(remote) == sorted(uri + "/" + os.path.relpath(p, root) for p in local)
+    for p, arr in local.items():
+        assert np.array_equal(remote[uri + "/" + os.path.relpath(p, root)], arr)
+
+
+def test_images_over_s3_equal_local_and_a_later_epoch_reads_no_object_bytes(ray_session, images, tmp_path):
+    root, uri = images
+    local = _rows(sbloader.read_images(root, files_per_partition=5))
+    ds = sbloader.read_images(uri + "/", files_per_partition=5, cache_dir=str(tmp_path / "cache"))
+    s3 = _server()
+    s3.proxy.reset_counts()
+    _same(local, _rows(ds), root, uri)
+    assert s3.proxy.object_gets == 24  # each object once, whether read or fetched ahead
+    st = ds.stats().operators[0].counters
+    assert st["cache_misses"] + st.get("cache_hits", 0) == 24 and st["cache_misses"] >= 5
+    s3.proxy.reset_counts()
+    _same(local, _rows(ds, shuffle=True, seed=1), root, uri)
+    assert s3.proxy.object_gets == 0 and s3.proxy.object_get_bytes == 0
+    st = ds.stats().operators[0].counters
+    assert st["cache_hits"] == 24 and "cache_misses" not in st
+
+
+def test_cache_off_reads_every_object_every_epoch(ray_session, images):
+    root, uri = images
+    ds = sbloader.read_images(uri, files_per_partition=6, cache=False)
+    for _ in range(2):
+        _server().proxy.reset_counts()
+        assert len(_rows(ds)) == 24
+        assert _server().proxy.object_gets == 24
+
+
+def test_injected_503s_and_dropped_connections_are_survived_exactly_once(ray_session, images, tmp_path):
+    root, uri = images
+    local = _rows(sbloader.read_images(root, files_per_partition=4))
+    ds = sbloader.read_images(uri, files_per_partition=4, cache_dir=str(tmp_path / "c"))
+    proxy = _server().proxy
+    proxy.reset_counts()
+    done = proxy.faults_done
+    proxy.inject("503", 3)
+    proxy.inject("drop", 2)
+    _same(local, _rows(ds), root, uri)  # every row once (_rows refuses a repeat)
+    assert proxy.faults_done - done == 5 and not proxy.faults
+    assert proxy.object_gets == 24  # each object's successful GET once
+
+
+def test_a_missing_object_is_named_and_skipped_under_on_error_skip(ray_session, images, tmp_path):
+    root, uri = images
+    client = _server().client()
+    client.copy_object(Bucket=BUCKET, Key="gone/a.png", CopySource={"Bucket": BUCKET, "Key": "images/class_0/000.png"})
+    client.copy_object(Bucket=BUCKET, Key="gone/b.png", CopySource={"Bucket": BUCKET, "Key": "images/class_1/001.png"})
+    with pytest.raises(FileNotFoundError, match=f"s3://{BUCKET}/nothing-here"):
+        sbloader.read_images(f"s3://{BUCKET}/nothing-here/")
+    with pytest.raises(FileNotFoundError, match="s3://no-such-bucket-sb"):
+        sbloader.read_images("s3://no-such-bucket-sb/x.png")
+    raising = sbloader.read_images(f"s3://{BUCKET}/gone", cache=False)
+    skipping = sbloader.read_images(f"s3://{BUCKET}/gone", cache=False, on_error="skip")
+    client.delete_object(Bucket=BUCKET, Key="gone/a.png")  # deleted after the listing
+    with pytest.raises(SourceReadError, match=f"s3://{BUCKET}/gone/a.png"):
+        _rows(raising)
+    rows = _rows(skipping)
+    assert list(rows) == [f"s3://{BUCKET}/gone/b.png"]
+    assert skipping.stats().skipped == 1
+
+
+def test_a_changed_object_is_read_again(ray_session, images, tmp_path):
+    client = _server().client()
+    key = "changing/x.png"
+    cache_dir = str(tmp_path / "cache")
+
+    def put(value: int) -> None:
+        import io
+        buf = io.BytesIO()
+        Image.fromarray(np.full((4, 6 + value, 3), value, dtype=np.uint8)).save(buf, format="PNG")
+        client.put_object(Bucket=BUCKET, Key=key, Body=buf.getvalue())
+
+    put(1)
+    first = _rows(sbloader.read_images(f"s3://{BUCKET}/changing", cache_dir=cache_dir))
+    put(2)
+    again = sbloader.read_images(f"s3://{BUCKET}/changing", cache_dir=cache_dir)
+    _server().proxy.reset_counts()
+    second = _rows(again)
+    assert _server().proxy.object_gets == 1
+    assert first[f"s3://{BUCKET}/{key}"].max() == 1 and second[f"s3://{BUCKET}/{key}"].max() == 2
+
+
+def test_a_full_cache_admits_nothing_new_and_never_waits(ray_session, images, tmp_path):
+    root, uri = images
+    ds = sbloader.read_images(uri, files_per_partition=6, cache_dir=str(tmp_path / "c"), cache_max_bytes=1500)
+    _server().proxy.reset_counts()
+    assert len(_rows(ds)) == 24
+    first = _server().proxy.object_gets
+    st = ds.stats().operators[0].counters
+    assert first == 24 and st["not_admitted"] >= 1
+    _server().proxy.reset_counts()
+    assert len(_rows(ds)) == 24
+    # What fitted stays (no thrashing); the rest is read from the store, never waiting for room.
+    hits = ds.stats().operators[0].counters.get("cache_hits", 0)
+    assert hits == 24 - st["not_admitted"] and _server().proxy.object_gets == st["not_admitted"]
+
+
+def test_parquet_and_videos_over_s3_equal_local(ray_session, bucket, tmp_path):
+    pq_dir = tmp_path / "pq"
+    pq_dir.mkdir()
+    write_image_parquet(str(pq_dir / "a.parquet"), 40, rows_per_group=16, min_size=(8, 8), max_size=(12, 12))
+    write_image_parquet(str(pq_dir / "b.parquet"), 20, seed=1, rows_per_group=16, min_size=(8, 8), max_size=(12, 12))
+    vid_dir = tmp_path / "vid"
+    vid_dir.mkdir()
+    write_video(str(vid_dir / "v0.mp4"), frames=12, width=32, height=24, seed=0)
+    write_video(str(vid_dir / "v1.mp4"), frames=9, width=32, height=24, seed=1)
+    _upload(bucket, str(pq_dir), "pq")
+    _upload(bucket, str(vid_dir), "vid")
+
+    def table(ds):
+        return sorted((int(i), bytes(im)) for b in ds.iter_batches(16) for i, im in zip(b["id"], b["image"]))
+
+    local = table(sbloader.read_parquet(str(pq_dir), rows_per_partition=10))
+    for cache in (True, False):
+        ds = sbloader.read_parquet(f"s3://{BUCKET}/pq", rows_per_partition=10, cache=cache,
+                                   cache_dir=str(tmp_path / "c"))
+        assert ds.num_rows() == 60 and table(ds) == local
+
+    def frames(ds):
+        return {(os.path.basename(str(p)), int(i)): f.copy()
+                for b in ds.iter_batches(4) for p, i, f in zip(b["path"], b["frame_index"], b["frame"])}
+
+    lv = frames(sbloader.read_videos(str(vid_dir), frames_per_partition=5))
+    rds = sbloader.read_videos(f"s3://{BUCKET}/vid/", frames_per_partition=5, cache_dir=str(tmp_path / "c"))
+    rv = frames(rds)
+    assert sorted(lv) == sorted(rv) and all(np.array_equal(lv[k], rv[k]) for k in lv)
+    assert all(str(p).startswith(f"s3://{BUCKET}/vid/") for p in next(rds.iter_batches(4))["path"])
+
+
+def test_listing_a_few_thousand_keys_is_sorted_and_paginated(ray_session, bucket, monkeypatch):
+    keys = [f"many/{i % 7}/{i:05d}.jpg" for i in range(2500)]
+    bucket.put_many(BUCKET, {k: b"x" for k in keys})
+    bucket.proxy.reset_counts()
+    objs = list_uris([f"s3://{BUCKET}/many/"], (".jpg",), "image")
+    assert [o.uri for o in objs] == sorted(f"s3://{BUCKET}/{k}" for k in keys)
+    assert all(o.size == 1 for o in objs)
+    assert bucket.proxy.counts[("GET", "list")] >= 3  # 1,000 keys a page
+    assert LAST_LISTING.objects == 2500 and LAST_LISTING.seconds_per_1000 > 0
+    monkeypatch.setattr(filesystems, "PARALLEL_LISTING_MIN_PREFIXES", 3)
+    monkeypatch.setattr(filesystems, "_PREFIXES_PER_LISTING_TASK", 2)
+    launched = []
+
+    class _Counting:
+        def remote(self, *args):
+            launched.append(args[0])
+            return task.remote(*args)
+
+    task = filesystems._list_task
+    monkeypatch.setattr(filesystems, "_list_task", _Counting())
+    # 7 sub-prefixes: listed by 4 Ray tasks, the same objects in the same order
+    assert list_uris([f"s3://{BUCKET}/many"], (".jpg",), "image") == objs
+    assert [len(g) for g in launched] == [2, 2, 2, 1]
+    globbed = list_uris([f"s3://{BUCKET}/many/3/*.jpg"], None, "image")
+    assert [o.uri for o in globbed] == sorted(f"s3://{BUCKET}/{k}" for k in keys if k.startswith("many/3/"))
+
+
+def test_two_processes_share_a_cache_directory_and_fetch_each_object_once(images, tmp_path):
+    _, uri = images
+    objs = list_uris([uri], None, "image")
+    code = textwrap.dedent(f"""
+        import sys
+        from sbloader.sources.cache import CacheConfig
+        from sbloader.sources.fetch import RemoteFiles
+        versions = {{o: (s, m) for o, s, m in {[(o.uri, o.size, o.mtime_ns) for o in objs]!r}}}
+        rf = RemoteFiles(None, CacheConfig(True, {str(tmp_path / 'shared')!r}), versions, 4)
+        n = sum(len(b) for _, b in rf.read_many(sorted(versions)))
+        print(n)
+    """)
+    _server().proxy.reset_counts()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=env) for _ in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert int(outs[0]) == int(outs[1]) == sum(o.size for o in objs)
+    assert _server().proxy.object_gets == len(objs)  # the lock: one download per object

@@ -1,0 +1,184 @@
+"""The pure parts of remote reading: URI schemes, the retry rule, the disk cache's
+eviction rule and atomic entries, and RemoteFiles over a filesystem that fails."""
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import pyarrow.fs as pafs
+import pytest
+
+from sbloader.core.context import task_context
+from sbloader.sources import cache as cache_mod
+from sbloader.sources.cache import CacheConfig, DiskCache, cache_config, entry_name
+from sbloader.sources.fetch import RemoteFiles, RetryPolicy, is_retryable, remote_files
+from sbloader.sources.filesystems import is_remote, list_uris, resolve, scheme_of
+
+
+def test_schemes_and_local_paths():
+    assert scheme_of("s3://b/k") == "s3" and scheme_of("GS://b/k") == "gs" and scheme_of("https://h/x") == "https"
+    assert scheme_of("/data/x.jpg") == "" and scheme_of("file:///data/x") == "" and scheme_of("C://x") == ""
+    assert is_remote("s3://b/k") and not is_remote("relative/path")
+    fs, path = resolve("file:///tmp/x.jpg")
+    assert isinstance(fs, pafs.LocalFileSystem) and path == "/tmp/x.jpg"
+
+
+def test_user_filesystem_lists_and_names_objects_by_uri(tmp_path):
+    (tmp_path / "d" / "sub").mkdir(parents=True)
+    for name in ("b.jpg", "a.jpg", "sub/c.JPG", ".hidden.jpg", "notes.txt"):
+        (tmp_path / "d" / name).write_bytes(b"12345")
+    fs = pafs.SubTreeFileSystem(str(tmp_path), pafs.LocalFileSystem())
+    objs = list_uris(["mem://d"], (".jpg",), "image", filesystem=fs)
+    assert [o.uri for o in objs] == ["mem://d/a.jpg", "mem://d/b.jpg", "mem://d/sub/c.JPG"]
+    assert all(o.size == 5 and o.mtime_ns > 0 for o in objs)
+    with pytest.raises(FileNotFoundError, match="mem://nothing"):
+        list_uris(["mem://nothing"], None, "image", filesystem=fs)
+    with pytest.raises(ValueError, match="found no image objects"):
+        list_uris(["mem://d"], (".png",), "image", filesystem=fs)
+
+
+def test_which_failures_are_retried():
+    assert is_retryable(OSError("AWS Error SLOW_DOWN during GetObject operation: HTTP response code: 503"))
+    assert is_retryable(ConnectionResetError("reset")) and is_retryable(TimeoutError())
+    assert is_retryable(OSError("AWS Error NETWORK_CONNECTION during GetObject: curlCode: 56"))
+    assert not is_retryable(FileNotFoundError("x")) and not is_retryable(PermissionError("x"))
+    assert not is_retryable(OSError("AWS Error ACCESS_DENIED (AccessDenied) HTTP response code: 403"))
+    assert not is_retryable(ValueError("bad"))
+
+
+def test_backoff_doubles_up_to_its_cap():
+    policy, rng = RetryPolicy(attempts=8, base_s=0.1, max_s=0.5), random.Random(0)
+    for retry in range(8):
+        draws = [policy.backoff(retry, rng) for _ in range(200)]
+        assert 0 <= min(draws) and max(draws) <= min(0.5, 0.1 * 2 ** retry)
+
+
+def test_arguments_are_checked():
+    with pytest.raises(ValueError, match="cache_max_bytes"):
+        cache_config(True, None, -1)
+    with pytest.raises(ValueError, match="cache must be True or False"):
+        cache_config("yes", None, None)
+    with pytest.raises(ValueError, match="max_in_flight"):
+        remote_files({"s3://b/k": (1, 0)}, None, True, None, None, 0)
+    assert remote_files({}, None, True, None, None, 4) is None
+
+
+def test_entries_are_per_version_atomic_and_checked_by_size(tmp_path):
+    c = DiskCache(str(tmp_path))
+    assert entry_name("s3://b/k", "3-1") != entry_name("s3://b/k", "3-2")
+    p = c.put("s3://b/k", "3-1", b"abc")
+    assert c.get("s3://b/k", "3-1", 3) == p and open(p, "rb").read() == b"abc"
+    assert c.get("s3://b/k", "3-2", 3) is None  # another version of the object
+    assert c.get("s3://b/k", "3-1", 4) is None  # a size that does not match is a miss
+    assert not [n for _, _, fs in os.walk(tmp_path) for n in fs if n.startswith(".tmp-")]
+
+
+def test_a_full_cache_evicts_only_entries_not_read_lately_and_otherwise_admits_nothing(tmp_path, monkeypatch):
+    c = DiskCache(str(tmp_path), max_bytes=10)
+    old = c.put("s3://b/old", "4-0", b"oooo")
+    assert c.put("s3://b/new", "4-0", b"nnnn") is not None
+    # Both read just now: protected, so the next object is served without being cached.
+    assert c.put("s3://b/third", "4-0", b"tttt") is None
+    assert c.get("s3://b/old", "4-0", 4) and c.get("s3://b/new", "4-0", 4)
+    # An entry not read for longer than PROTECT_S makes room (oldest first).
+    past = time.time() - cache_mod.PROTECT_S - 5
+    os.utime(old, (past, past))
+    assert c.put("s3://b/third", "4-0", b"tttt") is not None
+    assert c.get("s3://b/old", "4-0", 4) is None and c.used_bytes() == 8
+    assert c.put("s3://b/huge", "11-0", b"x" * 11) is None  # larger than the whole cache
+
+
+class _Flaky(pafs.FileSystemHandler):
+    """A local directory whose first ``fail`` opens of each file fail as a throttled store does."""
+
+    def __init__(self, root: str, fail: int, error: Exception) -> None:
+        self.root, self.fail, self.error, self.opens = root, fail, error, {}
+
+    def open_input_stream(self, path):
+        n = self.opens[path] = self.opens.get(path, 0) + 1
+        if n <= self.fail:
+            raise self.error
+        return pafs.LocalFileSystem().open_input_stream(os.path.join(self.root, path))
+
+    def __eq__(self, other):
+        return self is other
+
+    def __ne__(self, other):
+        return self is not other
+
+    def get_type_name(self):
+        return "flaky"
+
+    def normalize_path(self, path):
+        return path
+
+    def get_file_info(self, paths):
+        return pafs.LocalFileSystem().get_file_info([os.path.join(self.root, p) for p in paths])
+
+    def get_file_info_selector(self, selector):
+        raise NotImplementedError
+
+    def create_dir(self, *a): raise NotImplementedError
+    def delete_dir(self, *a): raise NotImplementedError
+    def delete_dir_contents(self, *a): raise NotImplementedError
+    def delete_root_dir_contents(self, *a): raise NotImplementedError
+    def delete_file(self, *a): raise NotImplementedError
+    def move(self, *a): raise NotImplementedError
+    def copy_file(self, *a): raise NotImplementedError
+    def open_input_file(self, *a): raise NotImplementedError
+    def open_output_stream(self, *a): raise NotImplementedError
+    def open_append_stream(self, *a): raise NotImplementedError
+
+
+def _flaky_files(tmp_path, fail, error, cache):
+    for i in range(5):
+        (tmp_path / f"{i}.bin").write_bytes(bytes([i]) * (i + 1))
+    handler = _Flaky(str(tmp_path), fail, error)
+    versions = {f"flaky://{i}.bin": (i + 1, 7) for i in range(5)}
+    rf = RemoteFiles(pafs.PyFileSystem(handler), CacheConfig(cache, str(tmp_path / "cache")), versions, 3,
+                     RetryPolicy(attempts=4, base_s=0.001, max_s=0.002))
+    return rf, handler
+
+
+def test_throttled_reads_are_retried_and_counted_then_served_from_the_cache(tmp_path):
+    rf, handler = _flaky_files(tmp_path, 2, OSError("HTTP response code: 503 SlowDown"), cache=True)
+    with task_context(0, 0, 0, "read", -1) as ctx:
+        got = list(rf.read_many(sorted(rf.versions)))
+    assert [b for _, b in got] == [bytes([i]) * (i + 1) for i in range(5)]
+    assert ctx.counters == {"retries": 10, "cache_misses": 5, "bytes_read": 15}
+    with task_context(0, 0, 0, "read", -1) as ctx:
+        assert rf.read("flaky://4.bin") == b"\x04" * 5
+    assert ctx.counters == {"cache_hits": 1, "cache_bytes": 5} and handler.opens["4.bin"] == 3
+
+
+def test_a_missing_object_or_too_many_failures_name_the_uri(tmp_path):
+    rf, _ = _flaky_files(tmp_path, 9, OSError("HTTP response code: 500"), cache=False)
+    with pytest.raises(OSError, match=r"cannot read 'flaky://1.bin' after 4 tries"):
+        rf.read("flaky://1.bin")
+    rf, _ = _flaky_files(tmp_path, 9, FileNotFoundError("gone"), cache=False)
+    (got,) = list(rf.read_many(["flaky://0.bin"]))
+    assert isinstance(got[1], FileNotFoundError) and "flaky://0.bin" in str(got[1])
+
+
+def test_an_fsspec_filesystem_lists_and_reads_through_the_same_path(tmp_path):
+    fsspec = pytest.importorskip("fsspec")
+    mem = fsspec.filesystem("memory")
+    for name, data in (("bkt/x/b.png", b"bb"), ("bkt/x/a.png", b"a"), ("bkt/x/sub/c.png", b"ccc")):
+        mem.pipe(f"memory://{name}", data)
+    objs = list_uris(["memory://bkt/x"], (".png",), "image", filesystem=mem)
+    assert [(o.uri, o.size) for o in objs] == [("memory://bkt/x/a.png", 1), ("memory://bkt/x/b.png", 2),
+                                               ("memory://bkt/x/sub/c.png", 3)]
+    rf = remote_files({o.uri: (o.size, o.mtime_ns) for o in objs}, mem, True, str(tmp_path), None, 2)
+    assert [b for _, b in rf.read_many([o.uri for o in objs])] == [b"a", b"bb", b"ccc"]
+    assert rf.read("memory://bkt/x/sub/c.png") == b"ccc"  # now from the cache
+    with open(rf.local("memory://bkt/x/b.png"), "rb") as f:
+        assert f.read() == b"bb"
+
+
+def test_files_ahead_are_the_next_distinct_files():
+    from sbloader.sources.fetch import files_ahead
+
+    shared = ("a", "a", "b", "b", "c", "d")
+    assert files_ahead(shared, 0) == ["b", "c"] and files_ahead(shared, 4) == ["d"] and files_ahead(shared, 5) == []
+    assert files_ahead(None, 0) == []
