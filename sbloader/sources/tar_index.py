@@ -118,8 +118,8 @@ def _check_end(f: BinaryIO, offset: int, size: int) -> str:
 def index_shard(path: str, open_shard: Callable[[str], BinaryIO]) -> ShardIndex:
     """Read a shard's headers and group its members into samples; never raises for a bad shard.
 
-    A truncated or corrupt shard records why in ``ShardIndex.error``; the samples whose
-    members all lie before the damage are kept.
+    A truncated or corrupt shard records why in ``ShardIndex.error``; the samples before
+    the damage are kept but the last of them, which may have had members after it.
 
     Args:
         path: the shard.
@@ -128,6 +128,7 @@ def index_shard(path: str, open_shard: Callable[[str], BinaryIO]) -> ShardIndex:
     g = _Group()
     size = 0
     error = ""
+    reached = 0  # where the next header should be
     try:
         with open_shard(path) as f:
             f.seek(0, io.SEEK_END)
@@ -135,6 +136,7 @@ def index_shard(path: str, open_shard: Callable[[str], BinaryIO]) -> ShardIndex:
             f.seek(0)
             with tarfile.open(fileobj=f, mode="r:") as tf:
                 for info in tf:
+                    reached = info.offset_data + _padded(info.size)
                     if not info.isreg():
                         continue
                     stop = info.offset_data + info.size
@@ -146,7 +148,10 @@ def index_shard(path: str, open_shard: Callable[[str], BinaryIO]) -> ShardIndex:
                 else:
                     error = _check_end(f, tf.offset, size)
     except Exception as e:  # tarfile.ReadError, a header checksum, a repeated extension...
-        error = f"{type(e).__name__}: {e}"
+        # A whole tar is a multiple of 512 bytes; a cut one seldom is.
+        cut = size and (size % tarfile.BLOCKSIZE or reached + tarfile.BLOCKSIZE > size)
+        error = (f"truncated at {size} bytes (the next header should be at {reached}): " if cut
+                 else "corrupt: ") + f"{type(e).__name__}: {e}"
     if error and g.keys:
         # The last sample may have lost members after the damage: leave it out.
         for lst in (g.keys, g.starts, g.stops):
