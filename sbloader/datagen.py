@@ -93,6 +93,12 @@ def img2dataset_key(shard: int, index: int, samples_per_shard: int) -> str:
     return f"{shard:05d}{index:0{digits}d}"
 
 
+def img2dataset_row(key: str, samples_per_shard: int) -> int:
+    """The row number behind an :func:`img2dataset_key`: shard * ``samples_per_shard`` + place in the shard."""
+    digits = len(str(max(1, samples_per_shard - 1)))
+    return int(key[:-digits]) * samples_per_shard + int(key[-digits:])
+
+
 def write_webdataset_shards(root: str, n: int, *, samples_per_shard: int = 10000, seed: int = 0,
                             min_size: tuple[int, int] = (320, 240),
                             max_size: tuple[int, int] = (640, 480)) -> list[str]:
