@@ -421,7 +421,7 @@ def calibrate(cfg: dict) -> dict:
 
     from sbloader.core.context import task_context
 
-    args = sd_args(cfg)
+    args = sd_args(cfg, "torch")  # the Parquet file (under --format webdataset too: the same rows)
     path = write_dataset(dataset_path(args), args)
     g = cfg["rows_per_group"]
     t = pq.read_table(path, columns=["id", "image", "caption"]).slice(0, 12 * g)
