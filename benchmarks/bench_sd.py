@@ -356,7 +356,10 @@ def raydata_source(args: Any, path: str, block_kib: int) -> Any:
         def __init__(self) -> None:
             kw = dict(size=args.size, max_tokens=args.max_tokens, vocab=args.vocab)
             if args.format == "webdataset":  # the shards, undecoded (decoder=None), as sbloader reads them
-                read, fn = ray.data.read_webdataset(path, decoder=None), _raydata_preprocess_webdataset
+                # file_extensions: img2dataset's folder also holds .parquet and _stats.json files,
+                # which Ray Data would otherwise open as tars ("invalid header")
+                read = ray.data.read_webdataset(path, decoder=None, file_extensions=["tar"])
+                fn = _raydata_preprocess_webdataset
                 kw["samples_per_shard"] = args.samples_per_shard
             else:
                 read, fn = ray.data.read_parquet(path, columns=["id", "image", "caption"]), _raydata_preprocess
@@ -990,7 +993,7 @@ def report(args: argparse.Namespace, cfg: dict, rounds: list[dict], cals: list[d
         *([f"**Read from WebDataset shards** (`--format webdataset`): the same rows as img2dataset-style shards "
            f"of {cfg.get('samples_per_shard')} samples (`<key>.jpg`, `.txt`, `.json`). The Ray contenders read them "
            "(`sbloader`: `read_webdataset(folder, decode=False, samples_per_partition=16)` -> "
-           "`preprocess_webdataset`; `raydata`: `ray.data.read_webdataset(folder, decoder=None)` -> the same); "
+           "`preprocess_webdataset`; `raydata`: `ray.data.read_webdataset(folder, decoder=None, file_extensions=['tar'])` -> the same); "
            "the torch baseline reads the Parquet file of the same rows. Read `read_parquet` below as that.", ""]
           if cfg.get("format") == "webdataset" else []),
         "- `torch_w1`/`torch_w2`: `sd.sources.TorchSource` as `--loader torch` builds it: a map-style Dataset over "
