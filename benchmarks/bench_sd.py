@@ -993,7 +993,8 @@ def report(args: argparse.Namespace, cfg: dict, rounds: list[dict], cals: list[d
         *([f"**Read from WebDataset shards** (`--format webdataset`): the same rows as img2dataset-style shards "
            f"of {cfg.get('samples_per_shard')} samples (`<key>.jpg`, `.txt`, `.json`). The Ray contenders read them "
            "(`sbloader`: `read_webdataset(folder, decode=False, samples_per_partition=16)` -> "
-           "`preprocess_webdataset`; `raydata`: `ray.data.read_webdataset(folder, decoder=None, file_extensions=['tar'])` -> the same); "
+           "`preprocess_webdataset`; `raydata`: `ray.data.read_webdataset(folder, decoder=None, "
+           "file_extensions=['tar'])` -> the same); "
            "the torch baseline reads the Parquet file of the same rows. Read `read_parquet` below as that.", ""]
           if cfg.get("format") == "webdataset" else []),
         "- `torch_w1`/`torch_w2`: `sd.sources.TorchSource` as `--loader torch` builds it: a map-style Dataset over "
