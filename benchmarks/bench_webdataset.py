@@ -9,8 +9,9 @@ and the caption to a str, in batches of 64; the consumer only counts. Contenders
 interleaved in each round (A B C ... A B C ...), a fresh iterator each epoch (its
 start-up included):
 
-- ``sbloader wds``: ``sbloader.read_webdataset(shards).iter_batches(64)`` (samples in
-  ranges of 256 per partition, decoded in the read tasks).
+- ``sbloader wds``: ``sbloader.read_webdataset(shards).iter_batches(64)`` (partitions of
+  64 samples, the default, decoded in the read tasks); ``sbloader wds 256``: partitions
+  of 256 samples (``samples_per_partition=256``).
 - ``webdataset WebLoader``: ``wds.WebLoader(wds.WebDataset(shards).decode("rgb8")
   .to_tuple("jpg", "txt").batched(64), num_workers=2, batch_size=None)`` (webdataset's
   own loader: torch's DataLoader over worker processes, shards split between workers).
@@ -108,6 +109,10 @@ def contenders(shards: list[str], files: list[str]) -> dict[str, Callable[[], It
             assert b["jpg"].shape[1:] == (SIDE, SIDE, 3)
             yield len(b["jpg"])
 
+    def sbl_wds_256() -> Iterator[int]:
+        for b in sbloader.read_webdataset(shards, samples_per_partition=256).iter_batches(BATCH):
+            yield len(b["jpg"])
+
     def sbl_folder() -> Iterator[int]:
         for b in sbloader.read_images(files).iter_batches(BATCH):
             yield len(b["image"])
@@ -127,7 +132,7 @@ def contenders(shards: list[str], files: list[str]) -> dict[str, Callable[[], It
         for images, _ in dl:
             yield len(images)
 
-    return {"sbloader wds": sbl_wds, "webdataset WebLoader": wds_loader, "Ray Data wds": raydata_wds,
+    return {"sbloader wds": sbl_wds, "sbloader wds 256": sbl_wds_256, "webdataset WebLoader": wds_loader, "Ray Data wds": raydata_wds,
             "sbloader folder": sbl_folder, "torch folder": torch_folder}
 
 

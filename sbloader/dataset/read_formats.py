@@ -59,7 +59,7 @@ def read_webdataset(
             the shard (and the sample's key) and the partition in the consumer;
             ``"skip"``: it is skipped, logged and counted in ``stats().skipped`` (the
             samples of a truncated shard before the damage are still read).
-        samples_per_partition: samples per partition (default 256); None: one
+        samples_per_partition: samples per partition (default 64); None: one
             partition per shard (its samples form one block: keep shards small).
 
     Returns:

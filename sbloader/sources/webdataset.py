@@ -30,9 +30,12 @@ from sbloader.sources.files import IOUnitSource, PathLike, list_files, read_erro
 from sbloader.sources.images import _decode_bytes
 from sbloader.sources.tar_index import ShardIndex, cached_index, local_stat, read_members, split_key
 
-#: Samples per partition by default: a few training batches; a shuffled batch draws from
-#: ``shuffle_window`` (8) partitions, so from up to 8 shards' ranges at once.
-DEFAULT_SAMPLES_PER_PARTITION = 256
+#: Samples per partition by default: one training batch of a typical size per task, as
+#: ``read_images``' 64 files (every partition is a task and a block; with 256 a 2-CPU
+#: read ran fewer, larger tasks and decoded more slowly than the same images as files,
+#: ``benchmarks/results/webdataset.md``). A shuffled batch draws from ``shuffle_window``
+#: (8) partitions, so from up to 8 shards' ranges at once.
+DEFAULT_SAMPLES_PER_PARTITION = 64
 
 #: Extensions ``read_webdataset`` lists in a directory or a glob.
 SHARD_EXTENSIONS = (".tar",)
