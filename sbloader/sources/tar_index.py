@@ -20,6 +20,8 @@ from typing import BinaryIO, Callable, NamedTuple, Optional
 
 import numpy as np
 
+from sbloader.sources.tar_members import parse_members
+
 #: Shard indexes a process keeps (the most recently used).
 INDEX_CACHE_SHARDS = 256
 
@@ -199,13 +201,7 @@ def read_members(f: BinaryIO, start: int, stop: int) -> list[tuple[str, bytes]]:
     if len(buf) != stop - start:
         raise EOFError(f"wanted bytes [{start}, {stop}), the file ends at {start + len(buf)}: "
                        f"it changed after it was indexed")
-    out = []
-    with tarfile.open(fileobj=io.BytesIO(buf), mode="r|") as tf:
-        for info in tf:
-            if info.isreg():
-                data = tf.extractfile(info)
-                out.append((info.name, data.read() if data is not None else b""))
-    return out
+    return parse_members(buf)
 
 
 def local_stat(path: str) -> tuple[int, int]:

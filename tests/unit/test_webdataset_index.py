@@ -139,3 +139,54 @@ def test_a_member_with_a_long_name_is_found_at_its_extended_header(tmp_path):
     assert idx.keys == ("short", long_key, "z") and idx.error == ""
     with open(path, "rb") as f:
         assert group_samples(read_members(f, int(idx.starts[1]), int(idx.stops[1])))[0][1]["txt"] == long_key.encode()
+
+
+def _tar_bytes(fmt: int, entries: list) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=fmt) as tf:
+        for name, data in entries:
+            info = tarfile.TarInfo(name)
+            if data is None:
+                info.type = tarfile.DIRTYPE
+                tf.addfile(info)
+            elif isinstance(data, str):
+                info.type, info.linkname = tarfile.SYMTYPE, data
+                tf.addfile(info)
+            else:
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+def test_the_fast_member_parser_gives_what_tarfile_gives(fmt, tmp_path):
+    from sbloader.sources.tar_members import _parse, _with_tarfile, parse_members
+
+    entries = [("d", None), ("d/a.txt", b"x" * 513), ("d/a.cls", b"1"), ("link.txt", "d/a.txt"),
+               ("p/" * 60 + "long.jpg", b"\xff" * 1000), ("\u00e9t\u00e9.json", b"{}"), ("empty.bin", b"")]
+    if fmt == tarfile.USTAR_FORMAT:  # no long names, no non-ASCII
+        entries = [e for e in entries if len(e[0]) < 100 and e[0].isascii()]
+    buf = _tar_bytes(fmt, entries)
+    assert _parse(buf) == _with_tarfile(buf) and len(_parse(buf)) >= 3  # the fast path, not the fallback
+    shard = write_shards(str(tmp_path), shards=1, per_shard=3)[0]  # webdataset's TarWriter
+    data = open(shard, "rb").read()
+    assert _parse(data) == _with_tarfile(data) and len(_parse(data)) == 12
+    bad = bytearray(buf)
+    bad[600] ^= 0xFF  # inside the second header: its checksum no longer matches
+    with pytest.raises(tarfile.TarError):
+        parse_members(bytes(bad[512:]) if fmt != tarfile.PAX_FORMAT else bytes(bad))
+
+
+def test_a_header_the_fast_parser_does_not_know_goes_to_tarfile():
+    from sbloader.sources.tar_members import _Unusual, _parse, _with_tarfile, parse_members
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for i in range(2):
+            info = tarfile.TarInfo(f"k{i}.txt")
+            info.size, info.pax_headers = 2, {"SCHILY.xattr.user.x": "1"}
+            tf.addfile(info, io.BytesIO(b"hi"))
+    data = buf.getvalue()
+    with pytest.raises(_Unusual):
+        _parse(data)
+    assert parse_members(data) == _with_tarfile(data) == [("k0.txt", b"hi"), ("k1.txt", b"hi")]
