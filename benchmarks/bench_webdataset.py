@@ -132,7 +132,8 @@ def contenders(shards: list[str], files: list[str]) -> dict[str, Callable[[], It
         for images, _ in dl:
             yield len(images)
 
-    return {"sbloader wds": sbl_wds, "sbloader wds 256": sbl_wds_256, "webdataset WebLoader": wds_loader, "Ray Data wds": raydata_wds,
+    return {"sbloader wds": sbl_wds, "sbloader wds 256": sbl_wds_256, "webdataset WebLoader": wds_loader,
+            "Ray Data wds": raydata_wds,
             "sbloader folder": sbl_folder, "torch folder": torch_folder}
 
 
@@ -193,12 +194,16 @@ def main() -> None:
         ratio = h.summarize([r["images_per_s"] / b["images_per_s"] for r, b in zip(rs, base)])
         first = h.summarize([r["first_batch_s"] for r in rs])
         outside = h.summarize([r["outside_cpu_frac"] for r in rs])
-        summary[name] = {"images_per_s": ips, "vs_webloader": ratio, "first_batch_s": first,
+        # CPU per image of every process of ours (trainer, workers, Ray): less sensitive to
+        # other processes than the wall time is
+        cpu = h.summarize([1e3 * sum(r["cpu_s_by_class"].values()) / args.images for r in rs])
+        summary[name] = {"images_per_s": ips, "vs_webloader": ratio, "first_batch_s": first, "cpu_ms_per_image": cpu,
                          "of_ceiling": ips["median"] / ceil, "outside_cpu_frac": outside}
         rows.append({"contender": name, "images/s": h.fmt_range(ips, "{:.0f}"),
                      "x WebLoader (same round)": h.fmt_range(ratio, "{:.2f}"),
                      "of the ceiling": f"{ips['median'] / ceil:.2f}",
                      "first batch s": h.fmt_range(first, "{:.2f}"),
+                     "CPU ms per image (ours)": h.fmt_range(cpu, "{:.2f}"),
                      "other processes' CPU": h.fmt_range(outside, "{:.0%}")})
     loads = [r["loadavg_1m_before"] for rs in runs.values() for r in rs]
     md = [
@@ -215,7 +220,9 @@ def main() -> None:
         f"Machine load (1-min load average before each run): median {h.median(loads):.1f}, "
         f"min {min(loads):.1f}, max {max(loads):.1f} on {os.cpu_count()} cores: the machine was shared; "
         "`other processes' CPU` is the share of the machine's CPU that processes outside the benchmark took "
-        "during each run. Ratios from the same round are the figures to read.",
+        "during each run. Ratios from the same round are the figures to read; `CPU ms per image` (every "
+        "process of the benchmark's tree: trainer, DataLoader workers, Ray's workers and daemons) depends "
+        "less on the others' load than the wall time does.",
     ]
     h.publish(args.out, {"args": vars(args), "ceiling": cal, "summary": summary, "runs": runs},
               "\n".join(md), title="WebDataset shards: read + decode throughput (sbloader, webdataset, Ray Data)")
