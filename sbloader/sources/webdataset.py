@@ -28,7 +28,7 @@ from sbloader.core.context import report_skipped
 from sbloader.sources.base import Partition
 from sbloader.sources.files import IOUnitSource, PathLike, list_files, read_error
 from sbloader.sources.images import _decode_bytes
-from sbloader.sources.tar_index import ShardIndex, cached_index, local_stat, read_members, split_key
+from sbloader.sources.tar_index import ShardIndex, cached_index, is_meta, local_stat, read_members, split_key
 
 #: Samples per partition by default: one training batch of a typical size per task, as
 #: ``read_images``' 64 files (every partition is a task and a block; with 256 a 2-CPU
@@ -178,8 +178,6 @@ def decode_value(ext: str, data: bytes, name: str = "") -> Any:
 def group_samples(members: Sequence[tuple[str, bytes]]) -> list[tuple[str, dict]]:
     """Group ``(name, data)`` members into ``(key, {extension: data})`` samples by WebDataset's
     rule (consecutive members with one key; ``__meta__`` names and names without a dot left out)."""
-    from sbloader.sources.tar_index import is_meta
-
     out: list[tuple[str, dict]] = []
     for name, data in members:
         key, ext = split_key(name)
