@@ -298,14 +298,30 @@ def pipeline_source(cls: Any, args: Any, path: str, device: Any) -> Any:
 
 
 def sd_args(cfg: dict, loader: str = "sbloader", workers: int = 1) -> Any:
+    """train_sd's options for a contender. Under ``--format webdataset`` the Ray contenders read the
+    shards; the torch baseline (train_sd's ``--loader torch``) reads the Parquet file of the same rows."""
     from sd.cli import parse_args
 
+    fmt = cfg.get("format", "parquet") if loader == "sbloader" else "parquet"
     return parse_args([
         "--loader", loader, "--workers", str(workers), "--images", str(cfg["images"]), "--size", str(cfg["size"]),
         "--rows-per-group", str(cfg["rows_per_group"]), "--batch-size", str(cfg["batch_size"]),
         "--encode-batch", str(cfg["encode_batch"]), "--encoder-actors", "1", "--steps", str(cfg["steps"]),
         "--ckpt-every", str(cfg["steps"] + 1), "--keep-ckpts", "1", "--ckpt-dir", cfg["ckpt_dir"],
-        "--data", cfg["data"], "--seed", "0"])
+        "--data", cfg["data"], "--seed", "0", "--format", fmt,
+        "--samples-per-shard", str(cfg.get("samples_per_shard", 256))])
+
+
+def _raydata_preprocess_webdataset(batch: dict, **kwargs: Any) -> dict:
+    """train_sd's ``preprocess_webdataset`` under Ray Data (see :func:`_raydata_preprocess`)."""
+    from sd.data import preprocess_webdataset
+
+    from sbloader.core.context import task_context
+
+    from sd.data import webdataset_id
+
+    with task_context(0, 0, webdataset_id(str(batch["__key__"][0]), kwargs["samples_per_shard"]), "preprocess", 0):
+        return preprocess_webdataset(batch, **kwargs)
 
 
 def _raydata_preprocess(batch: dict, **kwargs: Any) -> dict:
@@ -338,10 +354,18 @@ def raydata_source(args: Any, path: str, block_kib: int) -> Any:
         kind = "raydata"
 
         def __init__(self) -> None:
+            kw = dict(size=args.size, max_tokens=args.max_tokens, vocab=args.vocab)
+            if args.format == "webdataset":  # the shards, undecoded (decoder=None), as sbloader reads them
+                # file_extensions: img2dataset's folder also holds .parquet and _stats.json files,
+                # which Ray Data would otherwise open as tars ("invalid header")
+                read = ray.data.read_webdataset(path, decoder=None, file_extensions=["tar"])
+                fn = _raydata_preprocess_webdataset
+                kw["samples_per_shard"] = args.samples_per_shard
+            else:
+                read, fn = ray.data.read_parquet(path, columns=["id", "image", "caption"]), _raydata_preprocess
             self.dataset = (
-                ray.data.read_parquet(path, columns=["id", "image", "caption"])
-                .map_batches(_raydata_preprocess, batch_size=args.rows_per_group, num_cpus=1, batch_format="numpy",
-                             fn_kwargs=dict(size=args.size, max_tokens=args.max_tokens, vocab=args.vocab))
+                read
+                .map_batches(fn, batch_size=args.rows_per_group, num_cpus=1, batch_format="numpy", fn_kwargs=kw)
                 .map_batches(timed_encoders(), batch_size=args.encode_batch, batch_format="numpy",
                              compute=ray.data.ActorPoolStrategy(size=args.encoder_actors),
                              num_cpus=args.encoder_cpus,
@@ -400,7 +424,7 @@ def calibrate(cfg: dict) -> dict:
 
     from sbloader.core.context import task_context
 
-    args = sd_args(cfg)
+    args = sd_args(cfg, "torch")  # the Parquet file (under --format webdataset too: the same rows)
     path = write_dataset(dataset_path(args), args)
     g = cfg["rows_per_group"]
     t = pq.read_table(path, columns=["id", "image", "caption"]).slice(0, 12 * g)
@@ -966,6 +990,13 @@ def report(args: argparse.Namespace, cfg: dict, rounds: list[dict], cals: list[d
         "",
         "## The contenders",
         "",
+        *([f"**Read from WebDataset shards** (`--format webdataset`): the same rows as img2dataset-style shards "
+           f"of {cfg.get('samples_per_shard')} samples (`<key>.jpg`, `.txt`, `.json`). The Ray contenders read them "
+           "(`sbloader`: `read_webdataset(folder, decode=False, samples_per_partition=16)` -> "
+           "`preprocess_webdataset`; `raydata`: `ray.data.read_webdataset(folder, decoder=None, "
+           "file_extensions=['tar'])` -> the same); "
+           "the torch baseline reads the Parquet file of the same rows. Read `read_parquet` below as that.", ""]
+          if cfg.get("format") == "webdataset" else []),
         "- `torch_w1`/`torch_w2`: `sd.sources.TorchSource` as `--loader torch` builds it: a map-style Dataset over "
         "the Parquet file (row groups read on demand, a few cached per worker), `DataLoader(batch_size=8, "
         "num_workers=1|2, persistent_workers=True)`, the encoders called on each batch in the trainer.",
@@ -1074,6 +1105,10 @@ def main() -> None:
     p.add_argument("--job-timeout", type=float, default=600.0, help="per job, s (a hung pipeline is stopped)")
     p.add_argument("--data", default=os.environ.get("SBLOADER_BENCH_DATA", "/tmp/sbloader_bench_sd"))
     p.add_argument("--out", default=NAME)
+    p.add_argument("--format", choices=["parquet", "webdataset"], default="parquet",
+                   help="what the Ray contenders read: the Parquet file, or the same rows as img2dataset-style "
+                        "WebDataset shards (read_webdataset / ray.data.read_webdataset); torch reads the Parquet")
+    p.add_argument("--samples-per-shard", type=int, default=256, help="samples per shard (--format webdataset)")
     p.add_argument("--from-json", default=None, help="re-render the report from a results JSON (no runs)")
     p.add_argument("--job", default=None, help=argparse.SUPPRESS)
     p.add_argument("--job-config", default=None, help=argparse.SUPPRESS)
@@ -1088,6 +1123,8 @@ def main() -> None:
         render(argparse.Namespace(**old["args"]), old["config"], old["rounds"], old["calibration"], old["jobs"],
                {k: old[k] for k in ("command", "machine", "git", "total_wall_s", "failures") if k in old})
         return
+    if args.format == "webdataset" and args.out == NAME:
+        args.out = f"{NAME}_webdataset"
     args.rounds = args.rounds or (1 if args.quick else 3)
     args.images = args.images or (2048 if args.quick else 4096)
     args.steps = args.images // 8  # one epoch
@@ -1108,14 +1145,15 @@ def main() -> None:
     base = {"images": args.images, "size": 64, "rows_per_group": 16, "batch_size": 8, "encode_batch": 16,
             "steps": args.steps, "skip": args.skip, "data": args.data, "ckpt_dir": ckpt, "store_mib": 512,
             "node_cores": [args.node_core], "node_cpus": args.node_cpus, "head_cpus": 1, "pss_interval_s": 0.5,
-            "raydata_block_kib": args.raydata_block_kib}
+            "raydata_block_kib": args.raydata_block_kib, "format": args.format,
+            "samples_per_shard": args.samples_per_shard}
     # Write the data once, before any job (the jobs only read it).
     from sd.data import dataset_path, write_dataset
 
-    a = sd_args(base)
-    t = time.perf_counter()
-    write_dataset(dataset_path(a), a)
-    print(f"data: {dataset_path(a)} ({time.perf_counter() - t:.1f}s)", flush=True)
+    for a in {sd_args(base).format: sd_args(base), "parquet": sd_args(base, "torch")}.values():
+        t = time.perf_counter()
+        write_dataset(dataset_path(a), a)
+        print(f"data: {dataset_path(a)} ({time.perf_counter() - t:.1f}s)", flush=True)
     jobs_spec = [("torch", {"order": list(TORCH)}),
                  ("cluster", {"order": list(CLUSTER), "extra_nodes": 1, "head_cpus": 1}),
                  ("cluster", {"order": ["sbloader_1node"], "extra_nodes": 0, "head_cpus": 2})]

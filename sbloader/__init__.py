@@ -26,6 +26,7 @@ from sbloader.core.errors import (
 )
 from sbloader.dataset.read import from_items, from_torch, read_images, read_parquet, read_videos
 from sbloader.dataset.read import range_dataset as range
+from sbloader.dataset.read_formats import from_huggingface, read_webdataset
 from sbloader.core.stats import ExecutionStats, OperatorStats, StallStats
 from sbloader import transforms  # noqa: E402  (sbloader.transforms: Pillow/NumPy augmentations)
 
@@ -50,6 +51,7 @@ __all__ = [
     "TaskContext",
     "TaskLostError",
     "UserFunctionError",
+    "from_huggingface",
     "from_items",
     "from_torch",
     "get_context",
@@ -58,6 +60,7 @@ __all__ = [
     "read_images",
     "read_parquet",
     "read_videos",
+    "read_webdataset",
     "report_skipped",
     "shutdown",
     "transforms",

@@ -52,6 +52,21 @@ def write_jpeg_folder(root: str, n: int, *, seed: int = 0, num_classes: int = 10
     return paths
 
 
+_WORDS = ["red", "green", "blue", "cat", "dog", "tree", "house", "sky", "river", "stone", "small", "large"]
+
+
+def _captioned_images(n: int, seed: int, min_size: tuple[int, int],
+                      max_size: tuple[int, int]) -> Iterator[tuple[bytes, str, int, int]]:
+    """``(jpeg, caption, width, height)`` per row: the rows :func:`write_image_parquet` and
+    :func:`write_webdataset_shards` write (the same for the same arguments)."""
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        w = int(rng.integers(min_size[0], max_size[0] + 1))
+        h = int(rng.integers(min_size[1], max_size[1] + 1))
+        data = jpeg_bytes(synthetic_image(np.random.default_rng([seed, i]), w, h))
+        yield data, " ".join(rng.choice(_WORDS, size=6)), w, h
+
+
 def write_image_parquet(path: str, n: int, *, seed: int = 0, num_classes: int = 10,
                         rows_per_group: int = 64, captions: bool = False,
                         min_size: tuple[int, int] = (320, 240), max_size: tuple[int, int] = (640, 480)) -> str:
@@ -59,21 +74,86 @@ def write_image_parquet(path: str, n: int, *, seed: int = 0, num_classes: int = 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rng = np.random.default_rng(seed)
-    images, labels, texts = [], [], []
-    words = ["red", "green", "blue", "cat", "dog", "tree", "house", "sky", "river", "stone", "small", "large"]
-    for i in range(n):
-        w = int(rng.integers(min_size[0], max_size[0] + 1))
-        h = int(rng.integers(min_size[1], max_size[1] + 1))
-        images.append(jpeg_bytes(synthetic_image(np.random.default_rng([seed, i]), w, h)))
-        labels.append(i % num_classes)
-        texts.append(" ".join(rng.choice(words, size=6)))
+    images, texts = [], []
+    for data, text, _, _ in _captioned_images(n, seed, min_size, max_size):
+        images.append(data)
+        texts.append(text)
     cols = {"id": pa.array(np.arange(n, dtype=np.int64)), "image": pa.array(images, pa.binary()),
-            "label": pa.array(labels, pa.int64())}
+            "label": pa.array([i % num_classes for i in range(n)], pa.int64())}
     if captions:
         cols["caption"] = pa.array(texts, pa.string())
     pq.write_table(pa.table(cols), path, row_group_size=rows_per_group)
     return path
+
+
+def img2dataset_key(shard: int, index: int, samples_per_shard: int) -> str:
+    """img2dataset's sample key: the shard number in 5 digits, then the index in the shard in
+    as many digits as ``samples_per_shard - 1`` needs (``000000000`` with its default 10,000)."""
+    digits = len(str(max(1, samples_per_shard - 1)))
+    return f"{shard:05d}{index:0{digits}d}"
+
+
+def img2dataset_row(key: str, samples_per_shard: int) -> int:
+    """The row number behind an :func:`img2dataset_key`: shard * ``samples_per_shard`` + place in the shard."""
+    digits = len(str(max(1, samples_per_shard - 1)))
+    return int(key[:-digits]) * samples_per_shard + int(key[-digits:])
+
+
+def write_webdataset_shards(root: str, n: int, *, samples_per_shard: int = 10000, seed: int = 0,
+                            min_size: tuple[int, int] = (320, 240),
+                            max_size: tuple[int, int] = (640, 480)) -> list[str]:
+    """Write ``n`` captioned JPEGs as WebDataset shards laid out as img2dataset writes them.
+
+    ``root/00000.tar`` ... each holding per sample ``<key>.jpg``, ``<key>.txt`` (the
+    caption) and ``<key>.json`` (img2dataset's metadata: ``key``, ``caption``, ``status``,
+    ``width``, ``height``, ``original_width``, ``original_height``, ``url``, ``sha256``...),
+    beside it ``00000.parquet`` (the same metadata, one row per sample) and
+    ``00000_stats.json``. Keys follow :func:`img2dataset_key`. The images and captions
+    are :func:`write_image_parquet`'s for the same ``seed``, sizes and ``n``. Existing
+    shards are kept (a second call is cheap: give every set of parameters its own root).
+
+    Returns:
+        The shards' paths, in order.
+    """
+    import hashlib
+    import json
+    import tarfile
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    os.makedirs(root, exist_ok=True)
+    paths: list[str] = []
+    rows = _captioned_images(n, seed, min_size, max_size)
+    for shard in range(-(-n // samples_per_shard)):
+        path = os.path.join(root, f"{shard:05d}.tar")
+        count = min(samples_per_shard, n - shard * samples_per_shard)
+        paths.append(path)
+        if os.path.exists(path):
+            for _ in range(count):
+                next(rows)
+            continue
+        metas = []
+        tmp = os.path.join(root, f".tmp_{shard:05d}.tar")
+        with tarfile.open(tmp, "w", format=tarfile.USTAR_FORMAT) as tf:
+            for i in range(count):
+                data, caption, w, h = next(rows)
+                key = img2dataset_key(shard, i, samples_per_shard)
+                meta = {"url": f"https://example.invalid/{key}.jpg", "caption": caption, "key": key,
+                        "status": "success", "error_message": None, "width": w, "height": h,
+                        "original_width": w, "original_height": h, "exif": "{}",
+                        "sha256": hashlib.sha256(data).hexdigest()}
+                metas.append(meta)
+                for ext, payload in (("jpg", data), ("txt", caption.encode()), ("json", json.dumps(meta).encode())):
+                    info = tarfile.TarInfo(f"{key}.{ext}")
+                    info.size, info.mtime, info.mode = len(payload), 0, 0o444
+                    tf.addfile(info, io.BytesIO(payload))
+        pq.write_table(pa.Table.from_pylist(metas), os.path.join(root, f"{shard:05d}.parquet"))
+        with open(os.path.join(root, f"{shard:05d}_stats.json"), "w", encoding="utf-8") as f:
+            json.dump({"count": count, "successes": count, "failed_to_download": 0, "failed_to_resize": 0,
+                       "status_dict": {"success": count}}, f)
+        os.replace(tmp, path)
+    return paths
 
 
 def _video_codec(codec: str) -> str:

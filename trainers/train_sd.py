@@ -3,6 +3,7 @@
     python3 trainers/train_sd.py --images 64 --steps 4                 # one process, sbloader
     python3 trainers/train_sd.py --images 64 --steps 4 --loader torch  # torch's DataLoader baseline
     torchrun --standalone --nproc-per-node=2 trainers/train_sd.py --images 64 --steps 4
+    python3 trainers/train_sd.py --images 64 --steps 4 --format webdataset  # from img2dataset-style shards
     ... --resume                                                       # continue from the latest checkpoint
 
 The entry script: the trainer lives in the package ``trainers/sd/`` (its docstring, also
@@ -23,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sd.checkpoints import CKPT_PREFIX, checkpoint_files, latest_checkpoint, write_checkpoint  # noqa: E402
 from sd.cli import main, parse_args, ray_cpus  # noqa: E402
 from sd.data import (BOS, PAD, EpochSampler, ParquetCaptionDataset, dataset_path, preprocess,  # noqa: E402
-                     resize_crop_flip, tokenize, write_dataset)
+                     preprocess_webdataset, resize_crop_flip, tokenize, webdataset_id, write_dataset)
 from sd.denoiser import (DDPM, DOWNSAMPLE, CrossAttention, ResBlock, TinyUNet, step_generator,  # noqa: E402
                          timestep_embedding)
 from sd.encoders import SDEncoders, TextEncoder, VAEEncoder, weights_checksum  # noqa: E402
@@ -34,8 +35,8 @@ __all__ = [
     "BOS", "CKPT_PREFIX", "DDPM", "DOWNSAMPLE", "PAD", "BatchSource", "CrossAttention", "EpochSampler",
     "ParquetCaptionDataset", "PipelineSource", "ResBlock", "SDEncoders", "TextEncoder", "TinyUNet", "TorchSource",
     "VAEEncoder", "checkpoint_files", "dataset_path", "latest_checkpoint", "main", "parse_args", "preprocess",
-    "ray_cpus", "resize_crop_flip", "step_generator", "timestep_embedding", "tokenize", "train", "weights_checksum",
-    "write_checkpoint", "write_dataset",
+    "preprocess_webdataset", "ray_cpus", "resize_crop_flip", "step_generator", "timestep_embedding", "tokenize",
+    "train", "webdataset_id", "weights_checksum", "write_checkpoint", "write_dataset",
 ]
 
 if __name__ == "__main__":

@@ -122,6 +122,9 @@ def runs(tmp_path_factory) -> dict[str, Run]:
         # Pools of up to two actors per rank (autoscaled), 3 steps of 4 per rank.
         "torchrun": Started(root, "torchrun", [*COMMON, "--steps", 3, "--encoder-actors", 2], nproc=2),
     }
+    # The same rows from img2dataset-style WebDataset shards (2 shards of 16).
+    started["webdataset"] = Started(root, "webdataset", [*COMMON, "--steps", STEPS, "--encoder-actors", 1,
+                                                         "--format", "webdataset", "--samples-per-shard", 16])
     done = {"torch": started.pop("torch").finish()}  # the quickest: its resumes start first
     torch_ckpt = done["torch"].ckpt_dir / "step_00000002.pt"
     started["torch_resume"] = Started(root, "torch_resume", [*COMMON, "--steps", STEPS, "--loader", "torch",
@@ -246,6 +249,30 @@ def test_resume_with_the_other_loader_is_a_clear_error(runs):
 
 
 # ----- the pieces, in-process ----------------------------------------------------------
+
+
+def test_webdataset_shards_train_on_the_same_batches_as_the_parquet_file(runs):
+    # Shards of 16 cut into ranges of 8 are the Parquet file's row groups of 8: the same
+    # partitions, the same plan, the same augmentations, so the same batches and losses.
+    wds, pq_run = runs["webdataset"], runs["sbloader"]
+    m = check_received(wds)
+    assert (m["start_step"], m["step"]) == (0, STEPS), m
+    assert m["ids"] == pq_run.metrics[0]["ids"], (m["ids"], pq_run.metrics[0]["ids"])
+    assert m["losses"] == pq_run.metrics[0]["losses"]
+    shards = sorted(p.name for p in next((wds.ckpt_dir.parent.parent / "data").glob("*-wds")).iterdir())
+    assert shards == ["00000.parquet", "00000.tar", "00000_stats.json", "00001.parquet", "00001.tar",
+                      "00001_stats.json"], shards
+
+
+def test_webdataset_keys_give_the_row_back_and_the_torch_baseline_refuses_shards():
+    from sbloader.datagen import img2dataset_key
+
+    for sps in (16, 100, 10000):
+        for row in (0, 5, sps - 1, sps, 3 * sps + 7):
+            assert train_sd.webdataset_id(img2dataset_key(row // sps, row % sps, sps), sps) == row
+    assert img2dataset_key(0, 0, 10000) == "000000000"
+    with pytest.raises(SystemExit):
+        parse_args(["--format", "webdataset", "--loader", "torch"])
 
 
 def test_tokenize_is_deterministic_padded_and_truncated():

@@ -24,7 +24,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--images", type=int, default=256, help="generated image/caption rows")
     p.add_argument("--size", type=int, default=64, help="training resolution (a multiple of 16)")
     p.add_argument("--rows-per-group", type=int, default=16, help="Parquet row group size (= partition size)")
-    p.add_argument("--data", default=None, help="folder of the generated Parquet (default: a temp folder)")
+    p.add_argument("--data", default=None, help="folder of the generated data (default: a temp folder)")
+    p.add_argument("--format", choices=["parquet", "webdataset"], default="parquet",
+                   help="what the data is generated as and read from: one Parquet file, or WebDataset shards "
+                        "laid out as img2dataset writes them (jpg + txt + json per sample; --loader sbloader)")
+    p.add_argument("--samples-per-shard", type=int, default=64, help="samples per WebDataset shard")
     p.add_argument("--batch-size", type=int, default=8, help="per rank")
     p.add_argument("--steps", type=int, default=40, help="total optimizer steps (a resumed run counts on)")
     p.add_argument("--lr", type=float, default=2e-4)
@@ -53,13 +57,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--encoder-log", default=None, help="append one JSON line per encoder construction here")
     p.add_argument("--metrics-dir", default=None, help="write rank<r>.json (losses, shapes, timings) here")
     args = p.parse_args(argv)
-    for name in ("images", "size", "rows_per_group", "batch_size", "steps", "base", "max_tokens", "text_dim",
+    for name in ("images", "size", "rows_per_group", "samples_per_shard", "batch_size", "steps", "base", "max_tokens", "text_dim",
                  "encode_batch", "encoder_actors", "ckpt_every", "keep_ckpts"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, found {getattr(args, name)}")
     if args.size % (2 * DOWNSAMPLE):
         p.error(f"--size must be a multiple of {2 * DOWNSAMPLE} (latents are /8, the UNet halves them), "
                 f"found {args.size}")
+    if args.format == "webdataset" and args.loader != "sbloader":
+        p.error("--format webdataset needs --loader sbloader (the torch baseline reads the Parquet file)")
     if args.vocab < 3:
         p.error(f"--vocab must be >= 3 (pad, start and one word id), found {args.vocab}")
     if args.base % 8 or args.text_dim % 4:

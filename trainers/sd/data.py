@@ -17,24 +17,52 @@ PAD, BOS = 0, 1
 
 
 def dataset_path(args: argparse.Namespace) -> str:
-    """The Parquet file for these parameters (under ``--data``)."""
+    """The Parquet file, or the folder of WebDataset shards, for these parameters (under ``--data``)."""
     root = args.data or os.path.join(tempfile.gettempdir(), "sbloader-sd-data")
+    if getattr(args, "format", "parquet") == "webdataset":
+        return os.path.join(root, f"sd-{args.images}-s{args.size}-n{args.samples_per_shard}-seed{args.seed}-wds")
     return os.path.join(root, f"sd-{args.images}-s{args.size}-g{args.rows_per_group}-seed{args.seed}.parquet")
 
 
 def write_dataset(path: str, args: argparse.Namespace) -> str:
-    """Write the generated images + captions once (atomically); later calls reuse the file."""
-    from sbloader.datagen import write_image_parquet
+    """Write the generated images + captions once (atomically); later calls reuse the file (or shards).
+
+    Both formats hold the same rows: WebDataset shards as img2dataset lays them out
+    (``00000.tar`` with ``<key>.jpg``, ``.txt``, ``.json``), row ``i`` under the key of
+    its shard and place in it (:func:`webdataset_id` gives ``i`` back)."""
+    from sbloader.datagen import write_image_parquet, write_webdataset_shards
 
     if os.path.exists(path):
         return path
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     s = args.size
-    write_image_parquet(tmp, args.images, seed=args.seed, captions=True, rows_per_group=args.rows_per_group,
-                        min_size=(s * 3 // 2, s * 5 // 4), max_size=(s * 5 // 2, s * 2))
+    sizes = dict(min_size=(s * 3 // 2, s * 5 // 4), max_size=(s * 5 // 2, s * 2))
+    if getattr(args, "format", "parquet") == "webdataset":
+        write_webdataset_shards(tmp, args.images, samples_per_shard=args.samples_per_shard, seed=args.seed, **sizes)
+    else:
+        write_image_parquet(tmp, args.images, seed=args.seed, captions=True, rows_per_group=args.rows_per_group,
+                            **sizes)
     os.replace(tmp, path)
     return path
+
+
+def webdataset_id(key: str, samples_per_shard: int) -> int:
+    """The row number of an img2dataset key (:func:`sbloader.datagen.img2dataset_key`): the
+    shard's number times ``samples_per_shard`` plus the place in the shard."""
+    from sbloader.datagen import img2dataset_row
+
+    return img2dataset_row(key, samples_per_shard)
+
+
+def preprocess_webdataset(batch: dict[str, np.ndarray], *, samples_per_shard: int, **kwargs: Any
+                          ) -> dict[str, np.ndarray]:
+    """:func:`preprocess` for rows of ``read_webdataset(decode=False)``: ``jpg`` bytes are the image,
+    ``txt`` the caption, the key gives the row's id."""
+    return preprocess({"id": np.array([webdataset_id(str(k), samples_per_shard) for k in batch["__key__"]],
+                                      dtype=np.int64),
+                       "image": batch["jpg"], "caption": [bytes(t).decode("utf-8") for t in batch["txt"]]},
+                      **kwargs)
 
 
 def tokenize(captions: Sequence[str], max_tokens: int, vocab: int) -> np.ndarray:

@@ -8,7 +8,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from sd.data import EpochSampler, ParquetCaptionDataset, preprocess
+from sd.data import EpochSampler, ParquetCaptionDataset, preprocess, preprocess_webdataset
 from sd.encoders import SDEncoders
 
 
@@ -46,7 +46,8 @@ class BatchSource:
 
 
 class PipelineSource(BatchSource):
-    """``--loader sbloader``: read_parquet -> preprocess (CPU tasks) -> SDEncoders (actor pool) -> to_dataloader."""
+    """``--loader sbloader``: read_parquet (or read_webdataset) -> preprocess (CPU tasks) -> SDEncoders (actor
+    pool) -> to_dataloader."""
 
     kind = "sbloader"
 
@@ -56,10 +57,15 @@ class PipelineSource(BatchSource):
         cuda = torch.cuda.is_available()
         encoder_kwargs = dict(vocab=args.vocab, max_tokens=args.max_tokens, text_dim=args.text_dim,
                               seed=args.encoder_seed, log_path=args.encoder_log)
+        kw = dict(size=args.size, max_tokens=args.max_tokens, vocab=args.vocab)
+        if args.format == "webdataset":  # img2dataset's layout: the jpg and txt of every sample, undecoded
+            read = sbloader.read_webdataset(path, decode=False, samples_per_partition=args.rows_per_group)
+            fn, kw = preprocess_webdataset, dict(kw, samples_per_shard=args.samples_per_shard)
+        else:
+            read, fn = sbloader.read_parquet(path, columns=["id", "image", "caption"]), preprocess
         self.dataset = (
-            sbloader.read_parquet(path, columns=["id", "image", "caption"])
-            .map_batches(preprocess, num_cpus=1,
-                         fn_kwargs=dict(size=args.size, max_tokens=args.max_tokens, vocab=args.vocab))
+            read
+            .map_batches(fn, num_cpus=1, fn_kwargs=kw)
             .map_batches(SDEncoders, batch_size=args.encode_batch, concurrency=(1, args.encoder_actors),
                          num_cpus=args.encoder_cpus, num_gpus=args.encoder_gpus if cuda else None,
                          fn_constructor_kwargs=encoder_kwargs)
