@@ -31,6 +31,9 @@ class TaskContext:
         operator: name of the operator running.
         seed: the seed of (epoch seed, partition, operator).
         rng: a ``numpy.random.Generator`` seeded with ``seed``.
+        skipped: rows skipped under ``on_error="skip"`` (:func:`report_skipped`).
+        full_decodes: images ``sbloader.transforms`` decoded whole because its crop
+            decode could not take them (not a JPEG...: ``sbloader/sources/jpeg_window.py``).
     """
 
     epoch: int
@@ -41,6 +44,7 @@ class TaskContext:
     rng: np.random.Generator = field(repr=False)
     skipped: int = 0
     skipped_paths: list = field(default_factory=list, repr=False)
+    full_decodes: int = 0
 
 
 def get_context() -> Optional[TaskContext]:
