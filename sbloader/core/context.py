@@ -47,6 +47,28 @@ class TaskContext:
     full_decodes: int = 0
 
 
+@dataclass(frozen=True)
+class TaskCounts:
+    """What the user functions of one task counted, carried in its blocks' metadata to
+    ``stats()``.
+
+    Attributes:
+        skipped: rows skipped under ``on_error="skip"``.
+        full_decodes: images ``sbloader.transforms`` decoded whole instead of by crop window.
+    """
+
+    skipped: int = 0
+    full_decodes: int = 0
+
+    @staticmethod
+    def of(ctx: "TaskContext") -> "TaskCounts":
+        """The counts a context gathered."""
+        return TaskCounts(ctx.skipped, ctx.full_decodes)
+
+    def __add__(self, other: "TaskCounts") -> "TaskCounts":
+        return TaskCounts(self.skipped + other.skipped, self.full_decodes + other.full_decodes)
+
+
 def get_context() -> Optional[TaskContext]:
     """The context of the partition being processed, or None outside a task."""
     return _CURRENT[-1] if _CURRENT else None

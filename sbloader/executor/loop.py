@@ -327,6 +327,7 @@ class Scheduler:
         st.rows, st.blocks, st.bytes = st.rows + meta.num_rows, st.blocks + 1, st.bytes + meta.nbytes
         st.task_s += meta.task_s
         st.skipped += meta.skipped
+        st.full_decodes += meta.full_decodes
         self.sizing.observe(i, meta, st.blocks, last)
         self.bars.update(i, meta.num_rows)
         out = OutputBlock(run.block_ref, meta, lease)

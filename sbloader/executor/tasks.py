@@ -17,7 +17,7 @@ import numpy as np
 import ray
 
 from sbloader.core.block import BATCH_ROWS_COLUMN, ROW_COLUMN, Block, BlockMeta, block_nbytes, num_rows, take
-from sbloader.core.context import task_context
+from sbloader.core.context import TaskCounts, task_context
 from sbloader.core.errors import SourceReadError, UserFunctionError, picklable
 from sbloader.core.ops import Op, apply_op
 from sbloader.core.plan import row_permutation
@@ -115,7 +115,7 @@ def _node_id() -> str:
     return _NODE_ID[0]
 
 
-def _make_meta(block: Block, info: EpochInfo, partition_id: int, seq: int, t0: float, skipped: int) -> BlockMeta:
+def _make_meta(block: Block, info: EpochInfo, partition_id: int, seq: int, t0: float, counts: TaskCounts) -> BlockMeta:
     rows = block.get(ROW_COLUMN)
     rr = (int(rows.min()), int(rows.max()) + 1) if rows is not None and len(rows) else (0, 0)
     return BlockMeta(
@@ -127,36 +127,37 @@ def _make_meta(block: Block, info: EpochInfo, partition_id: int, seq: int, t0: f
         row_range=rr,
         task_s=time.perf_counter() - t0,
         node_id=_node_id(),
-        skipped=skipped,
+        skipped=counts.skipped,
+        full_decodes=counts.full_decodes,
         pid=os.getpid(),
         batch_rows=tuple(int(n) for n in block[BATCH_ROWS_COLUMN]) if BATCH_ROWS_COLUMN in block else (),
     )
 
 
 def apply_ops(ops: Sequence[Op], block: Block, info: EpochInfo, partition_id: int,
-              fns: Optional[Sequence[Callable]] = None) -> tuple[Block, int]:
+              fns: Optional[Sequence[Callable]] = None) -> tuple[Block, TaskCounts]:
     """Apply operators in order, each under its partition's seeded context.
 
     Returns:
-        The output block and the rows user functions reported as skipped.
+        The output block and what the user functions counted (rows skipped, whole decodes).
     """
-    skipped = 0
+    counts = TaskCounts()
     for i, op in enumerate(ops):
         fn = fns[i] if fns is not None else op.fn
         ctx = task_context(info.epoch, info.epoch_seed, partition_id, op.name, op.index)
         try:
             with ctx as c:
                 block = apply_op(op, fn, block)
-                skipped += c.skipped
+                counts = counts + TaskCounts.of(c)
         except UserFunctionError:
             raise
         except Exception as e:
             raise UserFunctionError(op.name, partition_id, info.epoch, traceback.format_exc(), repr(e),
                                     original=picklable(e)) from e
-    return block, skipped
+    return block, counts
 
 
-def read_partition(reader_and_shared: tuple, partition: Partition, info: EpochInfo, name: str) -> tuple[Block, int]:
+def read_partition(reader_and_shared: tuple, partition: Partition, info: EpochInfo, name: str) -> tuple[Block, TaskCounts]:
     """Read a partition, attach the row column and apply the epoch's row shuffle."""
     reader, shared = reader_and_shared
     ctx = task_context(info.epoch, info.epoch_seed, partition.id, name, -1)
@@ -175,7 +176,7 @@ def read_partition(reader_and_shared: tuple, partition: Partition, info: EpochIn
         block[ROW_COLUMN] = np.arange(n, dtype=np.int64)
     if info.shuffle_rows and n > 1:
         block = take(block, row_permutation(n, info.epoch_seed, partition.id))
-    return block, c.skipped
+    return block, TaskCounts.of(c)
 
 
 def read_partitions(reader_and_shared: tuple, partitions: Sequence[Partition], seqs: Sequence[int],
@@ -188,9 +189,9 @@ def read_partitions(reader_and_shared: tuple, partitions: Sequence[Partition], s
     out: list = []
     for j, (part, seq) in enumerate(zip(partitions, seqs)):
         t0 = time.perf_counter()
-        block, skipped = read_partition(rs, part, info, name)
-        block, skipped2 = apply_ops(ops, block, info, part.id, fns=fns)
-        meta = _make_meta(block, info, part.id, seq, t0, skipped + skipped2)
+        block, counts = read_partition(rs, part, info, name)
+        block, counts2 = apply_ops(ops, block, info, part.id, fns=fns)
+        meta = _make_meta(block, info, part.id, seq, t0, counts + counts2)
         out += [store_here(block, leases[j] if leases else None, _node_id()), meta]
     return tuple(out)
 
@@ -208,8 +209,8 @@ def block_stage_task(block: Block, meta: BlockMeta, ops: tuple, info: EpochInfo,
                      lease: Optional[SlotLease] = None) -> tuple[Any, BlockMeta]:
     """Apply a task stage's operators to one block."""
     t0 = time.perf_counter()
-    out, skipped = apply_ops(unpack(ops), dict(block), info, meta.partition_id)
-    meta_out = _make_meta(out, info, meta.partition_id, meta.seq, t0, skipped)
+    out, counts = apply_ops(unpack(ops), dict(block), info, meta.partition_id)
+    meta_out = _make_meta(out, info, meta.partition_id, meta.seq, t0, counts)
     return store_here(out, lease, _node_id()), meta_out
 
 
@@ -252,6 +253,6 @@ class MapActor:
                 lease: Optional[SlotLease] = None) -> tuple[Any, BlockMeta]:
         """Apply the callable to one block."""
         t0 = time.perf_counter()
-        out, skipped = apply_ops((self._op,), dict(block), info, meta.partition_id, fns=(self._instance,))
-        meta_out = _make_meta(out, info, meta.partition_id, meta.seq, t0, skipped)
+        out, counts = apply_ops((self._op,), dict(block), info, meta.partition_id, fns=(self._instance,))
+        meta_out = _make_meta(out, info, meta.partition_id, meta.seq, t0, counts)
         return store_here(out, lease, _node_id()), meta_out
