@@ -53,6 +53,9 @@ import psutil  # noqa: E402
 NAME = "crop_decode"
 BATCH = w.BATCH
 CORES = 2
+#: Above this median share of the machine taken by other processes, images/s are not judged
+#: (the contenders get unequal shares of a busy machine); CPU per image still is.
+NOISY = 0.10
 
 
 def tree_cpu_s() -> float:
@@ -220,21 +223,27 @@ def report(args: argparse.Namespace, paths: list[str], runs: dict[str, list[dict
             "others' CPU": h.fmt_range(h.summarize([100 * x["other_cpu_share"] for x in rs]), "{:.0f}%"),
         })
     after = "sbloader after (window decode)"
+    before = "sbloader before (whole decode)"
     targets = {
         "sbloader after >= 1.15x the Pillow ceiling (images/s)": ratio(after, ceiling, "images_per_s"),
         "sbloader after >= 1.05x DALI CPU (images/s)": ratio(after, dali, "images_per_s"),
         "sbloader after CPU/image <= 0.85x the ceiling's": ratio(after, ceiling, "cpu_ms_per_image"),
-        "sbloader after / before (images/s)": ratio(after, "sbloader before (whole decode)", "images_per_s"),
+        "sbloader after CPU/image / DALI CPU's": ratio(after, dali, "cpu_ms_per_image"),
+        "sbloader after / before (images/s)": ratio(after, before, "images_per_s"),
+        "sbloader after / before (CPU/image)": ratio(after, before, "cpu_ms_per_image"),
     }
     limits = {"sbloader after >= 1.15x the Pillow ceiling (images/s)": (1.15, True),
               "sbloader after >= 1.05x DALI CPU (images/s)": (1.05, True),
               "sbloader after CPU/image <= 0.85x the ceiling's": (0.85, False)}
+    others = h.median([x["other_cpu_share"] for rs in runs.values() for x in rs]) or 0.0
     trows = []
     for k, s in targets.items():
         verdict = "–"
         if s is not None and k in limits:
             lim, above = limits[k]
             verdict = "met" if (s["median"] >= lim if above else s["median"] <= lim) else "NOT met"
+            if "images/s" in k and others > NOISY:
+                verdict += f" (not judged: other processes took {100 * others:.0f}% of the CPU)"
         trows.append({"target": k, "median (min–max)": h.fmt_range(s, "{:.2f}") if s else "n/a (skipped)",
                       "verdict": verdict})
     md = [
