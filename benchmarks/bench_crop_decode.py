@@ -48,6 +48,7 @@ import _harness as h  # noqa: E402
 h.ray_worker_env()
 import _image_workload as w  # noqa: E402
 
+import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 
 NAME = "crop_decode"
@@ -87,6 +88,36 @@ def run_epoch(make_iter: Callable[[], Any], count: Callable[[Any], int]) -> dict
     other = max(machine_busy_s - cpu, 0.0) / all_cpu_s if all_cpu_s else 0.0
     return {"images": n, "wall_s": wall, "images_per_s": n / wall, "cpu_ms_per_image": cpu * 1e3 / n,
             "other_cpu_share": other}
+
+
+def function_cpu_ms(paths: list[str], exact: bool, seed: int) -> float:
+    """Thread CPU ms per image of the function alone in this process (one thread): the
+    figure a busy machine disturbs least."""
+    rng = np.random.default_rng(seed)
+    t = time.thread_time()
+    for p in paths:
+        w.load_file_as(p, rng, exact)
+    return (time.thread_time() - t) * 1e3 / len(paths)
+
+
+def quality(paths: list[str]) -> dict:
+    """PSNR of the window decode against the whole decode on the same crop (the same seed
+    per image), over the benchmark's images, and how many took each path."""
+    from sbloader.sources import jpeg_window
+
+    jpeg_window.reset_counters()
+    psnrs = []
+    for i, p in enumerate(paths):
+        a = w.T.decode_random_resized_crop(p, w.SIZE, np.random.default_rng(i))
+        a = np.asarray(a).astype(np.float64)
+        b = w.T.decode_random_resized_crop(p, w.SIZE, np.random.default_rng(i), exact=True)
+        b = np.asarray(b)
+        mse = float(((a - b) ** 2).mean())
+        psnrs.append(99.0 if mse == 0 else 10 * np.log10(255.0**2 / mse))
+    arr = np.array(psnrs)
+    return {"mean_psnr_db": float(arr.mean()), "worst_psnr_db": float(arr.min()),
+            "identical": int((arr == 99.0).sum()), "images": len(paths), "paths": jpeg_window.counters(),
+            "note": "identical images count as 99 dB in the mean"}
 
 
 class Dali:
@@ -182,25 +213,31 @@ def main() -> None:
     paths = paths[: args.images]
     for p in paths:  # the page cache
         Path(p).read_bytes()
+    q = quality(paths)
+    print(f"quality: {q}", flush=True)
     sbloader.init(num_cpus=CORES)
     contenders, skipped, _keep = build(paths, args.no_dali)
     for name, make in contenders.items():  # warm-up epoch (start-up, Ray workers, imports)
         run_epoch(make, count_of)
     runs: dict[str, list[dict]] = {k: [] for k in contenders}
+    fn_ms: dict[str, list[float]] = {"whole decode": [], "window decode": []}
     loads = []
     for r in range(args.rounds):
         loads.append(os.getloadavg())
+        for k in (fn_ms if r % 2 == 0 else reversed(list(fn_ms))):
+            fn_ms[k].append(function_cpu_ms(paths, k == "whole decode", r))
+        print(f"round {r + 1}: function alone: " + ", ".join(f"{k} {v[-1]:.3f} ms" for k, v in fn_ms.items()), flush=True)
         order = list(contenders) if r % 2 == 0 else list(reversed(contenders))
         for name in order:
             res = run_epoch(contenders[name], count_of)
             runs[name].append(res)
             print(f"round {r + 1}: {name}: {res['images_per_s']:.0f} images/s, {res['cpu_ms_per_image']:.2f} ms CPU/image, "
                   f"others {100 * res['other_cpu_share']:.0f}%", flush=True)
-    report(args, paths, runs, skipped, loads)
+    report(args, paths, runs, skipped, loads, fn_ms, q)
 
 
 def report(args: argparse.Namespace, paths: list[str], runs: dict[str, list[dict]], skipped: dict[str, str],
-           loads: list) -> None:
+           loads: list, fn_ms: dict[str, list[float]], q: dict) -> None:
     """Write the JSON and the Markdown."""
     ceiling = "Pillow ceiling (whole decode, Pool(2))"
     dali = "DALI CPU"
@@ -257,12 +294,23 @@ def report(args: argparse.Namespace, paths: list[str], runs: dict[str, list[dict
         "",
         h.markdown_table(trows, ["target", "median (min–max)", "verdict"]),
         "",
+        "The function alone in this process, one thread (thread CPU ms per image, decode + crop + flip + CHW): "
+        f"whole decode {h.fmt_range(h.summarize(fn_ms['whole decode']), '{:.3f}')}, window decode "
+        f"{h.fmt_range(h.summarize(fn_ms['window decode']), '{:.3f}')}; window / whole in the same round "
+        + h.fmt_range(h.summarize([a / b for a, b in zip(fn_ms["window decode"], fn_ms["whole decode"])]), "{:.2f}")
+        + ".",
+        "",
+        f"Quality over the {q['images']} images, the window decode against the whole decode on the same crop: "
+        f"mean PSNR {q['mean_psnr_db']:.1f} dB (identical images counted as 99 dB; {q['identical']} identical), "
+        f"worst {q['worst_psnr_db']:.1f} dB (targets: mean >= 38, worst >= 32); paths taken: {q['paths']}.",
+        "",
         "Load average (1, 5, 15 min) at each round's start: " + "; ".join(
             ", ".join(f"{v:.2f}" for v in la) for la in loads),
     ]
     for k, why in skipped.items():
         md += ["", f"**{k} skipped**: {why}"]
     payload = {"images": len(paths), "rounds": args.rounds, "runs": runs, "skipped": skipped,
+               "function_cpu_ms_per_image": fn_ms, "quality": q,
                "loadavg_per_round": loads, "targets": targets}
     h.publish(args.out, payload, "\n".join(md), title="Decode only the crop window: sbloader before/after, "
               "the Pillow ceiling, torch, DALI CPU")
