@@ -196,3 +196,53 @@ def cpu_work(x: Any) -> float:
     buf.copy_(x)
     s = buf.mean()
     return float(s + (w @ w).sum() * 0)
+
+
+# ----- the crop decode (issue #29): before (whole decode) and after (window decode) ----
+
+def load_file_as(path: str, rng: np.random.Generator, exact: bool) -> np.ndarray:
+    """:func:`load_file` with the whole Pillow decode (``exact=True``, before #29) or the
+    window decode (``exact=False``)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    return T.decode_crop_flip(data, SIZE, rng, exact=exact)
+
+
+def preprocess_paths_exact(paths: Sequence[str]) -> dict[str, np.ndarray]:
+    """The function alone, whole decode (the Pillow ceiling)."""
+    rng = process_rng()
+    return {"image": np.stack([load_file_as(p, rng, True) for p in paths]), "label": labels_of(paths)}
+
+
+def preprocess_paths_window(paths: Sequence[str]) -> dict[str, np.ndarray]:
+    """The function alone, window decode."""
+    rng = process_rng()
+    return {"image": np.stack([load_file_as(p, rng, False) for p in paths]), "label": labels_of(paths)}
+
+
+class ExactImageFolderDataset(ImageFolderDataset):
+    """:class:`ImageFolderDataset` with the whole Pillow decode, as before #29."""
+
+    def __getitem__(self, i: int) -> tuple[Any, int]:
+        import torch
+
+        p = self.paths[i]
+        return torch.from_numpy(load_file_as(p, process_rng(), True)), label_of(p)
+
+
+def sbl_decode_files_exact_batch(batch: dict) -> dict:
+    """``read_images(..., decode=False).map_batches(this)`` before #29: whole decode, crop, flip."""
+    import sbloader
+
+    rng = sbloader.get_context().rng
+    return {"image": np.stack([T.decode_crop_flip(b, SIZE, rng, exact=True) for b in batch["image"]]),
+            "label": labels_of(batch["path"])}
+
+
+def sbl_decode_files_window_batch(batch: dict) -> dict:
+    """The same after #29: the window decode."""
+    import sbloader
+
+    rng = sbloader.get_context().rng
+    return {"image": np.stack([T.decode_crop_flip(b, SIZE, rng) for b in batch["image"]]),
+            "label": labels_of(batch["path"])}

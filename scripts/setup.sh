@@ -6,3 +6,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install --quiet "torch==2.13.0"
 python3 -m pip install --quiet -e ".[test]"
+# The window JPEG decode (sbloader/sources/_jpegwindow.c) against the system libjpeg-turbo,
+# built next to its sources; optional: without it every image is decoded whole.
+python3 setup.py --quiet build_ext --inplace || echo "sbloader: _jpegwindow not built (needs gcc and libjpeg-turbo headers: apt-get install libjpeg62-turbo-dev); crops decode whole images"

@@ -61,6 +61,8 @@ class BlockMeta:
         task_s: wall seconds the producing task spent in user code and reading.
         node_id: the Ray node that produced the block.
         skipped: rows the producing task skipped under ``on_error="skip"``.
+        full_decodes: images the producing task's transforms decoded whole instead of
+            by crop window (``sbloader/sources/jpeg_window.py``).
         pid: the process that produced the block.
         batch_rows: samples in each row, when the producer said (its
             ``BATCH_ROWS_COLUMN``); empty otherwise.
@@ -77,6 +79,7 @@ class BlockMeta:
     task_s: float = 0.0
     node_id: str = ""
     skipped: int = 0
+    full_decodes: int = 0
     pid: int = 0
     batch_rows: tuple = ()
     counters: tuple = ()

@@ -31,6 +31,9 @@ class TaskContext:
         operator: name of the operator running.
         seed: the seed of (epoch seed, partition, operator).
         rng: a ``numpy.random.Generator`` seeded with ``seed``.
+        skipped: rows skipped under ``on_error="skip"`` (:func:`report_skipped`).
+        full_decodes: images ``sbloader.transforms`` decoded whole because its crop
+            decode could not take them (not a JPEG...: ``sbloader/sources/jpeg_window.py``).
     """
 
     epoch: int
@@ -42,6 +45,29 @@ class TaskContext:
     skipped: int = 0
     skipped_paths: list = field(default_factory=list, repr=False)
     counters: dict = field(default_factory=dict, repr=False)
+    full_decodes: int = 0
+
+
+@dataclass(frozen=True)
+class TaskCounts:
+    """What the user functions of one task counted, carried in its blocks' metadata to
+    ``stats()``.
+
+    Attributes:
+        skipped: rows skipped under ``on_error="skip"``.
+        full_decodes: images ``sbloader.transforms`` decoded whole instead of by crop window.
+    """
+
+    skipped: int = 0
+    full_decodes: int = 0
+
+    @staticmethod
+    def of(ctx: "TaskContext") -> "TaskCounts":
+        """The counts a context gathered."""
+        return TaskCounts(ctx.skipped, ctx.full_decodes)
+
+    def __add__(self, other: "TaskCounts") -> "TaskCounts":
+        return TaskCounts(self.skipped + other.skipped, self.full_decodes + other.full_decodes)
 
 
 def get_context() -> Optional[TaskContext]:

@@ -18,6 +18,8 @@ class OperatorStats:
         task_s: wall seconds spent inside tasks.
         throttled_s: seconds the stage had input but was held back by the budget.
         skipped: rows skipped under ``on_error="skip"``.
+        full_decodes: images ``sbloader.transforms`` decoded whole because its crop
+            decode could not take them (not a JPEG, a file libjpeg-turbo rejects...).
         actors_created: actors launched (actor stages only).
         actors_ready: actors whose class was constructed (a launched actor can be
             stopped at the end of an epoch before it is ready).
@@ -42,6 +44,7 @@ class OperatorStats:
     task_s: float = 0.0
     throttled_s: float = 0.0
     skipped: int = 0
+    full_decodes: int = 0
     actors_created: int = 0
     actors_ready: int = 0
     actors_retired: int = 0
@@ -91,10 +94,16 @@ class ExecutionStats:
         """Rows skipped under ``on_error="skip"`` across operators."""
         return sum(o.skipped for o in self.operators)
 
+    @property
+    def full_decodes(self) -> int:
+        """Images decoded whole instead of by crop window, across operators."""
+        return sum(o.full_decodes for o in self.operators)
+
     def to_dict(self) -> dict:
         """A JSON-serialisable copy."""
         d = asdict(self)
         d["skipped"] = self.skipped
+        d["full_decodes"] = self.full_decodes
         return d
 
     def starved(self, least_s: float = 0.5, least_share: float = 0.1) -> Optional[OperatorStats]:
@@ -131,6 +140,9 @@ class ExecutionStats:
             f"wall {self.wall_s:.2f}s, first block {first}, peak held {self.peak_held_bytes / 2**20:.1f} MiB "
             f"of {self.memory_budget / 2**20:.1f} MiB budget, consumer waited {self.stall_s:.2f}s"
         )
+        if self.full_decodes:
+            lines.append(f"{self.full_decodes} image(s) decoded whole: the crop decode could not take them "
+                         "(not JPEG, or rejected by libjpeg-turbo; see sbloader/sources/jpeg_window.py)")
         starved = self.starved()
         if starved is not None:
             lines.append(f"starved: {starved.name} waited {starved.resource_wait_s:.2f}s before its work ran (Ray "

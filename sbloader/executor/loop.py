@@ -329,6 +329,7 @@ class Scheduler:
         st.skipped += meta.skipped
         for k, v in meta.counters:
             st.counters[k] = st.counters.get(k, 0) + v
+        st.full_decodes += meta.full_decodes
         self.sizing.observe(i, meta, st.blocks, last)
         self.bars.update(i, meta.num_rows)
         out = OutputBlock(run.block_ref, meta, lease)

@@ -17,7 +17,7 @@ import numpy as np
 import ray
 
 from sbloader.core.block import BATCH_ROWS_COLUMN, ROW_COLUMN, Block, BlockMeta, block_nbytes, num_rows, take
-from sbloader.core.context import task_context
+from sbloader.core.context import TaskCounts, task_context
 from sbloader.core.errors import SourceReadError, UserFunctionError, picklable
 from sbloader.core.ops import Op, apply_op
 from sbloader.core.plan import row_permutation
@@ -131,7 +131,7 @@ def _node_id() -> str:
     return _NODE_ID[0]
 
 
-def _make_meta(block: Block, info: EpochInfo, partition_id: int, seq: int, t0: float, skipped: int,
+def _make_meta(block: Block, info: EpochInfo, partition_id: int, seq: int, t0: float, counts: TaskCounts,
                counters: Optional[dict] = None) -> BlockMeta:
     rows = block.get(ROW_COLUMN)
     rr = (int(rows.min()), int(rows.max()) + 1) if rows is not None and len(rows) else (0, 0)
@@ -144,7 +144,8 @@ def _make_meta(block: Block, info: EpochInfo, partition_id: int, seq: int, t0: f
         row_range=rr,
         task_s=time.perf_counter() - t0,
         node_id=_node_id(),
-        skipped=skipped,
+        skipped=counts.skipped,
+        full_decodes=counts.full_decodes,
         pid=os.getpid(),
         batch_rows=tuple(int(n) for n in block[BATCH_ROWS_COLUMN]) if BATCH_ROWS_COLUMN in block else (),
         counters=tuple(sorted(counters.items())) if counters else (),
@@ -152,30 +153,30 @@ def _make_meta(block: Block, info: EpochInfo, partition_id: int, seq: int, t0: f
 
 
 def apply_ops(ops: Sequence[Op], block: Block, info: EpochInfo, partition_id: int,
-              fns: Optional[Sequence[Callable]] = None) -> tuple[Block, int]:
+              fns: Optional[Sequence[Callable]] = None) -> tuple[Block, TaskCounts]:
     """Apply operators in order, each under its partition's seeded context.
 
     Returns:
-        The output block and the rows user functions reported as skipped.
+        The output block and what the user functions counted (rows skipped, whole decodes).
     """
-    skipped = 0
+    counts = TaskCounts()
     for i, op in enumerate(ops):
         fn = fns[i] if fns is not None else op.fn
         ctx = task_context(info.epoch, info.epoch_seed, partition_id, op.name, op.index)
         try:
             with ctx as c:
                 block = apply_op(op, fn, block)
-                skipped += c.skipped
+                counts = counts + TaskCounts.of(c)
         except UserFunctionError:
             raise
         except Exception as e:
             raise UserFunctionError(op.name, partition_id, info.epoch, traceback.format_exc(), repr(e),
                                     original=picklable(e)) from e
-    return block, skipped
+    return block, counts
 
 
 def read_partition(reader_and_shared: tuple, partition: Partition, info: EpochInfo, name: str,
-                   counters: Optional[dict] = None) -> tuple[Block, int]:
+                   counters: Optional[dict] = None) -> tuple[Block, TaskCounts]:
     """Read a partition, attach the row column and apply the epoch's row shuffle; the
     counts the read reported (:func:`~sbloader.core.context.report_counters`) are added to ``counters``."""
     reader, shared = reader_and_shared
@@ -198,7 +199,7 @@ def read_partition(reader_and_shared: tuple, partition: Partition, info: EpochIn
     if counters is not None:
         for k, v in c.counters.items():
             counters[k] = counters.get(k, 0) + v
-    return block, c.skipped
+    return block, TaskCounts.of(c)
 
 
 def read_partitions(reader_and_shared: tuple, partitions: Sequence[Partition], seqs: Sequence[int],
@@ -212,9 +213,9 @@ def read_partitions(reader_and_shared: tuple, partitions: Sequence[Partition], s
     for j, (part, seq) in enumerate(zip(partitions, seqs)):
         t0 = time.perf_counter()
         counters: dict = {}
-        block, skipped = read_partition(rs, part, info, name, counters)
-        block, skipped2 = apply_ops(ops, block, info, part.id, fns=fns)
-        meta = _make_meta(block, info, part.id, seq, t0, skipped + skipped2, counters)
+        block, counts = read_partition(rs, part, info, name, counters)
+        block, counts2 = apply_ops(ops, block, info, part.id, fns=fns)
+        meta = _make_meta(block, info, part.id, seq, t0, counts + counts2, counters)
         out += [store_here(block, leases[j] if leases else None, _node_id()), meta]
     return tuple(out)
 
@@ -232,8 +233,8 @@ def block_stage_task(block: Block, meta: BlockMeta, ops: tuple, info: EpochInfo,
                      lease: Optional[SlotLease] = None) -> tuple[Any, BlockMeta]:
     """Apply a task stage's operators to one block."""
     t0 = time.perf_counter()
-    out, skipped = apply_ops(unpack(ops), dict(block), info, meta.partition_id)
-    meta_out = _make_meta(out, info, meta.partition_id, meta.seq, t0, skipped)
+    out, counts = apply_ops(unpack(ops), dict(block), info, meta.partition_id)
+    meta_out = _make_meta(out, info, meta.partition_id, meta.seq, t0, counts)
     return store_here(out, lease, _node_id()), meta_out
 
 
@@ -276,6 +277,6 @@ class MapActor:
                 lease: Optional[SlotLease] = None) -> tuple[Any, BlockMeta]:
         """Apply the callable to one block."""
         t0 = time.perf_counter()
-        out, skipped = apply_ops((self._op,), dict(block), info, meta.partition_id, fns=(self._instance,))
-        meta_out = _make_meta(out, info, meta.partition_id, meta.seq, t0, skipped)
+        out, counts = apply_ops((self._op,), dict(block), info, meta.partition_id, fns=(self._instance,))
+        meta_out = _make_meta(out, info, meta.partition_id, meta.seq, t0, counts)
         return store_here(out, lease, _node_id()), meta_out
