@@ -271,6 +271,11 @@ class SplitCoordinator:
             return []
         return [{"delivered": list(lg.delivered), "count": lg.count, "acked": lg.acked} for lg in ep.logs]
 
+    def ledger_bytes(self, epoch: int) -> int:
+        """Bytes of ``epoch``'s delivery logs as compact JSON (0: no such epoch here), for monitoring."""
+        ep = self._epochs.get(epoch)
+        return ep.ledger_bytes() if ep is not None else 0
+
     def cut(self, epoch: int, k: int, timeout: float = 60.0) -> Optional[list]:
         """The consumed ledger after every rank's first ``k`` batches of ``epoch``.
 

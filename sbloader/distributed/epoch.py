@@ -100,6 +100,10 @@ class Epoch:
             if self._executor_stopped:
                 return False
             spec = self.spec
+            if getattr(spec, "executor_factory", None) is not None:  # a simulation's stand-in
+                self.executor = spec.executor_factory(spec.source, spec.plan)
+                self.executor.start()
+                return True
             self.executor = StreamingExecutor(
                 spec.source, build_stages(spec.source.name, list(spec.ops)), spec.plan, spec.options,
                 actor_cache=self._actor_cache, estimates=estimates,
@@ -216,6 +220,12 @@ class Epoch:
         incremental across calls (:class:`~sbloader.core.ledger.IncrementalCut`)."""
         with self._cut_lock:
             return self._cutter.after(k, [lg.delivered for lg in self.logs])
+
+    def ledger_bytes(self) -> int:
+        """Bytes of the per-rank delivery logs as compact JSON (what the ledger holds per rank)."""
+        import json
+
+        return len(json.dumps([[list(lg.delivered), list(lg.nbytes)] for lg in self.logs], separators=(",", ":")))
 
     def _open(self) -> bool:
         """(``cond`` held) Raise the pipeline's error, if any; False once the epoch was closed."""
