@@ -271,11 +271,6 @@ class SplitCoordinator:
             return []
         return [{"delivered": list(lg.delivered), "count": lg.count, "acked": lg.acked} for lg in ep.logs]
 
-    def ledger_bytes(self, epoch: int) -> int:
-        """Bytes of ``epoch``'s delivery logs as compact JSON (0: no such epoch here), for monitoring."""
-        ep = self._epochs.get(epoch)
-        return ep.ledger_bytes() if ep is not None else 0
-
     def cut(self, epoch: int, k: int, timeout: float = 60.0) -> Optional[list]:
         """The consumed ledger after every rank's first ``k`` batches of ``epoch``.
 
@@ -323,7 +318,8 @@ class SplitCoordinator:
         return self._finished_stats.get(epoch)
 
     def process_info(self) -> dict:
-        """The coordinator process's pid and resident memory (bytes), for monitoring."""
+        """The coordinator process's pid, resident memory (bytes) and, per epoch held here, the
+        bytes of its delivery logs as compact JSON (``ledger_bytes``), for monitoring."""
         import os
 
         rss = 0
@@ -332,7 +328,8 @@ class SplitCoordinator:
                 rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
         except OSError:
             pass
-        return {"pid": os.getpid(), "rss": rss}
+        ledgers = {e: ep.ledger_bytes() for e, ep in list(self._epochs.items())}
+        return {"pid": os.getpid(), "rss": rss, "ledger_bytes": ledgers}
 
     def _reap_when_idle(self) -> None:
         """(Thread) Kill the pool and this actor once no rank has called for ``idle_exit_s``."""

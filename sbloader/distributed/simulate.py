@@ -221,7 +221,7 @@ def simulate(cfg: SimConfig, hosts: int = 1, kill_after_s: Optional[float] = Non
     cpu = cpu_old + _cpu_s(pid) - cpu0
     ledger, consumed, cut_s = None, None, None
     try:  # a failed rebuild leaves no epoch to measure
-        ledger = ray.get(coord.ledger_bytes.remote(cfg.epoch), timeout=30)
+        ledger = ray.get(coord.process_info.remote(), timeout=30)["ledger_bytes"].get(cfg.epoch)
         t_cut = time.perf_counter()
         consumed = ray.get(coord.cut.remote(cfg.epoch, cfg.per_rank, 5.0), timeout=30)
         cut_s = time.perf_counter() - t_cut
