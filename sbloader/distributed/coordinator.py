@@ -185,13 +185,13 @@ class SplitCoordinator:
         return {"refs": [i.ref for i in items], "metas": [i.meta for i in items],
                 "index": [ep.spec.index_of(i.meta.seq) for i in items], "done": done}
 
-    def rebuild(self, epoch: int, rank: int, taken: list, spec: EpochSpec, timeout: float = 120.0,
+    def rebuild(self, epoch: int, rank: int, taken: list, spec: Optional[EpochSpec], timeout: float = 120.0,
                 wait: bool = True) -> Optional[int]:
         """Rebuild an epoch after the previous coordinator died, from the ranks' own logs.
 
         Every rank reports the batches its training loop took (their bytes reached
         it; the rest died with the old coordinator, which owned them) and the
-        epoch's full spec (every rank plans the same). Once all ranks reported, the
+        epoch's spec (only rank 0's counts; the others may send None). Once all ranks reported, the
         batches nobody took are planned again, each rank owed exactly what it
         still lacks of its count, and the ranks continue.
 

@@ -139,14 +139,15 @@ def sim_spec(epoch: int, world_size: int, per_rank: int, batch_size: int = 1, *,
         batch_size: rows per batch (they are positions in the ledger, never made).
         in_order: a deterministic assignment (per-rank queues) or the shared pool.
         nodes: simulated nodes; rank ``r`` sits on node ``r * nodes // world_size``.
-        ahead: ready batches the stand-in executor may hold (default: 4 per rank).
+        ahead: ready batches the stand-in executor may hold, those the ranks hold included
+            (default: 24 per rank, room for two leases of the most a rank leases).
     """
     if world_size < 1 or per_rank < 1:
         raise ValueError(f"a simulated epoch needs world_size >= 1 and per_rank >= 1, found {world_size}, {per_rank}")
     total = world_size * per_rank
     ids = tuple(range(total))
     source = SimSource(ids, batch_size, tuple(f"sim-node-{n}" for n in range(max(1, nodes))),
-                       ahead if ahead is not None else 4 * world_size)
+                       ahead if ahead is not None else 24 * world_size)
     plan = make_epoch_plan(list(ids), epoch, 0, shuffle=False)
     ranges = tuple(((i * batch_size, (i + 1) * batch_size),) for i in ids)
     assignment = tuple(i % world_size for i in ids) if in_order else None

@@ -4,9 +4,10 @@ Each simulated rank is a thread that speaks the ranks' protocol to the real
 :class:`~sbloader.distributed.coordinator.SplitCoordinator` actor: it asks for its
 next batches with ``next_batches`` (acknowledging what it consumed, one request
 ahead, as :class:`~sbloader.distributed.dropin_client.Pull` does), "consumes" one
-batch every ``1 / rate`` seconds (no bytes are fetched: the batches' bytes go from
-the object store to the rank and never through the coordinator), and after a
-coordinator death reports what it took through ``rebuild``. The ranks run as
+batch every ``1 / rate`` seconds (fetching its tiny block: the coordinator owns
+the blocks, so it answers the owner's part of every fetch), leasing batches
+by its pace, and after a coordinator death reports what it took
+(:func:`~sbloader.distributed.dropin_client.rebuild_epoch`). The ranks run as
 threads inside a few Ray actors (:class:`RankHost`, light processes), the epoch's
 executor is the task-free stand-in of :mod:`~sbloader.distributed.sim_epoch`.
 
@@ -26,7 +27,9 @@ from typing import Any, Optional
 
 import ray
 
+from sbloader.core.lease import RateMeter, lease_size
 from sbloader.distributed.coordinator import SplitCoordinator
+from sbloader.distributed.dropin_client import fetch_block, rebuild_epoch
 from sbloader.distributed.sim_epoch import rank_node, sim_spec
 
 NAMESPACE = "sbloader-sim"
@@ -40,7 +43,11 @@ class SimConfig:
         world_size: simulated ranks.
         per_rank: batches every rank takes.
         rate: batches per second each rank consumes (0: as fast as they come).
-        ask: batches a rank asks for per request.
+        ask: batches a rank asks for per request (its prefetch; the least it leases).
+        lease: lease by the rank's pace as the drop-in's ranks do
+            (:func:`~sbloader.core.lease.lease_size`); False asks ``ask`` every time.
+        fetch: ``ray.get`` every batch's (tiny) block, as a rank does; the coordinator
+            owns the blocks, so it answers the owner's part of every fetch.
         batch_size: rows per batch (positions in the ledger).
         in_order: per-rank queues (the drop-in's default) or the shared pool.
         nodes: simulated nodes the ranks and blocks sit on.
@@ -53,6 +60,8 @@ class SimConfig:
     per_rank: int
     rate: float = 5.0
     ask: int = 2
+    lease: bool = True
+    fetch: bool = False
     batch_size: int = 64
     in_order: bool = True
     nodes: int = 1
@@ -97,11 +106,13 @@ def run_rank(cfg: SimConfig, rank: int, start_at: float, spec: Any) -> dict:
     ready: deque = deque()
     out: dict[str, Any] = {"rank": rank, "requests": 0, "rebuilt_at": None, "error": None}
     received = 0
+    meter = RateMeter()
 
     def request() -> Any:
         out["requests"] += 1
         t0 = time.perf_counter()
-        ref = coord.next_batches.remote(cfg.epoch, rank, cfg.ask, len(taken), node)
+        n = lease_size(meter.rate, cfg.ask) if cfg.lease else cfg.ask
+        ref = coord.next_batches.remote(cfg.epoch, rank, n, len(taken), node)
 
         def arrived(fut: Any) -> None:
             if fut.exception() is None:
@@ -114,30 +125,57 @@ def run_rank(cfg: SimConfig, rank: int, start_at: float, spec: Any) -> dict:
     time.sleep(max(0.0, start_at - time.time()))
     pending = request()
     rebuilding = False
+    lost = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.ObjectLostError)
+
+    def rebuild(how: str) -> Any:
+        nonlocal coord, generation, received, rebuilding, early
+        out["noticed_at"], out["noticed_by"] = time.time(), how
+        generation += 1
+        coord = _reconnect(cfg, generation, time.monotonic() + cfg.rebuild_timeout_s)
+        out["reconnected_at"] = time.time()
+        rebuild_epoch(coord, cfg.epoch, rank, taken, spec if rank == 0 else None, cfg.rebuild_timeout_s)
+        out["reported_at"] = time.time()
+        ready.clear()
+        early = None
+        received, rebuilding = len(taken), True
+        return request()
+
     try:
+        early = None  # a reply that arrived while batches were still ready
         while len(taken) < cfg.per_rank:
+            if early is None and pending is not None and ready and ray.wait([pending], timeout=0)[0]:
+                try:  # the request ahead tells of a dead coordinator long before a block fetch does
+                    early = ray.get(pending)
+                except lost:
+                    pending = rebuild("request ahead")
+                    continue
             if not ready:
                 try:
-                    reply = ray.get(pending)
-                except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
-                    generation += 1
-                    coord = _reconnect(cfg, generation, time.monotonic() + cfg.rebuild_timeout_s)
-                    ray.get(coord.rebuild.remote(cfg.epoch, rank, list(taken), spec,
-                                                 timeout=cfg.rebuild_timeout_s))
-                    ready.clear()
-                    received, rebuilding = len(taken), True
-                    pending = request()
+                    reply, early = (early if early is not None else ray.get(pending)), None
+                except lost:  # the coordinator died: rebuild it from what the ranks took
+                    pending = rebuild("reply")
                     continue
                 if rebuilding:
                     out["rebuilt_at"], rebuilding = time.time(), False
-                ready.extend(reply["index"])
+                ready.extend(zip(reply["refs"], reply["index"]))
                 received += len(reply["index"])
                 pending = request() if received < cfg.per_rank else None
                 continue
             if period:
                 time.sleep(max(0.0, due - time.time()))
                 due += period
-            taken.append(ready.popleft())
+            ref, index = ready[0]
+            if cfg.fetch:
+                tf = time.time()
+                try:
+                    fetch_block(ref, coord, cfg.epoch)  # a dead coordinator's blocks are lost
+                except lost as e:
+                    out["fetch_error"] = f"{type(e).__name__} after {time.time() - tf:.2f} s"
+                    pending = rebuild("fetch")
+                    continue
+            ready.popleft()
+            taken.append(index)
+            meter.took(time.monotonic())
     except Exception as e:  # reported, not raised: the other ranks' figures still count
         out["error"] = f"{type(e).__name__}: {e}"
     out["taken"], out["latency_s"] = taken, lat
@@ -247,8 +285,15 @@ def simulate(cfg: SimConfig, hosts: int = 1, kill_after_s: Optional[float] = Non
         "cut_ms": 1e3 * cut_s if cut_s is not None else None, "samples": batches * cfg.batch_size,
         "errors": [r["error"] for r in results if r["error"]][:5],
         "rebuild_s": (max(rebuilt) - killed_at) if killed_at is not None and len(rebuilt) == len(results) else None,
-        "killed": killed_at is not None
+        "killed": killed_at is not None,
+        "rebuild_phases_s": {k: (max(r[k] for r in results if r.get(k)) - killed_at)
+                             for k in ("noticed_at", "reconnected_at", "reported_at")
+                             if killed_at is not None and any(r.get(k) for r in results)},
+        "noticed_by": {how: sorted(round(r["noticed_at"] - killed_at, 2) for r in results
+                                   if r.get("noticed_by") == how)[-3:]
+                       for how in {r.get("noticed_by") for r in results} if how and killed_at is not None},
     }
+    out["fetch_errors"] = sorted({r.get("fetch_error", "")[:40] for r in results})[:5]
     out["check"] = check([r for r in results if r["rank"] >= 0], cfg)
     return out
 
