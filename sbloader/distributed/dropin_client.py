@@ -31,7 +31,6 @@ logger = logging.getLogger(__name__)
 
 _KEEP_BLOCKS = 4  # fetched blocks a rank keeps while it takes their batches
 _MAX_REBUILDS = 3
-_FETCH_SLICE_S = 1.0  # a fetch longer than this checks that the coordinator (the block's owner) lives
 
 
 def epoch_spec(run: Any, fingerprint: dict, worker_op: Any, options: ExecutionOptions, in_order: bool) -> EpochSpec:
@@ -134,7 +133,7 @@ class Pull:
                     continue
                 ref, batch_index = ready.popleft()
                 t0 = time.perf_counter()
-                block = fetch_block(ref, self.coord, self.epoch)
+                block = ray.get(ref)
             except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as e:
                 # The coordinator died, and with it the blocks it owned. Rebuild it from
                 # what every rank holds; the rest is planned again.
@@ -162,29 +161,6 @@ class Pull:
                 meter.took(time.monotonic())
                 yield batch, batch_index
             batches = []
-
-
-def fetch_block(ref: Any, coord: Any, epoch: int, slice_s: float = _FETCH_SLICE_S) -> Any:
-    """``ray.get(ref)`` of a block the coordinator owns, noticing a dead coordinator in seconds.
-
-    Ray fails a fetch whose owner died only once it declares the owner dead, which
-    took 10-30 s in the simulation (``sbloader.distributed.simulate``); every rank
-    waits that long before the rebuild can start. So the fetch waits in slices
-    and, after each, asks the coordinator a trivial question: a dead actor answers
-    at once with ``RayActorError``, which the caller handles as the death.
-
-    Raises:
-        ray.exceptions.RayActorError: the coordinator is dead.
-        ray.exceptions.ObjectLostError: the block is lost.
-    """
-    while True:
-        try:
-            return ray.get(ref, timeout=slice_s)
-        except ray.exceptions.GetTimeoutError:
-            try:
-                ray.get(coord.wait_epoch.remote(epoch, 0.0), timeout=slice_s)
-            except ray.exceptions.GetTimeoutError:  # alive but busy: keep waiting for the block
-                pass
 
 
 def rebuild_epoch(coord: Any, epoch: int, rank: int, taken: list, spec: Optional[EpochSpec], timeout: float = 120.0,

@@ -29,7 +29,7 @@ import ray
 
 from sbloader.core.lease import RateMeter, lease_size
 from sbloader.distributed.coordinator import SplitCoordinator
-from sbloader.distributed.dropin_client import fetch_block, rebuild_epoch
+from sbloader.distributed.dropin_client import rebuild_epoch
 from sbloader.distributed.sim_epoch import rank_node, sim_spec
 
 NAMESPACE = "sbloader-sim"
@@ -168,7 +168,7 @@ def run_rank(cfg: SimConfig, rank: int, start_at: float, spec: Any) -> dict:
             if cfg.fetch:
                 tf = time.time()
                 try:
-                    fetch_block(ref, coord, cfg.epoch)  # a dead coordinator's blocks are lost
+                    ray.get(ref)  # a dead coordinator's blocks are lost
                 except lost as e:
                     out["fetch_error"] = f"{type(e).__name__} after {time.time() - tf:.2f} s"
                     pending = rebuild("fetch")
