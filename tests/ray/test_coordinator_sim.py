@@ -22,11 +22,14 @@ def test_32_ranks_take_equal_counts_exactly_once(ray_session, in_order: bool) ->
 
 
 def test_a_coordinator_killed_mid_epoch_is_rebuilt_from_the_ranks_logs(ray_session) -> None:
-    cfg = SimConfig(32, per_rank=24, rate=12.0, name="sim-kill", rebuild_timeout_s=60.0)
+    # 36 batches at 12/s: at the kill (1 s in) no rank can hold all of its batches (at most
+    # 12 taken + two leases of 8), so every rank has a request in flight and notices
+    cfg = SimConfig(32, per_rank=36, rate=12.0, name="sim-kill", rebuild_timeout_s=60.0)
     out = simulate(cfg, hosts=1, kill_after_s=1.0, lead_s=0.5)
     assert out["killed"] and out["errors"] == [], out["errors"]
     assert out["check"]["equal_counts"] and out["check"]["exactly_once"], out["check"]
-    assert out["rebuild_s"] is not None  # every rank had a reply from the new coordinator
+    # every rank had a reply from the new coordinator
+    assert out["rebuild_s"] is not None, (out["rebuild_phases_s"], out["noticed_by"])
 
 
 def test_the_check_catches_a_duplicate_and_a_loss() -> None:
