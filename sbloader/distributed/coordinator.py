@@ -203,13 +203,13 @@ class SplitCoordinator:
         return {"refs": [i.ref for i in items], "metas": [i.meta for i in items],
                 "index": [ep.spec.index_of(i.meta.seq) for i in items], "done": done}
 
-    def rebuild(self, epoch: int, rank: int, taken: list, spec: EpochSpec, timeout: float = 120.0,
+    def rebuild(self, epoch: int, rank: int, taken: list, spec: Optional[EpochSpec], timeout: float = 120.0,
                 wait: bool = True) -> Optional[int]:
         """Rebuild an epoch after the previous coordinator died, from the ranks' own logs.
 
         Every rank reports the batches its training loop took (their bytes reached
         it; the rest died with the old coordinator, which owned them) and the
-        epoch's full spec (every rank plans the same). Once all ranks reported, the
+        epoch's spec (only rank 0's counts; the others may send None). Once all ranks reported, the
         batches nobody took are planned again, each rank owed exactly what it
         still lacks of its count, and the ranks continue.
 
@@ -336,7 +336,8 @@ class SplitCoordinator:
         return self._finished_stats.get(epoch)
 
     def process_info(self) -> dict:
-        """The coordinator process's pid and resident memory (bytes), for monitoring."""
+        """The coordinator process's pid, resident memory (bytes) and, per epoch held here, the
+        bytes of its delivery logs as compact JSON (``ledger_bytes``), for monitoring."""
         import os
 
         rss = 0
@@ -345,7 +346,8 @@ class SplitCoordinator:
                 rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
         except OSError:
             pass
-        return {"pid": os.getpid(), "rss": rss}
+        ledgers = {e: ep.ledger_bytes() for e, ep in list(self._epochs.items())}
+        return {"pid": os.getpid(), "rss": rss, "ledger_bytes": ledgers}
 
     def _reap_when_idle(self) -> None:
         """(Thread) Kill the pool and this actor once the job is over.

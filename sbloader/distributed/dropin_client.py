@@ -20,6 +20,7 @@ import ray
 
 from sbloader.core.batch_slice import concat_rows, mark_padding, slice_rows
 from sbloader.core.errors import SbloaderError
+from sbloader.core.lease import RateMeter, lease_size
 from sbloader.core.plan import make_epoch_plan
 from sbloader.core.wire import from_wire, to_wire
 from sbloader.distributed.specs import EpochSpec
@@ -108,8 +109,13 @@ class Pull:
         ready: deque = deque()  # (block ref, batch index) received, not yet fetched
         received, rebuilds = 0, 0
 
+        meter = RateMeter()
+
         def request() -> Any:
-            return self.coord.next_batches.remote(self.epoch, self.rank, self.ask, self._acked(), node)
+            # a lease lasting about LEASE_INTERVAL_S at this rank's pace: the coordinator's
+            # cost per request is fixed, so fewer requests per batch (core/lease.py)
+            n = lease_size(meter.rate, self.ask)
+            return self.coord.next_batches.remote(self.epoch, self.rank, n, self._acked(), node)
 
         pending = request()
         last_batch = time.monotonic()
@@ -140,8 +146,8 @@ class Pull:
                 logger.warning("sbloader rank %d: coordinator lost (%s); rebuilding epoch %d from %d taken "
                                "batches", self.rank, type(e).__name__, self.epoch, len(self.fetched))
                 self.coord = self._reconnect()
-                self.per_rank = ray.get(self.coord.rebuild.remote(self.epoch, self.rank, list(self.fetched),
-                                                                  self._spec()))
+                self.per_rank = rebuild_epoch(self.coord, self.epoch, self.rank, self.fetched,
+                                              self._spec() if self.rank == 0 else None)
                 ready.clear()
                 received = len(self.fetched)
                 pending = request()
@@ -152,8 +158,39 @@ class Pull:
             self.fetch_s += time.perf_counter() - t0
             for batch in batches:
                 self.fetched.append(batch_index)
+                meter.took(time.monotonic())
                 yield batch, batch_index
             batches = []
+
+
+def rebuild_epoch(coord: Any, epoch: int, rank: int, taken: list, spec: Optional[EpochSpec], timeout: float = 120.0,
+                  poll_s: float = 0.2) -> int:
+    """Report what this rank took to a coordinator that replaced a dead one, and wait until
+    every rank reported and the epoch was rebuilt.
+
+    Only rank 0's spec counts (the batch indices are positions in its plan), so the
+    other ranks send none: at 256 ranks the specs alone were megabytes to unpickle.
+    The report returns at once; the wait is a poll of ``wait_epoch`` in short slices.
+    A report that waited inside the coordinator would hold one of its threads (64)
+    until the last rank reported: with more ranks than threads the last reports
+    could never run.
+
+    Returns:
+        The epoch's per-rank batch count.
+
+    Raises:
+        SbloaderError: the epoch was not rebuilt within ``timeout`` seconds.
+    """
+    ray.get(coord.rebuild.remote(epoch, rank, list(taken), spec, timeout, False))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        per_rank = ray.get(coord.wait_epoch.remote(epoch, poll_s))
+        if per_rank is not None:
+            return per_rank
+    raise SbloaderError(
+        f"rank {rank}: rebuilding epoch {epoch} after the coordinator died waited {timeout:.0f} s for every "
+        "rank to report what it took; some rank finished, stopped or died. Restart the job from the last checkpoint"
+    )
 
 
 def coordinator_cut(coord: Any, epoch: int, k: int, order_len: int, timeout: float = 60.0) -> list:

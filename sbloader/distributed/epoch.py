@@ -17,9 +17,10 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 from sbloader.core import ledger as _ledger
+from sbloader.core.runs import RunLog
 from sbloader.core.errors import ExecutorShutdownError, SbloaderError
 from sbloader.core.split import pick_local
 from sbloader.distributed.specs import EpochSpec
@@ -32,11 +33,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class RankLog:
-    """What one rank received. With the ledger off, ``delivered`` stays empty and
-    ``nbytes`` holds only the batches not yet acknowledged (a queue)."""
+    """What one rank received. ``delivered`` (the ledger; empty with the ledger off) keeps the
+    batch indices as arithmetic runs, so it grows with the breaks in the rank's pattern, not
+    with its batches; ``nbytes`` holds only the batches not yet acknowledged (a queue)."""
 
-    delivered: list = field(default_factory=list)  # batch (plan) indices, in delivery order: the ledger
-    nbytes: Any = field(default_factory=list)  # bytes per delivered batch (ledger off: per unacked batch)
+    delivered: RunLog = field(default_factory=RunLog)  # batch (plan) indices, in delivery order: the ledger
+    nbytes: deque = field(default_factory=deque)  # bytes per delivered, unacknowledged batch
     acked: int = 0
     count: int = 0  # batches delivered
     last_seen: float = field(default_factory=time.monotonic)
@@ -69,11 +71,10 @@ class Epoch:
         self.cond = threading.Condition()
         self.pool: deque[OutputBlock] = deque()  # non-deterministic: any rank
         self.queues = [deque() for _ in range(world_size)]  # deterministic: per rank
-        self.logs = [RankLog() if ledger else RankLog(nbytes=deque()) for _ in range(world_size)]
+        self.logs = [RankLog() for _ in range(world_size)]
         for r, batches in (taken or {}).items():  # a rebuilt coordinator: what each rank already took
             if ledger:
-                self.logs[r].delivered = list(batches)
-                self.logs[r].nbytes = [0] * len(batches)
+                self.logs[r].delivered = RunLog(batches)
             self.logs[r].count = self.logs[r].acked = len(batches)
         self.produced_all = False
         self.error: Optional[BaseException] = None
@@ -100,6 +101,10 @@ class Epoch:
             if self._executor_stopped:
                 return False
             spec = self.spec
+            if getattr(spec, "executor_factory", None) is not None:  # a simulation's stand-in
+                self.executor = spec.executor_factory(spec.source, spec.plan)
+                self.executor.start()
+                return True
             self.executor = StreamingExecutor(
                 spec.source, build_stages(spec.source.name, list(spec.ops)), spec.plan, spec.options,
                 actor_cache=self._actor_cache, estimates=estimates,
@@ -207,8 +212,8 @@ class Epoch:
         """Rank ``rank`` has consumed its first ``consumed`` batches: release their bytes."""
         log = self.logs[rank]
         consumed = min(consumed, log.count)
-        for i in range(log.acked, consumed):
-            self.executor.release(log.nbytes[i] if self.ledger else log.nbytes.popleft())
+        for _ in range(log.acked, consumed):
+            self.executor.release(log.nbytes.popleft())
         log.acked = max(log.acked, consumed)
 
     def cut(self, k: int) -> list:
@@ -216,6 +221,12 @@ class Epoch:
         incremental across calls (:class:`~sbloader.core.ledger.IncrementalCut`)."""
         with self._cut_lock:
             return self._cutter.after(k, [lg.delivered for lg in self.logs])
+
+    def ledger_bytes(self) -> int:
+        """Bytes of the per-rank delivery logs as compact JSON (what the ledger holds per rank)."""
+        import json
+
+        return len(json.dumps([[lg.delivered.runs(), list(lg.nbytes)] for lg in self.logs], separators=(",", ":")))
 
     def _open(self) -> bool:
         """(``cond`` held) Raise the pipeline's error, if any; False once the epoch was closed."""

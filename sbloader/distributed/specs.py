@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from sbloader.core.plan import EpochPlan
 from sbloader.executor.options import ExecutionOptions
@@ -30,6 +30,10 @@ class EpochSpec:
             means the identity.
         drop_last: (unknown total) drop the batches left after the equal whole
             batches instead of spreading their rows as short last batches.
+        executor_factory: None runs the streaming executor; a simulation
+            (:mod:`sbloader.distributed.sim_epoch`) passes ``factory(source, plan)``
+            returning an object with the executor's consumer API that hands out
+            ready blocks without running tasks.
     """
 
     epoch: int
@@ -44,6 +48,7 @@ class EpochSpec:
     prior: tuple = ()
     batch_index: tuple = ()
     drop_last: bool = False
+    executor_factory: Optional[Callable[[Any, EpochPlan], Any]] = None
 
     def index_of(self, seq: int) -> int:
         """The epoch's batch index of the partition at plan position ``seq``."""
