@@ -352,9 +352,7 @@ class SplitCoordinator:
     def _reap_when_idle(self) -> None:
         """(Thread) Kill the pool and this actor once the job is over.
 
-        Over means: every process that said hello is gone (their Ray jobs are dead:
-        :class:`~sbloader.distributed.job_watch.JobWatch`, the job ended or crashed),
-        or no rank called for ``idle_exit_s``.
+        Over: every rank's process is gone (:class:`JobWatch`), or no call for ``idle_exit_s``.
         """
         while True:
             idle = time.monotonic() - self._last_call
