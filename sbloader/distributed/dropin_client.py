@@ -20,7 +20,7 @@ import ray
 
 from sbloader.core.batch_slice import concat_rows, mark_padding, slice_rows
 from sbloader.core.errors import SbloaderError
-from sbloader.core.lease import RateMeter, lease_size
+from sbloader.core.lease import LEASE_INTERVAL_S, RateMeter, lease_size
 from sbloader.core.plan import make_epoch_plan
 from sbloader.core.wire import from_wire, to_wire
 from sbloader.distributed.specs import EpochSpec
@@ -92,8 +92,9 @@ class Pull:
 
     def __init__(self, coord: Any, rank: int, epoch: int, per_rank: int, ask: int, pin: bool, copy: bool,
                  consumed: Callable[[], int], reconnect: Callable[[], Any], spec: Callable[[], EpochSpec],
-                 timeout: Optional[float] = None) -> None:
+                 timeout: Optional[float] = None, lease_interval_s: float = LEASE_INTERVAL_S) -> None:
         self.coord, self.rank, self.epoch, self.per_rank, self.ask = coord, rank, epoch, per_rank, ask
+        self.lease_interval_s = lease_interval_s  # a rank must call well within the silent-rank report time
         self.pin, self.copy, self.timeout = pin, copy, timeout
         self._consumed, self._reconnect, self._spec = consumed, reconnect, spec
         self.fetched: list[int] = []
@@ -114,7 +115,8 @@ class Pull:
         def request() -> Any:
             # a lease lasting about LEASE_INTERVAL_S at this rank's pace: the coordinator's
             # cost per request is fixed, so fewer requests per batch (core/lease.py)
-            n = lease_size(meter.rate, self.ask)
+            # with a short silent-rank report time (below 4 s) a rank calls for every prefetch, unleased
+            n = lease_size(meter.rate, self.ask) if self.lease_interval_s >= LEASE_INTERVAL_S else self.ask
             return self.coord.next_batches.remote(self.epoch, self.rank, n, self._acked(), node)
 
         pending = request()

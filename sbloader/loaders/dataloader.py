@@ -386,6 +386,7 @@ class DataLoader:
                   "batch_size": self.batch_size, "drop_last": self.drop_last, "dataset_id": self.dataset_id}
             self._carry.coordinator = find_coordinator(self.world, self.name, fp, self.stall_report_s,
                                                        self._settings(), stream)
+            self._carry.lease_interval_s = min(1.0, self.stall_report_s / 4)
         return self._carry.coordinator
 
     def _reconnect(self) -> Any:

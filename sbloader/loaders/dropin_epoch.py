@@ -122,6 +122,7 @@ class DropinCarry:
     stats: Optional[ExecutionStats] = None
     coordinator: Any = None
     last_split_run: Optional[EpochRun] = None
+    lease_interval_s: float = 1.0  # seconds one request's lease lasts (below a quarter of stall_report_s)
 
 
 def find_coordinator(world: Any, name: str, fingerprint: dict, stall_report_s: float, settings: DropinSettings,
@@ -297,7 +298,7 @@ def split_epoch(s: DropinSettings, carry: DropinCarry, run: EpochRun, rank: int,
     stalls = StallStats()
     pull = dropin_client.Pull(coord, rank, run.epoch, per_rank, s.ahead, s.pin, not s.zero_copy,
                               consumed=lambda: len(run.taken), reconnect=reconnect, spec=spec,
-                              timeout=s.timeout or None)
+                              timeout=s.timeout or None, lease_interval_s=carry.lease_interval_s)
 
     def produce() -> Iterator[Delivery]:
         for batch, index in pull.batches():
