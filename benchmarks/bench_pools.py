@@ -273,6 +273,7 @@ def main() -> None:
                                                                  args.build_s)) for name in RAYDATA})
     runs: dict[str, list] = {name: [] for name in contenders}
     names = list(contenders)
+    load_before = os.getloadavg()[0]
     for r in range(args.rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
@@ -288,7 +289,10 @@ def main() -> None:
             cold[bounds].append(rec)
             print(f"cold {bounds}: {rec['pipeline_s']:.2f}s, built {rec['built']}", flush=True)
     summary, md = summarize(runs, cold, args.build_s)
-    h.publish(NAME, {"args": vars(args), "runs": runs, "cold": cold, "summary": summary}, md,
+    load = {"before": load_before, "after": os.getloadavg()[0]}
+    md += (f"\nMachine load (1-minute average, 2 cores) before/after: {load['before']:.1f} / {load['after']:.1f}; "
+           "other work shared the machine when above ~1: ratios in one run hold better than absolute figures.\n")
+    h.publish(NAME, {"args": vars(args), "runs": runs, "cold": cold, "summary": summary, "load": load}, md,
               title="Actor pools: a callable class against a function (issue #24)")
 
 
