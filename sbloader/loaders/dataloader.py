@@ -374,7 +374,7 @@ class DataLoader:
         """Begin the next epoch: fresh, or the one a loaded state left unfinished."""
         resume, self._resume = self._resume, None
         run = dropin_state.start_run(self.sampler, len(self.dataset), resume, self._next_epoch,
-                                     self.batch_size or 1, world_size, self.drop_last)
+                                     self.batch_size or 1, world_size, self.drop_last, whole=self.split)
         self._epoch = run.epoch + 1
         return run
 

@@ -93,6 +93,18 @@ def decide_split(split: Optional[bool], world: Any, dataset: Any, iterable: bool
 
     if world.world_size == 1:
         return False
+    if isinstance(sampler, DistributedSampler) and (sampler.num_replicas, sampler.rank) != (world.world_size,
+                                                                                            world.rank):
+        # The user shards by hand (another world than the job's): the sampler is the split,
+        # followed exactly; a second split by the coordinator would drop or repeat samples.
+        if split:
+            raise ValueError(
+                f"split=True with a DistributedSampler of num_replicas={sampler.num_replicas}, rank={sampler.rank} "
+                f"in a job of world size {world.world_size} (rank {world.rank}): the sampler already shards, "
+                "and a second split would lose or repeat samples. Pass split=False (each loader iterates its "
+                "sampler's shard, as under torch) or give the sampler this job's world size and rank"
+            )
+        return False
     known = sampler is None or type(sampler) in (RandomSampler, SequentialSampler, DistributedSampler)
     if split is None:
         if iterable:

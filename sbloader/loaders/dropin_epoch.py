@@ -35,6 +35,7 @@ from sbloader.executor.launch import arena_here, options_here, start_execution
 from sbloader.executor.tasks import pack
 from sbloader.loaders.dropin_state import EpochRun
 from sbloader.loaders.epoch import Delivery, EpochIterator
+from sbloader.loaders.failed_batch import FailedBatch
 from sbloader.loaders.tensors import DeviceCopy, TensorOptions, pin_batch, wire_as_tensors
 from sbloader.loaders.worker import LoaderWorker
 from sbloader.sources.batches import ReadyBatchSource, ShardSource
@@ -78,13 +79,14 @@ class DropinSettings:
         """Batches made ahead of the loop (torch's ``prefetch_factor``)."""
         return max(1, self.prefetch_factor or 2)
 
-    def worker_op(self) -> Op:
-        """The pool of ``num_workers`` remote workers that fetch and collate."""
+    def worker_op(self, base_seed: Optional[int] = None) -> Op:
+        """The pool of ``num_workers`` remote workers that fetch and collate (``base_seed``: the
+        seed each worker adds its id to before ``worker_init_fn``, as torch's; None: a random one)."""
         workers = max(1, self.num_workers)
         config = pack(dict(  # pickled once per epoch here: the workers see the dataset as it is now
             dataset=self.dataset, collate_fn=self.collate_fn, auto_collation=self.auto_collation,
             num_workers=workers, worker_init_fn=self.worker_init_fn,
-            batch_size=self.batch_size, drop_last=self.drop_last))
+            batch_size=self.batch_size, drop_last=self.drop_last, base_seed=base_seed))
         return Op("map_batches", LoaderWorker, "LoaderWorker", index=0, num_cpus=self.worker_num_cpus,
                   resources=self.worker_resources, concurrency=(workers, workers),
                   fn_constructor_args=(config,), fuse_read=True)
@@ -173,7 +175,10 @@ def local_epoch(s: DropinSettings, run: Optional[EpochRun], epoch: int, epoch_se
         seed_globals(epoch_seed)
 
     def collate(item: Any, auto: bool) -> Any:
-        batch = s.collate_fn([s.dataset[i] for i in item] if auto else s.dataset[item])
+        try:
+            batch = s.collate_fn([s.dataset[i] for i in item] if auto else s.dataset[item])
+        except Exception as e:  # raised for this batch; the loop may catch it and go on, as under torch
+            return FailedBatch(e)
         return pin_batch(batch) if s.pin else batch
 
     def produce() -> Iterator[Delivery]:
@@ -221,7 +226,7 @@ def pool_epoch(s: DropinSettings, carry: DropinCarry, run: Optional[EpochRun], e
     options = options_here(memory_budget=s.memory_budget, deterministic=s.in_order, progress=False,
                            prefetch_blocks=max(1, math.ceil(s.ahead * s.num_workers / s.batches_per_partition)),
                            allow_trainer_node=s.allow_trainer_node)
-    executor = start_execution(source, (s.worker_op(),), plan, options,
+    executor = start_execution(source, (s.worker_op(epoch_seed),), plan, options,
                                actor_cache=carry.actor_cache if s.persistent_workers else None,
                                estimates=carry.estimates, arena=arena_here())
     carry.stats = executor.stats()

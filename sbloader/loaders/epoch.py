@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Protocol
 
 from sbloader.core.stats import StallStats
+from sbloader.loaders.failed_batch import FailedBatch
 from sbloader.loaders.fetch_ahead import FetchAhead
 
 
@@ -113,12 +114,15 @@ class EpochIterator:
             self._held.append(d.release)
             while len(self._held) > 2:  # the loop still holds the previous batch
                 self._held.popleft()()
-        batch = self._to_device(d.batch) if self._to_device is not None else d.batch
         if self.run is not None and d.record is not None:
             self.run.took(d.record)
         self.stalls.batches += 1
         self._yielded_at = time.perf_counter()
-        return batch
+        if isinstance(d.batch, FailedBatch):  # this batch's error; the epoch goes on unless it is fatal
+            if d.batch.fatal:
+                self.close()
+            d.batch.raise_()
+        return self._to_device(d.batch) if self._to_device is not None else d.batch
 
     def _next_delivery(self) -> Delivery:
         t0 = time.perf_counter()
