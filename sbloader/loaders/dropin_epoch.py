@@ -73,6 +73,7 @@ class DropinSettings:
     seed: Optional[int]
     dataset_id: Optional[str]
     report_stalls: bool
+    start_timeout: Optional[float] = None
 
     @property
     def ahead(self) -> int:
@@ -263,7 +264,8 @@ def pool_epoch(s: DropinSettings, carry: DropinCarry, run: Optional[EpochRun], e
         _report(s, f"epoch {epoch}", stalls)()
 
     return EpochIterator(produce(), run, ahead=s.ahead, stalls=stalls, to_device=_device(s), translate=translate,
-                         timeout=s.timeout or None, wake=executor.shutdown, on_close=closed)
+                         timeout=s.timeout or None, wake=executor.shutdown, on_close=closed,
+                         started=executor.pools_up, start_timeout=s.start_timeout)
 
 
 def split_epoch(s: DropinSettings, carry: DropinCarry, run: EpochRun, rank: int,

@@ -258,6 +258,15 @@ def fingerprint(dataset: Any, dataset_id: Optional[str], batch_size: Optional[in
             "batch_size": batch_size, "drop_last": drop_last, "sampler": type(sampler).__name__}
 
 
+def user_generator(sampler: Any, seeded: bool) -> Any:
+    """The generator the user gave a loader's own RandomSampler (None if none, or ``seeded``: ``seed=``)."""
+    from torch.utils.data import RandomSampler
+
+    if type(sampler) is RandomSampler and not seeded:
+        return getattr(sampler, "generator", None)
+    return None
+
+
 def encode_generator(gen: Any) -> Optional[str]:
     """A torch generator's state as text (None for no generator)."""
     return base64.b64encode(gen.get_state().numpy().tobytes()).decode("ascii") if gen is not None else None

@@ -121,3 +121,178 @@ def test_getitem_error_raises_for_its_batch_and_iteration_goes_on(ray_session, n
     errors, batches = _errors_and_batches(sbloader.DataLoader(ds, batch_size=2, num_workers=num_workers))
     t_errors, t_batches = _errors_and_batches(TorchDataLoader(ds, batch_size=2))
     assert (errors, flat_ids(batches)) == (t_errors, flat_ids(t_batches)) == (6, flat_ids(t_batches))
+
+
+# ----- 3. an error in worker_init_fn: a RuntimeError naming it, the original as its cause -------------
+
+
+def test_worker_init_fn_error_is_a_runtime_error_naming_it(ray_session):
+    lo = sbloader.DataLoader(Ids(8), batch_size=2, num_workers=2, worker_init_fn=broken_init)
+    with pytest.raises(RuntimeError, match="worker_init_fn") as info:
+        list(lo)
+    assert "no config for worker" in str(info.value), str(info.value)
+    assert isinstance(info.value.__cause__, ValueError), repr(info.value.__cause__)
+    assert "no config for worker" in str(info.value.__cause__)
+
+
+# ----- 4. seeds: torch's order, the worker's seed first, then worker_init_fn's -------------------------
+
+
+def test_seed_set_in_worker_init_fn_holds_in_getitem(ray_session):
+    lo = sbloader.DataLoader(SeedOf(12), batch_size=3, num_workers=2, worker_init_fn=seed_12345)
+    seeds = [int(s) for b in lo for s in b[0]]
+    assert seeds == [12345] * 12, seeds
+    draws = [float(x) for b in lo for x in b[1]]
+    assert len(set(draws)) == 12, f"the worker's RNG stream restarted for every batch: {draws}"
+
+
+def test_without_a_seeding_worker_init_fn_replays_are_identical(ray_session):
+    """The documented policy's other half: draws come from the batch's own seed, so a seeded loader
+    gives the same samples whatever worker ran them."""
+    runs = [[tuple(map(float, b[1])) for b in sbloader.DataLoader(SeedOf(12), batch_size=3, num_workers=w,
+                                                                    seed=5)] for w in (1, 2)]
+    assert runs[0] == runs[1]
+
+
+# ----- 5. a typed annotation: DataLoader[...] ------------------------------------------------------------
+
+
+def test_dataloader_is_subscriptable():
+    alias = sbloader.DataLoader[List[torch.Tensor]]
+    assert alias.__origin__ is sbloader.DataLoader
+    assert isinstance(sbloader.DataLoader(Ids(2)), sbloader.DataLoader)
+
+
+# ----- 6. shuffle=True with an IterDataPipe: passed to its shufflers ----------------------------------------
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_shuffle_flag_reaches_an_iterdatapipe_shuffler(ray_session, num_workers):
+    from torch.utils.data.datapipes.iter import IterableWrapper
+
+    def order(shuffle):
+        pipe = IterableWrapper(list(range(50))).shuffle()
+        return [int(x) for x in sbloader.DataLoader(pipe, batch_size=None, shuffle=shuffle, num_workers=num_workers)]
+
+    assert order(False) == list(range(50))
+    shuffled = order(True)
+    assert sorted(shuffled) == list(range(50)) and shuffled != list(range(50))
+
+
+# ----- 7. torch's argument guards and warnings -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("attr", ["batch_size", "sampler", "batch_sampler", "drop_last", "dataset",
+                                  "persistent_workers"])
+def test_reassigning_what_the_loader_derived_from_raises(attr):
+    for cls in (TorchDataLoader, sbloader.DataLoader):
+        lo = cls(Ids(8), batch_size=2)
+        with pytest.raises(ValueError, match=f"{attr} attribute should not be set after"):
+            setattr(lo, attr, {})
+    lo.num_workers = 0  # not derived from: may change, as under torch
+    assert lo.num_workers == 0
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(num_workers=0, multiprocessing_context="spawn"), ValueError, r"num_workers > 0\), but got"),
+    (dict(num_workers=1, multiprocessing_context="bad"), ValueError, "should specify a valid start method in"),
+    (dict(num_workers=1, multiprocessing_context=object()), TypeError, "should be a valid context"),
+], ids=["no-workers", "bad-name", "not-a-context"])
+def test_invalid_multiprocessing_context_raises_like_torch(kwargs, error, match):
+    for cls in (TorchDataLoader, sbloader.DataLoader):
+        with pytest.raises(error, match=match):
+            cls(Ids(8), **kwargs)
+    sbloader.DataLoader(Ids(8), num_workers=1, multiprocessing_context="spawn")  # valid: accepted
+
+
+def test_far_more_workers_than_cpus_warns_like_torch():
+    for cls in (TorchDataLoader, sbloader.DataLoader):
+        with pytest.warns(UserWarning, match="excessive worker creation might get DataLoader running slow"):
+            cls(Ids(8), num_workers=1000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sbloader.DataLoader(Ids(8), num_workers=1)
+
+
+class SaysTen(IterableDataset):
+    """Reports 10 samples and yields 13."""
+
+    def __len__(self) -> int:
+        return 10
+
+    def __iter__(self):
+        return iter(range(13))
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_iterable_dataset_longer_than_its_len_warns_after_len_was_asked(ray_session, num_workers):
+    lo = sbloader.DataLoader(SaysTen(), num_workers=num_workers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # len() not asked: no warning, as torch
+        assert len(list(lo)) == 13
+    assert len(lo) == 10
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert len(list(lo)) == 13
+    msgs = [str(w.message) for w in caught if "was reported to be 10" in str(w.message)]
+    assert len(msgs) == 3, [str(w.message) for w in caught]
+    assert "but 11 samples have been fetched" in msgs[0]
+
+
+# ----- 8. nested tensors through the workers ---------------------------------------------------------------------
+
+
+def clone_collate(batch):
+    return [x.clone() for x in batch]
+
+
+def test_nested_tensors_go_through_the_workers(ray_session):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's prototype warning for the strided nested layout
+        data = [torch.nested.nested_tensor([torch.full((k + 1,), float(k)), torch.ones(2)]) for k in range(6)]
+        got = list(sbloader.DataLoader(data, batch_size=1, num_workers=2, collate_fn=clone_collate))
+        for i, batch in enumerate(got):
+            assert batch[0].is_nested
+            assert all(torch.equal(a, b) for a, b in zip(batch[0].unbind(), data[i].unbind()))
+        with pytest.raises(RuntimeError, match="not currently supported by the default collate_fn"):
+            next(iter(sbloader.DataLoader(data, batch_size=1, num_workers=2)))
+
+
+# ----- 9. timeout= counts the wait for a batch, not the workers' start-up -----------------------------------
+
+
+class SlowAt(Ids):
+    """``dataset[i]`` sleeps ``delay`` seconds for the indices in ``slow``."""
+
+    def __init__(self, n: int, slow: tuple, delay: float) -> None:
+        super().__init__(n)
+        self.slow, self.delay = slow, delay
+
+    def __getitem__(self, i: int) -> int:
+        if i in self.slow:
+            time.sleep(self.delay)
+        return i
+
+
+def slow_start(worker_id: int) -> None:
+    time.sleep(3.0)
+
+
+def test_timeout_counts_only_once_workers_are_up(ray_session):
+    # start-up (actor start, 3 s in worker_init_fn) is longer than timeout: not counted
+    lo = sbloader.DataLoader(Ids(8), batch_size=2, num_workers=1, timeout=1, worker_init_fn=slow_start)
+    assert flat_ids(lo) == list(range(8))
+    # a batch that takes longer than timeout once the worker is up: torch's error
+    lo = sbloader.DataLoader(SlowAt(8, (4,), 6.0), batch_size=2, num_workers=1, timeout=2)
+    it = iter(lo)
+    assert flat_ids([next(it), next(it)]) == [0, 1, 2, 3]
+    with pytest.raises(RuntimeError, match=r"DataLoader timed out after 2 seconds"):
+        next(it)
+
+
+def test_start_up_has_its_own_bound_and_error(ray_session):
+    from sbloader.core.errors import WorkerStartError
+
+    lo = sbloader.DataLoader(Ids(8), batch_size=2, num_workers=1, worker_init_fn=slow_start, start_timeout=1.0)
+    with pytest.raises(WorkerStartError, match=r"did not start within 1 s \(start_timeout\)"):
+        next(iter(lo))
