@@ -186,18 +186,16 @@ class DataLoader(Generic[T_co]):
         self.report_stalls = report_stalls
         self.name = name if name is not None else f"loader{next(_LOADER_COUNTER)}"
         self.stall_report_s = stall_report_s
-        self.allow_trainer_node = allow_trainer_node
+        self.allow_trainer_node, self.start_timeout = allow_trainer_node, start_timeout
         self._torch = torch
         self._epoch = 0
-        # only batches the loader cuts itself are positions it can replay
-        self._user_batch_sampler = batch_sampler is not None and not own_batch_sampler
+        self._user_batch_sampler = batch_sampler is not None and not own_batch_sampler  # not replayable
         self._run: Optional[dropin_state.EpochRun] = None  # the current epoch's (positions, batches, taken)
         self._stalls: Optional[StallStats] = None
         self._iterator: Optional[weakref.ref] = None
         self._resume: Optional[dict] = None  # a loaded state, applied by the next iteration
         self._base_seed: Optional[int] = None
         self._carry = DropinCarry()
-        self.start_timeout = start_timeout
         self._len_reported: Optional[int] = None  # an IterableDataset's len(), once the user asked (torch's check)
         self._initialized = True
 
@@ -209,7 +207,9 @@ class DataLoader(Generic[T_co]):
 
     def __del__(self) -> None:
         carry = getattr(self, "_carry", None)
-        kill_cached(carry.actor_cache if carry is not None else None)
+        if carry is not None:
+            carry.dropped = True  # an epoch still running hands its actors back later: it kills them then
+            kill_cached(carry.actor_cache)
 
     # ----- torch-compatible surface -------------------------------------------
 

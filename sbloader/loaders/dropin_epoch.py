@@ -31,6 +31,7 @@ from sbloader.core.plan import make_epoch_plan
 from sbloader.core.stats import ExecutionStats, StallStats
 from sbloader.distributed import dropin_client
 from sbloader.executor.options import ExecutionOptions
+from sbloader.executor.pools import kill_cached
 from sbloader.executor.launch import arena_here, options_here, start_execution
 from sbloader.executor.tasks import pack
 from sbloader.loaders.dropin_state import EpochRun
@@ -118,6 +119,8 @@ class DropinCarry:
         coordinator: the loader's split coordinator, once found.
         last_split_run: the last epoch this rank finished split by the coordinator (a
             coordinator lost after it is told, so the ranks still in it can go on).
+        dropped: the loader is gone; an epoch that outlives it kills the actors it
+            hands back to ``actor_cache`` (nobody will use them again).
     """
 
     actor_cache: dict = field(default_factory=dict)
@@ -125,6 +128,7 @@ class DropinCarry:
     stats: Optional[ExecutionStats] = None
     coordinator: Any = None
     last_split_run: Optional[EpochRun] = None
+    dropped: bool = False
 
 
 def find_coordinator(world: Any, name: str, fingerprint: dict, stall_report_s: float, settings: DropinSettings,
@@ -261,6 +265,8 @@ def pool_epoch(s: DropinSettings, carry: DropinCarry, run: Optional[EpochRun], e
 
     def closed() -> None:
         carry.estimates = executor.estimates()
+        if carry.dropped:  # the loader went first (its iterator lived on): its persistent actors go now
+            kill_cached(carry.actor_cache)
         _report(s, f"epoch {epoch}", stalls)()
 
     return EpochIterator(produce(), run, ahead=s.ahead, stalls=stalls, to_device=_device(s), translate=translate,
