@@ -18,7 +18,7 @@ line of every failure. A hanging test is cut by pytest-timeout (``--timeout``).
 Usage::
 
     python3 benchmarks/torch_dataloader_suite.py --torch-test /path/to/test_dataloader.py \\
-        [--timeout 180] [--modes torch sbloader] [-k EXPR] [--out benchmarks/results/torch_suite]
+        [--timeout 180] [--modes torch sbloader] [--shards 4] [-k EXPR] [--out benchmarks/results/torch_suite]
 
 Needs ``expecttest`` (torch.testing._internal imports it) and ``pytest-timeout``
 (the ``bench`` extra).
@@ -96,32 +96,47 @@ if _MODE:
 '''
 
 
-def run_mode(mode: str, test_file: str, timeout: int, keyword: Optional[str], workdir: str) -> dict:
-    """One pytest run of ``test_file`` in a subprocess: per-test outcome and whether it built a DataLoader."""
+def run_mode(mode: str, test_file: str, timeout: int, keyword: Optional[str], workdir: str,
+             shards: int = 1) -> dict:
+    """One mode's pytest run of ``test_file`` (``shards`` pytest processes side by side, each over
+    every ``shards``-th test): per-test outcome and which tests built a DataLoader."""
     site = os.path.join(workdir, "site")
     os.makedirs(site, exist_ok=True)
     with open(os.path.join(site, "sitecustomize.py"), "w") as f:
         f.write(SITECUSTOMIZE)
     record = os.path.join(workdir, f"{mode}.built")
-    junit = os.path.join(workdir, f"{mode}.xml")
     open(record, "w").close()
     env = dict(os.environ, SBLOADER_SUITE_MODE=mode, SBLOADER_SUITE_RECORD=record,
                RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     test_dir = os.path.dirname(os.path.abspath(test_file))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (site, test_dir, REPO, os.environ.get("PYTHONPATH", "")) if p)
-    cmd = [sys.executable, "-m", "pytest", os.path.abspath(test_file), "-q", "-p", "no:cacheprovider",
-           f"--timeout={timeout}", "--timeout-method=signal", f"--junitxml={junit}", "-o", "junit_family=xunit1"]
-    if keyword:
-        cmd += ["-k", keyword]
+    base = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    selection = [os.path.abspath(test_file)] + (["-k", keyword] if keyword else [])
+    groups = [selection]
+    if shards > 1:
+        listed = subprocess.run(base + ["--collect-only"] + selection, cwd=test_dir, env=env, capture_output=True,
+                                text=True).stdout.splitlines()
+        ids = [line.strip() for line in listed if "::" in line]
+        groups = [ids[i::shards] for i in range(shards) if ids[i::shards]]
     t0 = time.time()
-    proc = subprocess.run(cmd, cwd=test_dir, env=env, capture_output=True, text=True)
+    procs = []
+    for i, group in enumerate(groups):
+        junit = os.path.join(workdir, f"{mode}.{i}.xml")
+        log = open(os.path.join(workdir, f"{mode}.{i}.log"), "w")
+        cmd = base + ["-v", f"--timeout={timeout}", "--timeout-method=signal", f"--junitxml={junit}",
+                      "-o", "junit_family=xunit1"] + group
+        procs.append((subprocess.Popen(cmd, cwd=test_dir, env=env, stdout=log, stderr=subprocess.STDOUT), junit, log))
+    outcomes: dict = {}
+    codes = []
+    for proc, junit, log in procs:
+        codes.append(proc.wait())
+        log.close()
+        if os.path.exists(junit):
+            outcomes.update(parse_junit(junit))
     wall = time.time() - t0
-    with open(os.path.join(workdir, f"{mode}.log"), "w") as f:
-        f.write(proc.stdout + proc.stderr)
-    outcomes = parse_junit(junit) if os.path.exists(junit) else {}
     with open(record) as f:
         built = {line.strip().split("::", 1)[-1] for line in f if line.strip()}
-    return {"outcomes": outcomes, "built": sorted(built), "wall_s": round(wall, 1), "returncode": proc.returncode}
+    return {"outcomes": outcomes, "built": sorted(built), "wall_s": round(wall, 1), "returncodes": codes}
 
 
 def parse_junit(path: str) -> dict:
@@ -170,6 +185,8 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["torch", "sbloader"], choices=["torch", "sbloader"])
     parser.add_argument("--timeout", type=int, default=180, help="seconds per test before it counts as hung")
     parser.add_argument("-k", dest="keyword", default=None, help="pytest -k expression")
+    parser.add_argument("--shards", type=int, default=1,
+                        help="pytest processes per mode side by side (each starts its own Ray)")
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "torch_suite"))
     args = parser.parse_args()
     workdir = tempfile.mkdtemp(prefix="sbloader-torch-suite-")
@@ -179,7 +196,7 @@ def main() -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(len(args.modes)) as pool:
-        futures = {m: pool.submit(run_mode, m, args.torch_test, args.timeout, args.keyword, workdir)
+        futures = {m: pool.submit(run_mode, m, args.torch_test, args.timeout, args.keyword, workdir, args.shards)
                    for m in args.modes}
     runs = {m: f.result() for m, f in futures.items()}
     for mode, run in runs.items():
