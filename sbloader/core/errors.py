@@ -99,6 +99,10 @@ class TaskLostError(SbloaderError, RuntimeError):
         return (type(self), (self.stage, self.epoch, self.partition_ids, self.labels, self.cause_repr))
 
 
+class WorkerStartError(SbloaderError, RuntimeError):
+    """A loader's workers did not start within their start-up bound (``start_timeout``)."""
+
+
 class MemoryBudgetError(SbloaderError, ValueError):
     """The memory budget cannot hold what the pipeline needs to make progress."""
 

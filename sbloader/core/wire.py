@@ -54,7 +54,7 @@ def to_wire(obj: Any) -> Any:
         t = obj.detach()
         if t.device.type != "cpu":
             t = t.cpu()
-        if t.layout != torch.strided:  # sparse and other layouts: send the tensor as is
+        if t.layout != torch.strided or t.is_nested:  # sparse, nested and other layouts: send the tensor as is
             return t
         try:
             arr = t.resolve_conj().resolve_neg().contiguous().numpy()

@@ -166,6 +166,14 @@ class StreamingExecutor:
         """The seed of the epoch this execution runs."""
         return self._plan.epoch_seed
 
+    def pools_up(self) -> bool:
+        """Every actor pool has at least one constructed actor (True without pools): the
+        workers are up, what was start-up is over."""
+        loop = self._loop
+        if loop is None:
+            return False
+        return all(any(a.ready for a in actors) for actors in loop.pools.pools.values())
+
     def estimates(self) -> list[Optional[float]]:
         """The current output-size estimate of each stage (bytes per block)."""
         return list(self._loop.est) if self._loop is not None else list(self._estimates or [])

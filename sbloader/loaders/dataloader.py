@@ -1,19 +1,17 @@
 """The drop-in ``DataLoader``: torch's signature, loading on a Ray cluster.
 
-Change ``from torch.utils.data import DataLoader`` to ``from sbloader import
-DataLoader``. The sampler still runs in the trainer (indices only); every
-``dataset[i]`` and ``collate_fn`` call runs in a pool of ``num_workers`` remote
-actors; the trainer receives ready, collated batches and only copies each
-tensor's bytes once (into pinned memory with ``pin_memory=True``). Each iteration
-is an epoch object (:mod:`~sbloader.loaders.dropin_epoch`) built from a snapshot of
-the loader's arguments, as torch builds its iterator.
+Change ``from torch.utils.data import DataLoader`` to ``from sbloader import DataLoader``. The
+sampler still runs in the trainer (indices only); every ``dataset[i]`` and ``collate_fn`` call runs
+in a pool of ``num_workers`` remote actors; the trainer receives ready, collated batches and copies
+each tensor's bytes once (into pinned memory with ``pin_memory=True``). Each iteration is an epoch
+object (:mod:`~sbloader.loaders.dropin_epoch`) built from a snapshot of the loader's arguments.
 """
 from __future__ import annotations
 
 import itertools
 import warnings
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Generic, Optional, TypeVar
 
 from sbloader.core import ledger
 from sbloader.core.errors import StateDictError
@@ -22,6 +20,7 @@ from sbloader.core.split import split_epoch as split_positions
 from sbloader.core.stats import ExecutionStats, StallStats
 from sbloader.executor.pools import kill_cached
 from sbloader.loaders import dropin_state
+from sbloader.loaders import dropin_args
 from sbloader.loaders.dropin_args import check_torch_args, decide_split, is_iterable_dataset
 from sbloader.loaders.dropin_epoch import (DropinCarry, DropinSettings, find_coordinator, local_epoch, pool_epoch,
                                            safe_len, split_epoch, stream_epoch)
@@ -29,14 +28,14 @@ from sbloader.loaders.epoch import EpochIterator
 from sbloader.runtime.world import World
 
 _LOADER_COUNTER = itertools.count()
+T_co = TypeVar("T_co", covariant=True)
 
 
-class DataLoader:
+class DataLoader(Generic[T_co]):
     """Drop-in replacement for ``torch.utils.data.DataLoader`` that loads on Ray.
 
-    The positional and keyword arguments are torch's, with the same defaults,
-    checks and semantics; the keyword-only arguments after ``in_order`` are
-    sbloader's.
+    The positional and keyword arguments are torch's, with the same defaults, checks
+    and semantics; the keyword-only arguments after ``in_order`` are sbloader's.
 
     Args:
         dataset: a map-style dataset (``__getitem__``/``__len__``) or an
@@ -52,7 +51,7 @@ class DataLoader:
         drop_last: drop the last incomplete batch.
         timeout: seconds to wait for a batch before raising (0: forever).
         worker_init_fn: called with the worker id once in each remote worker.
-        multiprocessing_context: has no meaning on Ray; a value is ignored with a warning.
+        multiprocessing_context: checked as torch checks it; a valid one has no effect (workers are Ray actors).
         generator: RNG for the sampler and the epoch seed.
         prefetch_factor: batches in flight per worker (default 2 when workers > 0).
         persistent_workers: keep the worker actors alive between epochs.
@@ -60,23 +59,21 @@ class DataLoader:
         in_order: deliver batches in sampler order (deterministic); False
             delivers them as they are ready.
         seed: fixes the epoch seed to ``f(seed, epoch)`` instead of drawing it.
-        split: split each epoch across ranks (world size above 1) through the
-            job's split coordinator, equal batch counts on every rank. Default:
-            True for a map-style dataset with no sampler or torch's Random,
-            Sequential or DistributedSampler; anything else (an
-            ``IterableDataset``, a custom sampler) must say. ``True`` with an
-            ``IterableDataset``: the coordinator iterates it once for the job
-            (sharded by ``get_worker_info()`` over ``num_workers`` workers) and
-            splits its batches, so ``len()`` raises ``TypeError``; ``False``:
-            every rank iterates what its dataset or sampler yields, as under torch.
+        split: split each epoch across ranks (world size above 1) through the job's
+            split coordinator, equal batch counts on every rank. Default: True for a
+            map-style dataset with no sampler, torch's Random or SequentialSampler, or a
+            DistributedSampler of the job's world (one of another world is its own split);
+            anything else must say. ``True`` with an ``IterableDataset``: the coordinator
+            iterates it once for the job and splits its batches (``len()`` raises
+            ``TypeError``); ``False``: every rank iterates what its dataset or sampler
+            yields, as under torch (``docs/torchrun.md``).
         memory_budget: bytes the pipeline may hold in the object store.
         batches_per_partition: batches per unit of work (and of replay).
         worker_num_cpus: CPUs per worker actor.
         worker_resources: extra Ray resources per worker actor.
         device: copy batches to this device (e.g. ``"cuda"``) on a side stream.
-        zero_copy: wrap the buffers without copying (read-only over Ray's object store).
-            Batches made on the trainer's node are writable views of the process's
-            shared-memory slots either way (``sbloader/executor/handoff.py``).
+        zero_copy: wrap the buffers without copying (read-only over Ray's object store;
+            batches made on the trainer's node are writable shared-memory views either way).
         dataset_id: a name for the dataset, checked on ``load_state_dict``.
         report_stalls: print the stall instrument at the end of each epoch.
         name: the loader's name in the job (default: its creation index in the
@@ -88,6 +85,10 @@ class DataLoader:
         stall_report_s: seconds after which a rank that stopped asking is reported.
         allow_trainer_node: let workers run on the trainer's node even when other
             nodes have CPUs (by default they avoid it; see :mod:`sbloader.runtime.placement`).
+        start_timeout: seconds the workers may take to start (placed, constructed,
+            ``worker_init_fn`` run) before ``WorkerStartError``; ``timeout`` counts only after.
+
+    What is the same as torch's and what differs: ``docs/user_guide.md``.
     """
 
     def __init__(
@@ -126,6 +127,7 @@ class DataLoader:
         job_id: Optional[str] = None,
         stall_report_s: float = 60.0,
         allow_trainer_node: bool = False,
+        start_timeout: Optional[float] = 300.0,
     ) -> None:
         import torch
         from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
@@ -135,18 +137,17 @@ class DataLoader:
         b = check_torch_args(iterable=self._iterable, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
                              batch_sampler=batch_sampler, num_workers=num_workers, drop_last=drop_last,
                              timeout=timeout, prefetch_factor=prefetch_factor,
-                             persistent_workers=persistent_workers, batches_per_partition=batches_per_partition)
+                             persistent_workers=persistent_workers, batches_per_partition=batches_per_partition,
+                             shuffle_target=dataset)
+        dropin_args.check_multiprocessing_context(multiprocessing_context, num_workers)
+        dataset = dropin_args.datapipe_with_shuffle(dataset, shuffle)
+        dropin_args.warn_excess_workers(num_workers, worker_num_cpus)
         self.world = World.detect(rank=rank, world_size=world_size, job_id=job_id)
         self.split = decide_split(split, self.world, dataset, self._iterable, sampler, batch_sampler)
         if self.split and self._iterable and b.batch_size is None:
             raise ValueError(
                 "split=True with an IterableDataset needs batch_size (auto-batching): the coordinator equalises "
                 "the ranks by cutting the last rows into short batches; pass batch_size= or split=False"
-            )
-        if multiprocessing_context is not None:
-            warnings.warn(
-                "multiprocessing_context has no meaning for sbloader (workers are Ray actors); it is ignored",
-                stacklevel=2,
             )
         # With ``seed`` and no generator, the order of our own RandomSampler is f(seed, epoch) too.
         self._seeded_sampler = (not self._iterable and sampler is None and b.shuffle and seed is not None
@@ -184,21 +185,30 @@ class DataLoader:
         self.report_stalls = report_stalls
         self.name = name if name is not None else f"loader{next(_LOADER_COUNTER)}"
         self.stall_report_s = stall_report_s
-        self.allow_trainer_node = allow_trainer_node
+        self.allow_trainer_node, self.start_timeout = allow_trainer_node, start_timeout
         self._torch = torch
         self._epoch = 0
-        # only batches the loader cuts itself are positions it can replay
-        self._user_batch_sampler = batch_sampler is not None and not own_batch_sampler
+        self._user_batch_sampler = batch_sampler is not None and not own_batch_sampler  # not replayable
         self._run: Optional[dropin_state.EpochRun] = None  # the current epoch's (positions, batches, taken)
         self._stalls: Optional[StallStats] = None
         self._iterator: Optional[weakref.ref] = None
         self._resume: Optional[dict] = None  # a loaded state, applied by the next iteration
         self._base_seed: Optional[int] = None
         self._carry = DropinCarry()
+        self._len_reported: Optional[int] = None  # an IterableDataset's len(), once the user asked (torch's check)
+        self._initialized = True
+
+    def __setattr__(self, attr: str, val: Any) -> None:
+        if attr in dropin_args.GUARDED_ATTRIBUTES and self.__dict__.get("_initialized", False):
+            # torch's guard: the sampler, batching and plan were derived from these
+            raise ValueError(f"{attr} attribute should not be set after {type(self).__name__} is initialized")
+        super().__setattr__(attr, val)
 
     def __del__(self) -> None:
         carry = getattr(self, "_carry", None)
-        kill_cached(carry.actor_cache if carry is not None else None)
+        if carry is not None:
+            carry.dropped = True  # an epoch still running hands its actors back later: it kills them then
+            kill_cached(carry.actor_cache)
 
     # ----- torch-compatible surface -------------------------------------------
 
@@ -223,7 +233,7 @@ class DataLoader:
             positions = dropin_state.order_length(self.sampler, len(self.dataset))
             return split_positions(positions, self.batch_size or 1, self.world.world_size, self.drop_last).per_rank
         if self._iterable:
-            length = len(self.dataset)
+            length = self._len_reported = len(self.dataset)
             if self.batch_size is not None:
                 length = length // self.batch_size if self.drop_last else -(-length // self.batch_size)
             return length
@@ -263,7 +273,7 @@ class DataLoader:
         if run is not None and not run.complete:  # every rank's first k batches, k this rank's count
             consumed = run.consumed(self.world.world_size if self.split else 1, self.in_order,
                                     lambda: self._coordinator())
-        gen = self._user_generator()
+        gen = dropin_state.user_generator(self.sampler, self._seeded_sampler)
         header = {**dropin_state.FORMAT.header(self._fingerprint()), "base_seed": self._base_seed,
                   "world_size": self.world.world_size,
                   # the user's generator after the epoch's draws: a resumed job continues its sequence
@@ -283,7 +293,8 @@ class DataLoader:
         if not self._stateful:
             raise StateDictError("load_state_dict() needs a map-style dataset batched by the loader itself")
         state = dropin_state.FORMAT.check(state_dict, self._fingerprint(), strict)
-        dropin_state.restore_generator(self._user_generator(), state.get("generator"))
+        gen = dropin_state.user_generator(self.sampler, self._seeded_sampler)
+        dropin_state.restore_generator(gen, state.get("generator"))
         self._resume = dict(state)
         self._run = None
         self._epoch = int(state["epoch"])
@@ -293,14 +304,6 @@ class DataLoader:
     def _fingerprint(self) -> dict:
         return dropin_state.fingerprint(self.dataset, self.dataset_id, self.batch_size, self.drop_last,
                                         self.sampler)
-
-    def _user_generator(self) -> Any:
-        """The generator the user gave the loader's own RandomSampler (None if none, or with ``seed=``)."""
-        from torch.utils.data import RandomSampler
-
-        if type(self.sampler) is RandomSampler and not self._seeded_sampler:
-            return getattr(self.sampler, "generator", None)
-        return None
 
     def stats(self) -> Optional[ExecutionStats]:
         """Execution statistics of the latest epoch (None before any, or with num_workers=0)."""
@@ -334,6 +337,8 @@ class DataLoader:
                 it = local_epoch(s, run, epoch, epoch_seed, self._index_sampler)
             else:
                 it = pool_epoch(s, self._carry, run, epoch, epoch_seed, self._index_sampler)
+        if self._iterable and not self.split and self._len_reported is not None:
+            it.after_batch = dropin_args.length_check(self.dataset, self._len_reported, self.num_workers)
         self._stalls, self._iterator = it.stalls, weakref.ref(it)
         return it
 
@@ -353,7 +358,7 @@ class DataLoader:
             memory_budget=self.memory_budget, batches_per_partition=self.batches_per_partition,
             worker_num_cpus=self.worker_num_cpus, worker_resources=self.worker_resources,
             allow_trainer_node=self.allow_trainer_node, persistent_workers=self.persistent_workers, seed=self.seed,
-            dataset_id=self.dataset_id, report_stalls=self.report_stalls)
+            dataset_id=self.dataset_id, report_stalls=self.report_stalls, start_timeout=self.start_timeout)
 
     def _next_epoch(self) -> tuple[int, int]:
         """The next epoch and its seed (drawn as torch draws its base seed, or ``f(seed, epoch)``)."""
@@ -375,7 +380,7 @@ class DataLoader:
         """Begin the next epoch: fresh, or the one a loaded state left unfinished."""
         resume, self._resume = self._resume, None
         run = dropin_state.start_run(self.sampler, len(self.dataset), resume, self._next_epoch,
-                                     self.batch_size or 1, world_size, self.drop_last)
+                                     self.batch_size or 1, world_size, self.drop_last, whole=self.split)
         self._epoch = run.epoch + 1
         return run
 

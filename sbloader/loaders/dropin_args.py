@@ -5,7 +5,7 @@ Kept apart from the loader class so its constructor reads as what it stores.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 
 @dataclass(frozen=True)
@@ -25,11 +25,18 @@ class Batching:
     prefetch_factor: Optional[int]
 
 
+def _is_datapipe(dataset: Any) -> bool:
+    from torch.utils.data import IterDataPipe
+
+    return isinstance(dataset, IterDataPipe)
+
+
 def check_torch_args(*, iterable: bool, batch_size: Optional[int], shuffle: Optional[bool], sampler: Any,
                      batch_sampler: Any, num_workers: int, drop_last: bool, timeout: float,
                      prefetch_factor: Optional[int], persistent_workers: bool,
-                     batches_per_partition: int) -> Batching:
-    """Check the arguments as torch's DataLoader does (its messages) and resolve them.
+                     batches_per_partition: int, shuffle_target: Any = None) -> Batching:
+    """Check the arguments as torch's DataLoader does (its messages) and resolve them
+    (``shuffle_target``: the dataset; an ``IterDataPipe`` takes ``shuffle`` to its shufflers).
 
     Raises:
         ValueError: an argument torch refuses, with torch's message.
@@ -52,7 +59,7 @@ def check_torch_args(*, iterable: bool, batch_size: Optional[int], shuffle: Opti
     if batches_per_partition < 1:
         raise ValueError(f"batches_per_partition must be >= 1, found {batches_per_partition}")
     if iterable:
-        if shuffle not in {False, None}:
+        if shuffle not in {False, None} and not _is_datapipe(shuffle_target):
             raise ValueError(
                 f"DataLoader with IterableDataset: expected unspecified shuffle option, but got shuffle={shuffle}"
             )
@@ -65,7 +72,7 @@ def check_torch_args(*, iterable: bool, batch_size: Optional[int], shuffle: Opti
                 "DataLoader with IterableDataset: expected unspecified batch_sampler option, "
                 f"but got batch_sampler={batch_sampler}"
             )
-    shuffle = bool(shuffle)
+    shuffle = bool(shuffle) and not iterable  # an IterDataPipe shuffles itself
     if sampler is not None and shuffle:
         raise ValueError("sampler option is mutually exclusive with shuffle")
     if batch_sampler is not None:
@@ -92,6 +99,18 @@ def decide_split(split: Optional[bool], world: Any, dataset: Any, iterable: bool
     from torch.utils.data import DistributedSampler, RandomSampler, SequentialSampler
 
     if world.world_size == 1:
+        return False
+    if isinstance(sampler, DistributedSampler) and (sampler.num_replicas, sampler.rank) != (world.world_size,
+                                                                                            world.rank):
+        # The user shards by hand (another world than the job's): the sampler is the split,
+        # followed exactly; a second split by the coordinator would drop or repeat samples.
+        if split:
+            raise ValueError(
+                f"split=True with a DistributedSampler of num_replicas={sampler.num_replicas}, rank={sampler.rank} "
+                f"in a job of world size {world.world_size} (rank {world.rank}): the sampler already shards, "
+                "and a second split would lose or repeat samples. Pass split=False (each loader iterates its "
+                "sampler's shard, as under torch) or give the sampler this job's world size and rank"
+            )
         return False
     known = sampler is None or type(sampler) in (RandomSampler, SequentialSampler, DistributedSampler)
     if split is None:
@@ -125,7 +144,102 @@ def decide_split(split: Optional[bool], world: Any, dataset: Any, iterable: bool
     return bool(split)
 
 
-def _is_iterable_dataset(dataset: Any) -> bool:
-    from torch.utils.data import IterableDataset
+GUARDED_ATTRIBUTES = ("batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers")
 
-    return isinstance(dataset, IterableDataset)
+
+def check_multiprocessing_context(context: Any, num_workers: int) -> None:
+    """Refuse what torch refuses (its errors); a valid context is accepted and has no effect on Ray.
+
+    Raises:
+        ValueError: a context without workers, or an unknown start method name.
+        TypeError: neither a start method name nor a multiprocessing context.
+    """
+    import multiprocessing
+
+    import torch.multiprocessing
+
+    if context is None:
+        return
+    if num_workers <= 0:
+        raise ValueError("multiprocessing_context can only be used with multi-process loading (num_workers > 0), "
+                         f"but got num_workers={num_workers}")
+    if isinstance(context, str):
+        valid = torch.multiprocessing.get_all_start_methods()
+        if context not in valid:
+            raise ValueError(f"multiprocessing_context option should specify a valid start method in {valid!r}, "
+                             f"but got multiprocessing_context={context!r}")
+    elif not isinstance(context, multiprocessing.context.BaseContext):
+        raise TypeError("multiprocessing_context option should be a valid context object or a string specifying "
+                        f"the start method, but got multiprocessing_context={context}")
+
+
+def available_cpus() -> Optional[float]:
+    """CPUs the workers can run on: the Ray cluster's when Ray is up, this machine's (its CPU
+    affinity) when the embedded Ray would start here, None when a cluster is named but not joined."""
+    import os
+
+    import ray
+
+    if ray.is_initialized():
+        return float(ray.cluster_resources().get("CPU", 0.0))
+    if os.environ.get("RAY_ADDRESS"):
+        return None
+    try:
+        return float(len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return float(os.cpu_count() or 1)
+
+
+def excess_workers_message(num_workers: int, worker_num_cpus: float, cpus: Optional[float]) -> Optional[str]:
+    """torch's warning for more workers than the CPUs can run (None when they fit or are unknown)."""
+    if num_workers <= 0 or cpus is None or num_workers * worker_num_cpus <= cpus:
+        return None
+    return (f"This DataLoader will create {num_workers} worker processes in total (Ray actors of "
+            f"{worker_num_cpus:g} CPU each). Our suggested max number of worker in current system is "
+            f"{int(cpus // max(worker_num_cpus, 1e-9))} ({cpus:g} CPUs in the Ray cluster or on this machine), "
+            "which is smaller than what this DataLoader is going to create. Please be aware that excessive worker "
+            "creation might get DataLoader running slow or even freeze, lower the worker number to avoid "
+            "potential slowness/freeze if necessary (a pool that cannot fit fails with ResourceError at start).")
+
+
+def warn_excess_workers(num_workers: int, worker_num_cpus: float) -> None:
+    """Warn as torch does when the workers ask for more CPUs than there are (:func:`excess_workers_message`)."""
+    import warnings
+
+    msg = excess_workers_message(num_workers, worker_num_cpus, available_cpus())
+    if msg is not None:
+        warnings.warn(msg, stacklevel=3)
+
+
+def length_check(dataset: Any, reported: int, num_workers: int) -> Callable[[int], None]:
+    """Called with the batches yielded so far: torch's warning once they exceed the reported ``len()``."""
+    import warnings
+
+    def check(yielded: int) -> None:
+        msg = iterable_length_message(dataset, reported, yielded, num_workers)
+        if msg is not None:
+            warnings.warn(msg, stacklevel=3)
+    return check
+
+
+def iterable_length_message(dataset: Any, reported: Optional[int], yielded: int, num_workers: int) -> Optional[str]:
+    """torch's warning when an IterableDataset yields more than the ``len()`` the loop was told."""
+    if reported is None or yielded <= reported:
+        return None
+    msg = (f"Length of IterableDataset {dataset} was reported to be {reported} (when accessing len(dataloader)), "
+           f"but {yielded} samples have been fetched. ")
+    if num_workers > 0:
+        msg += ("For multiprocessing data-loading, this could be caused by not properly configuring the "
+                "IterableDataset replica at each worker. Please see "
+                "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset for examples.")
+    return msg
+
+
+def datapipe_with_shuffle(dataset: Any, shuffle: Optional[bool]) -> Any:
+    """An ``IterDataPipe`` with ``shuffle`` passed to its shufflers, as torch does (else unchanged)."""
+    from torch.utils.data import IterDataPipe
+    from torch.utils.data.graph_settings import apply_shuffle_settings
+
+    if shuffle is not None and isinstance(dataset, IterDataPipe):
+        return apply_shuffle_settings(dataset, shuffle=bool(shuffle))
+    return dataset

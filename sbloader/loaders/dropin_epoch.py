@@ -31,10 +31,12 @@ from sbloader.core.plan import make_epoch_plan
 from sbloader.core.stats import ExecutionStats, StallStats
 from sbloader.distributed import dropin_client
 from sbloader.executor.options import ExecutionOptions
+from sbloader.executor.pools import kill_cached
 from sbloader.executor.launch import arena_here, options_here, start_execution
 from sbloader.executor.tasks import pack
 from sbloader.loaders.dropin_state import EpochRun
 from sbloader.loaders.epoch import Delivery, EpochIterator
+from sbloader.loaders.failed_batch import FailedBatch
 from sbloader.loaders.tensors import DeviceCopy, TensorOptions, pin_batch, wire_as_tensors
 from sbloader.loaders.worker import LoaderWorker
 from sbloader.sources.batches import ReadyBatchSource, ShardSource
@@ -72,19 +74,21 @@ class DropinSettings:
     seed: Optional[int]
     dataset_id: Optional[str]
     report_stalls: bool
+    start_timeout: Optional[float] = None
 
     @property
     def ahead(self) -> int:
         """Batches made ahead of the loop (torch's ``prefetch_factor``)."""
         return max(1, self.prefetch_factor or 2)
 
-    def worker_op(self) -> Op:
-        """The pool of ``num_workers`` remote workers that fetch and collate."""
+    def worker_op(self, base_seed: Optional[int] = None) -> Op:
+        """The pool of ``num_workers`` remote workers that fetch and collate (``base_seed``: the
+        seed each worker adds its id to before ``worker_init_fn``, as torch's; None: a random one)."""
         workers = max(1, self.num_workers)
         config = pack(dict(  # pickled once per epoch here: the workers see the dataset as it is now
             dataset=self.dataset, collate_fn=self.collate_fn, auto_collation=self.auto_collation,
             num_workers=workers, worker_init_fn=self.worker_init_fn,
-            batch_size=self.batch_size, drop_last=self.drop_last))
+            batch_size=self.batch_size, drop_last=self.drop_last, base_seed=base_seed))
         return Op("map_batches", LoaderWorker, "LoaderWorker", index=0, num_cpus=self.worker_num_cpus,
                   resources=self.worker_resources, concurrency=(workers, workers),
                   fn_constructor_args=(config,), fuse_read=True)
@@ -115,6 +119,8 @@ class DropinCarry:
         coordinator: the loader's split coordinator, once found.
         last_split_run: the last epoch this rank finished split by the coordinator (a
             coordinator lost after it is told, so the ranks still in it can go on).
+        dropped: the loader is gone; an epoch that outlives it kills the actors it
+            hands back to ``actor_cache`` (nobody will use them again).
     """
 
     actor_cache: dict = field(default_factory=dict)
@@ -123,6 +129,7 @@ class DropinCarry:
     coordinator: Any = None
     last_split_run: Optional[EpochRun] = None
     lease_interval_s: float = 1.0  # seconds one request's lease lasts (below a quarter of stall_report_s)
+    dropped: bool = False
 
 
 def find_coordinator(world: Any, name: str, fingerprint: dict, stall_report_s: float, settings: DropinSettings,
@@ -178,7 +185,10 @@ def local_epoch(s: DropinSettings, run: Optional[EpochRun], epoch: int, epoch_se
         seed_globals(epoch_seed)
 
     def collate(item: Any, auto: bool) -> Any:
-        batch = s.collate_fn([s.dataset[i] for i in item] if auto else s.dataset[item])
+        try:
+            batch = s.collate_fn([s.dataset[i] for i in item] if auto else s.dataset[item])
+        except Exception as e:  # raised for this batch; the loop may catch it and go on, as under torch
+            return FailedBatch(e)
         return pin_batch(batch) if s.pin else batch
 
     def produce() -> Iterator[Delivery]:
@@ -226,7 +236,7 @@ def pool_epoch(s: DropinSettings, carry: DropinCarry, run: Optional[EpochRun], e
     options = options_here(memory_budget=s.memory_budget, deterministic=s.in_order, progress=False,
                            prefetch_blocks=max(1, math.ceil(s.ahead * s.num_workers / s.batches_per_partition)),
                            allow_trainer_node=s.allow_trainer_node)
-    executor = start_execution(source, (s.worker_op(),), plan, options,
+    executor = start_execution(source, (s.worker_op(epoch_seed),), plan, options,
                                actor_cache=carry.actor_cache if s.persistent_workers else None,
                                estimates=carry.estimates, arena=arena_here())
     carry.stats = executor.stats()
@@ -260,10 +270,13 @@ def pool_epoch(s: DropinSettings, carry: DropinCarry, run: Optional[EpochRun], e
 
     def closed() -> None:
         carry.estimates = executor.estimates()
+        if carry.dropped:  # the loader went first (its iterator lived on): its persistent actors go now
+            kill_cached(carry.actor_cache)
         _report(s, f"epoch {epoch}", stalls)()
 
     return EpochIterator(produce(), run, ahead=s.ahead, stalls=stalls, to_device=_device(s), translate=translate,
-                         timeout=s.timeout or None, wake=executor.shutdown, on_close=closed)
+                         timeout=s.timeout or None, wake=executor.shutdown, on_close=closed,
+                         started=executor.pools_up, start_timeout=s.start_timeout)
 
 
 def split_epoch(s: DropinSettings, carry: DropinCarry, run: EpochRun, rank: int,

@@ -119,7 +119,8 @@ def distributed_order(sampler: Any, n: int) -> np.ndarray:
 
 
 def order_length(sampler: Any, dataset_len: int) -> int:
-    """Positions of the epoch's whole order (a ``DistributedSampler``'s before its split)."""
+    """Positions of the epoch's whole order (a ``DistributedSampler``'s before its split: only
+    for a loader the coordinator splits)."""
     from torch.utils.data import DistributedSampler
 
     if isinstance(sampler, DistributedSampler):
@@ -139,9 +140,13 @@ def capture_order(sampler: Any, dataset_len: int, whole: bool) -> tuple[np.ndarr
     import torch
     from torch.utils.data import DistributedSampler, RandomSampler, SequentialSampler
 
-    if isinstance(sampler, DistributedSampler) and whole:
+    if isinstance(sampler, DistributedSampler):
         state = {"kind": "distributed", "seed": int(sampler.seed), "epoch": int(sampler.epoch)}
-        return distributed_order(sampler, dataset_len), state
+        if whole:
+            return distributed_order(sampler, dataset_len), state
+        # not split by the loader: this sampler's own shard, exactly as torch iterates it
+        state.update(kind="distributed_shard", num_replicas=int(sampler.num_replicas), rank=int(sampler.rank))
+        return np.fromiter((int(i) for i in sampler), dtype=np.int64), state
     if type(sampler) is SequentialSampler:
         return np.arange(len(sampler), dtype=np.int64), {"kind": "sequential"}
     if type(sampler) is RandomSampler:
@@ -165,11 +170,18 @@ def recompute_order(sampler: Any, dataset_len: int, state: dict) -> np.ndarray:
         return np.arange(len(sampler), dtype=np.int64)
     if kind == "explicit":
         return np.asarray(state["order"], dtype=np.int64)
-    if kind == "distributed":
+    if kind in ("distributed", "distributed_shard"):
         saved_epoch = sampler.epoch
         sampler.set_epoch(state["epoch"])
         try:
-            return distributed_order(sampler, dataset_len)
+            if kind == "distributed":
+                return distributed_order(sampler, dataset_len)
+            if (sampler.num_replicas, sampler.rank) != (state["num_replicas"], state["rank"]):
+                raise StateDictError(
+                    f"the state is of a DistributedSampler shard num_replicas={state['num_replicas']}, "
+                    f"rank={state['rank']}, found num_replicas={sampler.num_replicas}, rank={sampler.rank}; "
+                    "load it into a loader whose sampler has the same shard")
+            return np.fromiter((int(i) for i in sampler), dtype=np.int64)
         finally:
             sampler.set_epoch(saved_epoch)
     if kind == "rng":
@@ -190,7 +202,7 @@ def recompute_order(sampler: Any, dataset_len: int, state: dict) -> np.ndarray:
         finally:
             torch.set_rng_state(current)
     raise StateDictError(f"unknown sampler-order kind {kind!r} in the state (found {state}); expected one of "
-                         "'sequential', 'explicit', 'distributed', 'rng'")
+                         "'sequential', 'explicit', 'distributed', 'distributed_shard', 'rng'")
 
 
 def plan_run(epoch: int, epoch_seed: int, order: np.ndarray, order_state: Optional[dict], prior: ledger.Ranges,
@@ -214,10 +226,11 @@ def plan_run(epoch: int, epoch_seed: int, order: np.ndarray, order_state: Option
 
 
 def start_run(sampler: Any, dataset_len: int, resume: Optional[dict], next_epoch: Callable[[], tuple[int, int]],
-              batch_size: int, world_size: int, drop_last: bool) -> EpochRun:
+              batch_size: int, world_size: int, drop_last: bool, whole: bool = True) -> EpochRun:
     """The run of the next epoch: the one a loaded state (``resume``) left unfinished, or a fresh
     one (``next_epoch()`` gives its number and seed; a ``DistributedSampler``'s epoch is the
-    user's ``sampler.set_epoch``, as under torch)."""
+    user's ``sampler.set_epoch``, as under torch). ``whole``: the coordinator splits a
+    ``DistributedSampler``'s whole order (else its own shard is the epoch)."""
     from torch.utils.data import DistributedSampler
 
     from sbloader.core.plan import epoch_seed_from
@@ -234,7 +247,7 @@ def start_run(sampler: Any, dataset_len: int, resume: Optional[dict], next_epoch
         epoch_seed = epoch_seed_from(sampler.seed, epoch)
     else:
         epoch, epoch_seed = next_epoch()
-    order, order_state = capture_order(sampler, dataset_len, whole=True)
+    order, order_state = capture_order(sampler, dataset_len, whole=whole)
     return plan_run(epoch, epoch_seed, order, order_state, [], batch_size, world_size, drop_last)
 
 
@@ -243,6 +256,15 @@ def fingerprint(dataset: Any, dataset_id: Optional[str], batch_size: Optional[in
     """What a state must match to be loaded into a loader."""
     return {"dataset": type(dataset).__name__, "len": len(dataset), "dataset_id": dataset_id,
             "batch_size": batch_size, "drop_last": drop_last, "sampler": type(sampler).__name__}
+
+
+def user_generator(sampler: Any, seeded: bool) -> Any:
+    """The generator the user gave a loader's own RandomSampler (None if none, or ``seeded``: ``seed=``)."""
+    from torch.utils.data import RandomSampler
+
+    if type(sampler) is RandomSampler and not seeded:
+        return getattr(sampler, "generator", None)
+    return None
 
 
 def encode_generator(gen: Any) -> Optional[str]:

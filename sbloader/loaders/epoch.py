@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Protocol
 
 from sbloader.core.stats import StallStats
+from sbloader.loaders.failed_batch import FailedBatch
 from sbloader.loaders.fetch_ahead import FetchAhead
 
 
@@ -65,7 +66,11 @@ class EpochIterator:
         to_device: moves each batch to the loop's device (None: stays on the CPU).
         translate: turns a producer's error into the error the loop sees (raises).
         timeout: seconds the loop may wait for one batch (None: forever); past it
-            ``RuntimeError`` says so, as torch's DataLoader does.
+            ``RuntimeError`` says so, as torch's DataLoader does. It counts only once
+            ``started()`` says the workers are up.
+        started: whether the producer's workers are up (None: no start-up to wait for).
+        start_timeout: seconds the workers may take to start, from the iterator's
+            creation, before :class:`~sbloader.core.errors.WorkerStartError` (None: forever).
         pace: called with the loop's own seconds for each batch (its waits left out).
         wake: called when the epoch closes early, before waiting for the thread: it
             must wake a producer blocked on its source (shut that source down).
@@ -76,14 +81,20 @@ class EpochIterator:
                  stalls: Optional[StallStats] = None, to_device: Optional[Callable[[Any], Any]] = None,
                  translate: Optional[Callable[[BaseException], Any]] = None, timeout: Optional[float] = None,
                  pace: Optional[Callable[[float], None]] = None, wake: Optional[Callable[[], Any]] = None,
-                 on_close: Optional[Callable[[], Any]] = None) -> None:
+                 on_close: Optional[Callable[[], Any]] = None, started: Optional[Callable[[], bool]] = None,
+                 start_timeout: Optional[float] = None) -> None:
         self.run = run
         self.stalls = stalls if stalls is not None else StallStats()
         self._t0 = time.perf_counter()
+        self._t0_mono = time.monotonic()
         self._fetch = FetchAhead(produce, depth=ahead) if ahead > 0 else None
         self._inline = produce if ahead <= 0 else None
         self._to_device, self._translate, self._timeout = to_device, translate, timeout
         self._pace, self._wake, self._on_close = pace, wake, on_close
+        self._started, self._start_timeout = started, start_timeout
+        self._up_at: Optional[float] = None if started is not None else time.monotonic()
+        #: called with the number of batches yielded so far after each one (the drop-in's length check)
+        self.after_batch: Optional[Callable[[int], None]] = None
         self._held: deque = deque()
         self._yielded_at: Optional[float] = None
         self._closed = False
@@ -113,23 +124,55 @@ class EpochIterator:
             self._held.append(d.release)
             while len(self._held) > 2:  # the loop still holds the previous batch
                 self._held.popleft()()
-        batch = self._to_device(d.batch) if self._to_device is not None else d.batch
         if self.run is not None and d.record is not None:
             self.run.took(d.record)
         self.stalls.batches += 1
         self._yielded_at = time.perf_counter()
-        return batch
+        if self.after_batch is not None:
+            self.after_batch(self.stalls.batches)
+        if isinstance(d.batch, FailedBatch):  # this batch's error; the epoch goes on unless it is fatal
+            if d.batch.fatal:
+                self.close()
+            d.batch.raise_()
+        return self._to_device(d.batch) if self._to_device is not None else d.batch
 
     def _next_delivery(self) -> Delivery:
         t0 = time.perf_counter()
         try:
             if self._inline is not None:
                 return next(self._inline)
-            return self._fetch.next(timeout=self._timeout)
-        except TimeoutError:
-            raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds") from None  # torch's words
+            if self._timeout is None and self._start_timeout is None:
+                return self._fetch.next()
+            return self._wait_bounded()
         finally:
             self.stalls.wait_ready_s += time.perf_counter() - t0
+
+    def _wait_bounded(self) -> Delivery:
+        """The next delivery under the two bounds: start-up (``start_timeout`` from the iterator's
+        creation, until the workers are up), then ``timeout`` for this batch once they are."""
+        from sbloader.core.errors import WorkerStartError
+
+        asked = time.monotonic()
+        while True:
+            try:
+                return self._fetch.next(timeout=0.25)
+            except TimeoutError:
+                pass
+            now = time.monotonic()
+            if self._up_at is None:
+                if not self._started():
+                    waited = now - self._t0_mono
+                    if self._start_timeout is not None and waited > self._start_timeout:
+                        raise WorkerStartError(
+                            f"the DataLoader's workers did not start within {self._start_timeout:g} s (start_timeout): "
+                            "their actors are still being placed or constructed. Check that the cluster has the "
+                            "CPUs (and resources) num_workers * worker_num_cpus asks for and that "
+                            "worker_init_fn and the dataset's unpickling finish; raise start_timeout if start-up "
+                            "is just slow") from None
+                    continue
+                self._up_at = now
+            if self._timeout is not None and now - max(asked, self._up_at) >= self._timeout:
+                raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")  # torch's words
 
     def close(self) -> None:
         """End the epoch: stop the producer and give back what it holds. Idempotent."""

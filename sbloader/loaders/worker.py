@@ -8,6 +8,8 @@ returns ready, collated batches with tensors as NumPy buffers.
 from __future__ import annotations
 
 import itertools
+import os
+import random
 from contextlib import contextmanager
 from typing import Any, Callable, Optional
 
@@ -16,8 +18,9 @@ import numpy as np
 from sbloader.core.batch_slice import mark_padding
 from sbloader.core.block import BATCH_ROWS_COLUMN
 from sbloader.core.context import actor_info, get_context
-from sbloader.sources.batches import PaddedBatch
 from sbloader.core.wire import to_wire
+from sbloader.loaders.failed_batch import WORKER_INIT_FN, FailedBatch
+from sbloader.sources.batches import PaddedBatch
 
 
 def _set_torch_worker_info(worker_id: int, num_workers: int, seed: int, dataset: Any) -> None:
@@ -66,6 +69,36 @@ def _stack_in_private_memory() -> Any:
         fn_map[torch.Tensor] = original
 
 
+def _seed_all(seed: int) -> None:
+    """Seed ``random``, NumPy and torch as torch seeds a worker before ``worker_init_fn``."""
+    import torch
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+
+
+def _rng_states() -> tuple:
+    import torch
+
+    return random.getstate(), np.random.get_state(), torch.get_rng_state(), torch.initial_seed()
+
+
+def _set_rng_states(states: tuple) -> None:
+    import torch
+
+    random.setstate(states[0])
+    np.random.set_state(states[1])
+    torch.set_rng_state(states[2])
+
+
+def _same_states(a: tuple, b: tuple) -> bool:
+    """Whether two :func:`_rng_states` snapshots are equal (worker_init_fn left the RNGs alone)."""
+    np_a, np_b = a[1], b[1]
+    return (a[0] == b[0] and a[3] == b[3] and bool(a[2].equal(b[2]))
+            and np_a[0] == np_b[0] and np.array_equal(np_a[1], np_b[1]) and tuple(np_a[2:]) == tuple(np_b[2:]))
+
+
 class LoaderWorker:
     """Callable class of the loader's actor pool: fetch samples and collate.
 
@@ -84,6 +117,15 @@ class LoaderWorker:
         worker_init_fn: called once with the worker id when the actor starts.
         batch_size: rows per batch for an ``IterableDataset``.
         drop_last: drop a short final batch of an ``IterableDataset`` shard.
+        base_seed: the epoch's base seed (None: a fresh random one).
+
+    Seeds (torch's order): the worker seeds ``random``, NumPy and torch with
+    ``base_seed + worker_id`` first, then calls ``worker_init_fn``. If
+    ``worker_init_fn`` leaves any of those RNGs changed (it seeded or drew), the
+    worker keeps its own RNG streams from then on, as a torch worker does, and the
+    per-partition seeding is not applied to it. Otherwise each partition runs
+    under its own seed (:mod:`sbloader.core.context`), so a replayed partition
+    reproduces its samples bit for bit.
     """
 
     def __init__(self, config: Any) -> None:
@@ -93,7 +135,7 @@ class LoaderWorker:
 
     def _setup(self, dataset: Any, collate_fn: Callable, auto_collation: bool, num_workers: int,
                worker_init_fn: Optional[Callable[[int], None]] = None,
-               batch_size: Optional[int] = None, drop_last: bool = False) -> None:
+               batch_size: Optional[int] = None, drop_last: bool = False, base_seed: Optional[int] = None) -> None:
         info = actor_info()
         self._id = info[0] if info else 0
         self._dataset = dataset
@@ -102,19 +144,41 @@ class LoaderWorker:
         self._num_workers = num_workers
         self._batch_size = batch_size
         self._drop_last = drop_last
-        import os
-
         self.pid = os.getpid()
-        _set_torch_worker_info(self._id, num_workers, 0, dataset)
+        self._init_error: Optional[Exception] = None
+        self._rng_states: Optional[tuple] = None  # the worker's own RNG streams, once worker_init_fn set them
+        base = base_seed if base_seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        self._seed = (base + self._id) % 2**63
+        _seed_all(self._seed)
+        _set_torch_worker_info(self._id, num_workers, self._seed, dataset)
         if worker_init_fn is not None:
-            worker_init_fn(self._id)
+            before = _rng_states()
+            try:
+                worker_init_fn(self._id)
+            except Exception as e:  # raised at the loop's next batch, as torch does
+                self._init_error = FailedBatch.remote(e, WORKER_INIT_FN, -1, -1, self._id, fatal=True)
+            after = _rng_states()
+            if not _same_states(before, after):
+                self._rng_states = after
 
     def __call__(self, batch: dict) -> dict:
         ctx = get_context()
         seed = ctx.seed if ctx is not None else 0
         out, rows = [], []  # wire batches, and the samples in each (for the split of a stream)
-        with _stack_in_private_memory():
-            self._run_tasks(batch["task"], seed, out, rows)
+        if self._init_error is not None:
+            out = [self._init_error] * len(batch["task"])
+            rows = [0] * len(out)
+        elif self._rng_states is not None:  # worker_init_fn's seed stands: the worker's streams go on
+            _set_rng_states(self._rng_states)
+            seed = self._seed
+            try:
+                with _stack_in_private_memory():
+                    self._run_tasks(batch["task"], seed, out, rows)
+            finally:
+                self._rng_states = _rng_states()
+        else:
+            with _stack_in_private_memory():
+                self._run_tasks(batch["task"], seed, out, rows)
         col = np.empty((len(out),), dtype=object)
         for i, x in enumerate(out):
             col[i] = x
@@ -128,19 +192,23 @@ class LoaderWorker:
                 for wire, n in self._iterate_shard():
                     out.append(wire)
                     rows.append(n)
-            elif isinstance(task, PaddedBatch):
-                _set_torch_worker_info(self._id, self._num_workers, seed, self._dataset)
-                batch = self._collate([self._dataset[i] for i in task.indices])
-                out.append(to_wire(mark_padding(batch, len(task.indices), task.pad)))
-                rows.append(len(task.indices))
             else:
                 _set_torch_worker_info(self._id, self._num_workers, seed, self._dataset)
-                if self._auto:
-                    samples = [self._dataset[i] for i in task]
-                else:
-                    samples = self._dataset[task]
-                out.append(to_wire(self._collate(samples)))
-                rows.append(len(task) if self._auto else 1)
+                rows.append(len(task.indices) if isinstance(task, PaddedBatch) else len(task) if self._auto else 1)
+                try:
+                    out.append(self._make(task))
+                except Exception as e:  # this batch's error, raised at this batch; the next ones go on
+                    ctx = get_context()
+                    out.append(FailedBatch.remote(e, "LoaderWorker", ctx.partition_id if ctx else -1,
+                                                  ctx.epoch if ctx else -1, self._id))
+
+    def _make(self, task: Any) -> Any:
+        """One batch of sample indices (or one sample, without auto-batching), fetched and collated."""
+        if isinstance(task, PaddedBatch):
+            batch = self._collate([self._dataset[i] for i in task.indices])
+            return to_wire(mark_padding(batch, len(task.indices), task.pad))
+        samples = [self._dataset[i] for i in task] if self._auto else self._dataset[task]
+        return to_wire(self._collate(samples))
 
     def _iterate_shard(self) -> list:
         """The shard's batches as ``(wire batch, samples in it)``."""

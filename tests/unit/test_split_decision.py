@@ -88,15 +88,29 @@ def loader(dataset=None, *, world_size=2, rank=1, **kwargs) -> sbloader.DataLoad
     {"shuffle": True},  # no sampler: RandomSampler
     {"sampler": SequentialSampler(range(20))},
     {"sampler": RandomSampler(range(20))},
-    {"sampler": DistributedSampler(range(20), num_replicas=2, rank=1)},
-    {"sampler": DistributedSampler(range(20), num_replicas=2, rank=1, shuffle=False), "batch_size": 4},
+    {"sampler": "distributed"},
+    {"sampler": "distributed", "shuffle_sampler": False, "batch_size": 4},
     {"batch_size": None},
 ], ids=["none", "shuffle", "sequential", "random", "distributed", "distributed-batched", "unbatched"])
 @pytest.mark.parametrize("world_size", [2, 5])
 def test_known_samplers_split_by_default(kwargs, world_size):
+    kwargs = dict(kwargs)
+    if kwargs.get("sampler") == "distributed":  # the job's own world: the coordinator splits its whole order
+        kwargs["sampler"] = DistributedSampler(range(20), num_replicas=world_size, rank=1,
+                                               shuffle=kwargs.pop("shuffle_sampler", True))
     lo = loader(world_size=world_size, **kwargs)
     assert lo.split is True, f"{kwargs} at world size {world_size}: split={lo.split}"
     assert lo.world.world_size == world_size and lo.world.rank == 1
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_distributed_sampler_of_another_world_is_followed_not_split(world_size):
+    """A DistributedSampler sharded by hand for another world is the split: never a second one."""
+    sampler = DistributedSampler(range(20), num_replicas=3, rank=2)
+    assert loader(world_size=world_size, rank=0, sampler=sampler).split is False
+    if world_size > 1:
+        with pytest.raises(ValueError, match=r"num_replicas=3, rank=2 in a job of world size"):
+            loader(world_size=world_size, rank=0, sampler=sampler, split=True)
 
 
 def test_world_of_one_never_splits_and_never_asks():

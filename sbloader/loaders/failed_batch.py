@@ -1,0 +1,55 @@
+"""A batch whose making raised: delivered in its place, raised when the loop reaches it.
+
+torch's DataLoader raises a ``dataset[i]`` or ``collate_fn`` error for the batch that
+hit it and goes on with the next batch when the caller catches it. A remote worker
+therefore never lets such an error fail its task (which would end the epoch): it
+returns a :class:`FailedBatch` in the batch's slot, and the epoch's iterator raises
+it at that batch. An error in ``worker_init_fn`` leaves the worker unusable: its
+:class:`FailedBatch` is ``fatal`` and ends the epoch once raised.
+"""
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass
+from typing import Optional
+
+from sbloader.core.errors import UserFunctionError, picklable, reraise_as_torch
+
+WORKER_INIT_FN = "worker_init_fn"
+
+
+@dataclass(frozen=True)
+class FailedBatch:
+    """The error that replaced one batch.
+
+    Attributes:
+        error: the user's exception (``local``), or a :class:`UserFunctionError`
+            carrying it from a remote worker.
+        fatal: the epoch cannot go on after it (``worker_init_fn`` failed).
+        worker: the remote worker's id (None in this process).
+    """
+
+    error: BaseException
+    fatal: bool = False
+    worker: Optional[int] = None
+
+    @classmethod
+    def remote(cls, e: Exception, stage: str, partition_id: int, epoch: int, worker: int,
+               fatal: bool = False) -> "FailedBatch":
+        """An error caught in a remote worker, made to travel (the traceback as text)."""
+        err = UserFunctionError(stage, partition_id, epoch, traceback.format_exc(), repr(e), original=picklable(e))
+        return cls(err, fatal, worker)
+
+    def raise_(self) -> None:
+        """Raise the error as torch's DataLoader would: ``worker_init_fn``'s as a RuntimeError naming it
+        (the original as its cause), a sample's with its original type."""
+        err = self.error
+        if not isinstance(err, UserFunctionError):
+            raise err
+        if err.operator == WORKER_INIT_FN:
+            original = err.original
+            raise RuntimeError(
+                f"worker_init_fn raised in DataLoader worker {self.worker}: {err.cause_repr}. The worker cannot "
+                f"load batches; fix worker_init_fn (its traceback below).\nOriginal {err.remote_traceback}"
+            ) from (original if original is not None else err)
+        reraise_as_torch(err)
