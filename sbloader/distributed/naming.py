@@ -54,8 +54,12 @@ def get_coordinator(job: Union[JobIdentity, str], loader_name: str, world_size: 
     """
     job = as_identity(job)
     name = coordinator_name(job.job_id, loader_name, restart_count)
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    # on the node of the rank that creates it (soft): the ranks' node outlives a CPU node lost mid-epoch
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
     handle = SplitCoordinator.options(
-        name=name, namespace=job.namespace, get_if_exists=True, lifetime="detached",
+        name=name, namespace=job.namespace, get_if_exists=True, lifetime="detached", scheduling_strategy=here,
     ).remote(world_size, fingerprint, stall_report_s, ledger_enabled(), idle_exit_s(), job.token)
     reply = ray.get(handle.hello.remote(world_size, fingerprint, job.token, rank, ray.get_runtime_context().get_job_id()))
     if not reply["ok"]:

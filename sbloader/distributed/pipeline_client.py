@@ -8,9 +8,11 @@ keeps each while a later batch of its own takes rows from it (:func:`batches`).
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Iterator, Optional, Protocol
 
 import numpy as np
+
 import ray
 
 from sbloader.core.block import PADDING_KEY, ROW_COLUMN, Batch, concat, make_batch, slice_block
@@ -87,7 +89,7 @@ def batches(coord: Any, run: Any) -> Iterator[tuple[Batch, int]]:
         want = wanted(j)
         now = [run.pids[p.key] for p in _places(b)]
         while any(pid not in refs and pid not in blocks for pid in now):
-            reply = ray.get(coord.block_refs.remote(run.epoch, run.rank, run.taken, want, _WAIT_S))
+            reply = _call(lambda: coord.block_refs.remote(run.epoch, run.rank, run.taken, want, _WAIT_S))
             refs.update(reply["refs"])
             want = [pid for pid in want if pid not in refs]
         for pid in now:
@@ -97,6 +99,19 @@ def batches(coord: Any, run: Any) -> Iterator[tuple[Batch, int]]:
         for pid in [pid for pid, last in last_mine.items() if last == j]:
             blocks.pop(pid, None)
             refs.pop(pid, None)
+
+
+def _call(send: Any, patience_s: float = 30.0) -> Any:
+    """``ray.get(send())``, sent again while the coordinator is only unreachable for a moment
+    (a node of the cluster went away and Ray is reconnecting); a dead coordinator raises."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            return ray.get(send())
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def _places(b: Any) -> tuple:

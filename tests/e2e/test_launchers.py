@@ -58,3 +58,18 @@ def test_lightning_mid_epoch_resume_through_its_checkpoint_is_exactly_once(tmp_p
     assert sorted(epoch0) == list(range(N)), "epoch 0 across the preemption: every sample exactly once"
     epoch1 = [i for r in after for i in r["1"]]
     assert sorted(epoch1) == list(range(N))
+
+
+def test_accelerate_launch_two_processes_through_prepare(tmp_path):
+    """``accelerate launch --multi_gpu --num_processes 2`` (torchrun's static rendezvous underneath, run id
+    "none") with ``accelerator.prepare(loader)`` on the CPU: every sample once per epoch, equal counts."""
+    pytest.importorskip("accelerate")
+    script = SCRIPT.parent / "accelerate_job.py"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script), str(tmp_path)]
+    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=420, cwd=str(tmp_path))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text())["epochs"] for r in range(2)]
+    for e in range(2):
+        assert len(ranks[0][e]) == len(ranks[1][e]) == 48
+        assert sorted(ranks[0][e] + ranks[1][e]) == list(range(96))

@@ -46,7 +46,10 @@ def main() -> None:
             ids += [int(i) for i in batch["id"]]
             nodes += [str(n) for n in batch["node"]]
             if rank == 0 and not os.path.exists(os.path.join(args.out, "started")):
-                open(os.path.join(args.out, "started"), "w").close()
+                import ray
+
+                with open(os.path.join(args.out, "started"), "w") as f:
+                    f.write(ray.get_runtime_context().get_node_id())
         log["epochs"].append({"ids": ids, "nodes": sorted(set(nodes))})
     info = sbloader.init()
     log["info"] = {"address": info.address, "embedded": info.embedded}
