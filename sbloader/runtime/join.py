@@ -70,6 +70,24 @@ def check_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
         ) from None
 
 
+def _refused(exc: BaseException) -> bool:
+    return "AuthToken" in str(exc) or type(exc).__name__ == "AuthenticationError"
+
+
+def token_accepted(address: str) -> bool:
+    """Whether the cluster at ``address`` accepts this process as it is (False only on an auth refusal)."""
+    try:
+        from ray._raylet import GcsClient
+    except ImportError:
+        return True
+    try:
+        GcsClient(address=address)
+    except Exception as exc:
+        if _refused(exc):
+            return False
+    return True
+
+
 def check_token(address: str) -> None:
     """Raise SbloaderError at once when the cluster at ``address`` refuses this process's token."""
     try:
@@ -79,7 +97,7 @@ def check_token(address: str) -> None:
     try:
         GcsClient(address=address)
     except Exception as exc:
-        if "AuthToken" in str(exc) or type(exc).__name__ == "AuthenticationError":
+        if _refused(exc):
             mode = os.environ.get("RAY_AUTH_MODE") or "unset"
             raise SbloaderError(
                 f"the Ray cluster at {address} refused this process's authentication token "
@@ -104,8 +122,8 @@ def prepare(address: str) -> str:
             "object references straight from the cluster), which Ray Client does not support. Run the training "
             "script on a cluster node with RAY_ADDRESS=<head ip>:6379, or submit it with `ray job submit`."
         )
-    enable_token_if_available()
     if address == "auto":
+        enable_token_if_available()
         return address
     host, _ = split_address(address)
     if is_loopback(host):
@@ -114,7 +132,12 @@ def prepare(address: str) -> str:
 
         ray_constants.ENABLE_RAY_CLUSTER = False
     check_reachable(address)
-    check_token(address)
+    # Only when the cluster refuses this process as it is: turning token mode on re-reads
+    # Ray's config, which would drop the system config of a Ray this process started itself
+    # (ray.cluster_utils in tests).
+    if not token_accepted(address):
+        enable_token_if_available()
+        check_token(address)
     return address
 
 
