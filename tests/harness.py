@@ -49,7 +49,7 @@ def ids_of(batch: Any, key: str) -> list:
 
 
 def run_ranks(make: MakeLoader, world_size: int, name: str, key: str, take: Optional[int] = None,
-              state: Optional[dict] = None, timeout: float = 120.0) -> tuple[list[Taken], Optional[dict]]:
+              state: Optional[dict] = None, timeout: float = 240.0) -> tuple[list[Taken], Optional[dict]]:
     """Every rank's loader in a thread: load ``state`` if given, take ``take`` batches (None: the
     epoch). Returns what each rank took and rank 0's state after it (JSON round-tripped)."""
     out: list = [None] * world_size
