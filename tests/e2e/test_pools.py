@@ -39,7 +39,8 @@ def test_pools_on_two_cpus_never_starve_their_reads(tmp_path):
             assert epoch["rows"] == epoch["distinct"] == out["files"], epoch
             assert epoch["pool"]["retired"] == 0 and epoch["pool"]["lost"] == 0, epoch["report"]
             assert epoch["pool"]["limit"] == limit, epoch["report"]
-        assert 1 <= first["pool"]["created"] <= limit and second["pool"]["created"] == 0, (name, run)
+        # a pool that reads grows at once to its limit (many partitions queued); the second epoch builds none
+        assert first["pool"]["created"] == limit and second["pool"]["created"] == 0, (name, run)
         assert run["built"] == first["pool"]["created"]  # constructed once each, counted by the class itself
         assert f"(limit {limit}), 0 retired, 0 lost" in first["report"]
     assert out["default"]["epochs"][0]["stages"] == ["ReadImages->MapBatches(Crop)"]

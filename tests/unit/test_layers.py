@@ -112,6 +112,7 @@ MAX_PUBLIC_MEMBERS = 15
 # The user's pipeline handle: its methods are the public API DESIGN.md names (transformations,
 # introspection, iteration); each is a few lines over core.ops, executor.launch and loaders.
 API_FACADES = {"sbloader.dataset.dataset.Dataset"}
+FACADE_METHOD_LINES = 12
 
 
 def _classes() -> list[tuple[str, ast.ClassDef]]:
@@ -128,5 +129,11 @@ def test_no_class_has_more_than_fifteen_public_members(name: str, node: ast.Clas
     public = [n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
               and not n.name.startswith("_")]
     if name in API_FACADES:
-        pytest.skip(f"{name}: the public API's facade ({len(public)} methods, each a few lines)")
+        # the public API's facade may have many methods, but each only forwards: a few lines of body
+        for fn in node.body:
+            if isinstance(fn, ast.FunctionDef) and not fn.name.startswith("_"):
+                body = fn.body[1:] if ast.get_docstring(fn) else fn.body
+                lines = body[-1].end_lineno - body[0].lineno + 1
+                assert lines <= FACADE_METHOD_LINES, f"{name}.{fn.name} has {lines} lines of code; move its work down"
+        return
     assert len(public) <= MAX_PUBLIC_MEMBERS, f"{name} has {len(public)} public methods: {public}; split it"
