@@ -43,7 +43,10 @@ def fresh(mod: str) -> dict[str, float]:
                        text=True, timeout=300)
     if r.returncode != 0:
         raise RuntimeError(f"{mod}: exit status {r.returncode}: {r.stderr.strip()[-300:]}")
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    lines = [x for x in r.stdout.splitlines() if x.startswith('{"import_s"')]
+    if not lines:
+        raise RuntimeError(f"{mod}: no figures printed; stdout {r.stdout[-200:]!r}, stderr {r.stderr[-300:]!r}")
+    out = json.loads(lines[-1])
     out["process_s"] = time.perf_counter() - t0
     return out
 

@@ -99,7 +99,7 @@ def run(**p: Any) -> Outcome:
     sbl()  # warm-up: the embedded Ray's start
     trials = run_interleaved({"sbloader": sbl, "torch": tl}, p["rounds"])
     return Outcome(trials, "labels_per_batch", "distinct labels", baseline="torch",
-                   extra=("min_labels_per_batch", "rows_per_s"),
+                   extra=("min_labels_per_batch", "rows_per_s"), timing=False,
                    notes=[f"{p['rows']} rows, {p['labels']} labels, sorted by label, row groups of "
                           f"{p['rows_per_group']}; batches of {p['batch_size']}; the last (partial) batch left out",
                           "a mix figure, not a timing: the load does not change it (rows/s beside it does)"])
