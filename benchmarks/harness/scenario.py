@@ -54,9 +54,13 @@ class Outcome:
     timing: bool = True  # False: the metric is not a speed (the load does not qualify its ratios)
 
 
-def names() -> list[str]:
-    """The scenarios, in report order (``ORDER`` in each module, then by name)."""
+def names(report_only: bool = False) -> list[str]:
+    """The scenarios, in report order (``ORDER`` in each module, then by name); with
+    ``report_only``, those of the first-contact report (``REPORT = False`` marks a
+    component benchmark that ``report --all`` adds)."""
     found = [p.stem for p in SCENARIO_DIR.glob("*.py") if not p.stem.startswith("_")]
+    if report_only:
+        found = [n for n in found if getattr(load(n), "REPORT", True)]
     return sorted(found, key=lambda n: (getattr(load(n), "ORDER", 100), n))
 
 

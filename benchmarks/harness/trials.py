@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from .load import is_quiet
 from .measure import Result, measure
-from .rounds import interleave_order, summarize, fmt_range
+from .rounds import interleave_order, summarize
 from .render import ratio_words
 
 
@@ -106,6 +106,18 @@ def _fmt(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
+def smart(v: float) -> str:
+    """A figure as a reader wants it: ``1,480`` rather than ``1.48e+03``, ``0.241`` (3 digits) below 100."""
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
+def smart_range(s: Mapping[str, Any]) -> str:
+    """``median (min–max)`` of a summary with :func:`smart` numbers."""
+    if not s or s.get("median") is None:
+        return "–"
+    return f"{smart(s['median'])} ({smart(s['min'])}–{smart(s['max'])})"
+
+
 def paired_ratios(trials: Trials, metric: str, contender: str, baseline: str,
                   higher_is_better: bool = True) -> list[float]:
     """Per round, contender / baseline (higher is better) or baseline / contender (a time):
@@ -121,7 +133,7 @@ def paired_ratios(trials: Trials, metric: str, contender: str, baseline: str,
 
 
 def table_rows(trials: Trials, metric: str, unit: str, *, baseline: Optional[str] = None,
-               higher_is_better: bool = True, extra: Sequence[str] = (), fmt: str = "{:.3g}",
+               higher_is_better: bool = True, extra: Sequence[str] = (),
                timing: bool = True) -> list[dict]:
     """One row per contender: the metric's median (min–max), rounds, quiet rounds, the
     median paired ratio to ``baseline`` in words, and the medians of ``extra`` metrics.
@@ -134,7 +146,7 @@ def table_rows(trials: Trials, metric: str, unit: str, *, baseline: Optional[str
         errs = [t.error for t in ts if t.error]
         s = summarize([t.metrics.get(metric) for t in ts if not t.error])
         quiet = sum(bool(t.load.get("quiet")) for t in ts)
-        row = {"contender": name, f"{metric} ({unit})": fmt_range(s, fmt), "rounds": len(ts),
+        row = {"contender": name, f"{metric} ({unit})": smart_range(s), "rounds": len(ts),
                "quiet rounds": f"{quiet}/{len(ts)}"}
         if baseline is not None:
             rs = paired_ratios(trials, metric, name, baseline, higher_is_better)
@@ -145,7 +157,7 @@ def table_rows(trials: Trials, metric: str, unit: str, *, baseline: Optional[str
                                                      t.load.get("quiet") for t in trials.of(baseline))),
                                                  f">1: {word}"))
         for k in extra:
-            row[k] = fmt_range(summarize([t.metrics.get(k) for t in ts if not t.error]), fmt)
+            row[k] = smart_range(summarize([t.metrics.get(k) for t in ts if not t.error]))
         if errs:
             row["error"] = errs[0][:160]
         rows.append(row)

@@ -139,5 +139,6 @@ def test_report_quick_dry_run_plans_every_scenario():
     assert r.returncode == 0, r.stderr[-2000:]
     names = scenario.names()
     assert names and f"planned {len(names)} scenarios; ran none" in r.stdout
+    lines = r.stdout.splitlines()
     for n in names:
-        assert f"{n}: " in r.stdout
+        assert any(x.startswith(f"{n}: ") or x.startswith(f"{n} [") for x in lines), n
