@@ -66,9 +66,10 @@ def cmd_report(a: argparse.Namespace) -> int:
     budget = a.budget_s
     for i, n in enumerate(todo):
         left = budget - (time.monotonic() - t0)
+        # a fair share of what is left (no new round after it; at least one round runs)
         share = max(30.0, left / (len(todo) - i)) if budget else a.timeout_s
         share = min(share, a.timeout_s)
-        _log(f"== {n} (at most {share:.0f} s)")
+        _log(f"== {n} (no new round after {share:.0f} s)")
         status, err = report.run_in_subprocess(n, a.quick, share, _log)
         path = report.REPORT_DIR / f"{n}.json"
         if status == "ok" and path.exists():

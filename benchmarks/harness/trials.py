@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import statistics
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -19,6 +20,10 @@ from .load import is_quiet
 from .measure import Result, measure
 from .rounds import interleave_order, summarize
 from .render import ratio_words
+
+
+#: A wall-clock time (``time.time()``) after which no new round starts (set by ``report``).
+DEADLINE_ENV = "SBLOADER_BENCH_DEADLINE"
 
 
 @dataclass
@@ -42,6 +47,8 @@ class Trials:
     """All trials of a scenario, in the order they ran."""
 
     trials: list = field(default_factory=list)
+    rounds_planned: int = 0
+    rounds_run: int = 0  # fewer than planned when the report's time budget ran out
 
     def of(self, contender: str) -> list[Trial]:
         """The contender's trials."""
@@ -58,17 +65,31 @@ class Trials:
 
 def run_interleaved(contenders: Mapping[str, Callable[[], Mapping[str, Any]]], rounds: int, *,
                     rotate: bool = True, log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
-                    keep_going: bool = True, pss: bool = False) -> Trials:
+                    keep_going: bool = True, pss: bool = False, by_class: bool = False,
+                    before_round: Optional[Callable[[int], Any]] = None) -> Trials:
     """Run the contenders in turn for ``rounds`` rounds (see :func:`interleave_order`),
     each run inside :func:`measure` (CPU of this process tree, others' load, loadavg).
 
     Args:
         pss: sample the PSS of the process tree too (costs CPU; off for throughput runs).
+        by_class: also record ``cpu_s_<class>`` (trainer, workers, raylet, gcs, ray_daemons, other).
+        before_round: called with the round's number before its first run, outside any
+            measurement (a calibration taken once per round).
         keep_going: a contender that raises is recorded with its error (and not run
             again); otherwise the error propagates.
     """
-    out, failed = Trials(), set()
+    out, failed = Trials(rounds_planned=rounds), set()
+    deadline = float(os.environ.get(DEADLINE_ENV, "inf"))
+    last_round = -1
     for r, name in interleave_order(list(contenders), rounds, rotate=rotate):
+        if r != last_round:
+            if r > 0 and time.time() > deadline:
+                log(f"  the time budget is spent: {r} of {rounds} rounds run")
+                break
+            if before_round is not None:
+                before_round(r)
+            out.rounds_run = r + 1
+        last_round = r
         if name in failed:
             continue
         err = None
@@ -83,6 +104,9 @@ def run_interleaved(contenders: Mapping[str, Callable[[], Mapping[str, Any]]], r
         load = trial_load(m.result, metrics.get("cpu_s"))
         metrics.setdefault("wall_s", round(m.result.wall_s, 4))
         metrics.setdefault("cpu_s", m.result.cpu_s_tree)
+        if by_class:
+            for c, v in m.result.cpu_s_by_class.items():
+                metrics.setdefault(f"cpu_s_{c}", v)
         if pss:
             metrics.setdefault("peak_pss_mib", round(m.result.peak_pss_bytes / 2**20, 1))
         out.trials.append(Trial(r, name, metrics, load, err))
