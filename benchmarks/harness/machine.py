@@ -20,10 +20,14 @@ VERSIONED = ("sbloader", "torch", "ray", "numpy", "pyarrow", "pillow", "simplejp
 
 
 def ray_worker_env() -> None:
-    """Call before Ray starts: a local Ray on loopback only, and Ray's workers import the
+    """Call before Ray starts: a local Ray on loopback only, patient health checks, and Ray's workers import the
     benchmark modules (workload functions are pickled by reference, not by value): the
     repository root (``benchmarks.*``) and ``benchmarks/`` (the older ``_x`` modules)."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # A loaded 2-core machine (load average 20+) delays the raylet's health checks past
+    # Ray's 5 misses of 3 s and the GCS then declares the node dead mid-run: allow ~90 s.
+    os.environ.setdefault("RAY_health_check_failure_threshold", "30")
     want = [str(BENCH_DIR), str(ROOT)]
     rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in want]
     os.environ["PYTHONPATH"] = os.pathsep.join(want + rest)

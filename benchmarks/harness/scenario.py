@@ -51,6 +51,7 @@ class Outcome:
     skipped: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
     raw: dict = field(default_factory=dict)
+    timing: bool = True  # False: the metric is not a speed (the load does not qualify its ratios)
 
 
 def names() -> list[str]:
@@ -129,7 +130,7 @@ def section(name: str, outcome: Outcome, *, title: str, what_text: str, params: 
     loads = [t.load for t in outcome.trials.trials]
     summary = summarize_loads(loads)
     rows = table_rows(outcome.trials, outcome.metric, outcome.unit, baseline=outcome.baseline,
-                      higher_is_better=outcome.higher_is_better, extra=outcome.extra)
+                      higher_is_better=outcome.higher_is_better, extra=outcome.extra, timing=outcome.timing)
     return {"name": name, "title": title, "what": what_text, "status": "ok", "command": command,
             "machine": machine, "params": dict(params), "metric": outcome.metric, "unit": outcome.unit,
             "higher_is_better": outcome.higher_is_better, "baseline": outcome.baseline, "rows": rows,

@@ -121,9 +121,13 @@ def paired_ratios(trials: Trials, metric: str, contender: str, baseline: str,
 
 
 def table_rows(trials: Trials, metric: str, unit: str, *, baseline: Optional[str] = None,
-               higher_is_better: bool = True, extra: Sequence[str] = (), fmt: str = "{:.3g}") -> list[dict]:
+               higher_is_better: bool = True, extra: Sequence[str] = (), fmt: str = "{:.3g}",
+               timing: bool = True) -> list[dict]:
     """One row per contender: the metric's median (min–max), rounds, quiet rounds, the
-    median paired ratio to ``baseline`` in words, and the medians of ``extra`` metrics."""
+    median paired ratio to ``baseline`` in words, and the medians of ``extra`` metrics.
+
+    ``timing=False``: the metric is not a speed (e.g. labels per batch), so the load does
+    not qualify its ratio."""
     rows = []
     for name in trials.contenders():
         ts = trials.of(name)
@@ -137,8 +141,8 @@ def table_rows(trials: Trials, metric: str, unit: str, *, baseline: Optional[str
             word = "better" if higher_is_better else "faster"
             row[f"vs {baseline}"] = ("1 (baseline)" if name == baseline else
                                      ratio_words(statistics.median(rs) if rs else None, baseline,
-                                                 quiet == len(ts) and all(
-                                                     t.load.get("quiet") for t in trials.of(baseline)),
+                                                 not timing or (quiet == len(ts) and all(
+                                                     t.load.get("quiet") for t in trials.of(baseline))),
                                                  f">1: {word}"))
         for k in extra:
             row[k] = fmt_range(summarize([t.metrics.get(k) for t in ts if not t.error]), fmt)
