@@ -46,6 +46,12 @@ class PortState:
     timeline: list = field(default_factory=list)  # (seconds since start, requests in flight)
     t0: float = field(default_factory=time.perf_counter)
 
+    def inject(self, kind: str, times: int = 1) -> None:
+        """Make the next ``times`` object GETs fail with ``kind`` (``"503"``, ``"403"`` or ``"drop"``)."""
+        if kind not in ("503", "403", "drop"):
+            raise ValueError(f"kind must be '503', '403' or 'drop', found {kind!r}")
+        self.faults.extend([kind] * times)
+
     def as_dict(self) -> dict:
         cpu = resource.getrusage(resource.RUSAGE_SELF)
         return {"object_gets": self.counts[("GET", "object")], "object_heads": self.counts[("HEAD", "object")],
@@ -263,6 +269,8 @@ class LeanS3:
             fault = st.faults.popleft()
             if fault == "drop":
                 return None
+            if fault == "403":
+                return _error("AccessDenied", 403, "Access Denied")
             return _error("SlowDown", 503, "Please reduce your request rate.")
         st.counts[(method, kind)] += 1
         objs = self.store.buckets.get(bucket)

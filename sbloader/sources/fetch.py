@@ -220,8 +220,8 @@ class RemoteFiles:
         first = take_while_within(sizes, self.max_bytes)
         futures = [ex.submit(self._get, u, False) for u in uris[:first]]
         nxt = len(futures)
-        if ahead:
-            self.prefetch(ahead, budget=self.max_bytes - sum(int(s or 0) for s in sizes[:first]))
+        pending = self.prefetch(ahead, budget=self.max_bytes - sum(int(s or 0) for s in sizes[:first]),
+                                collect=True)
         waited = Waited()
         for i, uri in enumerate(uris):
             got = waited.block(futures[i].result)
@@ -234,7 +234,14 @@ class RemoteFiles:
             self._report(got, waited.seconds)
             waited.seconds = 0.0
             yield uri, got.error if got.error is not None else got.data
-        report_counters({"peak_in_flight": GAUGE.take_peak()})
+        # The fetch-ahead this read started is counted here, in its task (not lost when no
+        # later read runs in this process): it ran while the objects above were decoded.
+        counts: dict = {}
+        for f in pending:
+            for k, v in waited.block(f.result).items():
+                counts[k] = counts.get(k, 0) + v
+        counts.update(peak_in_flight=GAUGE.take_peak(), store_wait_ms=1000 * waited.seconds)
+        report_counters(counts)
 
     def read(self, uri: str) -> bytes:
         """One object's bytes (from the cache when it holds them)."""
@@ -278,18 +285,24 @@ class RemoteFiles:
             return uri
         return self.local(uri)
 
-    def prefetch(self, uris: Sequence[str], budget: Optional[int] = None) -> None:
+    def prefetch(self, uris: Sequence[str], budget: Optional[int] = None, collect: bool = False) -> list:
         """Fetch objects into the cache in the background, as many of them (from the first) as
         ``budget`` bytes allow (None: ``max_bytes``), and only when the cache has room for
         them now (a full cache admits nothing, so fetching ahead would read the objects
         twice). Reads filling the cache meanwhile can still leave one out: it is then read
-        again when its partition runs."""
+        again when its partition runs.
+
+        Returns:
+            With ``collect``, the futures of the fetches, each giving its counts (the caller
+            reports them); otherwise nothing, and the counts are reported by the next read
+            of this process.
+        """
         if not self.cache.enabled or not uris:
-            return
+            return []
         cache = cache_here(self.cache)
         sizes = [self._version(u)[0] for u in uris]
         if cache is None or any(s is None for s in sizes):
-            return
+            return []
         budget = self.max_bytes if budget is None else budget
         total, n = 0, 0
         for s in sizes:
@@ -297,20 +310,24 @@ class RemoteFiles:
                 break
             total, n = total + s, n + 1
         if not n or not cache.make_room(total):
-            return
+            return []
         ex = pool(self.max_in_flight)
-        for u in uris[:n]:
-            ex.submit(self._prefetch_one, u)
+        futures = [ex.submit(self._prefetch_one, u) for u in uris[:n]]
+        if collect:
+            return futures
+        for f in futures:
+            f.add_done_callback(lambda f: _add_background(f.result()) if f.exception() is None else None)
+        return []
 
-    def _prefetch_one(self, uri: str) -> None:
+    def _prefetch_one(self, uri: str) -> dict:
         size, _ = self._version(uri)
         cache = cache_here(self.cache)
         if size is None or cache is None or not cache.make_room(size):
-            return  # a full cache admits nothing: fetching ahead would only read it twice
+            return {}  # a full cache admits nothing: fetching ahead would only read it twice
         got = self._get(uri, True)
         if got.error is None and not got.hit and got.data is not None:
-            _add_background({"prefetched": 1, "objects_read": 1, "bytes_read": len(got.data),
-                             "retries": got.retries})
+            return {"prefetched": 1, "objects_read": 1, "bytes_read": len(got.data), "retries": got.retries}
+        return {"retries": got.retries}
 
 
 def files_ahead(shared: Any, partition_id: int, count: int = 2) -> list[str]:

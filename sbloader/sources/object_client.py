@@ -20,6 +20,7 @@ Two clients, picked per URI by :func:`client_for`:
 from __future__ import annotations
 
 import os
+import re
 import threading
 from typing import Any, Optional, Protocol
 from urllib.parse import urlsplit
@@ -56,10 +57,15 @@ def _obstore_error(uri: str, e: BaseException) -> BaseException:
     if isinstance(e, (oe.PermissionDeniedError, oe.UnauthenticatedError)):
         return PermissionError(msg)
     text = str(e)
-    if "403" in text or "Forbidden" in text or "AccessDenied" in text:
+    m = re.search(r"status(?: code)?:? (\d{3})", text)
+    status = int(m.group(1)) if m else None
+    if status == 403 or "AccessDenied" in text:
         return PermissionError(msg)
-    if "connection" in text.lower() or "timed out" in text.lower() or "error sending request" in text.lower():
-        return ConnectionError(msg)
+    if status == 404:
+        return FileNotFoundError(msg)
+    if (status is not None and (status >= 500 or status == 429)) or "connection" in text.lower() \
+            or "timed out" in text.lower() or "error sending request" in text.lower() or "IncompleteMessage" in text:
+        return ConnectionError(msg)  # throttling, a server error, a dropped connection: retried
     return OSError(msg)
 
 
