@@ -75,6 +75,8 @@ class ExecutionStats:
             the cluster did not have free.
         slot_blocks: output blocks the consumer read from its shared-memory slots
             instead of the object store (see ``sbloader/executor/handoff.py``).
+        shuffle_note: set when the epoch did not fit its shuffle window: the share of
+            the epoch a batch could draw from and the knob to raise (one line).
     """
 
     operators: list[OperatorStats] = field(default_factory=list)
@@ -88,6 +90,7 @@ class ExecutionStats:
     stall_s: float = 0.0
     stuck_warnings: int = 0
     slot_blocks: int = 0
+    shuffle_note: str = ""
 
     @property
     def skipped(self) -> int:
@@ -143,6 +146,8 @@ class ExecutionStats:
         if self.full_decodes:
             lines.append(f"{self.full_decodes} image(s) decoded whole: the crop decode could not take them "
                          "(not JPEG, or rejected by libjpeg-turbo; see sbloader/sources/jpeg_window.py)")
+        if self.shuffle_note:
+            lines.append(self.shuffle_note)
         starved = self.starved()
         if starved is not None:
             lines.append(f"starved: {starved.name} waited {starved.resource_wait_s:.2f}s before its work ran (Ray "

@@ -27,7 +27,7 @@ from sbloader.core.context import merge_counters
 from sbloader.core.errors import ResourceError, SbloaderError
 from sbloader.core.plan import EpochPlan
 from sbloader.core.stats import ExecutionStats, OperatorStats
-from sbloader.executor.budget import MemoryBudget
+from sbloader.executor.budget import MemoryBudget, default_budget
 from sbloader.executor.calls import Call, Running, Solo
 from sbloader.executor.diagnostics import ProgressBars, StuckWatch, resource_demand
 from sbloader.executor.failures import shared_arg, sort_failures
@@ -86,7 +86,7 @@ class Scheduler:
         cpus = cluster_cpus()
         budget = options.memory_budget
         if budget is None:
-            budget = int(ray.cluster_resources().get("object_store_memory", 2 * 2**30) * 0.25)
+            budget = default_budget()
         self.budget = MemoryBudget(budget, len(stages))
         self.stats.memory_budget = self.budget.budget
         self._slots = [stage_concurrency(s, cpus) if s.kind != "actor" else 0 for s in stages]

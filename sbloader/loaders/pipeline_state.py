@@ -5,7 +5,8 @@ fixes: consumption follows the plan, so the places consumed are a few ranges
 however the plan permutes the ids. The body: ``epoch_seed``, ``done`` (places of
 the partitions fully consumed, as ranges), ``partial`` (place -> output rows taken
 of the few partly consumed) and ``batches`` (batches taken, so a resumed epoch's
-shuffle window draws as the uninterrupted one would). Version 2; version 1 named
+shuffle window draws as the uninterrupted one would) and, for a budget shuffle window,
+``window`` (``[cap, unit]``: the window the epoch started with). Version 2; version 1 named
 partition ids, which an unshuffled epoch's places are (read as version 2), and a
 shuffled one's are not (refused with the reason).
 """
@@ -55,7 +56,8 @@ def make_state(fp: dict, epoch: int, run: Optional[PipelineRun]) -> dict:
     partial = sorted(((place[pid], int(n)) for pid, n in run.taken.items() if n > 0))
     return {**FORMAT.header(fp), "epoch": run.epoch, "epoch_seed": run.epoch_seed,
             "done": [list(r) for r in ledger.from_positions(place[pid] for pid in run.done)],
-            "partial": {str(p): n for p, n in partial}, "batches": int(run.batches)}
+            "partial": {str(p): n for p, n in partial}, "batches": int(run.batches),
+            **({"window": list(run.window)} if run.window else {})}
 
 
 def run_from_state(state: dict, order: tuple) -> PipelineRun:
@@ -74,4 +76,15 @@ def run_from_state(state: dict, order: tuple) -> PipelineRun:
         taken={order[int(k)]: int(v) for k, v in state.get("partial", {}).items()},
         order=tuple(order),
         batches=int(state.get("batches", 0)),
+        window=_window(state.get("window")),
     )
+
+
+def _window(value: Any) -> Optional[list]:
+    """A state's ``window`` (``[cap, "rows" | "bytes"]``) checked, or None."""
+    if value is None:
+        return None
+    if (not isinstance(value, (list, tuple)) or len(value) != 2 or not isinstance(value[0], int)
+            or value[0] < 1 or value[1] not in ("rows", "bytes")):
+        raise StateDictError(f"state window: found {value!r}, expected [cap >= 1, 'rows' or 'bytes'] or no window")
+    return [int(value[0]), str(value[1])]

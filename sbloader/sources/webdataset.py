@@ -35,8 +35,8 @@ from sbloader.sources.tar_index import ShardIndex, cached_index, is_meta, local_
 #: Samples per partition by default: one training batch of a typical size per task, as
 #: ``read_images``' 64 files (every partition is a task and a block; with 256 a 2-CPU
 #: read ran fewer, larger tasks and decoded more slowly than the same images as files,
-#: ``benchmarks/results/webdataset.md``). A shuffled batch draws from ``shuffle_window``
-#: (8) partitions, so from up to 8 shards' ranges at once.
+#: ``benchmarks/results/webdataset.md``). A shuffled batch draws from every partition
+#: its ``shuffle_window`` (a share of the memory budget by default) holds, so from many shards' ranges at once.
 DEFAULT_SAMPLES_PER_PARTITION = 64
 
 #: Extensions ``read_webdataset`` lists in a directory or a glob.
