@@ -122,8 +122,9 @@ def step_sd(dev: Any, small: bool) -> dict:
             if r.returncode != 0:
                 raise RuntimeError(f"train_sd.py --loader {loader}: {r.stderr[-800:]}")
             m = json.loads(Path(d, "rank0.json").read_text())
-            out[loader] = {"wall_s": time.perf_counter() - t0, **{k: m.get(k) for k in (
-                "steps_run", "samples", "stall_fraction", "samples_per_s", "steps_per_s", "loop_s") if k in m}}
+            out[loader] = {**{k: m.get(k) for k in (
+                "device", "steps_run", "samples", "wall_s", "first_batch_s", "samples_per_s", "steady_samples_per_s",
+                "stall_fraction") if k in m}, "process_s": time.perf_counter() - t0}
     return out
 
 
@@ -137,7 +138,6 @@ def step_crop(dev: Any, small: bool) -> dict:
 
     cuda = dev.type == "cuda"
     paths = jpeg_paths(128 if small else 2048)
-    sbloader.init(num_cpus=max(2, (os.cpu_count() or 2) - 2))
     sbl = (sbloader.read_images(paths, decode=False).map_batches(w.sbl_decode_files_window_batch)
            .to_dataloader(64, shuffle=True, pin_memory=cuda, device=dev if cuda else None))
     tl = torch.utils.data.DataLoader(w.ImageFolderDataset(paths), batch_size=64, shuffle=True, num_workers=2,
@@ -171,6 +171,9 @@ def main() -> int:
     ray_worker_env()
     dev, name = device_name()
     print(f"device: {name}", flush=True)
+    import sbloader
+
+    sbloader.init(num_cpus=max(2, (os.cpu_count() or 2) - 2))  # two cores left to the trainer
     results: dict = {"device": name, "dry_run": a.dry_run, "steps": {}}
     for step, fn in STEPS.items():
         if a.only and step not in a.only.split(","):

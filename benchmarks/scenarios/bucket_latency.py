@@ -1,9 +1,10 @@
 """Images from a bucket at 0, 20 and 100 ms per request (a lean S3-compatible server on
 127.0.0.1, ``benchmarks/_lean_s3.py``, one port per latency) against the same files on
-local disk: sbloader's ``read_images("s3://...", filesystem=S3FileSystem(...))`` as a user
-first writes it (no cache), and torch's DataLoader over a Dataset that gets each
-object with boto3 (2 workers). One epoch per run, the iterator's start-up included;
-the decode is sbloader's window crop for every contender."""
+local disk: sbloader's ``read_images("s3://bucket/", filesystem=S3FileSystem(...))`` as a
+user first writes it (no cache), and torch's DataLoader over a Dataset that gets each
+object with boto3 (2 workers) after listing the bucket with boto3. One epoch per run
+from the loader's construction (listing included) to its last batch; the decode is
+sbloader's window crop for every contender."""
 from __future__ import annotations
 
 import gc
@@ -14,7 +15,7 @@ from typing import Any
 
 from benchmarks.harness import BENCH_DIR, Outcome, Plan, paired_ratios, run_interleaved
 
-from ._common import DATA, batch_len, jpeg_paths, missing_peers, time_epoch
+from ._common import batch_len, built_epoch, jpeg_dir, missing_peers
 
 ORDER = 50
 TITLE = "A bucket at 0/20/100 ms per request vs local disk"
@@ -58,6 +59,16 @@ class Boto3Images:
         return torch.from_numpy(w.T.decode_crop_flip(data, w.SIZE, w.process_rng())), w.label_of(self.keys[i])
 
 
+def listed(endpoint: str) -> list[str]:
+    """The bucket's keys, listed with boto3 (what a torch user does first)."""
+    import boto3
+
+    c = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="x", aws_secret_access_key="x",
+                     region_name="us-east-1")
+    pages = c.get_paginator("list_objects_v2").paginate(Bucket=BUCKET)
+    return sorted(o["Key"] for pg in pages for o in pg.get("Contents", ()) if o["Key"].endswith(".jpg"))
+
+
 def run(**p: Any) -> Outcome:
     """Start the lean server (a child of this process: its CPU counts as ours), then interleave."""
     import pyarrow.fs as pafs
@@ -66,9 +77,7 @@ def run(**p: Any) -> Outcome:
     import sbloader
     from benchmarks import _image_workload as w
 
-    paths = jpeg_paths(p["images"])
-    root = DATA / "jpeg"
-    keys = [str(__import__("os").path.relpath(x, root)) for x in paths]
+    root = jpeg_dir(p["images"])
     lats = [f"{float(x):g}" for x in p["latencies_ms"]]
     srv = subprocess.Popen([sys.executable, str(BENCH_DIR / "_lean_s3.py"), str(root), BUCKET] + lats,
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -78,30 +87,27 @@ def run(**p: Any) -> Outcome:
 
     def sbl(src: Any, fs: Any = None):
         def go() -> dict:
-            loader = (sbloader.read_images(src, decode=False, **({"filesystem": fs} if fs else {}))
-                      .map_batches(w.sbl_decode_files_window_batch).to_dataloader(w.BATCH, shuffle=True))
-            r = time_epoch(lambda: iter(loader), batch_len)
-            del loader
+            r = built_epoch(lambda: sbloader.read_images(src, decode=False, **({"filesystem": fs} if fs else {}))
+                            .map_batches(w.sbl_decode_files_window_batch).to_dataloader(w.BATCH, shuffle=True),
+                            batch_len)
             gc.collect()
-            return {"images_per_s": r["items"] / r["epoch_s"], "first_batch_s": r["first_batch_s"]}
+            return r
         return go
 
-    def tl(ds: Any):
-        def go() -> dict:
-            r = time_epoch(lambda: iter(torch.utils.data.DataLoader(ds, **kw)), batch_len)
-            return {"images_per_s": r["items"] / r["epoch_s"], "first_batch_s": r["first_batch_s"]}
-        return go
+    def tl(make_ds: Any):
+        return lambda: built_epoch(lambda: torch.utils.data.DataLoader(make_ds(), **kw), batch_len)
 
-    contenders = {"sbloader local": sbl(paths), "torch local": tl(w.ImageFolderDataset(paths))}
+    contenders = {"sbloader local": sbl(str(root)), "torch local": tl(lambda: w.ImageFolderDataset(
+        sorted(str(x) for x in root.rglob("*.jpg"))))}
     skipped = missing_peers({"torch+boto3": "boto3"})
     for ms in lats:
         fs = pafs.S3FileSystem(endpoint_override=eps[ms], access_key="x", secret_key="x", region="us-east-1",
                                scheme="http")
-        contenders[f"sbloader s3 {ms} ms"] = sbl([f"s3://{BUCKET}/{k}" for k in keys], fs)
+        contenders[f"sbloader s3 {ms} ms"] = sbl(f"s3://{BUCKET}/", fs)
         if not skipped:
-            contenders[f"torch+boto3 {ms} ms"] = tl(Boto3Images(eps[ms], keys))
+            contenders[f"torch+boto3 {ms} ms"] = tl(lambda ep=eps[ms]: Boto3Images(ep, listed(ep)))
     try:
-        sbl(paths)()  # warm-up: Ray's workers, imports, the page cache
+        sbl(str(root))()  # warm-up: Ray's workers, imports, the page cache
         trials = run_interleaved(contenders, p["rounds"])
     finally:
         srv.stdin.close()
@@ -114,5 +120,5 @@ def run(**p: Any) -> Outcome:
                 notes.append(f"sbloader s3 {ms} ms / {other}: median {rs[len(rs) // 2]:.2f}x "
                              f"(min {rs[0]:.2f}, max {rs[-1]:.2f}), paired per round")
     notes.append("the server runs on the same cores (a child of the benchmark: its CPU counts as the run's own)")
-    return Outcome(trials, "images_per_s", "images/s", baseline="sbloader local", extra=("first_batch_s",),
+    return Outcome(trials, "images_per_s", "images/s", baseline="sbloader local", extra=("first_batch_s", "build_s"),
                    skipped=skipped, notes=notes)
