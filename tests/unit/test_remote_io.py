@@ -198,3 +198,27 @@ def test_peaks_merge_as_maxima_and_other_counts_add_up():
     assert into == {"peak_in_flight": 7, "bytes_read": 15, "objects_read": 1}
     assert take_while_within([4, 4, 4], 8) == 2 and take_while_within([20, 1], 8) == 1
     assert take_while_within([None, None], 0) == 2 and take_while_within([], 8) == 0
+
+
+def test_the_read_stage_s_bar_shows_the_bytes_from_the_store_and_the_cache(monkeypatch):
+    import io as _io
+    from types import SimpleNamespace
+
+    import tqdm.auto
+    import tqdm.std
+
+    from sbloader.executor.diagnostics import ProgressBars
+
+    made = []
+
+    class Quiet(tqdm.std.tqdm):
+        def __init__(self, *a, **kw):
+            kw["file"] = _io.StringIO()
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Quiet)
+    bars = ProgressBars([SimpleNamespace(ops=[], name="ReadImages")], 10, True)
+    bars.show_bytes(0, {"bytes_read": 3 * 2 ** 20, "cache_bytes": 2 ** 19})
+    assert made[0].postfix == "store 3.0 MiB, cache 0.5 MiB"
+    bars.close()
