@@ -218,17 +218,17 @@ class RemoteFiles:
         ex = pool(self.max_in_flight)
         sizes = [self._version(u)[0] for u in uris]
         first = take_while_within(sizes, self.max_bytes)
-        futures = [ex.submit(self._get, u, False) for u in uris[:first]]
+        futures = [self._submit(ex, u) for u in uris[:first]]
         nxt = len(futures)
         pending = self.prefetch(ahead, budget=self.max_bytes - sum(int(s or 0) for s in sizes[:first]),
                                 collect=True)
         waited = Waited()
         for i, uri in enumerate(uris):
-            got = waited.block(futures[i].result)
+            got = waited.block(futures[i].result) if futures[i] is not None else self._get(uri, False)
             futures[i] = None  # drop the bytes once handed on
             outstanding = sum(int(s or 0) for s in sizes[i + 1:nxt])
             while nxt < len(uris) and (nxt == i + 1 or outstanding + int(sizes[nxt] or 0) <= self.max_bytes):
-                futures.append(ex.submit(self._get, uris[nxt], False))
+                futures.append(self._submit(ex, uris[nxt]))
                 outstanding += int(sizes[nxt] or 0)
                 nxt += 1
             self._report(got, waited.seconds)
@@ -242,6 +242,16 @@ class RemoteFiles:
                 counts[k] = counts.get(k, 0) + v
         counts.update(peak_in_flight=GAUGE.take_peak(), store_wait_ms=1000 * waited.seconds)
         report_counters(counts)
+
+    def _cached(self, uri: str) -> bool:
+        size, version = self._version(uri)
+        cache = cache_here(self.cache) if size is not None else None
+        return cache is not None and cache.get(uri, version, size) is not None
+
+    def _submit(self, ex: Any, uri: str) -> Any:
+        """A future of the object from the pool, or None when the cache holds it: a hit is read
+        where it is consumed (a thread hop costs more CPU than reading a cached file)."""
+        return None if self._cached(uri) else ex.submit(self._get, uri, False)
 
     def read(self, uri: str) -> bytes:
         """One object's bytes (from the cache when it holds them)."""
@@ -300,8 +310,9 @@ class RemoteFiles:
         if not self.cache.enabled or not uris:
             return []
         cache = cache_here(self.cache)
+        uris = [u for u in uris if not self._cached(u)]
         sizes = [self._version(u)[0] for u in uris]
-        if cache is None or any(s is None for s in sizes):
+        if cache is None or not uris or any(s is None for s in sizes):
             return []
         budget = self.max_bytes if budget is None else budget
         total, n = 0, 0
