@@ -23,6 +23,7 @@ from typing import Optional
 import ray
 
 from sbloader.core.block import BlockMeta
+from sbloader.core.context import merge_counters
 from sbloader.core.errors import ResourceError, SbloaderError
 from sbloader.core.plan import EpochPlan
 from sbloader.core.stats import ExecutionStats, OperatorStats
@@ -327,8 +328,9 @@ class Scheduler:
         st.rows, st.blocks, st.bytes = st.rows + meta.num_rows, st.blocks + 1, st.bytes + meta.nbytes
         st.task_s += meta.task_s
         st.skipped += meta.skipped
-        for k, v in meta.counters:
-            st.counters[k] = st.counters.get(k, 0) + v
+        merge_counters(st.counters, meta.counters)
+        if meta.counters:
+            self.bars.show_bytes(i, st.counters)
         st.full_decodes += meta.full_decodes
         self.sizing.observe(i, meta, st.blocks, last)
         self.bars.update(i, meta.num_rows)

@@ -117,13 +117,13 @@ def test_grouping_leaves_out_meta_and_names_without_a_dot():
 def test_shards_listed_from_a_directory_a_glob_a_brace_pattern_and_a_list(tmp_path):
     paths = write_shards(str(tmp_path / "d"), shards=3, per_shard=1, images=False)
     (tmp_path / "d" / "notes.txt").write_text("x")
-    assert list_shards(str(tmp_path / "d")) == paths
-    assert list_shards(str(tmp_path / "d" / "*.tar")) == paths
-    assert list_shards(str(tmp_path / "d" / "train-{000000..000002}.tar")) == paths
-    assert list_shards([paths[2], paths[0]]) == [paths[2], paths[0]]
+    assert list_shards(str(tmp_path / "d"))[0] == paths
+    assert list_shards(str(tmp_path / "d" / "*.tar"))[0] == paths
+    assert list_shards(str(tmp_path / "d" / "train-{000000..000002}.tar"))[0] == paths
+    assert list_shards([paths[2], paths[0]])[0] == [paths[2], paths[0]]
     with pytest.raises(FileNotFoundError):
         list_shards(str(tmp_path / "d" / "train-{000003..000004}.tar"))
-    assert os.path.isabs(list_shards(os.path.relpath(paths[0]))[0])
+    assert os.path.isabs(list_shards(os.path.relpath(paths[0]))[0][0])
 
 
 def test_a_member_with_a_long_name_is_found_at_its_extended_header(tmp_path):
