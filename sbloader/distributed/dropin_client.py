@@ -99,6 +99,7 @@ class Pull:
         self._consumed, self._reconnect, self._spec = consumed, reconnect, spec
         self.fetched: list[int] = []
         self.fetch_s = 0.0
+        self.rebuilds = 0  # coordinators lost and rebuilt in this epoch
 
     def _acked(self) -> int:
         # copies free the block's bytes at once; zero-copy batches only once the loop took them
@@ -108,7 +109,7 @@ class Pull:
         """``(tensors, batch index of the epoch)`` until this rank has its count."""
         node = ray.get_runtime_context().get_node_id()
         ready: deque = deque()  # (block ref, batch index) received, not yet fetched
-        received, rebuilds = 0, 0
+        received = 0
 
         meter = RateMeter()
 
@@ -139,10 +140,10 @@ class Pull:
             except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as e:
                 # The coordinator died, and with it the blocks it owned. Rebuild it from
                 # what every rank holds; the rest is planned again.
-                rebuilds += 1
-                if rebuilds > _MAX_REBUILDS:
+                self.rebuilds += 1
+                if self.rebuilds > _MAX_REBUILDS:
                     raise SbloaderError(
-                        f"rank {self.rank}: the split coordinator died {rebuilds} times in epoch {self.epoch}. "
+                        f"rank {self.rank}: the split coordinator died {self.rebuilds} times in epoch {self.epoch}. "
                         "Restart the job and load the last checkpoint's loader state"
                     ) from e
                 logger.warning("sbloader rank %d: coordinator lost (%s); rebuilding epoch %d from %d taken "
@@ -258,8 +259,10 @@ def pull_stream(coord: Any, rank: int, epoch: int, ask: int, pin: bool, copy: bo
 
 
 def finish(coord: Any, epoch: int, rank: int, consumed: int) -> None:
-    """Tell the coordinator this rank left the epoch after ``consumed`` batches (not waited for)."""
+    """Tell the coordinator this rank left the epoch after ``consumed`` batches (waited for, at most
+    5 s: a process that exits right after must not lose it, or the coordinator would take the
+    rank for lost and keep the epoch for it)."""
     try:
-        coord.finish.remote(epoch, rank, consumed)
-    except Exception:  # the coordinator is gone: nothing to tell
+        ray.get(coord.finish.remote(epoch, rank, consumed), timeout=5)
+    except Exception:  # the coordinator is gone or busy: nothing to tell
         pass

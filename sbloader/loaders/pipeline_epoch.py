@@ -175,6 +175,7 @@ def split_epoch(pipeline: Pipeline, settings: PipelineSettings, run: SplitRun, c
     def closed() -> None:
         pipeline_client.finish(coordinator, run.epoch, run.rank, run.taken)
         carry.stats = pipeline_client.stats(coordinator, run.epoch)
+        stalls.note_failures(carry.stats)
 
     return EpochIterator(produce(), run, ahead=max(1, settings.prefetch_blocks), stalls=stalls,
                          to_device=_device_copy(settings), on_close=closed)

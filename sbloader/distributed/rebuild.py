@@ -1,0 +1,100 @@
+"""The rebuild of an epoch after its split coordinator died: the protocol's coordinator side.
+
+A coordinator owns every block of the epochs it runs, so when it dies (its node,
+or its process, was lost) the blocks it handed out that no rank fetched go with
+it. The ranks then find or create its successor and report what their training
+loops took; once every rank has reported, the successor plans the rest again, each
+rank owed exactly what it still lacks of its count (``dropin_client.rebuild_epoch``
+is the rank side). :class:`RebuildProtocol` is a base of
+:class:`~sbloader.distributed.coordinator.SplitCoordinator` and uses its state
+(``_lock``, ``_started``, ``_epochs``, ``_rebuilds``, ``_rebuilt``...).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any, Optional
+
+from sbloader.core.errors import SbloaderError
+from sbloader.core.plan import EpochPlan
+from sbloader.distributed.epoch import Epoch
+from sbloader.distributed.specs import EpochSpec
+
+
+class RebuildProtocol:
+    """The coordinator's side of the rebuild (a mixin of the coordinator actor)."""
+
+    _lock: Any
+    _started: Any
+    _epochs: dict
+    _rebuilds: dict
+    _rebuilt: set
+
+    def rebuild(self, epoch: int, rank: int, taken: list, spec: Optional[EpochSpec], timeout: float = 120.0,
+                wait: bool = True) -> Optional[int]:
+        """Rebuild an epoch after the previous coordinator died, from the ranks' own logs.
+
+        Every rank reports the batches its training loop took (their bytes reached
+        it; the rest died with the old coordinator, which owned them) and the
+        epoch's spec (only rank 0's counts; the others may send None). Once all ranks reported, the
+        batches nobody took are planned again, each rank owed exactly what it
+        still lacks of its count, and the ranks continue.
+
+        A rank that had already finished the epoch when the coordinator died
+        notices only at its next epoch; it reports with ``wait=False`` (all its
+        batches taken) so the ranks still in the epoch can go on.
+
+        Returns:
+            The per-rank batch count of the epoch (None with ``wait=False``).
+
+        Raises:
+            SbloaderError: not every rank reported within ``timeout`` seconds.
+        """
+        self._last_call = time.monotonic()
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            if epoch in self._rebuilt:  # a late report: the epoch was rebuilt (and maybe finished)
+                ep = self._epochs.get(epoch)
+                return ep.spec.per_rank if ep is not None and wait else None
+            pend = self._rebuilds.setdefault(epoch, {"taken": {}, "spec": None})
+            pend["taken"][rank] = list(taken)
+            if rank == 0:
+                # Rank 0 started the epoch: the batch indices every rank reports are
+                # positions in *its* plan. Another rank's sampler may have drawn
+                # another order (an unseeded shuffle), so only rank 0's spec counts.
+                pend["spec"] = spec
+            self._started.notify_all()
+            if not wait:
+                if epoch not in self._epochs and len(pend["taken"]) == self._world_size:
+                    self._start_rebuilt(epoch, pend["spec"], pend["taken"])
+                return None
+            while epoch not in self._epochs:
+                if len(pend["taken"]) == self._world_size:
+                    self._start_rebuilt(epoch, pend["spec"], pend["taken"])
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    missing = sorted(set(range(self._world_size)) - set(pend["taken"]))
+                    raise SbloaderError(
+                        f"rebuilding epoch {epoch} after the coordinator died: rank(s) {missing} did not report "
+                        f"within {timeout:.0f} s (finished or dead?); restart the job from the last checkpoint"
+                    )
+                self._started.wait(timeout=remaining)
+            return self._epochs[epoch].spec.per_rank
+
+    def _start_rebuilt(self, epoch: int, spec: EpochSpec, taken: dict) -> None:
+        """Start the part of ``spec`` that no rank took (called with the lock held)."""
+        self._rebuilds.pop(epoch, None)
+        self._rebuilt.add(epoch)
+        done = {b for batches in taken.values() for b in batches}
+        keep = [i for i in range(len(spec.plan.order)) if i not in done]
+        plan = EpochPlan(spec.plan.epoch, spec.plan.epoch_seed, tuple(spec.plan.order[i] for i in keep),
+                         spec.plan.shuffle)
+        assignment = tuple(spec.assignment[i] for i in keep) if spec.assignment is not None else None
+        rebuilt = replace(spec, source=spec.source.subset(keep), plan=plan, assignment=assignment,
+                          batch_index=tuple(keep))
+        ep = Epoch(rebuilt, self._world_size, self._actor_cache, self._estimates,
+                    earlier=tuple(self._epochs.values()), taken=taken, ledger=self._ledger)
+        self._epochs[epoch] = ep
+        ep.start()
+        self._started.notify_all()
