@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 _KEEP_BLOCKS = 4  # fetched blocks a rank keeps while it takes their batches
 _MAX_REBUILDS = 3
+_MAX_REMAKES = 3  # times one batch lost with its node is made again
 
 
 def epoch_spec(run: Any, fingerprint: dict, worker_op: Any, options: ExecutionOptions, in_order: bool) -> EpochSpec:
@@ -100,10 +101,30 @@ class Pull:
         self.fetched: list[int] = []
         self.fetch_s = 0.0
         self.rebuilds = 0  # coordinators lost and rebuilt in this epoch
+        self.remade = 0  # batches lost with their node and made again
 
     def _acked(self) -> int:
         # copies free the block's bytes at once; zero-copy batches only once the loop took them
         return len(self.fetched) if self.copy else self._consumed()
+
+    def _fetch(self, ref: Any, batch_index: int) -> Any:
+        """A batch's block; one lost with the node that made it (the coordinator lives: it
+        owns the block) is made again from its provenance (``SplitCoordinator.remake``)."""
+        for attempt in range(_MAX_REMAKES + 1):
+            try:
+                return ray.get(ref)
+            except ray.exceptions.OwnerDiedError:  # the coordinator died: rebuild (the caller)
+                raise
+            except ray.exceptions.ObjectLostError as e:
+                if attempt == _MAX_REMAKES:
+                    raise SbloaderError(f"rank {self.rank}: batch {batch_index} of epoch {self.epoch} was lost "
+                                        f"{attempt + 1} times with the nodes that made it") from e
+                logger.warning("sbloader rank %d: batch %d of epoch %d was lost with the node that made it (%s); "
+                               "making it again from its provenance", self.rank, batch_index, self.epoch,
+                               type(e).__name__)
+                self.remade += 1
+                ref = ray.get(self.coord.remake.remote(self.epoch, batch_index))
+        raise AssertionError("unreachable")
 
     def batches(self) -> Iterator[tuple[Any, int]]:
         """``(tensors, batch index of the epoch)`` until this rank has its count."""
@@ -136,7 +157,7 @@ class Pull:
                     continue
                 ref, batch_index = ready.popleft()
                 t0 = time.perf_counter()
-                block = ray.get(ref)
+                block = self._fetch(ref, batch_index)
             except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as e:
                 # The coordinator died, and with it the blocks it owned. Rebuild it from
                 # what every rank holds; the rest is planned again.

@@ -8,6 +8,9 @@ rank owed exactly what it still lacks of its count (``dropin_client.rebuild_epoc
 is the rank side). :class:`RebuildProtocol` is a base of
 :class:`~sbloader.distributed.coordinator.SplitCoordinator` and uses its state
 (``_lock``, ``_started``, ``_epochs``, ``_rebuilds``, ``_rebuilt``...).
+
+A block lost while its coordinator lives (made on a node that died before a rank
+fetched it) is made again from its provenance instead: :meth:`RebuildProtocol.remake`.
 """
 from __future__ import annotations
 
@@ -98,3 +101,45 @@ class RebuildProtocol:
         self._epochs[epoch] = ep
         ep.start()
         self._started.notify_all()
+
+    def remake(self, epoch: int, index: int) -> Any:
+        """Make batch ``index`` of a drop-in epoch again: its block was lost with the node that
+        made it (``ObjectLostError`` at the rank) before the rank fetched it.
+
+        The batch's partition runs again on an actor of its own (the pool's actors
+        belong to the epoch's executor), built, used once and killed; the block ref
+        is returned (this coordinator owns it, as every block of the epoch).
+
+        Raises:
+            SbloaderError: the epoch is not running here, or has no such batch.
+        """
+        import ray
+
+        from sbloader.executor.failures import shared_arg
+        from sbloader.executor.pools import new_pool_actor
+        from sbloader.executor.stages import build_stages
+        from sbloader.executor.tasks import EpochInfo
+
+        self._last_call = time.monotonic()
+        ep = self._epochs.get(epoch)
+        spec = getattr(ep, "spec", None)
+        seqs = [q for q in range(len(spec.plan.order)) if spec.index_of(q) == index] if spec is not None else []
+        if not seqs or not hasattr(spec, "assignment"):
+            raise SbloaderError(f"batch {index} of epoch {epoch} cannot be made again: that epoch is not running "
+                                f"on this coordinator (known: {sorted(self._epochs)})")
+        seq = seqs[0]
+        pid = spec.plan.order[seq]
+        part = next(p for p in spec.source.partitions(epoch, spec.plan.epoch_seed, shuffle=spec.plan.shuffle)
+                    if p.id == pid)
+        stage = build_stages(spec.source.name, list(spec.ops))[0]
+        actor = new_pool_actor(stage, 0, 1, spec.options)
+        try:
+            block, meta = actor.read_process.options(num_returns=2).remote(
+                shared_arg((spec.source.reader(), spec.source.shared())), (part,),
+                EpochInfo(epoch, spec.plan.epoch_seed, spec.plan.shuffle), (seq,), stage.name, None)
+            ray.get(meta)
+        finally:
+            ray.kill(actor, no_restart=True)
+        if ep.executor is not None:
+            ep.executor.stats().rerun_partitions += 1
+        return block

@@ -106,6 +106,11 @@ class Scheduler:
 
     def step(self) -> None:
         """Scale the pools, launch again the partitions of straggling read calls, launch work."""
+        if self.reruns.watch_nodes():  # a node joined: the task stages may keep more in flight
+            from sbloader.runtime.session import cluster_cpus
+
+            self._slots = [max(n, stage_concurrency(s, cluster_cpus())) if s.kind != "actor" else 0
+                           for n, s in zip(self._slots, self._stages)]
         queued = {i: len(self.queues[i]) for i in self.pools.pools}
         ok = {i: self.held() + (self.est[i] or 0.0) <= self.budget.budget for i in queued}
         self.pools.scale(queued, ok, {i: self._upstream_active(i) for i in queued})

@@ -345,6 +345,9 @@ def test_a_cpu_node_killed_and_one_added_mid_epoch_every_rank_goes_on_exactly_on
     assert ran[victim] > 0, "the killed node ran work before the kill"
     after = [b for b in _progress(tmp_path) if b["t"] > killed_at]
     assert any(added in b["nodes"] for b in after), "the node added mid-epoch was never used"
+    assert f"lost node {victim}" in out, "no warning named the lost node"
+    assert any(f"lost node(s) {victim[:12]}" in r["stats"] for ranks in epochs for r in ranks), \
+        "stats() did not name the lost node"
     deadline = time.monotonic() + 30
     left = _leftovers(small_cluster)
     while (left["actors"] or left["pgs"]) and time.monotonic() < deadline:

@@ -5,7 +5,7 @@
 Every sample carries the node that produced it (its provenance). Each rank appends one
 JSON line per batch to ``DIR/progress{R}.jsonl`` (epoch, ids, producing nodes, time), so
 the test can pick the node to kill by what the job says it ran, and writes
-``DIR/rank{R}.json`` at the end: per epoch, the ids and the producing nodes, and the
+``DIR/rank{R}.json`` at the end: per epoch, the ids, the producing nodes and the
 loader's ``stats()`` text.
 """
 from __future__ import annotations
@@ -19,7 +19,9 @@ import numpy as np
 
 
 class Tagged:
-    """Map-style: sample ``i`` is ``{"id": i, "node": the producing node}`` after ``delay`` seconds."""
+    """Map-style: sample ``i`` is ``{"id": i, "node": the producing node, "x": 16 KiB}`` after ``delay``
+    seconds (a batch of 8 is over Ray's 100 KiB inline limit: it lives in its node's object store,
+    and is lost with it)."""
 
     def __init__(self, n: int, delay: float) -> None:
         self.n, self.delay = n, delay
@@ -31,7 +33,7 @@ class Tagged:
         import ray
 
         time.sleep(self.delay)
-        return {"id": i, "node": ray.get_runtime_context().get_node_id()}
+        return {"id": i, "node": ray.get_runtime_context().get_node_id(), "x": np.zeros(4096, np.float32)}
 
 
 def tag(batch: dict, delay: float) -> dict:
@@ -71,9 +73,7 @@ def main() -> None:
             ids += got
             nodes += where
             progress.write(json.dumps({"epoch": epoch, "ids": got, "nodes": where, "t": time.time()}) + "\n")
-        log["epochs"].append({"ids": ids, "nodes": sorted(set(nodes))})
-    stats = loader.stats()
-    log["stats"] = str(stats)
+        log["epochs"].append({"ids": ids, "nodes": sorted(set(nodes)), "stats": str(loader.stats())})
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(log, f)
 

@@ -127,3 +127,28 @@ def test_a_rank_whose_process_is_gone_mid_share_fails_the_others_naming_its_node
     check_ranks_alive(watch, _Epoch(done={1}), asking=0)  # it had its whole share: the end of a job
     check_ranks_alive(watch, _Epoch(done=set(), left={1}), asking=0)  # it left the epoch (a step limit)
     check_ranks_alive(watch, _Epoch(done=set()), asking=1)
+
+
+def test_the_node_watch_names_a_node_that_left_once_and_says_when_one_joined(caplog):
+    stats = ExecutionStats()
+    reruns = Reruns(1, stats)
+
+    def nodes(*alive):
+        return [{"NodeID": n, "Alive": True} for n in alive] + [{"NodeID": "old", "Alive": False}]
+
+    with caplog.at_level(logging.INFO, logger="sbloader.executor.reruns"):
+        assert reruns.watch_nodes(now=10.0, nodes=nodes("a", "b")) is False  # the first look: nothing to compare
+        assert reruns.watch_nodes(now=10.5, nodes=nodes("a")) is False  # within the poll interval: not looked at
+        assert reruns.watch_nodes(now=13.0, nodes=nodes("a")) is False
+        assert stats.lost_nodes == ["b"]
+        assert reruns.watch_nodes(now=16.0, nodes=nodes("a", "c")) is True
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert len(warnings) == 1 and "lost node b" in warnings[0]
+    assert len(infos) == 1 and "node c joined" in infos[0]
+    # the same node, also lost by a call of ours: no second line
+    e = ray.exceptions.ActorUnavailableError("unreachable", b"a" * 16)
+    with caplog.at_level(logging.WARNING, logger="sbloader.executor.reruns"):
+        caplog.clear()
+        reruns.record(_running(1), e, "read", "b")
+    assert not caplog.records and stats.lost_nodes == ["b"]
