@@ -1,13 +1,11 @@
 """The scheduling loop of one execution: what its background thread does.
 
-State: a queue of waiting inputs per stage (ordered by plan position), the calls in
-flight, the actor pools (:mod:`~sbloader.executor.pools`), the ready outputs
-(:mod:`~sbloader.executor.outputs`) and the bytes held (:mod:`~sbloader.executor.budget`).
-Each step scales the pools, launches again the partitions of straggling read calls
-(:mod:`~sbloader.executor.stragglers`), and asks the pure policy
-(:mod:`~sbloader.executor.policy`) which stage to feed next under the memory budget.
-Finished calls are collected with ``ray.wait`` on their small metadata refs: block
-bytes never pass through this process.
+State: waiting inputs per stage (by plan position), calls in flight, actor pools
+(:mod:`~sbloader.executor.pools`), ready outputs and bytes held (``outputs``, ``budget``).
+Each step scales the pools, relaunches straggling reads (``stragglers``), and asks the pure
+policy (:mod:`~sbloader.executor.policy`) which stage to feed next under the memory budget.
+Finished calls are collected with ``ray.wait`` on their small metadata refs: block bytes
+never pass through this process.
 """
 from __future__ import annotations
 
