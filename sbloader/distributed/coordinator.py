@@ -18,16 +18,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import replace
 from typing import Any, Optional
 
 import ray
 
 from sbloader.core.errors import SbloaderError
-from sbloader.core.plan import EpochPlan
 from sbloader.distributed.epoch import Epoch
-from sbloader.distributed.job_watch import DRIVER_CHECK_S, JobWatch
+from sbloader.distributed.job_watch import DRIVER_CHECK_S, JobWatch, check_ranks_alive
 from sbloader.distributed.partition_epoch import PartitionEpoch
+from sbloader.distributed.rebuild import RebuildProtocol
 from sbloader.distributed.specs import EpochSpec, PartitionEpochSpec
 from sbloader.distributed.stream_epoch import StreamEpoch
 from sbloader.executor.options import ExecutionOptions
@@ -40,7 +39,7 @@ DEFAULT_IDLE_EXIT_S = 3600.0
 
 
 @ray.remote(num_cpus=0, max_concurrency=64)
-class SplitCoordinator:
+class SplitCoordinator(RebuildProtocol):
     """The per-(job, loader) actor. Coordination only: it takes no CPU (``num_cpus=0``).
 
     Args:
@@ -79,12 +78,12 @@ class SplitCoordinator:
         self._finished_stats: dict[int, Any] = {}  # the last few finished epochs' ExecutionStats
 
     def hello(self, world_size: int, fingerprint: dict, token: Optional[str] = None, rank: Optional[int] = None,
-              driver: Optional[str] = None) -> dict:
+              driver: Optional[str] = None, node: Optional[str] = None) -> dict:
         """Check that a rank's loader matches this coordinator's, and that the rank belongs to its job.
 
         Args:
             token: the job's token (:mod:`sbloader.runtime.job`); another job's is refused.
-            rank, driver: the rank and its process's Ray job, recorded by a
+            rank, driver, node: the rank, its process's Ray job and node, recorded by a
                 :class:`JobWatch` (a second live process claiming a rank is refused).
         """
         self._last_call = time.monotonic()
@@ -94,7 +93,7 @@ class SplitCoordinator:
         if world_size != self._world_size or fingerprint != self._fingerprint:
             return refused
         if rank is not None and driver is not None:
-            holder = self._watch.claim(rank, driver)
+            holder = self._watch.claim(rank, driver, node)
             if holder is not None:
                 return {**refused, "reason": "rank", "holder": holder}
         return {"ok": True}
@@ -166,6 +165,8 @@ class SplitCoordinator:
         if not isinstance(ep, PartitionEpoch):
             raise SbloaderError(f"epoch {epoch} was not started by rank 0 (known: {sorted(self._epochs)})")
         refs = ep.refs(rank, consumed, list(pids), wait_s, self._stall_report_s)
+        if not refs:
+            check_ranks_alive(self._watch, ep, rank)
         self._collect()
         return {"refs": refs, "done": ep.done(rank)}
 
@@ -197,80 +198,13 @@ class SplitCoordinator:
         ep.ack(rank, consumed)
         items = ep.take(rank, max_n, node, wait_s, self._stall_report_s)
         done = ep.done(rank)
+        if not items and not done:
+            check_ranks_alive(self._watch, ep, rank)
         self._collect()
         if isinstance(ep, StreamEpoch):
             return {"batches": items, "done": done}
         return {"refs": [i.ref for i in items], "metas": [i.meta for i in items],
                 "index": [ep.spec.index_of(i.meta.seq) for i in items], "done": done}
-
-    def rebuild(self, epoch: int, rank: int, taken: list, spec: Optional[EpochSpec], timeout: float = 120.0,
-                wait: bool = True) -> Optional[int]:
-        """Rebuild an epoch after the previous coordinator died, from the ranks' own logs.
-
-        Every rank reports the batches its training loop took (their bytes reached
-        it; the rest died with the old coordinator, which owned them) and the
-        epoch's spec (only rank 0's counts; the others may send None). Once all ranks reported, the
-        batches nobody took are planned again, each rank owed exactly what it
-        still lacks of its count, and the ranks continue.
-
-        A rank that had already finished the epoch when the coordinator died
-        notices only at its next epoch; it reports with ``wait=False`` (all its
-        batches taken) so the ranks still in the epoch can go on.
-
-        Returns:
-            The per-rank batch count of the epoch (None with ``wait=False``).
-
-        Raises:
-            SbloaderError: not every rank reported within ``timeout`` seconds.
-        """
-        self._last_call = time.monotonic()
-        deadline = time.monotonic() + timeout
-        with self._lock:
-            if epoch in self._rebuilt:  # a late report: the epoch was rebuilt (and maybe finished)
-                ep = self._epochs.get(epoch)
-                return ep.spec.per_rank if ep is not None and wait else None
-            pend = self._rebuilds.setdefault(epoch, {"taken": {}, "spec": None})
-            pend["taken"][rank] = list(taken)
-            if rank == 0:
-                # Rank 0 started the epoch: the batch indices every rank reports are
-                # positions in *its* plan. Another rank's sampler may have drawn
-                # another order (an unseeded shuffle), so only rank 0's spec counts.
-                pend["spec"] = spec
-            self._started.notify_all()
-            if not wait:
-                if epoch not in self._epochs and len(pend["taken"]) == self._world_size:
-                    self._start_rebuilt(epoch, pend["spec"], pend["taken"])
-                return None
-            while epoch not in self._epochs:
-                if len(pend["taken"]) == self._world_size:
-                    self._start_rebuilt(epoch, pend["spec"], pend["taken"])
-                    break
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    missing = sorted(set(range(self._world_size)) - set(pend["taken"]))
-                    raise SbloaderError(
-                        f"rebuilding epoch {epoch} after the coordinator died: rank(s) {missing} did not report "
-                        f"within {timeout:.0f} s (finished or dead?); restart the job from the last checkpoint"
-                    )
-                self._started.wait(timeout=remaining)
-            return self._epochs[epoch].spec.per_rank
-
-    def _start_rebuilt(self, epoch: int, spec: EpochSpec, taken: dict) -> None:
-        """Start the part of ``spec`` that no rank took (called with the lock held)."""
-        self._rebuilds.pop(epoch, None)
-        self._rebuilt.add(epoch)
-        done = {b for batches in taken.values() for b in batches}
-        keep = [i for i in range(len(spec.plan.order)) if i not in done]
-        plan = EpochPlan(spec.plan.epoch, spec.plan.epoch_seed, tuple(spec.plan.order[i] for i in keep),
-                         spec.plan.shuffle)
-        assignment = tuple(spec.assignment[i] for i in keep) if spec.assignment is not None else None
-        rebuilt = replace(spec, source=spec.source.subset(keep), plan=plan, assignment=assignment,
-                          batch_index=tuple(keep))
-        ep = Epoch(rebuilt, self._world_size, self._actor_cache, self._estimates,
-                    earlier=tuple(self._epochs.values()), taken=taken, ledger=self._ledger)
-        self._epochs[epoch] = ep
-        ep.start()
-        self._started.notify_all()
 
     def finish(self, epoch: int, rank: int, consumed: int) -> None:
         """A rank left the epoch having consumed ``consumed`` batches."""

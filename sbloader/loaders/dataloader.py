@@ -13,14 +13,11 @@ import warnings
 import weakref
 from typing import Any, Callable, Generic, Optional, TypeVar
 
-from sbloader.core import ledger
-from sbloader.core.errors import StateDictError
 from sbloader.core.plan import draw_epoch_seed, epoch_seed_from
 from sbloader.core.split import split_epoch as split_positions
 from sbloader.core.stats import ExecutionStats, StallStats
 from sbloader.executor.pools import kill_cached
-from sbloader.loaders import dropin_state
-from sbloader.loaders import dropin_args
+from sbloader.loaders import dropin_args, dropin_checkpoint, dropin_state
 from sbloader.loaders.dropin_args import check_torch_args, decide_split, is_iterable_dataset
 from sbloader.loaders.dropin_epoch import (DropinCarry, DropinSettings, find_coordinator, local_epoch, pool_epoch,
                                            safe_len, split_epoch, stream_epoch)
@@ -87,6 +84,9 @@ class DataLoader(Generic[T_co]):
             nodes have CPUs (by default they avoid it; see :mod:`sbloader.runtime.placement`).
         start_timeout: seconds the workers may take to start (placed, constructed,
             ``worker_init_fn`` run) before ``WorkerStartError``; ``timeout`` counts only after.
+        snapshot_every_n_steps: torchdata ``StatefulDataLoader``'s; accepted and not needed: the
+            state is computed at any step (map-style: from the plan; iterable: each batch
+            carries its shard's snapshot), so every step is a snapshot.
 
     What is the same as torch's and what differs: ``docs/user_guide.md``.
     """
@@ -128,6 +128,7 @@ class DataLoader(Generic[T_co]):
         stall_report_s: float = 60.0,
         allow_trainer_node: bool = False,
         start_timeout: Optional[float] = 300.0,
+        snapshot_every_n_steps: Optional[int] = 1,
     ) -> None:
         import torch
         from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
@@ -186,6 +187,9 @@ class DataLoader(Generic[T_co]):
         self.name = name if name is not None else f"loader{next(_LOADER_COUNTER)}"
         self.stall_report_s = stall_report_s
         self.allow_trainer_node, self.start_timeout = allow_trainer_node, start_timeout
+        if snapshot_every_n_steps is not None and snapshot_every_n_steps < 0:
+            raise ValueError(f"snapshot_every_n_steps must be >= 0 or None, found {snapshot_every_n_steps}")
+        self.snapshot_every_n_steps = snapshot_every_n_steps  # every step is one here (see the docstring)
         self._torch = torch
         self._epoch = 0
         self._user_batch_sampler = batch_sampler is not None and not own_batch_sampler  # not replayable
@@ -222,8 +226,11 @@ class DataLoader(Generic[T_co]):
 
     @property
     def _stateful(self) -> bool:
-        """Whether this loader can checkpoint: a map-style dataset batched by its own BatchSampler."""
-        return not self._iterable and self._auto_collation and not self._user_batch_sampler
+        """Whether this loader can checkpoint: an IterableDataset (one rank's), or a map-style dataset
+        batched by its own BatchSampler."""
+        if self._iterable:
+            return not self.split
+        return self._auto_collation and not self._user_batch_sampler
 
     def __len__(self) -> int:
         if self.split and self._iterable:  # the coordinator splits a stream whose total it learns at the end
@@ -251,59 +258,31 @@ class DataLoader(Generic[T_co]):
         self._epoch = epoch
 
     def state_dict(self) -> dict:
-        """A small JSON-serialisable state: what the training loop consumed so far.
+        """A small state of what the training loop consumed so far (torch.save-able; JSON-serialisable
+        when a Stateful dataset's or sampler's own state is).
 
-        Taken after the loop received its k-th batch of the epoch, it records the
-        first k batches of every rank. Prefetched batches are never in it. Rank 0
-        can save it alone; every rank of the resumed job loads it. Under torchrun
-        with ``in_order=True`` (the default) the plan fixes each rank's batches and
-        the cut is computed here, with no call to the coordinator; with
-        ``in_order=False`` the coordinator's delivery logs decide (one actor call,
-        waiting, bounded, for a rank that has not received its k-th batch yet).
+        Map-style: taken after the loop received its k-th batch of the epoch, it records the
+        first k batches of every rank (prefetched batches are never in it); rank 0 can save it
+        alone, every rank of the resumed job loads it (any world size). Under torchrun with
+        ``in_order=True`` the cut is computed here; with ``in_order=False`` the coordinator's
+        delivery logs decide (one bounded actor call). An ``IterableDataset``: each worker
+        shard's snapshot (its own ``state_dict()``s, or the samples it produced). A dataset or
+        sampler with ``state_dict``/``load_state_dict`` has its state in it (see
+        :mod:`~sbloader.loaders.dropin_checkpoint`).
         """
-        if not self._stateful:
-            raise StateDictError(
-                "state_dict() needs a map-style dataset batched by the loader itself (batch_size=...); "
-                "an IterableDataset, a custom batch_sampler or batch_size=None cannot be replayed"
-            )
-        run = self._run
-        if run is None and self._resume is not None:
-            return dict(self._resume)  # loaded, not iterated yet: the same state again
-        consumed: ledger.Ranges = []
-        if run is not None and not run.complete:  # every rank's first k batches, k this rank's count
-            consumed = run.consumed(self.world.world_size if self.split else 1, self.in_order,
-                                    lambda: self._coordinator())
-        gen = dropin_state.user_generator(self.sampler, self._seeded_sampler)
-        header = {**dropin_state.FORMAT.header(self._fingerprint()), "base_seed": self._base_seed,
-                  "world_size": self.world.world_size,
-                  # the user's generator after the epoch's draws: a resumed job continues its sequence
-                  "generator": dropin_state.encode_generator(gen)}
-        return dropin_state.make_state(header, self._epoch, run, consumed, type(self.sampler).__name__)
+        return dropin_checkpoint.loader_state(self)
 
     def load_state_dict(self, state_dict: dict, strict: bool = True) -> None:
         """Resume from a :meth:`state_dict`: the next iteration replays exactly what was not consumed.
 
         Args:
-            state_dict: a state from :meth:`state_dict` (possibly of another world size).
+            state_dict: a state from :meth:`state_dict` (possibly of another world size or ``num_workers``).
             strict: check that the dataset, batch size and sampler match; False loads anyway.
 
         Raises:
             StateDictError: the state does not match this loader ("found X, expected Y").
         """
-        if not self._stateful:
-            raise StateDictError("load_state_dict() needs a map-style dataset batched by the loader itself")
-        state = dropin_state.FORMAT.check(state_dict, self._fingerprint(), strict)
-        gen = dropin_state.user_generator(self.sampler, self._seeded_sampler)
-        dropin_state.restore_generator(gen, state.get("generator"))
-        self._resume = dict(state)
-        self._run = None
-        self._epoch = int(state["epoch"])
-        if state.get("base_seed") is not None:
-            self._base_seed = int(state["base_seed"])
-
-    def _fingerprint(self) -> dict:
-        return dropin_state.fingerprint(self.dataset, self.dataset_id, self.batch_size, self.drop_last,
-                                        self.sampler)
+        dropin_checkpoint.load_loader_state(self, state_dict, strict)
 
     def stats(self) -> Optional[ExecutionStats]:
         """Execution statistics of the latest epoch (None before any, or with num_workers=0)."""
@@ -330,10 +309,13 @@ class DataLoader(Generic[T_co]):
             self._coordinator()
             it = split_epoch(s, self._carry, run, w.rank, self._reconnect)
         else:
-            run = self._start_run(1) if self._stateful else None
+            if self._iterable:
+                run = dropin_checkpoint.start_iterable_run(self)
+            else:
+                run = self._start_run(1) if self._stateful else None
             self._run = run
             epoch, epoch_seed = (run.epoch, run.epoch_seed) if run is not None else self._next_epoch()
-            if self.num_workers == 0:
+            if self.num_workers == 0 or (run is not None and not self._iterable and not run.batches):
                 it = local_epoch(s, run, epoch, epoch_seed, self._index_sampler)
             else:
                 it = pool_epoch(s, self._carry, run, epoch, epoch_seed, self._index_sampler)

@@ -16,11 +16,10 @@ loader's attributes):
 """
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Union
 
 import ray
 
@@ -29,7 +28,7 @@ from sbloader.core.errors import UserFunctionError, reraise_as_torch
 from sbloader.core.ops import Op
 from sbloader.core.plan import make_epoch_plan
 from sbloader.core.stats import ExecutionStats, StallStats
-from sbloader.distributed import dropin_client
+from sbloader.distributed import dropin_client, pipeline_client
 from sbloader.executor.options import ExecutionOptions
 from sbloader.executor.pools import kill_cached
 from sbloader.executor.launch import arena_here, options_here, start_execution
@@ -37,8 +36,9 @@ from sbloader.executor.tasks import pack
 from sbloader.loaders.dropin_state import EpochRun
 from sbloader.loaders.epoch import Delivery, EpochIterator
 from sbloader.loaders.failed_batch import FailedBatch
+from sbloader.loaders.iterable_resume import IterableRun, iterate_shard
 from sbloader.loaders.tensors import DeviceCopy, TensorOptions, pin_batch, wire_as_tensors
-from sbloader.loaders.worker import LoaderWorker
+from sbloader.loaders.worker import SHARD_STATE_COLUMN, LoaderWorker
 from sbloader.sources.batches import ReadyBatchSource, ShardSource
 
 
@@ -178,7 +178,7 @@ def _report(s: DropinSettings, what: str, stalls: StallStats) -> Callable[[], No
     return report
 
 
-def local_epoch(s: DropinSettings, run: Optional[EpochRun], epoch: int, epoch_seed: int,
+def local_epoch(s: DropinSettings, run: Optional[Union[EpochRun, IterableRun]], epoch: int, epoch_seed: int,
                 index_sampler: Any) -> EpochIterator:
     """``num_workers=0``: fetch and collate in this process, exactly as torch does."""
     if s.seed is not None:  # only when asked: without it the trainer's RNGs stay as torch leaves them
@@ -192,19 +192,10 @@ def local_epoch(s: DropinSettings, run: Optional[EpochRun], epoch: int, epoch_se
         return pin_batch(batch) if s.pin else batch
 
     def produce() -> Iterator[Delivery]:
-        if s.iterable:
-            it = iter(s.dataset)
-            if s.batch_size is None:
-                for x in it:
-                    batch = s.collate_fn(x)
-                    yield Delivery(pin_batch(batch) if s.pin else batch)
-                return
-            while True:
-                chunk = list(itertools.islice(it, s.batch_size))
-                if not chunk or (s.drop_last and len(chunk) < s.batch_size):
-                    return
-                batch = s.collate_fn(chunk)
-                yield Delivery(pin_batch(batch) if s.pin else batch)
+        if s.iterable:  # one shard, this process's; ``run``: an IterableRun (its snapshots)
+            resume = run.shard_resume(0) if run is not None else None
+            for batch, _, snap in iterate_shard(s.dataset, s.batch_size, s.drop_last, s.collate_fn, resume):
+                yield Delivery(pin_batch(batch) if s.pin else batch, (0, snap) if run is not None else None)
         elif run is not None:
             for j, indices in enumerate(run.batches):
                 if s.seed is not None and j % s.batches_per_partition == 0:
@@ -221,12 +212,12 @@ def local_epoch(s: DropinSettings, run: Optional[EpochRun], epoch: int, epoch_se
                          on_close=_report(s, f"epoch {epoch}", stalls))
 
 
-def pool_epoch(s: DropinSettings, carry: DropinCarry, run: Optional[EpochRun], epoch: int, epoch_seed: int,
+def pool_epoch(s: DropinSettings, carry: DropinCarry, run: Optional[Union[EpochRun, IterableRun]], epoch: int, epoch_seed: int,
                index_sampler: Any) -> EpochIterator:
     """A pool of ``num_workers`` remote actors fetches and collates the epoch's batches."""
     fp = s.source_fingerprint()
     if s.iterable:
-        source: Any = ShardSource(s.num_workers, fp)
+        source: Any = ShardSource(s.num_workers, fp, run.resume if run is not None else None)
     elif run is not None:
         source = ReadyBatchSource(run.batches, s.batches_per_partition, fp, ids=run.ids)
     else:
@@ -254,7 +245,7 @@ def pool_epoch(s: DropinSettings, carry: DropinCarry, run: Optional[EpochRun], e
                 return
             t0 = time.perf_counter()
             block = executor.fetch(item)
-            wires = block["batch"]
+            wires, snaps = block["batch"], block.get(SHARD_STATE_COLUMN) if s.iterable else None
             del block
             out = [wire_as_tensors(w, tensors) for w in wires]
             del wires
@@ -264,8 +255,11 @@ def pool_epoch(s: DropinSettings, carry: DropinCarry, run: Optional[EpochRun], e
             for i, batch in enumerate(out):
                 last = i == len(out) - 1
                 release = (lambda n=item.meta.nbytes: executor.release(n)) if last and not copy else None
-                yield Delivery(batch, item.meta.seq * s.batches_per_partition + i if run is not None else None,
-                               release)
+                record = None
+                if run is not None:
+                    record = (snaps[i] if snaps is not None else None) if s.iterable else \
+                        item.meta.seq * s.batches_per_partition + i
+                yield Delivery(batch, record, release)
             out = []
 
     def closed() -> None:
@@ -322,6 +316,10 @@ def split_epoch(s: DropinSettings, carry: DropinCarry, run: EpochRun, rank: int,
         dropin_client.finish(pull.coord, run.epoch, rank, len(run.taken))
         if run.complete:
             carry.last_split_run = run
+        carry.stats = pipeline_client.stats(pull.coord, run.epoch)  # the job's pipeline, at the coordinator
+        if carry.stats is not None:
+            carry.stats.rebuilt_coordinators += pull.rebuilds
+        stalls.note_failures(carry.stats, pull.rebuilds)
         _report(s, f"rank {rank} epoch {run.epoch}", stalls)()
 
     return EpochIterator(produce(), run, ahead=s.ahead, stalls=stalls, to_device=_device(s), translate=translate,

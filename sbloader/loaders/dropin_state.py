@@ -44,6 +44,7 @@ class EpochRun:
         ids: a stable id per batch: the position of its first real row (seeds the
             batch's augmentations, so the same batch replays identically).
         cutter: the incremental cut of this run's plan (see :meth:`local_cut`).
+        sampler_state: a ``Stateful`` sampler's ``state_dict()`` once the epoch's order was drawn.
     """
 
     epoch: int
@@ -60,6 +61,7 @@ class EpochRun:
     complete: bool = False
     ids: list = field(default_factory=list)
     cutter: Optional[ledger.IncrementalCut] = field(default=None, repr=False)
+    sampler_state: Any = None  # a Stateful sampler's state once the epoch's order was drawn
     _logs: list = field(default_factory=list, repr=False)  # per rank, its batch ids in plan order
 
     def took(self, index: int) -> None:
@@ -235,20 +237,31 @@ def start_run(sampler: Any, dataset_len: int, resume: Optional[dict], next_epoch
 
     from sbloader.core.plan import epoch_seed_from
 
+    if resume is not None and resume.get("empty_remainder"):  # taken after the epoch's last batch
+        empty = np.empty(0, dtype=np.int64)
+        run = plan_run(int(resume["epoch"]), 0, empty, {"kind": "explicit", "order": []}, [], batch_size,
+                       world_size, drop_last)
+        run.sampler_state = resume.get("sampler_state")
+        return run
     if resume is not None and resume.get("epoch_seed") is not None:
         if not resume.get("order"):
             raise StateDictError("the state has no sampler order to resume from; it cannot be replayed")
         order = recompute_order(sampler, dataset_len, resume["order"])
         prior = [tuple(r) for r in resume["consumed"]]
-        return plan_run(resume["epoch"], resume["epoch_seed"], order, resume["order"], prior, batch_size,
-                        world_size, drop_last)
+        run = plan_run(resume["epoch"], resume["epoch_seed"], order, resume["order"], prior, batch_size,
+                       world_size, drop_last)
+        run.sampler_state = resume.get("sampler_state")
+        return run
     if isinstance(sampler, DistributedSampler):
         epoch = int(sampler.epoch)
         epoch_seed = epoch_seed_from(sampler.seed, epoch)
     else:
         epoch, epoch_seed = next_epoch()
     order, order_state = capture_order(sampler, dataset_len, whole=whole)
-    return plan_run(epoch, epoch_seed, order, order_state, [], batch_size, world_size, drop_last)
+    run = plan_run(epoch, epoch_seed, order, order_state, [], batch_size, world_size, drop_last)
+    if callable(getattr(sampler, "state_dict", None)):  # a Stateful sampler: as the epoch's draw left it
+        run.sampler_state = sampler.state_dict()
+    return run
 
 
 def fingerprint(dataset: Any, dataset_id: Optional[str], batch_size: Optional[int], drop_last: bool,

@@ -7,7 +7,6 @@ returns ready, collated batches with tensors as NumPy buffers.
 """
 from __future__ import annotations
 
-import itertools
 import os
 import random
 from contextlib import contextmanager
@@ -20,7 +19,10 @@ from sbloader.core.block import BATCH_ROWS_COLUMN
 from sbloader.core.context import actor_info, get_context
 from sbloader.core.wire import to_wire
 from sbloader.loaders.failed_batch import WORKER_INIT_FN, FailedBatch
+from sbloader.loaders.iterable_resume import iterate_shard
 from sbloader.sources.batches import PaddedBatch
+
+SHARD_STATE_COLUMN = "shard_state"  # per batch of an IterableDataset shard: (shard, snapshot after it)
 
 
 def _set_torch_worker_info(worker_id: int, num_workers: int, seed: int, dataset: Any) -> None:
@@ -67,6 +69,13 @@ def _stack_in_private_memory() -> Any:
         yield
     finally:
         fn_map[torch.Tensor] = original
+
+
+def _objects(items: list) -> np.ndarray:
+    col = np.empty((len(items),), dtype=object)
+    for i, x in enumerate(items):
+        col[i] = x
+    return col
 
 
 def _seed_all(seed: int) -> None:
@@ -164,35 +173,41 @@ class LoaderWorker:
     def __call__(self, batch: dict) -> dict:
         ctx = get_context()
         seed = ctx.seed if ctx is not None else 0
-        out, rows = [], []  # wire batches, and the samples in each (for the split of a stream)
+        out, rows, snaps = [], [], []  # wire batches, the samples in each (for the split of a stream), shard snapshots
         if self._init_error is not None:
             out = [self._init_error] * len(batch["task"])
             rows = [0] * len(out)
+            snaps = [None] * len(out)
         elif self._rng_states is not None:  # worker_init_fn's seed stands: the worker's streams go on
             _set_rng_states(self._rng_states)
             seed = self._seed
             try:
                 with _stack_in_private_memory():
-                    self._run_tasks(batch["task"], seed, out, rows)
+                    self._run_tasks(batch["task"], seed, out, rows, snaps)
             finally:
                 self._rng_states = _rng_states()
         else:
             with _stack_in_private_memory():
-                self._run_tasks(batch["task"], seed, out, rows)
-        col = np.empty((len(out),), dtype=object)
-        for i, x in enumerate(out):
-            col[i] = x
-        return {"batch": col, BATCH_ROWS_COLUMN: np.asarray(rows, dtype=np.int64)}
+                self._run_tasks(batch["task"], seed, out, rows, snaps)
+        block = {"batch": _objects(out), BATCH_ROWS_COLUMN: np.asarray(rows, dtype=np.int64)}
+        if any(x is not None for x in snaps):
+            block[SHARD_STATE_COLUMN] = _objects(snaps)
+        return block
 
-    def _run_tasks(self, tasks: Any, seed: int, out: list, rows: list) -> None:
-        """Fetch and collate each work item, appending wire batches and their sample counts."""
+    def _run_tasks(self, tasks: Any, seed: int, out: list, rows: list, snaps: list) -> None:
+        """Fetch and collate each work item, appending wire batches, their sample counts and (for a
+        shard of an ``IterableDataset``) ``(shard, snapshot after the batch)``."""
         for task in tasks:
-            if isinstance(task, tuple) and len(task) == 2 and task[0] == "shard":
+            if isinstance(task, tuple) and len(task) in (2, 3) and task[0] == "shard":
                 _set_torch_worker_info(task[1], self._num_workers, seed, self._dataset)
-                for wire, n in self._iterate_shard():
+                resume = task[2] if len(task) == 3 else None
+                for wire, n, snap in iterate_shard(self._dataset, self._batch_size, self._drop_last,
+                                                   lambda x: to_wire(self._collate(x)), resume):
                     out.append(wire)
                     rows.append(n)
+                    snaps.append((task[1], snap))
             else:
+                snaps.append(None)
                 _set_torch_worker_info(self._id, self._num_workers, seed, self._dataset)
                 rows.append(len(task.indices) if isinstance(task, PaddedBatch) else len(task) if self._auto else 1)
                 try:
@@ -209,15 +224,3 @@ class LoaderWorker:
             return to_wire(mark_padding(batch, len(task.indices), task.pad))
         samples = [self._dataset[i] for i in task] if self._auto else self._dataset[task]
         return to_wire(self._collate(samples))
-
-    def _iterate_shard(self) -> list:
-        """The shard's batches as ``(wire batch, samples in it)``."""
-        it = iter(self._dataset)
-        out = []
-        if self._batch_size is None:
-            return [(to_wire(self._collate(x)), 1) for x in it]
-        while True:
-            chunk = list(itertools.islice(it, self._batch_size))
-            if not chunk or (self._drop_last and len(chunk) < self._batch_size):
-                return out
-            out.append((to_wire(self._collate(chunk)), len(chunk)))

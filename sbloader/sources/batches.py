@@ -92,20 +92,24 @@ class ShardSource:
 
     Each partition is a whole shard: the dataset copy in the worker sees
     ``get_worker_info().id == shard`` and shards itself, as under torch.
+    ``resume``: per shard, where it resumes (the loaders' ``iterable_resume``
+    snapshot, carried in the shard's task).
     """
 
     name = "IterableShards"
     shuffle_window = 1
 
-    def __init__(self, num_shards: int, fingerprint: dict) -> None:
+    def __init__(self, num_shards: int, fingerprint: dict, resume: Optional[dict] = None) -> None:
         self._n = num_shards
         self._fp = fingerprint
+        self._resume = resume or {}
 
     def shared(self) -> Any:
         return None
 
     def partitions(self, epoch: int, epoch_seed: int, shuffle: bool = False) -> list[Partition]:
-        return [Partition(w, None, [("shard", w)], f"worker shard {w}") for w in range(self._n)]
+        return [Partition(w, None, [("shard", w, self._resume[w]) if w in self._resume else ("shard", w)],
+                          f"worker shard {w}") for w in range(self._n)]
 
     def reader(self) -> Callable[[Any, Partition], Block]:
         return _read_tasks

@@ -356,12 +356,14 @@ def test_state_at_the_end_of_an_epoch_starts_the_next_one(ray_session, num_worke
     at_last_batch = via_json(loader.state_dict())  # the last batch received, the iterator not exhausted
     assert list(it) == []
     exhausted = via_json(loader.state_dict())
-    for state in (at_last_batch, exhausted):
-        assert state["epoch"] == 1 and state["consumed"] == [] and state["epoch_seed"] is None, state
+    # StatefulDataLoader's contract: inside the loop, an empty remainder of epoch 0; after it, epoch 1
+    assert at_last_batch["epoch"] == 0 and at_last_batch["empty_remainder"], at_last_batch
+    assert exhausted["epoch"] == 1 and exhausted["consumed"] == [] and exhausted["epoch_seed"] is None, exhausted
     assert ids_of(batches) == ids_of(ref0)
 
     nxt = make(num_workers, True, "seed")
     nxt.load_state_dict(at_last_batch)
+    assert list(nxt) == []  # the rest of epoch 0: nothing
     first, mid = take(nxt, 2)
     assert mid["epoch"] == 1 and ledger.count(mid["consumed"]) == 2 * BS
     nxt.load_state_dict(exhausted)
@@ -423,7 +425,8 @@ def test_state_dict_refuses_what_it_cannot_replay():
     iterable = sbloader.DataLoader(Stream(), batch_size=2)
     custom = sbloader.DataLoader(AugIds(), batch_sampler=BatchSampler(SequentialSampler(range(N)), 4, False))
     unbatched = sbloader.DataLoader(AugIds(), batch_size=None)
-    for loader, what in ((iterable, "IterableDataset"), (custom, "batch_sampler"), (unbatched, "batch_size=None")):
+    iterable.load_state_dict(iterable.state_dict())  # an IterableDataset resumes (tests/ray/test_stateful_contract.py)
+    for loader, what in ((custom, "batch_sampler"), (unbatched, "batch_size=None")):
         with pytest.raises(StateDictError, match=what):
             loader.state_dict()
         list(loader)  # iterating changes nothing

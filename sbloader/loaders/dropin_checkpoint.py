@@ -1,0 +1,116 @@
+"""The drop-in DataLoader's ``state_dict()`` / ``load_state_dict()``: what each dataset kind saves.
+
+torchdata's ``StatefulDataLoader`` contract, kept by :class:`~sbloader.loaders.dataloader.DataLoader`:
+
+- map-style, batched by the loader: the consumed positions of the epoch's order
+  (:mod:`~sbloader.loaders.dropin_state`: exactly once, any world size);
+- an ``IterableDataset``: each worker shard's snapshot (:mod:`~sbloader.loaders.iterable_resume`);
+- a dataset or sampler that implements ``state_dict``/``load_state_dict`` (torchdata's
+  ``Stateful``): its state, saved with the loader's and restored by ``load_state_dict``
+  (the sampler's as it was once the epoch's order was drawn, the dataset's as the
+  trainer holds it: every epoch's workers get a copy of it);
+- a state taken after the last batch of an epoch, inside the loop, resumes an empty
+  remainder of that epoch, then the next epoch; one taken after the loop ended
+  resumes the next epoch.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from sbloader.core import ledger
+from sbloader.core.errors import StateDictError
+from sbloader.loaders import dropin_state
+from sbloader.loaders.iterable_resume import IterableRun, is_stateful, run_from_state
+
+_TORCH_SAMPLERS = ("RandomSampler", "SequentialSampler", "DistributedSampler", "SubsetRandomSampler")
+
+
+def _user_stateful(obj: Any) -> bool:
+    return is_stateful(obj) and type(obj).__name__ not in _TORCH_SAMPLERS
+
+
+def fingerprint(dl: Any) -> dict:
+    """What a state must match to be loaded into ``dl``."""
+    if dl._iterable:
+        return {"dataset": type(dl.dataset).__name__, "dataset_id": dl.dataset_id, "batch_size": dl.batch_size,
+                "drop_last": dl.drop_last}
+    return dropin_state.fingerprint(dl.dataset, dl.dataset_id, dl.batch_size, dl.drop_last, dl.sampler)
+
+
+def loader_state(dl: Any) -> dict:
+    """``dl.state_dict()``."""
+    if not dl._stateful:
+        raise StateDictError(
+            "state_dict() needs an IterableDataset or a map-style dataset batched by the loader itself "
+            "(batch_size=...); a custom batch_sampler or a map-style dataset with batch_size=None cannot be replayed"
+        )
+    if dl._resume is not None and dl._run is None:
+        return dict(dl._resume)  # loaded, not iterated yet: the same state again
+    header = dropin_state.FORMAT.header(fingerprint(dl))
+    if dl._iterable:
+        run = dl._run
+        body = run.state() if run is not None else {"epoch": dl._epoch, "epoch_seed": None, "shards": {}}
+        return {**header, "epoch": body["epoch"], "consumed": [], "iterable": body,
+                "generator": dropin_state.encode_generator(dl.generator)}
+    run = dl._run
+    consumed: ledger.Ranges = []
+    if run is not None and not run.complete:  # every rank's first k batches, k this rank's count
+        consumed = run.consumed(dl.world.world_size if dl.split else 1, dl.in_order, lambda: dl._coordinator())
+    gen = dropin_state.user_generator(dl.sampler, dl._seeded_sampler)
+    header.update(base_seed=dl._base_seed, world_size=dl.world.world_size,
+                  # the user's generator after the epoch's draws: a resumed job continues its sequence
+                  generator=dropin_state.encode_generator(gen))
+    if run is not None and not run.complete and ledger.count(consumed) >= len(run.order) - _tail(dl, run):
+        # after the epoch's last batch, inside the loop: an empty remainder, then the next epoch
+        state = {**header, "epoch": int(run.epoch), "epoch_seed": None, "order": None, "consumed": [],
+                 "empty_remainder": True}
+    else:
+        state = dropin_state.make_state(header, dl._epoch, run, consumed, type(dl.sampler).__name__)
+    if _user_stateful(dl.dataset):
+        state["dataset_state"] = dl.dataset.state_dict()
+    if _user_stateful(dl.sampler):
+        state["sampler_state"] = run.sampler_state if run is not None else dl.sampler.state_dict()
+    return state
+
+
+def _tail(dl: Any, run: Any) -> int:
+    """Positions an epoch never delivers (``drop_last``'s short batch), on one rank."""
+    if dl.split or not dl.drop_last or not dl.batch_size:
+        return 0
+    return len(run.order) % dl.batch_size
+
+
+def load_loader_state(dl: Any, state_dict: dict, strict: bool) -> None:
+    """``dl.load_state_dict(state_dict, strict)``."""
+    if not dl._stateful:
+        raise StateDictError("load_state_dict() needs an IterableDataset or a map-style dataset batched by the "
+                             "loader itself")
+    state = dropin_state.FORMAT.check(state_dict, fingerprint(dl), strict)
+    if dl._iterable:
+        if not isinstance(state.get("iterable"), dict):
+            raise StateDictError(f"the state is not of an IterableDataset's loader: found keys {sorted(state)}, "
+                                 "expected 'iterable'")
+        dropin_state.restore_generator(dl.generator, state.get("generator"))
+    else:
+        gen = dropin_state.user_generator(dl.sampler, dl._seeded_sampler)
+        dropin_state.restore_generator(gen, state.get("generator"))
+        if state.get("base_seed") is not None:
+            dl._base_seed = int(state["base_seed"])
+        if state.get("dataset_state") is not None and _user_stateful(dl.dataset):
+            dl.dataset.load_state_dict(state["dataset_state"])
+        if state.get("sampler_state") is not None and _user_stateful(dl.sampler):
+            dl.sampler.load_state_dict(state["sampler_state"])
+    dl._resume = dict(state)
+    dl._run = None
+    dl._epoch = int(state["epoch"])
+
+
+def start_iterable_run(dl: Any) -> IterableRun:
+    """The run of an ``IterableDataset``'s next epoch: where a loaded state left it, or fresh."""
+    resume, dl._resume = dl._resume, None
+    if resume is not None:
+        run = run_from_state(resume["iterable"], dl._next_epoch)
+        dl._epoch = run.epoch + 1
+        return run
+    epoch, seed = dl._next_epoch()
+    return IterableRun(epoch, seed)

@@ -1,0 +1,142 @@
+"""Resume of an ``IterableDataset``: each worker shard's position, saved with the loader's state.
+
+An ``IterableDataset`` has no index to replay, so its resume is per worker shard
+(``get_worker_info().id``), as torchdata's ``StatefulDataLoader`` does:
+
+- the shard's worker snapshots, after each batch it makes, the dataset's own
+  ``state_dict()`` (when the dataset implements it and is not its own iterator) and
+  the iterator's (when the iterator implements it), with the samples the shard has
+  produced so far (:func:`iterate_shard`);
+- the trainer keeps the snapshot of the last batch the loop *took* from each shard
+  (:class:`IterableRun`); ``state_dict()`` returns them;
+- on resume the worker calls ``dataset.load_state_dict``, then ``iter(dataset)``,
+  then ``iterator.load_state_dict``. A shard with neither state is replayed from its
+  start and its first ``samples`` samples are skipped (the cost: they are produced
+  again): exactly once where the dataset is deterministic (each shard runs under the
+  epoch's seed, saved in the state).
+
+A snapshot is ``{"samples": n, "dataset_state": ..., "iter_state": ..., "ended": bool}``;
+``ended``: the shard has nothing after this batch. ``end_state``: the dataset's state
+once the shard was exhausted (what a resumed *next* epoch starts from).
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+
+def is_stateful(obj: Any) -> bool:
+    """Whether ``obj`` implements torchdata's ``Stateful`` protocol (``state_dict``/``load_state_dict``)."""
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def _snapshot(dataset: Any, it: Any, samples: int) -> dict:
+    ds_state = copy.deepcopy(dataset.state_dict()) if is_stateful(dataset) and it is not dataset else None
+    it_state = copy.deepcopy(it.state_dict()) if is_stateful(it) else None
+    return {"samples": samples, "dataset_state": ds_state, "iter_state": it_state, "ended": False}
+
+
+def open_shard(dataset: Any, resume: Optional[dict]) -> tuple[Iterator, int]:
+    """``iter(dataset)`` positioned where ``resume`` left the shard, and the samples before it.
+
+    Order (torchdata's): the dataset's state, then ``iter()``, then the iterator's state;
+    without either state the first ``resume["samples"]`` samples are skipped.
+    """
+    if resume and resume.get("dataset_state") is not None and is_stateful(dataset):
+        dataset.load_state_dict(resume["dataset_state"])
+    it = iter(dataset)
+    samples = int(resume.get("samples", 0)) if resume else 0
+    if resume and resume.get("iter_state") is not None and is_stateful(it):
+        it.load_state_dict(resume["iter_state"])
+    elif resume and resume.get("dataset_state") is None and samples:
+        for _ in itertools.islice(it, samples):  # count and skip: the documented cost
+            pass
+    return it, samples
+
+
+def iterate_shard(dataset: Any, batch_size: Optional[int], drop_last: bool, collate: Callable[[Any], Any],
+                  resume: Optional[dict] = None) -> Iterator[tuple[Any, int, dict]]:
+    """A shard's batches as ``(batch, samples in it, snapshot after it)``; the last snapshot has
+    ``ended`` and the dataset's state once exhausted (``end_state``)."""
+    if resume and resume.get("ended"):
+        return
+    it, samples = open_shard(dataset, resume)
+    pending: Optional[tuple[Any, int, dict]] = None
+    while True:
+        if batch_size is None:
+            try:
+                chunk: Any = next(it)
+            except StopIteration:
+                break
+            n = 1
+        else:
+            chunk = list(itertools.islice(it, batch_size))
+            n = len(chunk)
+            if not chunk or (drop_last and n < batch_size):
+                break
+        samples += n
+        batch = collate(chunk)
+        if pending is not None:
+            yield pending
+        pending = (batch, n, _snapshot(dataset, it, samples))
+    if pending is not None:
+        snap = pending[2]
+        snap["ended"] = True
+        snap["end_state"] = copy.deepcopy(dataset.state_dict()) if is_stateful(dataset) else None
+        yield pending
+
+
+@dataclass
+class IterableRun:
+    """One epoch of an ``IterableDataset`` in the trainer: per shard, the snapshot of the last batch taken.
+
+    Attributes:
+        epoch: the epoch number.
+        epoch_seed: the epoch seed (each shard's RNGs derive from it).
+        resume: per shard, the snapshot the epoch resumed from (empty: a fresh epoch).
+        taken: per shard, the snapshot of the last batch the loop took.
+        complete: the epoch ran to its end.
+    """
+
+    epoch: int
+    epoch_seed: int
+    resume: dict = field(default_factory=dict)
+    taken: dict = field(default_factory=dict)
+    complete: bool = False
+
+    def took(self, record: tuple) -> None:
+        """(:class:`~sbloader.loaders.epoch.Run`) the loop took a batch of shard ``record[0]``."""
+        shard, snap = record
+        self.taken[int(shard)] = snap
+
+    def finished(self) -> None:
+        """(:class:`~sbloader.loaders.epoch.Run`) the epoch ran to its end."""
+        self.complete = True
+
+    def shard_resume(self, shard: int) -> Optional[dict]:
+        """Where shard ``shard`` resumes (None: from its start)."""
+        return self.resume.get(shard)
+
+    def shards(self) -> dict:
+        """Every shard's latest snapshot: taken in this run, else the one it resumed from."""
+        return {**self.resume, **self.taken}
+
+    def state(self) -> dict:
+        """The run's part of the loader's state (JSON-serialisable when the datasets' states are)."""
+        if self.complete:  # the next epoch starts fresh, from the datasets' states at their end
+            ends = {str(w): {"samples": 0, "dataset_state": s.get("end_state"), "iter_state": None, "ended": False}
+                    for w, s in self.shards().items() if s.get("end_state") is not None}
+            return {"epoch": self.epoch + 1, "epoch_seed": None, "shards": ends}
+        return {"epoch": self.epoch, "epoch_seed": self.epoch_seed,
+                "shards": {str(w): s for w, s in self.shards().items()}}
+
+
+def run_from_state(state: dict, next_epoch: Callable[[], tuple[int, int]]) -> IterableRun:
+    """The run a loaded state resumes (the next fresh epoch when it has no seed)."""
+    resume = {int(w): s for w, s in (state.get("shards") or {}).items()}
+    if state.get("epoch_seed") is None:
+        epoch, seed = next_epoch()
+        return IterableRun(epoch, seed, resume)
+    return IterableRun(int(state["epoch"]), int(state["epoch_seed"]), resume)
