@@ -93,7 +93,7 @@ def plot_in_flight(timelines: dict, path: Path, title: str) -> Optional[Path]:
     for name, tl in timelines.items():
         if tl:
             ax.step([t for t, _ in tl], [n for _, n in tl], where="post", label=name, linewidth=0.8)
-    ax.set_xlabel("seconds since the epoch's iterator was created")
+    ax.set_xlabel("seconds since the dataset was created (the listing, then the first epoch)")
     ax.set_ylabel("requests in flight")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)

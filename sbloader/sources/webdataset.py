@@ -87,12 +87,34 @@ def expand_braces(pattern: str) -> list[str]:
 def list_shards(paths: Union[PathLike, Sequence[PathLike]], filesystem: Any = None) -> tuple[list[str], dict]:
     """A directory or prefix (``.tar`` files, recursively, sorted), a glob, a brace pattern, a
     file or object, or a list of those (order kept): the shards' absolute paths or URIs, and
-    ``{uri: (size, mtime_ns)}`` for the remote ones."""
+    ``{uri: (size, mtime_ns)}`` for the remote ones. A remote brace pattern is one listing
+    of the folder before its first brace (a request per 1,000 keys), not a request per shard.
+
+    Raises:
+        FileNotFoundError: a path, an object or a shard of a pattern does not exist.
+    """
+    from sbloader.sources.filesystems import is_remote, list_uris
+
     entries = [paths] if isinstance(paths, (str, bytes)) or not hasattr(paths, "__iter__") else list(paths)
-    expanded: list[Any] = []
+    out: list[str] = []
+    versions: dict = {}
     for e in entries:
-        expanded.extend(expand_braces(e) if isinstance(e, str) else [e])
-    return list_inputs(expanded, SHARD_EXTENSIONS, "webdataset", filesystem=filesystem)
+        if isinstance(e, str) and (filesystem is not None or is_remote(e)) and _BRACE_RE.search(e):
+            names = expand_braces(e)
+            folder = e[:e.index("{")].rsplit("/", 1)[0] + "/"
+            listed = {o.uri: o for o in list_uris([folder], None, "webdataset", filesystem=filesystem)}
+            missing = [n for n in names if n not in listed]
+            if missing:
+                raise FileNotFoundError(f"{len(missing)} of the {len(names)} shards of {e!r} are not under {folder!r}, "
+                                        f"e.g. {missing[0]!r}; check the pattern")
+            out.extend(names)
+            versions.update((n, (listed[n].size, listed[n].mtime_ns)) for n in names)
+            continue
+        more, v = list_inputs(expand_braces(e) if isinstance(e, str) else [e], SHARD_EXTENSIONS, "webdataset",
+                              filesystem=filesystem)
+        out.extend(more)
+        versions.update(v)
+    return out, versions
 
 
 # ----- planning -------------------------------------------------------------------

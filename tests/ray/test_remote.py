@@ -292,7 +292,9 @@ def test_webdataset_shards_by_brace_pattern_equal_local_with_one_request_per_ran
         ds = sbloader.read_webdataset(pattern, decode=False, samples_per_partition=3, cache=cache,
                                       cache_dir=str(tmp_path / "c"))
         # Indexed once per process: with the cache, each shard fetched whole into it (one GET each).
-        assert proxy.object_gets == (3 if cache else 0)
+        # The pattern is one listing of its folder (pyarrow asks once whether the folder is an
+        # object): no request per shard before its GET.
+        assert proxy.object_gets == (3 if cache else 0) and proxy.counts[("HEAD", "object")] <= 1
         proxy.reset_counts()
         assert _wds_rows(ds) == want
         assert proxy.counts[("HEAD", "object")] == 0
@@ -313,6 +315,8 @@ def test_webdataset_shards_by_brace_pattern_equal_local_with_one_request_per_ran
     good = skip.source.files[1].keys
     assert 0 < len(good) < 7 and sorted(got) == sorted([f"s0_{i:03d}" for i in range(7)] + list(good))
     assert skip.stats().skipped == 1
+    with pytest.raises(FileNotFoundError, match="1 of the 3 shards"):
+        sbloader.read_webdataset(f"s3://{BUCKET}/wds/train-{{000001..000003}}.tar")
     with pytest.raises(SourceReadError, match="bad/train-000001.tar"):
         _wds_rows(sbloader.read_webdataset(files, decode=False, samples_per_partition=3, cache=False))
 
