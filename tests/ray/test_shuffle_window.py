@@ -154,6 +154,7 @@ def test_data_larger_than_a_small_budget_mixes_as_it_allows_and_says_so(ray_sess
     assert "of 100 partitions" in st.shuffle_note and "shuffle_window" in st.shuffle_note
     assert st.shuffle_note in str(st)  # the one line of stats()
     assert 0 < st.peak_held_bytes <= st.memory_budget == budget  # counted, not timed
+    assert (st.operators[0].rows, st.operators[0].blocks) == (6400, 100)  # every row group read once
     widest = int(st.shuffle_note.split("at most ")[1].split(" ")[0])
     assert 8 < widest <= 16  # wider than the old 8, within half the budget (+ the blocks a batch needs)
     distinct = [len(set(lab.tolist())) for lab, _ in first]
