@@ -7,6 +7,9 @@ receives the plan's per-rank count, so DDP never hangs on an uneven split. It
 logs, per rank, the ordered list of what it delivered and how much of it the rank
 acknowledged as consumed: the consumed ledger ``state_dict()`` cuts. A coordinator
 lost mid-epoch is rebuilt from what every rank reports it took (:meth:`SplitCoordinator.rebuild`).
+It holds an epoch until every rank has ended it, and remembers the last few it
+dropped, so a rank that arrives after its epoch ended on the others gets its share
+and the end (:mod:`~sbloader.distributed.late_ranks`).
 
 ``SBLOADER_NO_LEDGER=1`` in the environment of the rank that creates the
 coordinator switches the ledger off (an internal switch, for
