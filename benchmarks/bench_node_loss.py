@@ -4,7 +4,7 @@
 
 The cluster of ``tests/e2e/test_ray_cluster.py`` (127.0.0.1: a head with 1 CPU where two
 torchrun ranks train, two CPU nodes of 2 CPUs); ``tests/scripts/node_loss_job.py``, one
-epoch of 480 samples at 0.05 s each, batches of 8 (30 a rank). Per mode, one run without a
+epoch of 480 samples at 0.03 s each, batches of 8 (30 a rank). Per mode, one run without a
 kill (the baseline), then one run per fraction of the epoch at which the node that
 produced most batches so far is SIGKILLed (every process of it). Nothing is added back:
 the survivors take the lost node's share.
@@ -101,7 +101,8 @@ def main() -> None:
             "epoch / baseline | load before → after |", "|---|---|---|---|---|---|---|---|"]
     for r in runs:
         rec = f"{r['recovery_s']:.1f}" if r.get("recovery_s") is not None else "-"
-        rows.append(f"| {r['mode']} | {'no kill' if r['at'] is None else f'{r['at']:.0%}'} | {r['rcs']} | "
+        when = "no kill" if r["at"] is None else f"{r['at']:.0%}"
+        rows.append(f"| {r['mode']} | {when} | {r['rcs']} | "
                     f"{r['batches']} | {rec} | {r['epoch_s']:.1f} | {r.get('slowdown', 1.0):.2f} | "
                     f"{r['load_before']} → {r['load_after']} |")
     cmd = "python3 -m benchmarks.bench_node_loss " + " ".join(sys.argv[1:])

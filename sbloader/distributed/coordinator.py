@@ -7,6 +7,9 @@ receives the plan's per-rank count, so DDP never hangs on an uneven split. It
 logs, per rank, the ordered list of what it delivered and how much of it the rank
 acknowledged as consumed: the consumed ledger ``state_dict()`` cuts. A coordinator
 lost mid-epoch is rebuilt from what every rank reports it took (:meth:`SplitCoordinator.rebuild`).
+It holds an epoch until every rank has ended it, and remembers the last few it
+dropped, so a rank that arrives after its epoch ended on the others gets its share
+and the end (:mod:`~sbloader.distributed.late_ranks`).
 
 ``SBLOADER_NO_LEDGER=1`` in the environment of the rank that creates the
 coordinator switches the ledger off (an internal switch, for
@@ -25,6 +28,7 @@ import ray
 from sbloader.core.errors import SbloaderError
 from sbloader.distributed.epoch import Epoch
 from sbloader.distributed.job_watch import DRIVER_CHECK_S, JobWatch, check_ranks_alive
+from sbloader.distributed.late_ranks import JOIN_TIMEOUT_S, MAX_HELD_EPOCHS, EndedEpochs, overflow, unknown_epoch
 from sbloader.distributed.partition_epoch import PartitionEpoch
 from sbloader.distributed.rebuild import RebuildProtocol
 from sbloader.distributed.specs import EpochSpec, PartitionEpochSpec
@@ -63,8 +67,8 @@ class SplitCoordinator(RebuildProtocol):
         self._last_call = time.monotonic()
         self._job_token = job_token
         self._watch = JobWatch()  # the ranks' processes: the coordinator exits once all are gone
-        threading.Thread(target=self._reap_when_idle, daemon=True, name="sbloader-idle-exit").start()
         self._world_size = world_size
+        threading.Thread(target=self._reap_when_idle, daemon=True, name="sbloader-idle-exit").start()
         self._ledger = ledger
         self._fingerprint = fingerprint
         self._stall_report_s = stall_report_s
@@ -76,6 +80,7 @@ class SplitCoordinator(RebuildProtocol):
         self._rebuilds: dict[int, dict] = {}  # epochs waiting for every rank's report
         self._rebuilt: set[int] = set()  # epochs rebuilt here (finished ones leave _epochs)
         self._finished_stats: dict[int, Any] = {}  # the last few finished epochs' ExecutionStats
+        self._ended = EndedEpochs()  # epochs every rank ended: a late request gets the end (late_ranks.py)
 
     def hello(self, world_size: int, fingerprint: dict, token: Optional[str] = None, rank: Optional[int] = None,
               driver: Optional[str] = None, node: Optional[str] = None) -> dict:
@@ -161,26 +166,50 @@ class SplitCoordinator(RebuildProtocol):
         of the ready blocks of partitions ``pids``, waiting at most ``wait_s`` for the first:
         ``{"refs": {partition id: ref}, "done": bool}``."""
         self._last_call = time.monotonic()
-        ep = self._epochs.get(epoch)
+        ep = self._held(epoch, rank)
+        if ep is None:  # it ended on every rank that asked for it
+            return {"refs": {}, "done": True}
         if not isinstance(ep, PartitionEpoch):
-            raise SbloaderError(f"epoch {epoch} was not started by rank 0 (known: {sorted(self._epochs)})")
+            raise SbloaderError(f"rank {rank} asked for the blocks of epoch {epoch}, which rank 0 started for "
+                                "another kind of loader; every rank must use the same loader")
         refs = ep.refs(rank, consumed, list(pids), wait_s, self._stall_report_s)
         if not refs:
             check_ranks_alive(self._watch, ep, rank)
         self._collect()
         return {"refs": refs, "done": ep.done(rank)}
 
-    def wait_epoch(self, epoch: int, timeout: float) -> Optional[int]:
-        """Wait until rank 0 started ``epoch``; its per-rank count (-1: unknown), or None on timeout."""
+    def wait_epoch(self, epoch: int, timeout: float, rank: Optional[int] = None) -> Optional[int]:
+        """Wait until rank 0 started ``epoch``; its per-rank count (-1: unknown; also for an
+        epoch that already ended here), or None on timeout.
+
+        Raises:
+            SbloaderError: on timeout when ``rank`` is given: who asked for what, and what rank 0 does.
+        """
         self._last_call = time.monotonic()
+        try:
+            ep = self._held(epoch, rank, timeout)
+        except SbloaderError:
+            if rank is None:
+                return None
+            raise
+        return _count(ep.spec.per_rank if ep is not None else self._ended.per_rank(epoch))
+
+    def _held(self, epoch: int, rank: Optional[int], timeout: float = JOIN_TIMEOUT_S) -> Optional[Epoch]:
+        """The epoch, once rank 0 started it (waiting at most ``timeout``); None when it ended here.
+
+        Raises:
+            SbloaderError: rank 0 did not start it in time (:func:`~sbloader.distributed.late_ranks.unknown_epoch`).
+        """
         deadline = time.monotonic() + timeout
         with self._lock:
             while epoch not in self._epochs:
+                if epoch in self._ended:
+                    return None
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    return None
-                self._started.wait(timeout=remaining)
-            return _count(self._epochs[epoch].spec.per_rank)
+                    raise unknown_epoch(epoch, rank, timeout, dict(self._epochs), self._ended)
+                self._started.wait(timeout=min(remaining, 1.0))
+            return self._epochs[epoch]
 
     def next_batches(self, epoch: int, rank: int, max_n: int, consumed: int,
                      node: Optional[str] = None, wait_s: float = 1.0) -> dict:
@@ -192,9 +221,9 @@ class SplitCoordinator(RebuildProtocol):
             ``{"batches": [StreamBatch, ...], "done": bool}`` instead.
         """
         self._last_call = time.monotonic()
-        ep = self._epochs.get(epoch)
-        if ep is None:
-            raise SbloaderError(f"epoch {epoch} was not started by rank 0 (known: {sorted(self._epochs)})")
+        ep = self._held(epoch, rank)
+        if ep is None:  # it ended on every rank that asked for it
+            return self._ended.reply(epoch)
         ep.ack(rank, consumed)
         items = ep.take(rank, max_n, node, wait_s, self._stall_report_s)
         done = ep.done(rank)
@@ -294,7 +323,7 @@ class SplitCoordinator(RebuildProtocol):
                 logger.warning("sbloader coordinator: no rank called for %.0f s; the job is taken to be over, "
                                "releasing the worker pool and exiting", self._idle_exit_s)
                 break
-            if self._watch.over():
+            if self._watch.over(world_size=self._world_size):
                 logger.info("sbloader coordinator: every rank's process has exited; releasing the pool")
                 break
             time.sleep(min(DRIVER_CHECK_S, max(0.2, self._idle_exit_s - idle)))
@@ -311,8 +340,14 @@ class SplitCoordinator(RebuildProtocol):
         and keeping it would hold them in the object store for the rest of the job.
         """
         with self._lock:
-            for e in [e for e, ep in self._epochs.items() if ep.finished]:
+            done = [e for e, ep in self._epochs.items() if ep.finished]
+            late = overflow({e: ep for e, ep in self._epochs.items() if e not in done})
+            for e, never in late:
+                logger.warning("sbloader coordinator: epoch %d is dropped unfinished (%d epochs are held at most); "
+                               "rank(s) %s never asked for it", e, MAX_HELD_EPOCHS, never)
+            for e in done + [e for e, _ in late]:
                 ep = self._epochs.pop(e)
+                self._ended.add(e, ep.per_rank, isinstance(ep, StreamEpoch))  # a late rank gets the end
                 if ep.executor is not None:
                     self._estimates = ep.executor.estimates()
                     self._finished_stats[e] = ep.executor.stats()

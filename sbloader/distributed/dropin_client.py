@@ -64,7 +64,7 @@ def join(coord: Any, rank: int, epoch: int, spec: Callable[[], EpochSpec]) -> in
     """
     if rank == 0:
         return ray.get(coord.start_epoch.remote(spec()))
-    per_rank = ray.get(coord.wait_epoch.remote(epoch, 300.0))
+    per_rank = ray.get(coord.wait_epoch.remote(epoch, 300.0, rank))  # raises on timeout, saying what rank 0 does
     if per_rank is None:
         raise SbloaderError(f"rank 0 did not start epoch {epoch} within 300 s; is rank 0 iterating this loader?")
     return per_rank

@@ -17,6 +17,8 @@ import ray
 #: How often the ranks' processes are checked, and how long all must be gone.
 DRIVER_CHECK_S = 1.0
 DRIVERS_GONE_GRACE_S = 2.0
+#: How long a coordinator waits for a rank that never said hello once the others are gone.
+LATE_RANK_GRACE_S = 300.0
 
 
 def job_alive(job_hex: str) -> bool:
@@ -70,11 +72,17 @@ class JobWatch:
             self._gone = sorted(r for r, d in holders.items() if not alive(d))
         return list(self._gone)
 
-    def over(self, now: Optional[float] = None) -> bool:
-        """True once every recorded process has been gone for :data:`DRIVERS_GONE_GRACE_S` (checked by polling)."""
+    def over(self, now: Optional[float] = None, world_size: Optional[int] = None,
+             alive: Any = None) -> bool:
+        """True once every recorded process has been gone for :data:`DRIVERS_GONE_GRACE_S` (checked
+        by polling); for :data:`LATE_RANK_GRACE_S` while some rank of the ``world_size`` never said
+        hello (it may be late: the coordinator must outlive the rank that created it)."""
         now = time.monotonic() if now is None else now
+        job_alive = alive or globals()["job_alive"]
         with self._lock:
             drivers = set(self._holders.values())
+            grace = DRIVERS_GONE_GRACE_S if world_size is None or len(self._holders) >= world_size \
+                else LATE_RANK_GRACE_S
         if not drivers or any(job_alive(d) for d in drivers):
             self._gone_since = None
             return False
@@ -82,7 +90,7 @@ class JobWatch:
             self._gone_since = now
         with self._lock:
             unchanged = set(self._holders.values()) == drivers
-        return unchanged and now - self._gone_since >= DRIVERS_GONE_GRACE_S
+        return unchanged and now - self._gone_since >= grace
 
 
 def check_ranks_alive(watch: JobWatch, ep: Any, asking: int) -> None:

@@ -53,7 +53,7 @@ def join(coord: Any, run: Any, spec: Optional[PartitionEpochSpec]) -> None:
     if spec is not None:
         per_rank = ray.get(coord.start_partition_epoch.remote(spec))
     else:
-        per_rank = ray.get(coord.wait_epoch.remote(run.epoch, 300.0))
+        per_rank = ray.get(coord.wait_epoch.remote(run.epoch, 300.0, run.rank))  # raises on timeout: what rank 0 does
         if per_rank is None:
             raise SbloaderError(f"rank 0 did not start epoch {run.epoch} within 300 s; is rank 0 iterating "
                                 "this loader?")
