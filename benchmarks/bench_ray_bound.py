@@ -23,7 +23,7 @@ stores blocks in Ray's object store can reach here, whatever its scheduling. Sin
 the same-node hand-off (``sbloader/_executor/handoff.py``) sbloader's blocks made on
 the trainer's node skip the object store, so ``sbloader`` may pass ``in Ray, put``;
 what it still pays over ``in Ray, no store`` is task scheduling, the trainer, the
-raylet and the copy into the slot (``bench_handoff.py`` compares it with the object
+raylet and the copy into the slot (the ``handoff`` scenario compares it with the object
 store side by side).
 
 Run: ``python benchmarks/bench_ray_bound.py [--rounds 3] [--quick] [--out NAME]``.
