@@ -43,7 +43,7 @@ def cmd_run(a: argparse.Namespace) -> int:
 
 
 def cmd_report(a: argparse.Namespace) -> int:
-    todo = scenario.names()
+    todo = scenario.names(report_only=not (a.all or a.dry_run))  # a dry run plans every scenario
     if a.only:
         want = [x.strip() for x in a.only.split(",") if x.strip()]
         bad = sorted(set(want) - set(todo))
@@ -54,7 +54,8 @@ def cmd_report(a: argparse.Namespace) -> int:
         for n in todo:
             p = scenario.plan_of(n, a.quick, {})
             skipped = "; ".join(f"{k}: {v}" for k, v in p["skipped"].items())
-            print(f"{n}: {p['rounds']} rounds x {', '.join(p['contenders'])}  ({p['command']})"
+            tag = "" if getattr(scenario.load(n), "REPORT", True) else " [component: report --all]"
+            print(f"{n}{tag}: {p['rounds']} rounds x {', '.join(p['contenders'])}  ({p['command']})"
                   + (f"  not installed -> {skipped}" if skipped else ""))
         print(f"planned {len(todo)} scenarios; ran none (--dry-run)")
         return 0
@@ -65,9 +66,10 @@ def cmd_report(a: argparse.Namespace) -> int:
     budget = a.budget_s
     for i, n in enumerate(todo):
         left = budget - (time.monotonic() - t0)
+        # a fair share of what is left (no new round after it; at least one round runs)
         share = max(30.0, left / (len(todo) - i)) if budget else a.timeout_s
         share = min(share, a.timeout_s)
-        _log(f"== {n} (at most {share:.0f} s)")
+        _log(f"== {n} (no new round after {share:.0f} s)")
         status, err = report.run_in_subprocess(n, a.quick, share, _log)
         path = report.REPORT_DIR / f"{n}.json"
         if status == "ok" and path.exists():
@@ -99,6 +101,7 @@ def main(argv=None) -> int:
     rep.add_argument("--quick", action="store_true", help="quick sizes (<= 10 min on 2 cores)")
     rep.add_argument("--dry-run", action="store_true", help="plan every scenario, run none")
     rep.add_argument("--only", default=None, help="comma-separated scenario names")
+    rep.add_argument("--all", action="store_true", help="also the component benchmarks (REPORT = False)")
     rep.add_argument("--timeout-s", type=float, default=900.0, help="at most this per scenario")
     rep.add_argument("--budget-s", type=float, default=0.0,
                      help="share this many seconds among the scenarios (0: no total budget; --quick: 570)")

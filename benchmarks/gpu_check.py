@@ -65,7 +65,7 @@ def step_pin(dev: Any, small: bool) -> dict:
         if cuda:
             torch.cuda.synchronize()
         out[f"{name}_GBps"] = reps * x.numel() / (time.perf_counter() - t0) / 1e9
-    ds = torch.utils.data.TensorDataset(torch.randint(0, 255, (256 if small else 4096, 3, 224, 224), dtype=torch.uint8))
+    ds = torch.utils.data.TensorDataset(torch.randint(0, 255, (256 if small else 1024, 3, 224, 224), dtype=torch.uint8))
     loader = sbloader.DataLoader(ds, batch_size=64, num_workers=2, pin_memory=cuda)
     t0, n = time.perf_counter(), 0
     for (b,) in loader:
@@ -113,7 +113,7 @@ def step_sd(dev: Any, small: bool) -> dict:
     out = {}
     for loader in ("sbloader", "torch"):
         with tempfile.TemporaryDirectory() as d:
-            args = ["--images", "32" if small else "512", "--steps", "2" if small else "60", "--batch-size",
+            args = ["--images", "32" if small else "256", "--steps", "2" if small else "40", "--batch-size",
                     "4" if small else "16", "--metrics-dir", d, "--ckpt-dir", os.path.join(d, "ckpt"),
                     "--data", os.path.join(d, "data"), "--loader", loader]
             t0 = time.perf_counter()
@@ -122,8 +122,9 @@ def step_sd(dev: Any, small: bool) -> dict:
             if r.returncode != 0:
                 raise RuntimeError(f"train_sd.py --loader {loader}: {r.stderr[-800:]}")
             m = json.loads(Path(d, "rank0.json").read_text())
-            out[loader] = {"wall_s": time.perf_counter() - t0, **{k: m.get(k) for k in (
-                "steps_run", "samples", "stall_fraction", "samples_per_s", "steps_per_s", "loop_s") if k in m}}
+            out[loader] = {**{k: m.get(k) for k in (
+                "device", "steps_run", "samples", "wall_s", "first_batch_s", "samples_per_s", "steady_samples_per_s",
+                "stall_fraction") if k in m}, "process_s": time.perf_counter() - t0}
     return out
 
 
@@ -137,7 +138,6 @@ def step_crop(dev: Any, small: bool) -> dict:
 
     cuda = dev.type == "cuda"
     paths = jpeg_paths(128 if small else 2048)
-    sbloader.init(num_cpus=max(2, (os.cpu_count() or 2) - 2))
     sbl = (sbloader.read_images(paths, decode=False).map_batches(w.sbl_decode_files_window_batch)
            .to_dataloader(64, shuffle=True, pin_memory=cuda, device=dev if cuda else None))
     tl = torch.utils.data.DataLoader(w.ImageFolderDataset(paths), batch_size=64, shuffle=True, num_workers=2,
@@ -159,7 +159,7 @@ def step_crop(dev: Any, small: bool) -> dict:
     return {k + "_images_per_s": v for k, v in out.items()}
 
 
-STEPS = {"pin": step_pin, "gpu_stage": step_gpu_stage, "sd": step_sd, "crop": step_crop}
+STEPS = {"pin": step_pin, "gpu_stage": step_gpu_stage, "crop": step_crop, "sd": step_sd}
 
 
 def main() -> int:
@@ -171,7 +171,12 @@ def main() -> int:
     ray_worker_env()
     dev, name = device_name()
     print(f"device: {name}", flush=True)
+    import sbloader
+
+    sbloader.init(num_cpus=max(2, (os.cpu_count() or 2) - 2))  # two cores left to the trainer
     results: dict = {"device": name, "dry_run": a.dry_run, "steps": {}}
+    results.update(command=command_line(), machine=machine_info())
+    md = "no step run"
     for step, fn in STEPS.items():
         if a.only and step not in a.only.split(","):
             continue
@@ -183,20 +188,24 @@ def main() -> int:
             results["steps"][step] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[-500:]}"}
         results["steps"][step]["step_s"] = round(time.perf_counter() - t0, 1)
         print(f"{step}: {json.dumps(results['steps'][step], default=str)}", flush=True)
+        md = publish(results, name, a)  # after every step: a run cut short keeps what it measured
+    print(md)
+    return 0 if all(v["ok"] for v in results["steps"].values()) else 1
+
+
+def publish(results: dict, name: str, a: argparse.Namespace) -> str:
+    """Write ``gpu_check[_dry_run].{json,md}`` under benchmarks/results/ (and ``--out``); the Markdown."""
     rows = [{"step": k, "result": ", ".join(f"{kk}={_short(vv)}" for kk, vv in v.items())} for k, v in
             results["steps"].items()]
     md = (f"Device: **{name}**. Absolute figures (one machine, one run); "
           + ("a DRY RUN at tiny sizes: not figures. " if a.dry_run else "") + "\n\n" + markdown_table(rows))
-    name_out = "gpu_check_dry_run" if a.dry_run else "gpu_check"
-    results.update(command=command_line(), machine=machine_info())
-    dirs = [Path(a.out)] if a.out else []
-    jpath, mpath = write_results(name_out, results, md, title=f"GPU check on {name}")
-    for d in dirs:
-        d.mkdir(parents=True, exist_ok=True)
+    jpath, mpath = write_results("gpu_check_dry_run" if a.dry_run else "gpu_check", results, md,
+                                 title=f"GPU check on {name}")
+    if a.out:
+        Path(a.out).mkdir(parents=True, exist_ok=True)
         for p in (jpath, mpath):
-            (d / p.name).write_text(p.read_text())
-    print(mpath.read_text())
-    return 0 if all(v["ok"] for v in results["steps"].values()) else 1
+            (Path(a.out) / p.name).write_text(p.read_text())
+    return mpath.read_text()
 
 
 def _short(v: Any) -> str:

@@ -108,15 +108,22 @@ def failed_section(name: str, title: str, status: str, error: str, command: str,
             "machine": dict(machine), "what": "", "load": {"rounds": 0, "quiet_rounds": 0}}
 
 
-def run_in_subprocess(name: str, use_quick: bool, timeout_s: float, log: Callable[[str], None]) -> tuple[str, str]:
-    """``python -m benchmarks run <name> [--quick]`` in a new session; (status, error tail)."""
+def run_in_subprocess(name: str, use_quick: bool, timeout_s: float, log: Callable[[str], None],
+                      grace_s: float = 180.0) -> tuple[str, str]:
+    """``python -m benchmarks run <name> [--quick]`` in a new session; (status, error tail).
+
+    No new round starts after ``timeout_s`` (the scenario reports the rounds it ran);
+    the process is killed ``grace_s`` later."""
+    from .trials import DEADLINE_ENV
+
     env = dict(os.environ)
+    env[DEADLINE_ENV] = str(time.time() + timeout_s)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     cmd = [sys.executable, "-m", "benchmarks", "run", name] + (["--quick"] if use_quick else [])
     p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True)
     tail: list[str] = []
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + timeout_s + grace_s
     import selectors
 
     sel = selectors.DefaultSelector()
@@ -125,7 +132,7 @@ def run_in_subprocess(name: str, use_quick: bool, timeout_s: float, log: Callabl
         left = deadline - time.monotonic()
         if left <= 0:
             _kill_group(p)
-            return "timeout", f"over {timeout_s:.0f} s; last output: " + " | ".join(tail[-3:])
+            return "timeout", f"over {timeout_s + grace_s:.0f} s; last output: " + " | ".join(tail[-3:])
         if sel.select(timeout=min(left, 1.0)):
             line = p.stdout.readline()
             if not line:

@@ -54,9 +54,13 @@ class Outcome:
     timing: bool = True  # False: the metric is not a speed (the load does not qualify its ratios)
 
 
-def names() -> list[str]:
-    """The scenarios, in report order (``ORDER`` in each module, then by name)."""
+def names(report_only: bool = False) -> list[str]:
+    """The scenarios, in report order (``ORDER`` in each module, then by name); with
+    ``report_only``, those of the first-contact report (``REPORT = False`` marks a
+    component benchmark that ``report --all`` adds)."""
     found = [p.stem for p in SCENARIO_DIR.glob("*.py") if not p.stem.startswith("_")]
+    if report_only:
+        found = [n for n in found if getattr(load(n), "REPORT", True)]
     return sorted(found, key=lambda n: (getattr(load(n), "ORDER", 100), n))
 
 
@@ -131,12 +135,16 @@ def section(name: str, outcome: Outcome, *, title: str, what_text: str, params: 
     summary = summarize_loads(loads)
     rows = table_rows(outcome.trials, outcome.metric, outcome.unit, baseline=outcome.baseline,
                       higher_is_better=outcome.higher_is_better, extra=outcome.extra, timing=outcome.timing)
+    notes = list(outcome.notes)
+    t = outcome.trials
+    if t.rounds_planned and t.rounds_run < t.rounds_planned:
+        notes.insert(0, f"**{t.rounds_run} of {t.rounds_planned} rounds**: the report's time budget ran out")
     return {"name": name, "title": title, "what": what_text, "status": "ok", "command": command,
             "machine": machine, "params": dict(params), "metric": outcome.metric, "unit": outcome.unit,
             "higher_is_better": outcome.higher_is_better, "baseline": outcome.baseline, "rows": rows,
             "bars": bars(outcome.trials, outcome.metric), "load": summary,
             "load_line": load_line(summary, machine["nproc"]), "skipped": dict(outcome.skipped),
-            "notes": list(outcome.notes), "raw": outcome.raw, "trials": outcome.trials.as_list()}
+            "notes": notes, "raw": outcome.raw, "trials": outcome.trials.as_list()}
 
 
 def run_scenario(name: str, use_quick: bool, overrides: Mapping[str, Any]) -> dict[str, Any]:

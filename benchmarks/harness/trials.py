@@ -12,13 +12,18 @@ from __future__ import annotations
 import os
 import statistics
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from .load import is_quiet
 from .measure import Result, measure
-from .rounds import interleave_order, summarize, fmt_range
+from .rounds import interleave_order, summarize
 from .render import ratio_words
+
+
+#: A wall-clock time (``time.time()``) after which no new round starts (set by ``report``).
+DEADLINE_ENV = "SBLOADER_BENCH_DEADLINE"
 
 
 @dataclass
@@ -42,6 +47,8 @@ class Trials:
     """All trials of a scenario, in the order they ran."""
 
     trials: list = field(default_factory=list)
+    rounds_planned: int = 0
+    rounds_run: int = 0  # fewer than planned when the report's time budget ran out
 
     def of(self, contender: str) -> list[Trial]:
         """The contender's trials."""
@@ -58,17 +65,31 @@ class Trials:
 
 def run_interleaved(contenders: Mapping[str, Callable[[], Mapping[str, Any]]], rounds: int, *,
                     rotate: bool = True, log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
-                    keep_going: bool = True, pss: bool = False) -> Trials:
+                    keep_going: bool = True, pss: bool = False, by_class: bool = False,
+                    before_round: Optional[Callable[[int], Any]] = None) -> Trials:
     """Run the contenders in turn for ``rounds`` rounds (see :func:`interleave_order`),
     each run inside :func:`measure` (CPU of this process tree, others' load, loadavg).
 
     Args:
         pss: sample the PSS of the process tree too (costs CPU; off for throughput runs).
+        by_class: also record ``cpu_s_<class>`` (trainer, workers, raylet, gcs, ray_daemons, other).
+        before_round: called with the round's number before its first run, outside any
+            measurement (a calibration taken once per round).
         keep_going: a contender that raises is recorded with its error (and not run
             again); otherwise the error propagates.
     """
-    out, failed = Trials(), set()
+    out, failed = Trials(rounds_planned=rounds), set()
+    deadline = float(os.environ.get(DEADLINE_ENV, "inf"))
+    last_round = -1
     for r, name in interleave_order(list(contenders), rounds, rotate=rotate):
+        if r != last_round:
+            if r > 0 and time.time() > deadline:
+                log(f"  the time budget is spent: {r} of {rounds} rounds run")
+                break
+            if before_round is not None:
+                before_round(r)
+            out.rounds_run = r + 1
+        last_round = r
         if name in failed:
             continue
         err = None
@@ -83,6 +104,9 @@ def run_interleaved(contenders: Mapping[str, Callable[[], Mapping[str, Any]]], r
         load = trial_load(m.result, metrics.get("cpu_s"))
         metrics.setdefault("wall_s", round(m.result.wall_s, 4))
         metrics.setdefault("cpu_s", m.result.cpu_s_tree)
+        if by_class:
+            for c, v in m.result.cpu_s_by_class.items():
+                metrics.setdefault(f"cpu_s_{c}", v)
         if pss:
             metrics.setdefault("peak_pss_mib", round(m.result.peak_pss_bytes / 2**20, 1))
         out.trials.append(Trial(r, name, metrics, load, err))
@@ -106,6 +130,18 @@ def _fmt(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
+def smart(v: float) -> str:
+    """A figure as a reader wants it: ``1,480`` rather than ``1.48e+03``, ``0.241`` (3 digits) below 100."""
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
+def smart_range(s: Mapping[str, Any]) -> str:
+    """``median (min–max)`` of a summary with :func:`smart` numbers."""
+    if not s or s.get("median") is None:
+        return "–"
+    return f"{smart(s['median'])} ({smart(s['min'])}–{smart(s['max'])})"
+
+
 def paired_ratios(trials: Trials, metric: str, contender: str, baseline: str,
                   higher_is_better: bool = True) -> list[float]:
     """Per round, contender / baseline (higher is better) or baseline / contender (a time):
@@ -121,7 +157,7 @@ def paired_ratios(trials: Trials, metric: str, contender: str, baseline: str,
 
 
 def table_rows(trials: Trials, metric: str, unit: str, *, baseline: Optional[str] = None,
-               higher_is_better: bool = True, extra: Sequence[str] = (), fmt: str = "{:.3g}",
+               higher_is_better: bool = True, extra: Sequence[str] = (),
                timing: bool = True) -> list[dict]:
     """One row per contender: the metric's median (min–max), rounds, quiet rounds, the
     median paired ratio to ``baseline`` in words, and the medians of ``extra`` metrics.
@@ -134,7 +170,7 @@ def table_rows(trials: Trials, metric: str, unit: str, *, baseline: Optional[str
         errs = [t.error for t in ts if t.error]
         s = summarize([t.metrics.get(metric) for t in ts if not t.error])
         quiet = sum(bool(t.load.get("quiet")) for t in ts)
-        row = {"contender": name, f"{metric} ({unit})": fmt_range(s, fmt), "rounds": len(ts),
+        row = {"contender": name, f"{metric} ({unit})": smart_range(s), "rounds": len(ts),
                "quiet rounds": f"{quiet}/{len(ts)}"}
         if baseline is not None:
             rs = paired_ratios(trials, metric, name, baseline, higher_is_better)
@@ -145,7 +181,7 @@ def table_rows(trials: Trials, metric: str, unit: str, *, baseline: Optional[str
                                                      t.load.get("quiet") for t in trials.of(baseline))),
                                                  f">1: {word}"))
         for k in extra:
-            row[k] = fmt_range(summarize([t.metrics.get(k) for t in ts if not t.error]), fmt)
+            row[k] = smart_range(summarize([t.metrics.get(k) for t in ts if not t.error]))
         if errs:
             row["error"] = errs[0][:160]
         rows.append(row)

@@ -35,6 +35,15 @@ def jpeg_paths(n: int) -> list[str]:
     return write_jpeg_folder(str(DATA / "jpeg"), n, seed=0)
 
 
+def jpeg_dir(n: int) -> Path:
+    """A folder holding exactly ``n`` such JPEGs (for loaders that list a folder or bucket)."""
+    from sbloader.datagen import write_jpeg_folder
+
+    root = DATA / f"jpeg_{n}"
+    write_jpeg_folder(str(root), n, seed=0)
+    return root
+
+
 def time_epoch(make_iter: Callable[[], Iterable[Any]], count: Callable[[Any], int],
                consume: Optional[Callable[[Any], None]] = None) -> dict[str, float]:
     """One epoch as a user runs it: iterator created, first batch, all batches.
@@ -51,6 +60,19 @@ def time_epoch(make_iter: Callable[[], Iterable[Any]], count: Callable[[Any], in
             consume(batch)
     return {"first_batch_s": first if first is not None else float("nan"),
             "epoch_s": time.perf_counter() - t0, "items": items}
+
+
+def built_epoch(build: Callable[[], Any], count: Callable[[Any], int]) -> dict[str, float]:
+    """:func:`time_epoch` of ``iter(build())`` with the build counted (a listing, footers read):
+    ``images_per_s`` and ``first_batch_s`` from the build's start, ``build_s`` apart."""
+    t0 = time.perf_counter()
+    loader = build()
+    b = time.perf_counter() - t0
+    r = time_epoch(lambda: iter(loader), count)
+    del loader
+    total = time.perf_counter() - t0
+    return {"images_per_s": r["items"] / total, "first_batch_s": b + r["first_batch_s"], "build_s": b,
+            "epoch_s": total}
 
 
 def epochs(make_iter: Callable[[], Iterable[Any]], count: Callable[[Any], int], n: int) -> dict[str, float]:

@@ -24,7 +24,7 @@ from typing import Hashable, Optional, Sequence, Union
 
 from sbloader.core.plan import cut_counts
 from sbloader.core.split import split_epoch
-from sbloader.core.window import Window, ramp_partitions
+from sbloader.core.window import Window, ramp_partitions, ramp_rows
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class Cutter:
     count, its weight (rows or bytes of the whole block, which stays in memory until its
     last row is taken) within what the open ones leave of the cap, and, for a budget
     window, fewer open than :func:`~sbloader.core.window.ramp_partitions` allows at this
-    batch. Every rule depends on the plan, the weights and the batch index only, so a
+    batch (or fewer rows left in them than :func:`~sbloader.core.window.ramp_rows`). Every rule depends on the plan, the weights and the batch index only, so a
     resumed epoch (same open partitions, same weights) opens and cuts as the
     uninterrupted one.
 
@@ -112,7 +112,7 @@ class Cutter:
         if w.partitions is not None and n >= w.partitions:
             self.narrowed = self.narrowed or n > 1
             return False
-        if w.ramp and n >= ramp_partitions(self.index):
+        if w.ramp and n >= ramp_partitions(self.index) and self.open_rows >= ramp_rows(self.index, batch_rows):
             return False
         if w.cap is not None and (weight is None or self.held + weight > w.cap):
             self.narrowed = self.narrowed or weight is not None

@@ -15,10 +15,11 @@ window bounds what the open partitions hold:
   an int, read as before as a count of open partitions (``1``: cut the partitions
   in turn, the least memory).
 
-A budget window opens its first partitions progressively (:func:`ramp_partitions`):
-the first batch draws from at most :data:`FIRST_PARTITIONS` partitions, as the
-count window of 8 did, the next from twice as many, and so on, so the first batch
-never waits for the whole window to be read.
+A budget window opens its first partitions progressively (:func:`ramp_partitions`,
+:func:`ramp_rows`): the first batch draws from at most :data:`FIRST_PARTITIONS`
+partitions (as the count window of 8 did) or :data:`FIRST_PARTITIONS` batches' worth
+of rows, whichever is more, the next from twice as many, and so on, so the first
+batch never waits for the whole window to be read.
 """
 from __future__ import annotations
 
@@ -163,6 +164,15 @@ def ramp_partitions(batch_index: int) -> int:
     epoch: :data:`FIRST_PARTITIONS`, doubling with every batch (the first batch waits for
     a few partitions only; within a few batches the window is as wide as its budget)."""
     return FIRST_PARTITIONS << min(max(0, batch_index), 40)
+
+
+def ramp_rows(batch_index: int, batch_rows: int) -> int:
+    """Rows (left in the open partitions) below which a budget window may open one more
+    partition at batch ``batch_index``, whatever :func:`ramp_partitions` says:
+    :data:`FIRST_PARTITIONS` batches' worth, doubling with every batch. Small partitions
+    (a few rows each) so open enough of them for the first batches to mix, while the
+    first batch still waits for a few batches' worth of rows only."""
+    return FIRST_PARTITIONS * max(1, batch_rows) << min(max(0, batch_index), 40)
 
 
 def drawn_share(widest: int, partitions: int) -> float:

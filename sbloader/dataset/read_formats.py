@@ -51,8 +51,8 @@ def read_webdataset(
     else in remote Ray tasks, which starts the embedded Ray) into an index of member
     offsets, so a partition (a range of one shard's samples) is read with one seek
     and one read. Under ``shuffle=True`` partitions run in an order drawn from the
-    epoch seed and each batch draws from ``shuffle_window`` (8) partitions at once,
-    so from up to 8 shards' ranges (see the user guide's Shuffling).
+    epoch seed and each batch draws from every shard range open in the shuffle window
+    (by default as many as half the memory budget holds; see the user guide's Shuffling).
 
     Args:
         paths: a directory (``.tar`` files, listed recursively and sorted), a glob,

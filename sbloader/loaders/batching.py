@@ -195,7 +195,9 @@ def iter_mixed_batches(blocks: Iterator[tuple[Block, BlockMeta]], batch_size: in
     sample of it, and what a block gave is always a prefix: the consumed ledger stays
     a count per partition. Blocks open in the order they arrive (one block waits
     while the window has no room for it); with a deterministic delivery order the
-    batches depend on the epoch seed (and the blocks' weights) only.
+    batches depend on the epoch seed (and the blocks' weights) only. A block that ran
+    out is released at once when its batch was a concatenation (a copy), else once
+    the next batch is made (the consumer may still hold a view of it).
     """
     release = window.release or (lambda meta: None)
     observe = window.observe or (lambda cutter: None)
@@ -234,6 +236,10 @@ def iter_mixed_batches(blocks: Iterator[tuple[Block, BlockMeta]], batch_size: in
             for meta in done:
                 release(meta)
             done = [opened.pop(p.key)[1] for p in pieces if p.stop >= opened[p.key][1].num_rows]
+            if len(pieces) > 1:  # the batch is a copy: the blocks that ran out are free at once
+                for meta in done:
+                    release(meta)
+                done = []
             yield batch
     finally:
         left = done + [m for _, m in opened.values()] + ([waiting[1]] if waiting is not None else [])

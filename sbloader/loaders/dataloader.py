@@ -227,10 +227,10 @@ class DataLoader(Generic[T_co]):
     @property
     def _stateful(self) -> bool:
         """Whether this loader can checkpoint: an IterableDataset (one rank's), or a map-style dataset
-        batched by its own BatchSampler."""
+        batched by its own BatchSampler (or unbatched, ``batch_size=None``)."""
         if self._iterable:
             return not self.split
-        return self._auto_collation and not self._user_batch_sampler
+        return not self._user_batch_sampler  # batch_size=None: batches of one index
 
     def __len__(self) -> int:
         if self.split and self._iterable:  # the coordinator splits a stream whose total it learns at the end
@@ -319,6 +319,8 @@ class DataLoader(Generic[T_co]):
                 it = local_epoch(s, run, epoch, epoch_seed, self._index_sampler)
             else:
                 it = pool_epoch(s, self._carry, run, epoch, epoch_seed, self._index_sampler)
+                if self.worker_init_fn is not None:  # its error is raised by iter(), as torchdata's
+                    it.prime()
         if self._iterable and not self.split and self._len_reported is not None:
             it.after_batch = dropin_args.length_check(self.dataset, self._len_reported, self.num_workers)
         self._stalls, self._iterator = it.stalls, weakref.ref(it)
@@ -338,7 +340,10 @@ class DataLoader(Generic[T_co]):
             num_workers=self.num_workers, worker_init_fn=self.worker_init_fn, prefetch_factor=self.prefetch_factor,
             in_order=self.in_order, timeout=self.timeout, pin=pin, zero_copy=self.zero_copy, device=self.device,
             memory_budget=self.memory_budget, batches_per_partition=self.batches_per_partition,
-            worker_num_cpus=self.worker_num_cpus, worker_resources=self.worker_resources,
+            worker_num_cpus=dropin_args.fitted_worker_cpus(
+                self.num_workers, self.worker_num_cpus, dropin_args.available_cpus(),
+                None if self.split else dropin_args.free_cpus()),
+            worker_resources=self.worker_resources,
             allow_trainer_node=self.allow_trainer_node, persistent_workers=self.persistent_workers, seed=self.seed,
             dataset_id=self.dataset_id, report_stalls=self.report_stalls, start_timeout=self.start_timeout)
 

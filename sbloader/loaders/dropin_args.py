@@ -4,8 +4,12 @@ Kept apart from the loader class so its constructor reads as what it stores.
 """
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -115,12 +119,14 @@ def decide_split(split: Optional[bool], world: Any, dataset: Any, iterable: bool
     known = sampler is None or type(sampler) in (RandomSampler, SequentialSampler, DistributedSampler)
     if split is None:
         if iterable:
-            raise ValueError(
-                f"world size is {world.world_size} and the loader has an IterableDataset: pass split=True "
-                "(the coordinator iterates it once for the job and splits its output across ranks, equal "
-                "batch counts on every rank) or split=False (it shards itself by rank: every rank then "
-                "iterates its own shard, as under torch)"
-            )
+            # torch's behaviour, so that swapping the import keeps a job working: every rank iterates
+            # the dataset (which shards itself by rank, as webdataset's split_by_node does)
+            logger.info(
+                "sbloader: world size is %d and the loader has an IterableDataset: every rank iterates it, as "
+                "under torch (split=False; it must shard itself by rank). split=True would iterate it once for "
+                "the job and split its output across ranks, equal batch counts on every rank",
+                world.world_size)
+            return False
         if batch_sampler is not None:
             raise ValueError(
                 f"world size is {world.world_size} and the loader has a batch_sampler "
@@ -200,6 +206,30 @@ def excess_workers_message(num_workers: int, worker_num_cpus: float, cpus: Optio
             "which is smaller than what this DataLoader is going to create. Please be aware that excessive worker "
             "creation might get DataLoader running slow or even freeze, lower the worker number to avoid "
             "potential slowness/freeze if necessary (a pool that cannot fit fails with ResourceError at start).")
+
+
+def fitted_worker_cpus(num_workers: int, worker_num_cpus: float, cpus: Optional[float],
+                       free: Optional[float] = None) -> float:
+    """CPUs each worker actor asks Ray for: ``worker_num_cpus``, or an equal share of the ``cpus``
+    (the cluster's) or of the ``free`` ones (not held by other loaders' workers) when ``num_workers``
+    of them would not fit; 0 when none is free. torch's worker processes share the cores the same
+    way: every worker starts, none waits for a CPU another loader (a live one, or one an exception's
+    traceback keeps) holds."""
+    if num_workers <= 0 or cpus is None:
+        return worker_num_cpus
+    room = cpus if free is None else max(0.0, min(cpus, free))
+    if num_workers * worker_num_cpus <= room:
+        return worker_num_cpus
+    return math.floor(room / num_workers * 1e4) / 1e4
+
+
+def free_cpus() -> Optional[float]:
+    """CPUs of the Ray cluster no actor or task holds now (None before Ray is up)."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    return float(ray.available_resources().get("CPU", 0.0))
 
 
 def warn_excess_workers(num_workers: int, worker_num_cpus: float) -> None:

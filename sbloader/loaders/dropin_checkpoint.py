@@ -42,7 +42,7 @@ def loader_state(dl: Any) -> dict:
     if not dl._stateful:
         raise StateDictError(
             "state_dict() needs an IterableDataset or a map-style dataset batched by the loader itself "
-            "(batch_size=...); a custom batch_sampler or a map-style dataset with batch_size=None cannot be replayed"
+            "(batch_size=... or None); a custom batch_sampler cannot be replayed"
         )
     if dl._resume is not None and dl._run is None:
         return dict(dl._resume)  # loaded, not iterated yet: the same state again

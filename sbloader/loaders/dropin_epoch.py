@@ -28,7 +28,7 @@ from sbloader.core.errors import UserFunctionError, reraise_as_torch
 from sbloader.core.ops import Op
 from sbloader.core.plan import make_epoch_plan
 from sbloader.core.stats import ExecutionStats, StallStats
-from sbloader.distributed import dropin_client
+from sbloader.distributed import dropin_client, pipeline_client
 from sbloader.executor.options import ExecutionOptions
 from sbloader.executor.pools import kill_cached
 from sbloader.executor.launch import arena_here, options_here, start_execution
@@ -36,7 +36,7 @@ from sbloader.executor.tasks import pack
 from sbloader.loaders.dropin_state import EpochRun
 from sbloader.loaders.epoch import Delivery, EpochIterator
 from sbloader.loaders.failed_batch import FailedBatch
-from sbloader.loaders.iterable_resume import IterableRun, iterate_shard
+from sbloader.loaders.iterable_resume import IterableRun, first_snapshot, iterate_shard, open_shard
 from sbloader.loaders.tensors import DeviceCopy, TensorOptions, pin_batch, wire_as_tensors
 from sbloader.loaders.worker import SHARD_STATE_COLUMN, LoaderWorker
 from sbloader.sources.batches import ReadyBatchSource, ShardSource
@@ -193,8 +193,7 @@ def local_epoch(s: DropinSettings, run: Optional[Union[EpochRun, IterableRun]], 
 
     def produce() -> Iterator[Delivery]:
         if s.iterable:  # one shard, this process's; ``run``: an IterableRun (its snapshots)
-            resume = run.shard_resume(0) if run is not None else None
-            for batch, _, snap in iterate_shard(s.dataset, s.batch_size, s.drop_last, s.collate_fn, resume):
+            for batch, _, snap in iterate_shard(s.dataset, s.batch_size, s.drop_last, s.collate_fn, resume, opened):
                 yield Delivery(pin_batch(batch) if s.pin else batch, (0, snap) if run is not None else None)
         elif run is not None:
             for j, indices in enumerate(run.batches):
@@ -202,11 +201,19 @@ def local_epoch(s: DropinSettings, run: Optional[Union[EpochRun, IterableRun]], 
                     # Seeded per partition as a remote worker is (the pool is operator 0): a resumed
                     # epoch replays a batch with the same draws as the uninterrupted run.
                     seed_globals(task_context(epoch, epoch_seed, run.ids[j], "LoaderWorker", 0).ctx.seed)
-                yield Delivery(collate(indices, True), j)
+                # batch_size=None: each "batch" is one index, fetched and converted alone, as torch does
+                yield Delivery(collate(indices if s.auto_collation else indices[0], s.auto_collation), j)
         else:
             for item in index_sampler:
                 yield Delivery(collate(list(item) if s.auto_collation else item, s.auto_collation))
 
+    resume = run.shard_resume(0) if s.iterable and run is not None else None
+    opened = None
+    if s.iterable and not (resume or {}).get("ended"):
+        # iter(dataset) now, as torch's in-process iterator does (its error is raised by iter(loader))
+        opened = open_shard(s.dataset, resume)
+        if run is not None:  # a state taken before the first batch holds the iterator's state already
+            run.took((0, first_snapshot(s.dataset, *opened)))
     stalls = StallStats()
     return EpochIterator(produce(), run, ahead=0, stalls=stalls, to_device=_device(s),
                          on_close=_report(s, f"epoch {epoch}", stalls))
@@ -219,7 +226,8 @@ def pool_epoch(s: DropinSettings, carry: DropinCarry, run: Optional[Union[EpochR
     if s.iterable:
         source: Any = ShardSource(s.num_workers, fp, run.resume if run is not None else None)
     elif run is not None:
-        source = ReadyBatchSource(run.batches, s.batches_per_partition, fp, ids=run.ids)
+        items = run.batches if s.auto_collation else [b[0] for b in run.batches]  # batch_size=None: one index
+        source = ReadyBatchSource(items, s.batches_per_partition, fp, ids=run.ids)
     else:
         source = ReadyBatchSource([list(b) if s.auto_collation else b for b in index_sampler],
                                   s.batches_per_partition, fp)
@@ -316,6 +324,10 @@ def split_epoch(s: DropinSettings, carry: DropinCarry, run: EpochRun, rank: int,
         dropin_client.finish(pull.coord, run.epoch, rank, len(run.taken))
         if run.complete:
             carry.last_split_run = run
+        carry.stats = pipeline_client.stats(pull.coord, run.epoch)  # the job's pipeline, at the coordinator
+        if carry.stats is not None:
+            carry.stats.rebuilt_coordinators += pull.rebuilds
+        stalls.note_failures(carry.stats, pull.rebuilds)
         _report(s, f"rank {rank} epoch {run.epoch}", stalls)()
 
     return EpochIterator(produce(), run, ahead=s.ahead, stalls=stalls, to_device=_device(s), translate=translate,

@@ -29,6 +29,9 @@ from sbloader.loaders.failed_batch import FailedBatch
 from sbloader.loaders.fetch_ahead import FetchAhead
 
 
+_END = object()  # prime() found the epoch empty
+
+
 @dataclass
 class Delivery:
     """One batch from a producer.
@@ -96,6 +99,7 @@ class EpochIterator:
         #: called with the number of batches yielded so far after each one (the drop-in's length check)
         self.after_batch: Optional[Callable[[int], None]] = None
         self._held: deque = deque()
+        self._primed: Any = None  # the first delivery, fetched by prime()
         self._yielded_at: Optional[float] = None
         self._closed = False
 
@@ -136,7 +140,29 @@ class EpochIterator:
             d.batch.raise_()
         return self._to_device(d.batch) if self._to_device is not None else d.batch
 
+    def prime(self) -> None:
+        """Wait for the first batch now, as torchdata's ``iter()`` waits for its workers to start: a
+        fatal start-up error (``worker_init_fn`` raised) is raised here; the batch waits for ``next()``."""
+        try:
+            d = self._next_delivery()
+        except StopIteration:
+            d = _END
+        except BaseException as e:
+            self.close()
+            if self._translate is not None and not isinstance(e, (KeyboardInterrupt, SystemExit)):
+                self._translate(e)
+            raise
+        if isinstance(d, Delivery) and isinstance(d.batch, FailedBatch) and d.batch.fatal:
+            self.close()
+            d.batch.raise_()
+        self._primed = d
+
     def _next_delivery(self) -> Delivery:
+        if self._primed is not None:
+            d, self._primed = self._primed, None
+            if d is _END:
+                raise StopIteration
+            return d
         t0 = time.perf_counter()
         try:
             if self._inline is not None:

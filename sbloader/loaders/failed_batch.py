@@ -41,15 +41,19 @@ class FailedBatch:
         return cls(err, fatal, worker)
 
     def raise_(self) -> None:
-        """Raise the error as torch's DataLoader would: ``worker_init_fn``'s as a RuntimeError naming it
-        (the original as its cause), a sample's with its original type."""
+        """Raise the error as torch's DataLoader would: with its original type (RuntimeError where that
+        type cannot be built from a message), ``worker_init_fn``'s naming it."""
         err = self.error
         if not isinstance(err, UserFunctionError):
             raise err
-        if err.operator == WORKER_INIT_FN:
+        if err.operator == WORKER_INIT_FN:  # torch: the original type, "Caught X in DataLoader worker process N"
             original = err.original
-            raise RuntimeError(
-                f"worker_init_fn raised in DataLoader worker {self.worker}: {err.cause_repr}. The worker cannot "
-                f"load batches; fix worker_init_fn (its traceback below).\nOriginal {err.remote_traceback}"
-            ) from (original if original is not None else err)
+            msg = (f"Caught {type(original).__name__ if original is not None else 'an error'} in DataLoader worker "
+                   f"process {self.worker}: worker_init_fn raised {err.cause_repr}. The worker cannot load batches; "
+                   f"fix worker_init_fn (its traceback below).\nOriginal {err.remote_traceback}")
+            try:
+                exception = type(original)(msg) if original is not None else RuntimeError(msg)
+            except Exception:
+                exception = RuntimeError(msg)
+            raise exception from (original if original is not None else err)
         reraise_as_torch(err)

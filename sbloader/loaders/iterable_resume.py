@@ -56,13 +56,20 @@ def open_shard(dataset: Any, resume: Optional[dict]) -> tuple[Iterator, int]:
     return it, samples
 
 
+def first_snapshot(dataset: Any, it: Iterator, samples: int) -> dict:
+    """The snapshot of a shard just opened (:func:`open_shard`), before its first batch."""
+    return _snapshot(dataset, it, samples)
+
+
 def iterate_shard(dataset: Any, batch_size: Optional[int], drop_last: bool, collate: Callable[[Any], Any],
-                  resume: Optional[dict] = None) -> Iterator[tuple[Any, int, dict]]:
+                  resume: Optional[dict] = None, opened: Optional[tuple[Iterator, int]] = None
+                  ) -> Iterator[tuple[Any, int, dict]]:
     """A shard's batches as ``(batch, samples in it, snapshot after it)``; the last snapshot has
-    ``ended`` and the dataset's state once exhausted (``end_state``)."""
+    ``ended`` and the dataset's state once exhausted (``end_state``). ``opened``: the shard's
+    :func:`open_shard` already (``iter()`` called when the epoch began, as torch does in-process)."""
     if resume and resume.get("ended"):
         return
-    it, samples = open_shard(dataset, resume)
+    it, samples = opened if opened is not None else open_shard(dataset, resume)
     pending: Optional[tuple[Any, int, dict]] = None
     while True:
         if batch_size is None:

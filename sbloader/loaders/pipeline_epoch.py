@@ -183,6 +183,7 @@ def split_epoch(pipeline: Pipeline, settings: PipelineSettings, run: SplitRun, c
         carry.stats = pipeline_client.stats(coordinator, run.epoch)
         if run.plan.narrowed and carry.stats is not None:
             carry.stats.shuffle_note = narrowed_note(settings.window, run.plan.widest, len(run.base.order))
+        stalls.note_failures(carry.stats)
 
     return EpochIterator(produce(), run, ahead=max(1, settings.prefetch_blocks), stalls=stalls,
                          to_device=_device_copy(settings), on_close=closed)

@@ -67,7 +67,13 @@ def split_window(spec: WindowSpec, run: Any, source: Any, budget_bytes: int) -> 
     if spec.partitions is not None:
         return Window(partitions=spec.partitions)
     row_bytes = getattr(source, "row_bytes", None)
-    return record(run, stored(run) or resolve(spec, budget_bytes, "rows", row_bytes() if row_bytes else None))
+    row_bytes = row_bytes() if row_bytes else None
+    kept = stored(run)
+    if kept is not None and kept.unit == "bytes":  # an epoch begun by one consumer, resumed split
+        kept = resolve(WindowSpec(bytes=kept.cap), budget_bytes, "rows", row_bytes)
+        if kept.cap is None:
+            return kept
+    return record(run, kept or resolve(spec, budget_bytes, "rows", row_bytes))
 
 
 def block_weight(window: Window, run: Any) -> Callable[[BlockMeta], int]:

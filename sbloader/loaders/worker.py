@@ -140,6 +140,8 @@ class LoaderWorker:
     def __init__(self, config: Any) -> None:
         from sbloader.executor.tasks import unpack
 
+        self._config = config  # unpacked again for each further IterableDataset shard's own copy
+        self._shard_datasets: dict = {}
         self._setup(**unpack(config))
 
     def _setup(self, dataset: Any, collate_fn: Callable, auto_collation: bool, num_workers: int,
@@ -199,9 +201,10 @@ class LoaderWorker:
         shard of an ``IterableDataset``) ``(shard, snapshot after the batch)``."""
         for task in tasks:
             if isinstance(task, tuple) and len(task) in (2, 3) and task[0] == "shard":
-                _set_torch_worker_info(task[1], self._num_workers, seed, self._dataset)
+                dataset = self._shard_dataset(task[1])
+                _set_torch_worker_info(task[1], self._num_workers, seed, dataset)
                 resume = task[2] if len(task) == 3 else None
-                for wire, n, snap in iterate_shard(self._dataset, self._batch_size, self._drop_last,
+                for wire, n, snap in iterate_shard(dataset, self._batch_size, self._drop_last,
                                                    lambda x: to_wire(self._collate(x)), resume):
                     out.append(wire)
                     rows.append(n)
@@ -216,6 +219,25 @@ class LoaderWorker:
                     ctx = get_context()
                     out.append(FailedBatch.remote(e, "LoaderWorker", ctx.partition_id if ctx else -1,
                                                   ctx.epoch if ctx else -1, self._id))
+
+    def _shard_dataset(self, shard: int) -> Any:
+        """Shard ``shard``'s own copy of the dataset, as torch's worker ``shard`` has its own: the
+        actor's for its first shard, a fresh copy for any other (kept with persistent workers)."""
+        if shard not in self._shard_datasets:
+            from sbloader.executor.tasks import Packed
+
+            if not self._shard_datasets:
+                copy_ = self._dataset
+            elif isinstance(self._config, Packed):
+                import ray.cloudpickle as cloudpickle
+
+                copy_ = cloudpickle.loads(self._config.data)["dataset"]
+            else:
+                import copy
+
+                copy_ = copy.deepcopy(self._config["dataset"])
+            self._shard_datasets[shard] = copy_
+        return self._shard_datasets[shard]
 
     def _make(self, task: Any) -> Any:
         """One batch of sample indices (or one sample, without auto-batching), fetched and collated."""

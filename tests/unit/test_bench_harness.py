@@ -139,5 +139,31 @@ def test_report_quick_dry_run_plans_every_scenario():
     assert r.returncode == 0, r.stderr[-2000:]
     names = scenario.names()
     assert names and f"planned {len(names)} scenarios; ran none" in r.stdout
+    lines = r.stdout.splitlines()
     for n in names:
-        assert f"{n}: " in r.stdout
+        assert any(x.startswith(f"{n}: ") or x.startswith(f"{n} [") for x in lines), n
+
+
+def test_run_interleaved_records_each_run_and_stops_at_the_budget(monkeypatch):
+    seen = []
+    contenders = {"a": lambda: seen.append("a") or {"x": 1.0}, "b": lambda: seen.append("b") or {"x": 2.0}}
+    t = trials.run_interleaved(contenders, 2, log=lambda s: None)
+    assert seen == ["a", "b", "b", "a"] and t.rounds_run == 2  # rotated order
+    assert all({"x", "wall_s", "cpu_s"} <= set(x.metrics) and "quiet" in x.load for x in t.trials)
+    monkeypatch.setenv(trials.DEADLINE_ENV, "0")  # spent: round 0 still runs, no later one
+    t = trials.run_interleaved(contenders, 3, log=lambda s: None)
+    assert [x.round for x in t.trials] == [0, 0] and (t.rounds_run, t.rounds_planned) == (1, 3)
+    sec = scenario.section("s", scenario.Outcome(t, "x", "u"), title="S", what_text="", params={}, command="c",
+                           machine=MACHINE)
+    assert "**1 of 3 rounds**" in sec["notes"][0]
+
+
+def test_a_failing_contender_is_recorded_and_the_others_go_on():
+    def bad():
+        raise ValueError("boom")
+
+    t = trials.run_interleaved({"bad": bad, "ok": lambda: {"x": 1.0}}, 2, log=lambda s: None)
+    assert [x.contender for x in t.trials] == ["bad", "ok", "ok"]
+    assert t.trials[0].error == "ValueError: boom"
+    rows = trials.table_rows(t, "x", "u")
+    assert rows[0]["error"] == "ValueError: boom" and rows[1]["x (u)"] == "1 (1–1)"

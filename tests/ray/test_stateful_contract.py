@@ -1,0 +1,345 @@
+"""The drop-in keeps torchdata's ``StatefulDataLoader`` contract (issue #36).
+
+Every dataset kind resumes (map-style, an ``IterableDataset`` with or without its own
+``state_dict``, ``Stateful`` datasets and samplers), states round-trip through
+``torch.save`` and JSON, a state taken after an epoch's last batch resumes an empty
+remainder, and errors in ``__getitem__``, a sampler, ``__iter__`` or ``worker_init_fn``
+reach the loop as torch raises them, under a bound that turns a hang into a failure.
+The whole torchdata file: ``benchmarks/torchdata_suite.py``. Everything used in the
+remote workers is defined at module level (conftest puts tests/ on their PYTHONPATH).
+"""
+from __future__ import annotations
+
+import io
+import json
+import signal
+from contextlib import contextmanager
+
+import pytest
+import torch
+from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
+
+import sbloader
+from sbloader.loaders.dropin_args import fitted_worker_cpus
+
+HANG_S = 120  # far above any start-up here: past it, a hang
+
+
+@contextmanager
+def bounded(seconds: int = HANG_S):
+    """Fail (TimeoutError) instead of hanging."""
+    def alarm(*_):
+        raise TimeoutError(f"still running after {seconds} s: a hang")
+    old = signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def round_trip(state: dict, how: str) -> dict:
+    if how == "json":
+        return json.loads(json.dumps(state))
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+def ident(x):
+    return x
+
+
+class ShardIter:
+    """A Stateful iterator over ``samples`` (draws from torch's RNG when ``shuffle``)."""
+
+    def __init__(self, samples, shuffle):
+        self.samples, self.shuffle, self.i = samples, shuffle, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.i >= len(self.samples):
+            raise StopIteration
+        j = int(torch.randint(len(self.samples), (1,))) if self.shuffle else self.i
+        self.i += 1
+        return self.samples[j]
+
+    def state_dict(self):
+        return {"i": self.i, "g": torch.get_rng_state()} if self.shuffle else {"i": self.i}
+
+    def load_state_dict(self, state):
+        self.i = state["i"]
+        if self.shuffle:
+            torch.set_rng_state(state["g"])
+
+
+class StatefulIterShards(IterableDataset):
+    """Worker ``w`` iterates ``sizes[w]`` samples through a Stateful iterator."""
+
+    def __init__(self, sizes, shuffle=False):
+        self.sizes, self.shuffle = sizes, shuffle
+
+    def __iter__(self):
+        info = get_worker_info()
+        w, sizes = (info.id, self.sizes) if info else (0, [sum(self.sizes)])
+        start = sum(sizes[:w])
+        return ShardIter(list(range(start, start + sizes[w])), self.shuffle)
+
+
+class StatefulGenerator(IterableDataset):
+    """A generator the dataset's own state_dict positions (and counts epochs)."""
+
+    def __init__(self, sizes):
+        self.sizes, self.i, self.resume, self.epoch = sizes, 0, None, 0
+
+    def __iter__(self):
+        info = get_worker_info()
+        w, sizes = (info.id, self.sizes) if info else (0, [sum(self.sizes)])
+        self.i, self.resume = (self.resume or 0), None
+        start = sum(sizes[:w])
+        for x in range(start + self.i, start + sizes[w]):
+            self.i += 1
+            yield (x, self.epoch)
+        self.i = 0
+        self.epoch += 1
+
+    def state_dict(self):
+        return {"i": self.i, "epoch": self.epoch}
+
+    def load_state_dict(self, state):
+        self.resume, self.epoch = state["i"], state["epoch"]
+
+
+class PlainGenerator(IterableDataset):
+    """No state at all: resumed by counting and skipping."""
+
+    def __init__(self, sizes):
+        self.sizes = sizes
+
+    def __iter__(self):
+        info = get_worker_info()
+        w, sizes = (info.id, self.sizes) if info else (0, [sum(self.sizes)])
+        start = sum(sizes[:w])
+        yield from range(start, start + sizes[w])
+
+
+class OwnIterator(IterableDataset):
+    """``__iter__`` returns the dataset itself (every worker's copy yields all of it, as under torch)."""
+
+    def __init__(self, n):
+        self.n, self.i = n, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.i >= self.n:
+            raise StopIteration
+        self.i += 1
+        return self.i - 1
+
+
+KINDS = {"stateful_iterator": lambda: StatefulIterShards([0, 40, 17], shuffle=True),
+         "stateful_dataset": lambda: StatefulGenerator([0, 40, 17]),
+         "no_state": lambda: PlainGenerator([0, 40, 17])}
+
+
+@pytest.mark.parametrize("num_workers", [0, 3])
+def test_iterable_datasets_resume_exactly_through_torch_save_and_json(ray_session, num_workers):
+    for k, (kind, make) in enumerate(KINDS.items()):
+        how = ("json", "torch")[k % 2]
+        for interrupt, bs in ((0, None), (7, 4)):
+            dl = sbloader.DataLoader(make(), num_workers=num_workers, batch_size=bs, collate_fn=ident,
+                                     snapshot_every_n_steps=5)
+            it = iter(dl)
+            for _ in range(interrupt):
+                next(it)
+            state = round_trip(dl.state_dict(), how if kind != "stateful_iterator" else "torch")
+            rest = list(it)
+            resumed = sbloader.DataLoader(make(), num_workers=num_workers, batch_size=bs, collate_fn=ident)
+            resumed.load_state_dict(state)
+            assert list(resumed) == rest, (kind, interrupt, bs)
+
+
+def test_iterable_end_of_epoch_state_starts_the_next_epoch_from_the_datasets_state():
+    dl = sbloader.DataLoader(StatefulGenerator([30]), collate_fn=ident)
+    first = list(dl)
+    state = round_trip(dl.state_dict(), "json")
+    again = sbloader.DataLoader(StatefulGenerator([30]), collate_fn=ident)
+    again.load_state_dict(state)
+    assert [x for (x, _e), in list(again)] == [x for (x, _e), in first]
+    assert {e for (_x, e), in list(again)} == {2}  # its own epoch counter went on: 0, 1 (restored), 2
+
+
+class Counter(Dataset):
+    """A map-style dataset with its own state (a count of state loads)."""
+
+    def __init__(self, n=20):
+        self.n, self.loaded = n, None
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return i
+
+    def state_dict(self):
+        return {"tag": "counter", "loaded": self.loaded}
+
+    def load_state_dict(self, state):
+        self.loaded = state
+
+
+class Countdown(Sampler):
+    """A Stateful sampler: each epoch counts down from a start its state holds."""
+
+    def __init__(self, n):
+        self.n, self.epoch = n, 0
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        order = [(self.n - 1 - i + self.epoch) % self.n for i in range(self.n)]
+        self.epoch += 1
+        return iter(order)
+
+    def state_dict(self):
+        return {"epoch": self.epoch}
+
+    def load_state_dict(self, state):
+        self.epoch = state["epoch"]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_map_stateful_dataset_and_sampler_and_end_of_epoch(ray_session, num_workers):
+    ref = sbloader.DataLoader(Counter(), batch_size=3, sampler=Countdown(20), num_workers=num_workers)
+    epoch0, epoch1 = list(ref), list(ref)
+    dl = sbloader.DataLoader(Counter(), batch_size=3, sampler=Countdown(20), num_workers=num_workers)
+    it = iter(dl)
+    taken = [next(it) for _ in range(2)]
+    mid = round_trip(dl.state_dict(), "json")
+    assert mid["sampler_state"] == {"epoch": 1} and mid["dataset_state"]["tag"] == "counter"
+    last = None
+    for b in it:
+        last = b
+        in_loop = round_trip(dl.state_dict(), "torch")  # after the epoch's last batch, inside the loop
+    after = round_trip(dl.state_dict(), "json")
+    assert torch.equal(last, epoch0[-1])
+
+    ds, sampler = Counter(), Countdown(20)
+    resumed = sbloader.DataLoader(ds, batch_size=3, sampler=sampler, num_workers=num_workers)
+    resumed.load_state_dict(mid)
+    assert ds.loaded["tag"] == "counter" and sampler.epoch == 1  # both restored with the loader's state
+    assert [t.tolist() for t in taken + list(resumed)] == [t.tolist() for t in epoch0]
+    assert [t.tolist() for t in resumed] == [t.tolist() for t in epoch1]  # the sampler's next epoch
+
+    at_end = sbloader.DataLoader(Counter(), batch_size=3, sampler=Countdown(20), num_workers=num_workers)
+    at_end.load_state_dict(in_loop)
+    assert list(at_end) == []  # the empty remainder of epoch 0
+    assert [t.tolist() for t in at_end] == [t.tolist() for t in epoch1]
+    fresh = sbloader.DataLoader(Counter(), batch_size=3, sampler=Countdown(20), num_workers=num_workers)
+    fresh.load_state_dict(after)
+    assert [t.tolist() for t in fresh] == [t.tolist() for t in epoch1]
+
+    unbatched = sbloader.DataLoader(Counter(), batch_size=None, shuffle=True, num_workers=num_workers)
+    it = iter(unbatched)
+    head = [int(next(it)) for _ in range(5)]
+    state = round_trip(unbatched.state_dict(), "json")
+    rest = [int(x) for x in it]
+    again = sbloader.DataLoader(Counter(), batch_size=None, shuffle=True, num_workers=num_workers)
+    again.load_state_dict(state)
+    assert [int(x) for x in again] == rest and sorted(head + rest) == list(range(20))
+
+
+# ----- errors never hang -------------------------------------------------------------------------
+
+
+class FailingItems(Dataset):
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, i):
+        raise ValueError("Iteration error")
+
+
+class FailingSampler(Sampler):
+    def __len__(self):
+        return 10
+
+    def __iter__(self):
+        raise KeyError("sampler broke")
+
+
+class FailingIter(IterableDataset):
+    def __iter__(self):
+        raise IndexError("iter broke")
+
+
+def failing_init(worker_id):
+    raise ValueError("Worker init error")
+
+
+class StatefulIndices:
+    def __init__(self, n):
+        self.n, self.i = n, 0
+
+    def __next__(self):
+        if self.i >= self.n:
+            raise StopIteration
+        self.i += 1
+        return self.i - 1
+
+    def state_dict(self):
+        return {"i": self.i}
+
+    def load_state_dict(self, state):
+        self.i = state["i"]
+
+
+class IteratorObjectSampler(Sampler):
+    """``__iter__`` returns a Stateful iterator object (not a generator)."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        return StatefulIndices(self.n)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2, 4])
+def test_errors_reach_the_loop_as_torch_raises_them_and_never_hang(ray_session, num_workers):
+    with bounded():
+        with pytest.raises(ValueError, match="Iteration error"):
+            next(iter(sbloader.DataLoader(FailingItems(), num_workers=num_workers)))
+        with pytest.raises(KeyError, match="sampler broke"):
+            next(iter(sbloader.DataLoader(FailingItems(), sampler=FailingSampler(), num_workers=num_workers)))
+        with pytest.raises(IndexError, match="iter broke"):
+            next(iter(sbloader.DataLoader(FailingIter(), num_workers=num_workers)))
+        if num_workers:
+            with pytest.raises(ValueError, match="Worker init error"):
+                iter(sbloader.DataLoader(FailingItems(), num_workers=num_workers, worker_init_fn=failing_init))
+        # the shapes that hung: a sampler returning an iterator object, a dataset that is its own iterator
+        got = list(sbloader.DataLoader(list(range(12)), batch_size=1, sampler=IteratorObjectSampler(12),
+                                       num_workers=num_workers))
+        assert [int(b) for b in got] == list(range(12))
+        ints = [int(x) for x in sbloader.DataLoader(OwnIterator(9), num_workers=num_workers)]
+        torch_ints = [int(x) for x in torch.utils.data.DataLoader(OwnIterator(9), num_workers=num_workers)]
+        assert sorted(ints) == sorted(torch_ints) == sorted(list(range(9)) * max(1, num_workers))
+
+
+def test_more_workers_than_cpus_share_them():
+    assert fitted_worker_cpus(4, 1.0, 2.0) == 0.5  # every worker starts: none waits for a CPU
+    assert fitted_worker_cpus(3, 1.0, 2.0) == 0.6666
+    assert fitted_worker_cpus(2, 1.0, 2.0) == 1.0 and fitted_worker_cpus(2, 1.0, None) == 1.0
+    assert fitted_worker_cpus(0, 1.0, 2.0) == 1.0
+    # what other loaders hold (live, or kept by a traceback) never starves a new one
+    assert fitted_worker_cpus(2, 1.0, 2.0, free=1.0) == 0.5 and fitted_worker_cpus(2, 1.0, 2.0, free=0.0) == 0.0
+    assert fitted_worker_cpus(2, 1.0, 8.0, free=6.0) == 1.0
