@@ -202,10 +202,14 @@ def test_parquet_and_videos_over_s3_equal_local(ray_session, bucket, tmp_path):
         return sorted((int(i), bytes(im)) for b in ds.iter_batches(16) for i, im in zip(b["id"], b["image"]))
 
     local = table(sbloader.read_parquet(str(pq_dir), rows_per_partition=10))
+    proxy = _server().proxy
     for cache in (True, False):
         ds = sbloader.read_parquet(f"s3://{BUCKET}/pq", rows_per_partition=10, cache=cache,
                                    cache_dir=str(tmp_path / "c"))
+        proxy.reset_counts()
         assert ds.num_rows() == 60 and table(ds) == local
+        if cache:  # each file one GET into the cache (fetched ahead or by its read), no HEAD
+            assert proxy.object_gets == 2 and proxy.counts[("HEAD", "object")] == 0
 
     def frames(ds):
         return {(os.path.basename(str(p)), int(i)): f.copy()
@@ -213,7 +217,10 @@ def test_parquet_and_videos_over_s3_equal_local(ray_session, bucket, tmp_path):
 
     lv = frames(sbloader.read_videos(str(vid_dir), frames_per_partition=5))
     rds = sbloader.read_videos(f"s3://{BUCKET}/vid/", frames_per_partition=5, cache_dir=str(tmp_path / "c"))
+    proxy.reset_counts()
     rv = frames(rds)
+    # the probe at creation already fetched the videos into the cache: the reads take nothing more
+    assert proxy.object_gets == 0 and proxy.counts[("HEAD", "object")] == 0
     assert sorted(lv) == sorted(rv) and all(np.array_equal(lv[k], rv[k]) for k in lv)
     assert all(str(p).startswith(f"s3://{BUCKET}/vid/") for p in next(rds.iter_batches(4))["path"])
 
