@@ -133,7 +133,7 @@ def run(**p: Any) -> Outcome:
             side.close()
     torch_mix = torch_labels(path)
     return Outcome(trials, "images_per_s", "images/s", baseline="before: window 8 (default)",
-                   extra=("labels_per_batch", "first_batch_s", "peak_held_mib", "budget_mib", "narrowed"),
+                   extra=("labels_per_batch", "first_batch_s", "peak_held_mib", "budget_mib", "narrowed", "cpu_s"),
                    notes=[f"torch DataLoader(shuffle=True) over the same labels: {torch_mix:.2f} distinct labels "
                           "per batch of 64",
                           f"{p['row_groups']} row groups of {p['rows_per_group']} JPEGs (96x96), {p['labels']} "
@@ -144,4 +144,6 @@ def run(**p: Any) -> Outcome:
                           f"small budget: memory_budget={p['small_budget_mib']} MiB (the window holds half); "
                           "peak_held_mib is the executor's counted peak (blocks queued, ready, held by the "
                           "window, in flight, released but not yet freed)",
-                          "the cost of the new code at equal mix: 'after: shuffle_window=8' against 'before'"])
+                          "the cost of the new code at equal mix: 'after: shuffle_window=8' against 'before'; "
+                          "cpu_s is the CPU of this process tree in the run (both sides' processes and Rays: the "
+                          "idle side's share is the same in every row), the cost to read under a loaded machine"])
