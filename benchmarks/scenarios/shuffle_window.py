@@ -12,11 +12,7 @@ images/s (paired ratio to "before"), distinct labels per batch (torch's
 batch, the executor's counted peak of object-store bytes."""
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,6 +20,7 @@ import numpy as np
 from benchmarks.harness import ROOT, Outcome, Plan, run_interleaved
 
 from ._common import DATA
+from ._shuffle_sides import Side, before_tree
 
 ORDER = 45
 TITLE = "Shuffle window: label-sorted Parquet of 1,000 row groups, before/after"
@@ -67,39 +64,6 @@ def sorted_images(row_groups: int, rows: int, labels: int) -> str:
     return str(path)
 
 
-def before_tree(rev: str) -> Path:
-    """A worktree of ``rev`` (the tree before the issue) at /tmp/wt39-before."""
-    where = Path("/tmp/wt39-before")
-    if not (where / "sbloader").exists():
-        subprocess.run(["git", "worktree", "add", "--detach", str(where), rev], cwd=ROOT, check=True,
-                       capture_output=True)
-    return where
-
-
-class Side:
-    """A worker process (``_shuffle_worker.py``) importing sbloader from ``tree``."""
-
-    def __init__(self, tree: Path, path: str) -> None:
-        env = {**os.environ, "PYTHONPATH": str(tree), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-        worker = Path(__file__).with_name("_shuffle_worker.py")
-        self.proc = subprocess.Popen([sys.executable, str(worker), path], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=env, cwd=str(tree))
-        self.ready = json.loads(self.proc.stdout.readline())["ready"]
-
-    def epoch(self, **req: Any) -> dict:
-        self.proc.stdin.write(json.dumps(req) + "\n")
-        self.proc.stdin.flush()
-        reply = json.loads(self.proc.stdout.readline())
-        if "error" in reply:
-            raise RuntimeError(reply["error"])
-        return reply
-
-    def close(self) -> None:
-        self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
-        self.proc.stdin.flush()
-        self.proc.wait(60)
-
-
 def torch_labels(path: str, epochs: int = 3) -> float:
     """Distinct labels per full batch of torch's DataLoader(shuffle=True) over the file's labels."""
     import pyarrow.parquet as pq
@@ -133,15 +97,18 @@ def run(**p: Any) -> Outcome:
             side.close()
     torch_mix = torch_labels(path)
     return Outcome(trials, "images_per_s", "images/s", baseline="before: window 8 (default)",
-                   extra=("labels_per_batch", "first_batch_s", "peak_held_mib", "budget_mib", "narrowed"),
+                   extra=("labels_per_batch", "first_batch_s", "peak_held_mib", "budget_mib", "narrowed", "cpu_s"),
                    notes=[f"torch DataLoader(shuffle=True) over the same labels: {torch_mix:.2f} distinct labels "
                           "per batch of 64",
                           f"{p['row_groups']} row groups of {p['rows_per_group']} JPEGs (96x96), {p['labels']} "
                           f"labels in runs of {p['row_groups'] // p['labels']} row groups; decode to 64x64 in "
                           "map_batches; batches of 64",
                           f"before = {p['before']} ({sides['before'].ready}), after = this tree; each side its "
-                          "own process and embedded Ray",
+                          f"own process and embedded Ray (restarted after a loss: before {sides['before'].restarts}, "
+                          f"after {sides['after'].restarts} times)",
                           f"small budget: memory_budget={p['small_budget_mib']} MiB (the window holds half); "
                           "peak_held_mib is the executor's counted peak (blocks queued, ready, held by the "
                           "window, in flight, released but not yet freed)",
-                          "the cost of the new code at equal mix: 'after: shuffle_window=8' against 'before'"])
+                          "the cost of the new code at equal mix: 'after: shuffle_window=8' against 'before'; "
+                          "cpu_s is the CPU of this process tree in the run (both sides' processes and Rays: the "
+                          "idle side's share is the same in every row), the cost to read under a loaded machine"])

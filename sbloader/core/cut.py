@@ -85,18 +85,20 @@ class Cutter:
         self.epoch_seed = epoch_seed
         self.index = first_index
         self._open: list[list] = []  # [key, rows, taken, weight], in the order they opened
+        self._left = 0  # rows left in the open partitions
+        self._held = 0  # weight of the open partitions
         self.widest = 0
         self.narrowed = False
 
     @property
     def open_rows(self) -> int:
         """Rows left in the open partitions."""
-        return sum(e[1] - e[2] for e in self._open)
+        return self._left
 
     @property
     def held(self) -> int:
         """Weight of the open partitions (rows or bytes of their whole blocks)."""
-        return sum(e[3] for e in self._open)
+        return self._held
 
     @property
     def open_count(self) -> int:
@@ -126,6 +128,8 @@ class Cutter:
             raise ValueError(f"rows must be >= 0, found {rows}")
         if rows:
             self._open.append([key, rows, 0, rows if weight is None else int(weight)])
+            self._left += rows
+            self._held += self._open[-1][3]
 
     def cut(self, batch_rows: int) -> tuple[Piece, ...]:
         """The pieces of the next batch (``batch_rows`` at most the open rows).
@@ -145,11 +149,17 @@ class Cutter:
         else:
             counts = [int(c) for c in cut_counts(remaining, batch_rows, self.epoch_seed, self.index)]
         pieces = []
+        closed = False
         for entry, c in zip(self._open, counts):
             if c:
                 pieces.append(Piece(entry[0], entry[2], entry[2] + c))
                 entry[2] += c
-        self._open = [e for e in self._open if e[2] < e[1]]
+                self._left -= c
+                if entry[2] >= entry[1]:
+                    self._held -= entry[3]
+                    closed = True
+        if closed:
+            self._open = [e for e in self._open if e[2] < e[1]]
         self.index += 1
         return tuple(pieces)
 
