@@ -116,9 +116,8 @@ class RebuildProtocol:
         import ray
 
         from sbloader.executor.failures import shared_arg
-        from sbloader.executor.pools import new_pool_actor
         from sbloader.executor.stages import build_stages
-        from sbloader.executor.tasks import EpochInfo
+        from sbloader.executor.tasks import EpochInfo, MapActor
 
         self._last_call = time.monotonic()
         ep = self._epochs.get(epoch)
@@ -132,7 +131,10 @@ class RebuildProtocol:
         part = next(p for p in spec.source.partitions(epoch, spec.plan.epoch_seed, shuffle=spec.plan.shuffle)
                     if p.id == pid)
         stage = build_stages(spec.source.name, list(spec.ops))[0]
-        actor = new_pool_actor(stage, 0, 1, spec.options)
+        # no CPU of its own: the pool holds the CPUs the nodes that remain have (its replacement
+        # for the lost actor may be waiting for one), and this actor lives for one call
+        opts = {k: v for k, v in spec.options.placed(stage.ray_options).items() if k not in ("num_cpus", "num_gpus")}
+        actor = MapActor.options(num_cpus=0, **opts).remote(stage.actor_op, 0, 1, stage.ops[:-1])
         try:
             block, meta = actor.read_process.options(num_returns=2).remote(
                 shared_arg((spec.source.reader(), spec.source.shared())), (part,),

@@ -105,7 +105,7 @@ class Scheduler:
 
     def step(self) -> None:
         """Scale the pools, launch again the partitions of straggling read calls, launch work."""
-        if self.reruns.watch_nodes():  # a node joined: the task stages may keep more in flight
+        if self.reruns.watch_nodes(self.pools):  # a node joined: the task stages may keep more in flight
             from sbloader.runtime.session import cluster_cpus
 
             self._slots = [max(n, stage_concurrency(s, cluster_cpus())) if s.kind != "actor" else 0

@@ -28,6 +28,11 @@ from sbloader.executor.stages import Stage, build_stages
 from sbloader.executor.tasks import MapActor
 
 ACTOR_SLOTS = 2  # calls in flight per actor: one running, one queued behind it
+_NODES: dict[str, str] = {}  # actor id -> its node, for actors kept in an actor cache across executions
+
+
+def _actor_key(handle: Any) -> str:
+    return handle._actor_id.hex()
 IDLE_TIMEOUT_S = 5.0  # the least an actor sits idle before it may be retired
 
 
@@ -156,7 +161,7 @@ class ActorPools:
                     if not h.counted:
                         stats[i].actors_created += 1
                 else:
-                    actor = PoolActor(h, None)
+                    actor = PoolActor(h, None, node=_NODES.get(_actor_key(h)))  # its node, if this process saw it
                 self.pools[i].append(actor)
             handles.clear()
 
@@ -222,7 +227,15 @@ class ActorPools:
         st.resource_wait_s += max(0.0, time.monotonic() - actor.launched - built_s)
         actor.ready_ref = None
         actor.node = str(info[0]) if info else None
+        if actor.node is not None:
+            _NODES[_actor_key(actor.handle)] = actor.node
         actor.idle_since = time.monotonic()
+
+    def lose_node(self, node: str) -> None:
+        """A node left the cluster: its actors are lost (:meth:`lose`), busy or idle."""
+        for actors in self.pools.values():
+            for a in [a for a in actors if a.node == node]:
+                self.lose(a)
 
     def lose(self, actor: PoolActor) -> Optional[str]:
         """An actor the system lost (its node died, its process was killed): out of its pool,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
+from typing import Any, Optional
 
 from sbloader.core.stats import ExecutionStats
 from sbloader.executor.calls import Running
@@ -62,10 +62,13 @@ class Reruns:
                 "nodes from their provenance, and pools regrow there", self._epoch, where if node else "(unknown)",
                 stage_name, type(error).__name__, first)
 
-    def watch_nodes(self, now: Optional[float] = None, nodes: Optional[list] = None) -> bool:
+    def watch_nodes(self, pools: Any = None, now: Optional[float] = None, nodes: Optional[list] = None) -> bool:
         """Look at the cluster's nodes (at most every :data:`NODE_POLL_S`): a node gone is named
-        (Ray re-runs a lost task by itself, so no call of ours may fail), one that joined is
-        logged. Returns True when a node joined: the caller may launch more work.
+        (Ray re-runs a lost task by itself, so no call of ours may fail) and its pool actors
+        leave their pools (``pools.lose_node``): an idle one would otherwise be restarted by
+        Ray and wait for CPUs beside its replacement, and Ray's reconstruction of the blocks
+        it made would wait for it. One that joined is logged. Returns True when a node
+        joined: the caller may launch more work.
 
         Args:
             nodes: ``ray.nodes()`` (asked here when None).
@@ -86,6 +89,8 @@ class Reruns:
         if before is None:
             return False
         for node in sorted(before - alive):
+            if pools is not None:
+                pools.lose_node(node)
             if node not in self._stats.lost_nodes:
                 self._stats.lost_nodes.append(node)
             if node not in self._warned:

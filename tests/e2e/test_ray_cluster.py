@@ -102,10 +102,14 @@ class Cluster:
             env=dict(base, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0"), capture_output=True, text=True, timeout=120)
         assert head.returncode == 0, head.stdout[-2000:] + head.stderr[-2000:]
         self.head_raylet = set(self._raylets()) - self.raylets_before
-        for k, cpus in enumerate(nodes):
-            node_id = self.add_node(cpus, '{"node2": 1}' if k == 0 else None)
-            if k == 0:
-                self.node2_raylet = set(self.node_raylets[node_id])
+        try:
+            for k, cpus in enumerate(nodes):
+                node_id = self.add_node(cpus, '{"node2": 1}' if k == 0 else None)
+                if k == 0:
+                    self.node2_raylet = set(self.node_raylets[node_id])
+        except BaseException:  # the caller gets no Cluster to stop: stop what started
+            self.stop()
+            raise
 
     def add_node(self, cpus: int, resources: str | None = None) -> str:
         """Join one more node with ``ray start --address``; returns its node id."""

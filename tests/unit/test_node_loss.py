@@ -137,11 +137,11 @@ def test_the_node_watch_names_a_node_that_left_once_and_says_when_one_joined(cap
         return [{"NodeID": n, "Alive": True} for n in alive] + [{"NodeID": "old", "Alive": False}]
 
     with caplog.at_level(logging.INFO, logger="sbloader.executor.reruns"):
-        assert reruns.watch_nodes(now=10.0, nodes=nodes("a", "b")) is False  # the first look: nothing to compare
-        assert reruns.watch_nodes(now=10.5, nodes=nodes("a")) is False  # within the poll interval: not looked at
-        assert reruns.watch_nodes(now=13.0, nodes=nodes("a")) is False
+        assert reruns.watch_nodes(None, now=10.0, nodes=nodes("a", "b")) is False  # the first look: nothing to compare
+        assert reruns.watch_nodes(None, now=10.5, nodes=nodes("a")) is False  # within the poll interval: not looked at
+        assert reruns.watch_nodes(None, now=13.0, nodes=nodes("a")) is False
         assert stats.lost_nodes == ["b"]
-        assert reruns.watch_nodes(now=16.0, nodes=nodes("a", "c")) is True
+        assert reruns.watch_nodes(None, now=16.0, nodes=nodes("a", "c")) is True
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
     assert len(warnings) == 1 and "lost node b" in warnings[0]
