@@ -82,8 +82,13 @@ def kill_cached(actor_cache: Optional[dict]) -> None:
 
 def new_pool_actor(stage: Stage, index: int, pool_size: int, opts: ExecutionOptions) -> Any:
     """Create one actor of an actor stage's pool (its constructor runs in the background)."""
+    # No restart by Ray: a lost actor leaves its pool, which builds another where there is room
+    # (ActorPools.lose), and its calls run again from provenance. A restart by Ray would wait for
+    # CPUs beside that replacement, and Ray's reconstruction of the blocks it made would wait for
+    # the restart (a rank then hung on its batch); without one, a lost block fails at once and is
+    # made again (SplitCoordinator.remake).
     return MapActor.options(
-        max_restarts=opts.max_task_retries,
+        max_restarts=0,
         max_task_retries=opts.max_task_retries,
         **opts.placed(stage.ray_options),
     ).remote(stage.actor_op, index, pool_size, stage.ops[:-1])

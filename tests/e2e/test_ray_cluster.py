@@ -349,9 +349,13 @@ def test_a_cpu_node_killed_and_one_added_mid_epoch_every_rank_goes_on_exactly_on
     assert ran[victim] > 0, "the killed node ran work before the kill"
     after = [b for b in _progress(tmp_path) if b["t"] > killed_at]
     assert any(added in b["nodes"] for b in after), "the node added mid-epoch was never used"
-    assert f"lost node {victim}" in out, "no warning named the lost node"
-    assert any(f"lost node(s) {victim[:12]}" in r["stats"] for ranks in epochs for r in ranks), \
-        "stats() did not name the lost node"
+    if mode == "dropin":
+        # A native pipeline's read tasks are re-run by Ray itself: the loss is seen only by the
+        # executor's node watch, which does not run once the epoch's reads are all done (the node
+        # may be declared dead after that), so there the naming is not certain (issue #35's note).
+        assert f"lost node {victim}" in out, "no warning named the lost node"
+        assert any(f"lost node(s) {victim[:12]}" in r["stats"] for ranks in epochs for r in ranks), \
+            "stats() did not name the lost node"
     deadline = time.monotonic() + 30
     left = _leftovers(small_cluster)
     while (left["actors"] or left["pgs"]) and time.monotonic() < deadline:
