@@ -223,6 +223,7 @@ class PipelineLoader:
         if self.world.world_size == 1:
             it = local_epoch(self.dataset, self.settings, base, self._carry)
         else:
+            coordinator = self._split_coordinator()  # joins the job's Ray: the default budget reads it
             sizes = sizes_of(self.dataset.source, base.epoch, base.epoch_seed, self.shuffle)
             window = shuffle_window.split_window(self.settings.window, base, self.dataset.source,
                                                  shuffle_window.default_budget(self.settings.memory_budget))
@@ -231,7 +232,7 @@ class PipelineLoader:
             if run.plan.narrowed:
                 shuffle_window.warn_once(self.dataset, narrowed_note(self.settings.window, run.plan.widest,
                                                                      len(base.order)))
-            it = run_split_epoch(self.dataset, self.settings, run, self._split_coordinator(), self._carry)
+            it = run_split_epoch(self.dataset, self.settings, run, coordinator, self._carry)
         self._run, self._stalls, self._iterator = it.run, it.stalls, weakref.ref(it)
         return it
 
