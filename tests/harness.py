@@ -9,7 +9,9 @@ and fresh loaders (of the same or another world size) load it and run the rest.
 The ids the first part took plus every id of the rest must be the epoch, each
 exactly once; with ``same_order`` (a deterministic loader, the same world size) the
 resumed run must repeat the uninterrupted one batch for batch. A state taken after
-the epoch's last batch starts the next epoch, whole.
+the epoch's last batch resumes either the next epoch, whole (the native loader), or, with
+``end_state="empty"`` (the drop-in, as torchdata's StatefulDataLoader), an empty remainder
+of that epoch and then the next epoch, whole.
 
 Ranks run in threads of this process (rank/world_size given to the loader), on the
 test session's Ray.
@@ -49,9 +51,11 @@ def ids_of(batch: Any, key: str) -> list:
 
 
 def run_ranks(make: MakeLoader, world_size: int, name: str, key: str, take: Optional[int] = None,
-              state: Optional[dict] = None, timeout: float = 240.0) -> tuple[list[Taken], Optional[dict]]:
+              state: Optional[dict] = None, timeout: float = 240.0,
+              then_next: bool = False) -> tuple[list[Taken], Optional[dict]]:
     """Every rank's loader in a thread: load ``state`` if given, take ``take`` batches (None: the
-    epoch). Returns what each rank took and rank 0's state after it (JSON round-tripped)."""
+    epoch; with ``then_next``, the epoch and then the next one, which must come after an empty
+    first). Returns what each rank took and rank 0's state after it (JSON round-tripped)."""
     out: list = [None] * world_size
     saved: list = [None]
     errors: list = []
@@ -64,6 +68,9 @@ def run_ranks(make: MakeLoader, world_size: int, name: str, key: str, take: Opti
                 loader.load_state_dict(json.loads(json.dumps(state)))
             it = iter(loader)
             batches = [ids_of(batch, key) for batch in (itertools.islice(it, take) if take is not None else it)]
+            if then_next:
+                assert not batches, f"rank {rank}: a state taken after the epoch's last batch resumed {len(batches)} batch(es), not an empty remainder"
+                batches = [ids_of(batch, key) for batch in loader]
             barrier.wait(timeout)  # every rank took its k batches: rank 0 checkpoints now
             if rank == 0 and take is not None:
                 saved[0] = json.loads(json.dumps(loader.state_dict()))
@@ -106,7 +113,7 @@ def free_coordinators(name: str) -> None:
 
 def check_resume_everywhere(make: MakeLoader, epoch_ids: list, *, key: str = "id", world_size: int = 1,
                             resume_world_sizes: tuple = (), same_order: bool = False,
-                            steps: Optional[list] = None) -> None:
+                            steps: Optional[list] = None, end_state: str = "next") -> None:
     """Save at every step of an epoch and resume from each; see the module's docstring.
 
     Args:
@@ -117,6 +124,8 @@ def check_resume_everywhere(make: MakeLoader, epoch_ids: list, *, key: str = "id
         resume_world_sizes: other world sizes to resume onto as well.
         same_order: the resumed run (same world size) repeats the uninterrupted one.
         steps: the steps to save at (default: every step, 0 and the last included).
+        end_state: what a state taken after the epoch's last batch resumes: ``"next"`` (the
+            next epoch) or ``"empty"`` (an empty remainder, then the next epoch).
     """
     base = f"resume{next(_NAMES)}"
     whole, _ = run_ranks(make, world_size, f"{base}-whole", key)
@@ -127,7 +136,8 @@ def check_resume_everywhere(make: MakeLoader, epoch_ids: list, *, key: str = "id
         head, state = run_ranks(make, world_size, f"{base}-head{k}", key, take=k)
         taken = [i for t in head for i in t.ids]
         for ws in (world_size,) + tuple(resume_world_sizes):
-            rest, _ = run_ranks(make, ws, f"{base}-rest{k}-{ws}", key, state=state)
+            rest, _ = run_ranks(make, ws, f"{base}-rest{k}-{ws}", key, state=state,
+                                then_next=k == per_rank and end_state == "empty")
             if k == per_rank:  # a state taken after the epoch's last batch starts the next epoch
                 assert sorted(taken) == sorted(epoch_ids)
                 assert sorted(i for t in rest for i in t.ids) == sorted(epoch_ids), f"{ws} rank(s): next epoch"

@@ -37,12 +37,12 @@ def test_the_drop_in_in_one_process(ray_session, workers):
     def make(rank, world_size, name):
         loader = _dropin(workers)(rank, world_size, name)
         return _Ids(loader)
-    check_resume_everywhere(make, list(range(N)), key="id", same_order=True)
+    check_resume_everywhere(make, list(range(N)), key="id", same_order=True, end_state="empty")
 
 
 def test_the_drop_in_split_across_ranks(ray_session):
     check_resume_everywhere(lambda r, w, n: _Ids(_dropin(1)(r, w, n)), list(range(N)), key="id", world_size=2,
-                            resume_world_sizes=(1, 3), same_order=True, steps=[0, 1, 2, 3])
+                            resume_world_sizes=(1, 3), same_order=True, steps=[0, 1, 2, 3], end_state="empty")
 
 
 @pytest.mark.parametrize("window", [1, 3])
