@@ -219,13 +219,15 @@ def fitted_worker_cpus(num_workers: int, worker_num_cpus: float, cpus: Optional[
     return math.floor(room / num_workers * 1e4) / 1e4
 
 
-def free_cpus() -> Optional[float]:
-    """CPUs of the Ray cluster no actor or task holds now (None before Ray is up)."""
+def free_cpus(held_here: float = 0.0) -> Optional[float]:
+    """CPUs of the Ray cluster no actor or task holds now, less ``held_here`` (what this process's
+    other loaders asked for: their actors may not be placed yet); None before Ray is up."""
     import ray
 
     if not ray.is_initialized():
         return None
-    return float(ray.available_resources().get("CPU", 0.0))
+    total = float(ray.cluster_resources().get("CPU", 0.0))
+    return max(0.0, min(float(ray.available_resources().get("CPU", 0.0)), total - held_here))
 
 
 def warn_excess_workers(num_workers: int, worker_num_cpus: float) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Union
 
@@ -108,7 +109,7 @@ class DropinSettings:
         return TensorOptions(pin=self.pin, zero_copy=self.zero_copy)
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity (kept in a WeakSet)
 class DropinCarry:
     """What a drop-in loader keeps from one epoch to the next.
 
@@ -130,6 +131,15 @@ class DropinCarry:
     last_split_run: Optional[EpochRun] = None
     lease_interval_s: float = 1.0  # seconds one request's lease lasts (below a quarter of stall_report_s)
     dropped: bool = False
+    held_cpus: float = 0.0  # CPUs its pool's actors ask Ray for (running, or kept as persistent workers)
+
+
+_CARRIES: "weakref.WeakSet[DropinCarry]" = weakref.WeakSet()  # the drop-in loaders of this process
+
+
+def cpus_held_by_loaders(exclude: Optional[DropinCarry] = None) -> float:
+    """CPUs the live drop-in pools of this process ask for (known here before Ray places them)."""
+    return sum(c.held_cpus for c in list(_CARRIES) if c is not exclude and not c.dropped)
 
 
 def find_coordinator(world: Any, name: str, fingerprint: dict, stall_report_s: float, settings: DropinSettings,
@@ -239,6 +249,8 @@ def pool_epoch(s: DropinSettings, carry: DropinCarry, run: Optional[Union[EpochR
                                actor_cache=carry.actor_cache if s.persistent_workers else None,
                                estimates=carry.estimates, arena=arena_here())
     carry.stats = executor.stats()
+    carry.held_cpus = s.num_workers * s.worker_num_cpus
+    _CARRIES.add(carry)
     stalls = StallStats()
     tensors = s.tensors()
 
@@ -272,6 +284,8 @@ def pool_epoch(s: DropinSettings, carry: DropinCarry, run: Optional[Union[EpochR
 
     def closed() -> None:
         carry.estimates = executor.estimates()
+        if not s.persistent_workers or carry.dropped:
+            carry.held_cpus = 0.0
         if carry.dropped:  # the loader went first (its iterator lived on): its persistent actors go now
             kill_cached(carry.actor_cache)
         _report(s, f"epoch {epoch}", stalls)()
