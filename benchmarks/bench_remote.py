@@ -1,4 +1,10 @@
-"""Images from an S3-compatible store (moto on 127.0.0.1, behind proxies adding 0, 20 and
+"""Superseded by the scenarios ``bucket_latency`` (first and cached epochs against local
+disk, obstore and pyarrow clients, torch+boto3, a lean store whose CPU per request is
+reported, requests in flight over time) and ``object_clients`` (the clients alone):
+``python -m benchmarks run bucket_latency``. Kept for the moto-based figures of
+``benchmarks/results/remote.md``.
+
+Images from an S3-compatible store (moto on 127.0.0.1, behind proxies adding 0, 20 and
 100 ms to every request): sbloader against torch's DataLoader and Ray Data, epoch 1
 (cold) and epoch 2 (sbloader's node-local cache warm), in the same run.
 

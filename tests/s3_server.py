@@ -50,8 +50,8 @@ class FaultProxy:
         upstream_port: moto's port.
         latency_s: seconds every request waits before it is forwarded.
         faults: injected faults still to happen, oldest first: ``"503"`` (answer
-            ``503 SlowDown``) or ``"drop"`` (close the connection without an answer);
-            each applies to the next object GET.
+            ``503 SlowDown``), ``"403"`` (answer ``403 AccessDenied``) or ``"drop"``
+            (close the connection without an answer); each applies to the next object GET.
         counts: requests by ``(method, kind)``, kind ``"object"`` or ``"list"``.
         object_get_bytes: body bytes of object GETs passed back.
         faults_done: faults injected so far.
@@ -66,9 +66,9 @@ class FaultProxy:
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def inject(self, kind: str, times: int = 1) -> None:
-        """Make the next ``times`` object GETs fail with ``kind`` (``"503"`` or ``"drop"``)."""
-        if kind not in ("503", "drop"):
-            raise ValueError(f"kind must be '503' or 'drop', found {kind!r}")
+        """Make the next ``times`` object GETs fail with ``kind`` (``"503"``, ``"403"`` or ``"drop"``)."""
+        if kind not in ("503", "403", "drop"):
+            raise ValueError(f"kind must be '503', '403' or 'drop', found {kind!r}")
         with self.lock:
             self.faults.extend([kind] * times)
 
@@ -130,10 +130,12 @@ def _handler(proxy: FaultProxy) -> type:
                 except OSError:
                     pass
                 return
-            if fault == "503":
+            if fault in ("503", "403"):
                 msg = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>SlowDown</Code>"
-                       b"<Message>Please reduce your request rate.</Message></Error>")
-                self.send_response(503)
+                       b"<Message>Please reduce your request rate.</Message></Error>") if fault == "503" else (
+                    b"<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>AccessDenied</Code>"
+                    b"<Message>Access Denied</Message></Error>")
+                self.send_response(int(fault))
                 self.send_header("Content-Type", "application/xml")
                 self.send_header("Content-Length", str(len(msg)))
                 self.end_headers()

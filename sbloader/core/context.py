@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 import sys
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -136,9 +136,19 @@ def report_counters(counts: dict) -> None:
     ctx = get_context()
     if ctx is None:
         return
-    for k, v in counts.items():
-        if v:
-            ctx.counters[k] = ctx.counters.get(k, 0) + int(v)
+    merge_counters(ctx.counters, counts)
+
+
+def merge_counters(into: dict, counts: Any) -> None:
+    """Add ``counts`` (a dict or ``(name, count)`` pairs) into ``into``: a count named
+    ``peak_*`` keeps the largest value (a peak), every other one is summed; zeros are left out."""
+    for k, v in (counts.items() if isinstance(counts, dict) else counts):
+        if not v:
+            continue
+        if k.startswith("peak_"):
+            into[k] = max(into.get(k, 0), int(v))
+        else:
+            into[k] = into.get(k, 0) + int(v)
 
 
 _ACTOR_INFO: dict[str, int] = {}

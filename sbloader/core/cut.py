@@ -1,8 +1,9 @@
 """How an epoch's rows are cut into batches (pure: no Ray, no I/O).
 
 The consumer cuts batches from the partitions' output blocks. With a shuffle
-window of ``w`` partitions, each batch draws its rows from ``w`` open partitions
-at once, in proportion to what each has left (:func:`sbloader.core.plan.cut_counts`),
+window (:class:`~sbloader.core.window.Window`: a count of partitions, or a budget of
+rows or bytes the open partitions may hold), each batch draws its rows from every
+open partition at once, in proportion to what each has left (:func:`sbloader.core.plan.cut_counts`),
 so a batch mixes partitions that each hold adjacent rows of the input (a Parquet
 row group, a video). Each partition's rows are always taken in order: what a
 partition gave is a prefix of its rows, which the consumed ledger records as a
@@ -19,10 +20,11 @@ consumed ledger after every rank's first ``k`` batches is arithmetic
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, Optional, Sequence
+from typing import Hashable, Optional, Sequence, Union
 
 from sbloader.core.plan import cut_counts
 from sbloader.core.split import split_epoch
+from sbloader.core.window import Window, ramp_partitions, ramp_rows
 
 
 @dataclass(frozen=True)
@@ -52,38 +54,78 @@ class Piece:
 class Cutter:
     """Decides which rows of the open partitions each batch takes (pure state machine).
 
-    Open partitions with :meth:`add` while :meth:`wants` says so, then :meth:`cut`
-    a batch; a partition whose rows ran out closes.
+    Open partitions in plan order with :meth:`add` while :meth:`wants` says so, then
+    :meth:`cut` a batch; a partition whose rows ran out closes. A partition opens when
+    the batch needs its rows, or when the window has room for it: fewer open than its
+    count, its weight (rows or bytes of the whole block, which stays in memory until its
+    last row is taken) within what the open ones leave of the cap, and, for a budget
+    window, fewer open than :func:`~sbloader.core.window.ramp_partitions` allows at this
+    batch (or fewer rows left in them than :func:`~sbloader.core.window.ramp_rows`). Every rule depends on the plan, the weights and the batch index only, so a
+    resumed epoch (same open partitions, same weights) opens and cuts as the
+    uninterrupted one.
 
     Args:
-        window: partitions a batch draws from at once (1: cut them in turn).
+        window: partitions a batch draws from at once (an int; 1: cut them in turn), or a
+            resolved :class:`~sbloader.core.window.Window`.
         epoch_seed: the epoch seed the draws derive from.
         first_index: the index of the next batch (a resumed epoch goes on counting).
+
+    Attributes:
+        widest: the most partitions open when a batch was cut.
+        narrowed: the window held a partition back for lack of room (count or cap): the
+            epoch did not fit it.
     """
 
-    def __init__(self, window: int, epoch_seed: int, first_index: int = 0) -> None:
-        if window < 1:
-            raise ValueError(f"window must be >= 1, found {window}")
+    def __init__(self, window: Union[int, Window], epoch_seed: int, first_index: int = 0) -> None:
+        if not isinstance(window, Window):
+            if window < 1:
+                raise ValueError(f"window must be >= 1, found {window}")
+            window = Window(partitions=int(window))
         self.window = window
         self.epoch_seed = epoch_seed
         self.index = first_index
-        self._open: list[list] = []  # [key, rows, taken], in the order they opened
+        self._open: list[list] = []  # [key, rows, taken, weight], in the order they opened
+        self.widest = 0
+        self.narrowed = False
 
     @property
     def open_rows(self) -> int:
         """Rows left in the open partitions."""
-        return sum(rows - taken for _, rows, taken in self._open)
+        return sum(e[1] - e[2] for e in self._open)
 
-    def wants(self, batch_rows: int) -> bool:
-        """Whether the next batch of ``batch_rows`` rows should wait for one more partition."""
-        return len(self._open) < self.window or self.open_rows < batch_rows
+    @property
+    def held(self) -> int:
+        """Weight of the open partitions (rows or bytes of their whole blocks)."""
+        return sum(e[3] for e in self._open)
 
-    def add(self, key: Hashable, rows: int) -> None:
-        """Open a partition with ``rows`` rows left (none: ignored)."""
+    @property
+    def open_count(self) -> int:
+        """Partitions open now."""
+        return len(self._open)
+
+    def wants(self, batch_rows: int, weight: Optional[int] = None) -> bool:
+        """Whether to open one more partition (of ``weight``, when known) before the next batch
+        of ``batch_rows`` rows: the batch needs it, or the window has room for it."""
+        if self.open_rows < batch_rows:
+            return True
+        w, n = self.window, len(self._open)
+        if w.partitions is not None and n >= w.partitions:
+            self.narrowed = self.narrowed or n > 1
+            return False
+        if w.ramp and n >= ramp_partitions(self.index) and self.open_rows >= ramp_rows(self.index, batch_rows):
+            return False
+        if w.cap is not None and (weight is None or self.held + weight > w.cap):
+            self.narrowed = self.narrowed or weight is not None
+            return False
+        return True
+
+    def add(self, key: Hashable, rows: int, weight: Optional[int] = None) -> None:
+        """Open a partition with ``rows`` rows left (none: ignored), weighing ``weight``
+        (default: ``rows``) against the window's cap."""
         if rows < 0:
             raise ValueError(f"rows must be >= 0, found {rows}")
         if rows:
-            self._open.append([key, rows, 0])
+            self._open.append([key, rows, 0, rows if weight is None else int(weight)])
 
     def cut(self, batch_rows: int) -> tuple[Piece, ...]:
         """The pieces of the next batch (``batch_rows`` at most the open rows).
@@ -91,8 +133,9 @@ class Cutter:
         Returns:
             Pieces in the order their partitions opened; a partition gives at most one.
         """
-        remaining = [rows - taken for _, rows, taken in self._open]
-        if self.window == 1:
+        remaining = [e[1] - e[2] for e in self._open]
+        self.widest = max(self.widest, len(self._open))
+        if self.window.in_turn:
             counts, need = [], batch_rows
             for r in remaining:  # in turn: the oldest partition's rows first
                 counts.append(min(r, need))
@@ -147,6 +190,8 @@ class CutPlan:
         per_rank: batches each rank receives.
         first_index: the cut index of ``batches[0]`` in the whole epoch (seeds the draws).
         dropped: rows left out by ``drop_last``.
+        widest: the most partitions a batch drew from.
+        narrowed: the shuffle window could not hold the epoch (see :class:`Cutter`).
     """
 
     batches: tuple[BatchCut, ...]
@@ -154,14 +199,16 @@ class CutPlan:
     per_rank: int
     first_index: int = 0
     dropped: int = 0
+    widest: int = 0
+    narrowed: bool = False
 
     def for_rank(self, rank: int) -> list[BatchCut]:
         """The batches of ``rank``, in the order it receives them."""
         return [b for b in self.batches if b.rank == rank]
 
 
-def cut_plan(rows: Sequence[int], batch_size: int, world_size: int, drop_last: bool, window: int,
-             epoch_seed: int, first_index: int = 0) -> CutPlan:
+def cut_plan(rows: Sequence[int], batch_size: int, world_size: int, drop_last: bool, window: Union[int, Window],
+             epoch_seed: int, first_index: int = 0, weights: Optional[Sequence[int]] = None) -> CutPlan:
     """Cut partitions (``rows[i]`` rows left at place ``i`` of the plan) into equal per-rank batches.
 
     The sizes come from :func:`sbloader.core.split.split_epoch` (full batches round-robin
@@ -174,22 +221,25 @@ def cut_plan(rows: Sequence[int], batch_size: int, world_size: int, drop_last: b
         batch_size: rows per full batch.
         world_size: ranks.
         drop_last: drop the rows that cannot fill a batch on every rank.
-        window: partitions a batch draws from at once.
+        window: partitions a batch draws from at once, or a resolved window.
         epoch_seed: the epoch seed.
         first_index: the cut index of the first batch (a resumed epoch goes on counting).
+        weights: what each partition weighs against a window's cap (default: ``rows``; a
+            resumed epoch passes its partly consumed partitions' whole row counts, as
+            their blocks hold them all).
     """
     split = split_epoch(sum(rows), batch_size, world_size, drop_last)
     cutter = Cutter(window, epoch_seed, first_index)
-    places = iter([(i, n) for i, n in enumerate(rows) if n > 0])
+    weights = rows if weights is None else weights
+    places = iter([(i, n, weights[i]) for i, n in enumerate(rows) if n > 0])
+    nxt = next(places, None)
     out: list[BatchCut] = []
     last: Optional[Piece] = None
     for spec in split.batches:
         if spec.rows:
-            while cutter.wants(spec.rows):
-                nxt = next(places, None)
-                if nxt is None:
-                    break
+            while nxt is not None and cutter.wants(spec.rows, nxt[2]):
                 cutter.add(*nxt)
+                nxt = next(places, None)
             pieces = cutter.cut(spec.rows)
             last = pieces[-1]
             out.append(BatchCut(spec.index, spec.rank, pieces))
@@ -197,7 +247,8 @@ def cut_plan(rows: Sequence[int], batch_size: int, world_size: int, drop_last: b
             cutter.index += 1  # a batch of padding only: the draws of later batches stay as planned
             out.append(BatchCut(spec.index, spec.rank, (), spec.pad,
                                 Piece(last.key, last.stop - 1, last.stop) if last is not None else None))
-    return CutPlan(tuple(out), world_size, split.per_rank, first_index, split.dropped)
+    return CutPlan(tuple(out), world_size, split.per_rank, first_index, split.dropped, cutter.widest,
+                   cutter.narrowed)
 
 
 def consumed_after(plan: CutPlan, k: int) -> dict[Hashable, int]:

@@ -131,3 +131,36 @@ class IncrementalCut:
                     pieces.extend(tuple(r) for r in self._batch_ranges[b])
             self._ranges, self._k = merge(pieces), k
         return list(self._ranges)
+
+
+#: Partly consumed partitions above which a state packs their counts (:func:`pack_counts`).
+PACK_ABOVE = 64
+
+
+def pack_counts(counts: dict[int, int]) -> dict:
+    """Counts per place, packed: ``{"first": p, "counts": base64(zlib(uint32 LE))}`` over the
+    places ``first..last`` (0 where a place has none). A budget shuffle window can leave
+    every partition of the epoch partly consumed; packed, a million samples in row groups
+    of 64 take ~25 KB of state instead of ~170 KB as a JSON object."""
+    import base64
+    import zlib
+
+    if not counts:
+        return {"first": 0, "counts": ""}
+    first, last = min(counts), max(counts)
+    arr = np.zeros(last - first + 1, dtype="<u4")
+    for p, n in counts.items():
+        arr[p - first] = n
+    return {"first": int(first), "counts": base64.b64encode(zlib.compress(arr.tobytes(), 9)).decode("ascii")}
+
+
+def unpack_counts(packed: dict) -> dict[int, int]:
+    """The counts :func:`pack_counts` packed (places with none left out)."""
+    import base64
+    import zlib
+
+    if not packed.get("counts"):
+        return {}
+    arr = np.frombuffer(zlib.decompress(base64.b64decode(packed["counts"])), dtype="<u4")
+    first = int(packed["first"])
+    return {first + int(i): int(arr[i]) for i in np.flatnonzero(arr)}

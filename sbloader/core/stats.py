@@ -75,6 +75,12 @@ class ExecutionStats:
             the cluster did not have free.
         slot_blocks: output blocks the consumer read from its shared-memory slots
             instead of the object store (see ``sbloader/executor/handoff.py``).
+        shuffle_note: set when the epoch did not fit its shuffle window: the share of
+            the epoch a batch could draw from and the knob to raise (one line).
+        rerun_partitions: partitions run again because the cluster lost their call (a
+            node or a pool actor gone; :mod:`sbloader.executor.failures`).
+        lost_nodes: the nodes whose loss made partitions run again ("?" where Ray did not say).
+        rebuilt_coordinators: times the split coordinator was lost and rebuilt in this epoch.
     """
 
     operators: list[OperatorStats] = field(default_factory=list)
@@ -88,6 +94,10 @@ class ExecutionStats:
     stall_s: float = 0.0
     stuck_warnings: int = 0
     slot_blocks: int = 0
+    shuffle_note: str = ""
+    rerun_partitions: int = 0
+    lost_nodes: list = field(default_factory=list)
+    rebuilt_coordinators: int = 0
 
     @property
     def skipped(self) -> int:
@@ -143,6 +153,10 @@ class ExecutionStats:
         if self.full_decodes:
             lines.append(f"{self.full_decodes} image(s) decoded whole: the crop decode could not take them "
                          "(not JPEG, or rejected by libjpeg-turbo; see sbloader/sources/jpeg_window.py)")
+        if self.shuffle_note:
+            lines.append(self.shuffle_note)
+        if self.lost_nodes or self.rerun_partitions or self.rebuilt_coordinators:
+            lines.append(failures_line(self.lost_nodes, self.rerun_partitions, self.rebuilt_coordinators))
         starved = self.starved()
         if starved is not None:
             lines.append(f"starved: {starved.name} waited {starved.resource_wait_s:.2f}s before its work ran (Ray "
@@ -162,12 +176,15 @@ class StallStats:
             into tensors. The drop-in loader does this in a background thread, a
             few batches ahead, so it overlaps the loop and is not a stall.
         batches: batches yielded.
+        failures: what the cluster lost during the epoch and what was done about it
+            (lost nodes, partitions re-run, coordinators rebuilt); empty when nothing.
     """
 
     wall_s: float = 0.0
     wait_ready_s: float = 0.0
     fetch_s: float = 0.0
     batches: int = 0
+    failures: str = ""
 
     @property
     def stall_fraction(self) -> float:
@@ -178,4 +195,18 @@ class StallStats:
         return (
             f"{self.batches} batches in {self.wall_s:.2f}s; waiting {self.stall_fraction:.1%} "
             f"({self.wait_ready_s:.2f}s; fetching took {self.fetch_s:.2f}s)"
+            + (f"; {self.failures}" if self.failures else "")
         )
+
+    def note_failures(self, stats: Optional[ExecutionStats], rebuilt: int = 0) -> None:
+        """Name in the report what the execution lost (``stats``) and the coordinators rebuilt."""
+        nodes = list(stats.lost_nodes) if stats is not None else []
+        reruns = stats.rerun_partitions if stats is not None else 0
+        if nodes or reruns or rebuilt:
+            self.failures = failures_line(nodes, reruns, rebuilt)
+
+
+def failures_line(lost_nodes: list, reruns: int, rebuilt: int) -> str:
+    """One line: the nodes lost, the partitions re-run, the coordinators rebuilt."""
+    return (f"failures: lost node(s) {', '.join(n[:12] for n in lost_nodes) or 'none'}; "
+            f"{reruns} partition(s) re-run elsewhere; {rebuilt} coordinator(s) rebuilt")

@@ -14,7 +14,9 @@ from sbloader.core.plan import EpochPlan, draw_epoch_seed, make_epoch_plan
 from sbloader.core.stats import ExecutionStats
 from sbloader.executor.executor import StreamingExecutor
 from sbloader.executor.launch import arena_here, options_here, start_execution
-from sbloader.loaders.batching import BlockFeed, Row, ShuffleWindow, iter_batches, iter_blocks, iter_rows, window_of
+from sbloader.core.window import WindowSpec
+from sbloader.loaders.batching import Row, iter_blocks, iter_rows, window_of
+from sbloader.loaders.shuffle_window import prefetch_hint, window_batches
 from sbloader.loaders.pipeline_loader import PipelineLoader, TorchIterableDataset
 from sbloader.loaders.tensors import columns_to_torch
 from sbloader.sources.base import Source
@@ -184,28 +186,24 @@ class Dataset:
         return iter_rows(iter_blocks(self.execute(**execute_kwargs)))
 
     def iter_batches(self, batch_size: Optional[int] = 256, *, drop_last: bool = False,
-                     shuffle_window: Optional[int] = None, **execute_kwargs: Any) -> Iterator[Batch]:
+                     shuffle_window: Any = None, **execute_kwargs: Any) -> Iterator[Batch]:
         """Iterate batches (dicts of NumPy arrays with ``.provenance``).
 
         Args:
             batch_size: rows per batch (None: one batch per block).
             drop_last: drop a final short batch.
-            shuffle_window: under ``shuffle=True``, the partitions each batch is drawn
-                from at once (default: the source's, see the user guide); 1 cuts each
-                partition's batches on its own.
+            shuffle_window: under ``shuffle=True``, what the partitions each batch is
+                drawn from at once may hold: a size, rows or a count of partitions
+                (default: the source's, see the user guide); 1 cuts each partition's
+                batches on its own.
             **execute_kwargs: :meth:`execute`'s arguments (epoch, seed, shuffle,
                 deterministic, memory_budget, prefetch_blocks, progress).
         """
         execute_kwargs.setdefault("arena", self._slot_arena())
-        window = window_of(self._source, shuffle_window) if execute_kwargs.get("shuffle") else 1
-        if window > 1:
-            execute_kwargs["prefetch_blocks"] = max(execute_kwargs.get("prefetch_blocks", 2), window + 1)
-        executor = self.execute(**execute_kwargs)
-        if window == 1:
-            return iter_batches(iter_blocks(executor), batch_size, drop_last)
-        feed = BlockFeed(executor, hold=None)
-        return iter_batches(iter(feed), batch_size, drop_last,
-                            ShuffleWindow(window, executor.epoch_seed, 0, feed.release))
+        spec = window_of(self._source, shuffle_window) if execute_kwargs.get("shuffle") else WindowSpec(partitions=1)
+        if prefetch_hint(spec):
+            execute_kwargs["prefetch_blocks"] = max(execute_kwargs.get("prefetch_blocks", 2), prefetch_hint(spec))
+        return window_batches(self, self.execute(**execute_kwargs), spec, batch_size, drop_last)
 
     def iter_torch_batches(self, batch_size: Optional[int] = 256, *, drop_last: bool = False,
                            dtypes: Optional[Mapping[str, Any]] = None, device: Optional[str] = None,

@@ -140,7 +140,8 @@ def read_images(
             ``$SBLOADER_CACHE_DIR``, else ``<tmp>/sbloader-cache-<uid>``).
         cache_max_bytes: bound on the cache's bytes per node (None: unbounded); when
             full, new objects are read without being cached, never waiting for room.
-        max_in_flight: requests to the store a read task keeps in flight.
+        max_in_flight: requests to the store a reading process keeps in flight at most (its
+            connections; see docs/remote_data.md for the byte budget).
 
     Returns:
         A lazy :class:`~sbloader.dataset.dataset.Dataset`.

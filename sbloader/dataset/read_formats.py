@@ -12,6 +12,7 @@ import numpy as np
 
 from sbloader.core.plan import resolve_rows_per_partition
 from sbloader.dataset.dataset import Dataset
+from sbloader.sources.fetch import remote_files
 from sbloader.sources.files import PathLike, check_on_error
 from sbloader.sources.huggingface import HuggingFaceSource, check_dataset
 from sbloader.sources.memory import _parallelism
@@ -24,6 +25,10 @@ def read_webdataset(
     decode: bool = True,
     on_error: str = "raise",
     samples_per_partition: Optional[int] = DEFAULT_SAMPLES_PER_PARTITION,
+    filesystem: Any = None,
+    cache: bool = True,
+    cache_dir: Optional[str] = None,
+    cache_max_bytes: Optional[int] = None,
 ) -> Dataset:
     """A dataset over WebDataset tar shards: one row per sample.
 
@@ -46,13 +51,15 @@ def read_webdataset(
     else in remote Ray tasks, which starts the embedded Ray) into an index of member
     offsets, so a partition (a range of one shard's samples) is read with one seek
     and one read. Under ``shuffle=True`` partitions run in an order drawn from the
-    epoch seed and each batch draws from ``shuffle_window`` (8) partitions at once,
-    so from up to 8 shards' ranges (see the user guide's Shuffling).
+    epoch seed and each batch draws from every shard range open in the shuffle window
+    (by default as many as half the memory budget holds; see the user guide's Shuffling).
 
     Args:
         paths: a directory (``.tar`` files, listed recursively and sorted), a glob,
             a brace pattern (``"shards/train-{000000..000099}.tar"``, WebDataset's
-            convention), a file, or a list of those (order kept). Local paths.
+            convention), a file, or a list of those (order kept); local paths or URIs
+            (``s3://bucket/shards/train-{000..099}.tar``, ``gs://``, fsspec's), see
+            docs/remote_data.md.
         decode: decode members by extension (see above), or hand on their bytes.
         on_error: ``"raise"``: a truncated or corrupt shard, or a member that cannot
             be decoded, raises :class:`~sbloader.core.errors.SourceReadError` naming
@@ -61,6 +68,13 @@ def read_webdataset(
             samples of a truncated shard before the damage are still read).
         samples_per_partition: samples per partition (default 64); None: one
             partition per shard (its samples form one block: keep shards small).
+        filesystem: a ``pyarrow.fs.FileSystem`` or fsspec filesystem to read every
+            path through (None: local paths from the OS, URIs by their scheme).
+        cache: keep remote shards in the node-local cache (a later epoch reads
+            nothing from the store); False: each partition's byte range is one
+            ranged GET every epoch.
+        cache_dir: the cache directory (None: ``$SBLOADER_CACHE_DIR`` or a temporary one).
+        cache_max_bytes: bound on the cache's bytes per node (None: unbounded).
 
     Returns:
         A lazy :class:`~sbloader.dataset.dataset.Dataset`.
@@ -76,9 +90,11 @@ def read_webdataset(
     ):
         raise ValueError(f"samples_per_partition must be a positive integer or None (one partition per "
                          f"shard), found {samples_per_partition!r}")
-    indexes = gather_indexes(list_shards(paths))
+    shards, versions = list_shards(paths, filesystem)
+    remote = remote_files(versions, filesystem, cache, cache_dir, cache_max_bytes)
+    indexes = gather_indexes(shards, remote)
     spp = int(samples_per_partition) if samples_per_partition is not None else None
-    return Dataset(WebDatasetSource(indexes, spp, decode, on_error))
+    return Dataset(WebDatasetSource(indexes, spp, decode, on_error, remote))
 
 
 def from_huggingface(dataset: Any, *, num_partitions: Optional[int] = None,

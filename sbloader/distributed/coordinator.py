@@ -7,6 +7,9 @@ receives the plan's per-rank count, so DDP never hangs on an uneven split. It
 logs, per rank, the ordered list of what it delivered and how much of it the rank
 acknowledged as consumed: the consumed ledger ``state_dict()`` cuts. A coordinator
 lost mid-epoch is rebuilt from what every rank reports it took (:meth:`SplitCoordinator.rebuild`).
+It holds an epoch until every rank has ended it, and remembers the last few it
+dropped, so a rank that arrives after its epoch ended on the others gets its share
+and the end (:mod:`~sbloader.distributed.late_ranks`).
 
 ``SBLOADER_NO_LEDGER=1`` in the environment of the rank that creates the
 coordinator switches the ledger off (an internal switch, for
@@ -18,16 +21,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import replace
 from typing import Any, Optional
 
 import ray
 
 from sbloader.core.errors import SbloaderError
-from sbloader.core.plan import EpochPlan
 from sbloader.distributed.epoch import Epoch
-from sbloader.distributed.job_watch import DRIVER_CHECK_S, JobWatch
+from sbloader.distributed.job_watch import DRIVER_CHECK_S, JobWatch, check_ranks_alive
+from sbloader.distributed.late_ranks import JOIN_TIMEOUT_S, MAX_HELD_EPOCHS, EndedEpochs, overflow, unknown_epoch
 from sbloader.distributed.partition_epoch import PartitionEpoch
+from sbloader.distributed.rebuild import RebuildProtocol
 from sbloader.distributed.specs import EpochSpec, PartitionEpochSpec
 from sbloader.distributed.stream_epoch import StreamEpoch
 from sbloader.executor.options import ExecutionOptions
@@ -40,7 +43,7 @@ DEFAULT_IDLE_EXIT_S = 3600.0
 
 
 @ray.remote(num_cpus=0, max_concurrency=64)
-class SplitCoordinator:
+class SplitCoordinator(RebuildProtocol):
     """The per-(job, loader) actor. Coordination only: it takes no CPU (``num_cpus=0``).
 
     Args:
@@ -64,8 +67,8 @@ class SplitCoordinator:
         self._last_call = time.monotonic()
         self._job_token = job_token
         self._watch = JobWatch()  # the ranks' processes: the coordinator exits once all are gone
-        threading.Thread(target=self._reap_when_idle, daemon=True, name="sbloader-idle-exit").start()
         self._world_size = world_size
+        threading.Thread(target=self._reap_when_idle, daemon=True, name="sbloader-idle-exit").start()
         self._ledger = ledger
         self._fingerprint = fingerprint
         self._stall_report_s = stall_report_s
@@ -77,14 +80,15 @@ class SplitCoordinator:
         self._rebuilds: dict[int, dict] = {}  # epochs waiting for every rank's report
         self._rebuilt: set[int] = set()  # epochs rebuilt here (finished ones leave _epochs)
         self._finished_stats: dict[int, Any] = {}  # the last few finished epochs' ExecutionStats
+        self._ended = EndedEpochs()  # epochs every rank ended: a late request gets the end (late_ranks.py)
 
     def hello(self, world_size: int, fingerprint: dict, token: Optional[str] = None, rank: Optional[int] = None,
-              driver: Optional[str] = None) -> dict:
+              driver: Optional[str] = None, node: Optional[str] = None) -> dict:
         """Check that a rank's loader matches this coordinator's, and that the rank belongs to its job.
 
         Args:
             token: the job's token (:mod:`sbloader.runtime.job`); another job's is refused.
-            rank, driver: the rank and its process's Ray job, recorded by a
+            rank, driver, node: the rank, its process's Ray job and node, recorded by a
                 :class:`JobWatch` (a second live process claiming a rank is refused).
         """
         self._last_call = time.monotonic()
@@ -94,7 +98,7 @@ class SplitCoordinator:
         if world_size != self._world_size or fingerprint != self._fingerprint:
             return refused
         if rank is not None and driver is not None:
-            holder = self._watch.claim(rank, driver)
+            holder = self._watch.claim(rank, driver, node)
             if holder is not None:
                 return {**refused, "reason": "rank", "holder": holder}
         return {"ok": True}
@@ -162,24 +166,50 @@ class SplitCoordinator:
         of the ready blocks of partitions ``pids``, waiting at most ``wait_s`` for the first:
         ``{"refs": {partition id: ref}, "done": bool}``."""
         self._last_call = time.monotonic()
-        ep = self._epochs.get(epoch)
+        ep = self._held(epoch, rank)
+        if ep is None:  # it ended on every rank that asked for it
+            return {"refs": {}, "done": True}
         if not isinstance(ep, PartitionEpoch):
-            raise SbloaderError(f"epoch {epoch} was not started by rank 0 (known: {sorted(self._epochs)})")
+            raise SbloaderError(f"rank {rank} asked for the blocks of epoch {epoch}, which rank 0 started for "
+                                "another kind of loader; every rank must use the same loader")
         refs = ep.refs(rank, consumed, list(pids), wait_s, self._stall_report_s)
+        if not refs:
+            check_ranks_alive(self._watch, ep, rank)
         self._collect()
         return {"refs": refs, "done": ep.done(rank)}
 
-    def wait_epoch(self, epoch: int, timeout: float) -> Optional[int]:
-        """Wait until rank 0 started ``epoch``; its per-rank count (-1: unknown), or None on timeout."""
+    def wait_epoch(self, epoch: int, timeout: float, rank: Optional[int] = None) -> Optional[int]:
+        """Wait until rank 0 started ``epoch``; its per-rank count (-1: unknown; also for an
+        epoch that already ended here), or None on timeout.
+
+        Raises:
+            SbloaderError: on timeout when ``rank`` is given: who asked for what, and what rank 0 does.
+        """
         self._last_call = time.monotonic()
+        try:
+            ep = self._held(epoch, rank, timeout)
+        except SbloaderError:
+            if rank is None:
+                return None
+            raise
+        return _count(ep.spec.per_rank if ep is not None else self._ended.per_rank(epoch))
+
+    def _held(self, epoch: int, rank: Optional[int], timeout: float = JOIN_TIMEOUT_S) -> Optional[Epoch]:
+        """The epoch, once rank 0 started it (waiting at most ``timeout``); None when it ended here.
+
+        Raises:
+            SbloaderError: rank 0 did not start it in time (:func:`~sbloader.distributed.late_ranks.unknown_epoch`).
+        """
         deadline = time.monotonic() + timeout
         with self._lock:
             while epoch not in self._epochs:
+                if epoch in self._ended:
+                    return None
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    return None
-                self._started.wait(timeout=remaining)
-            return _count(self._epochs[epoch].spec.per_rank)
+                    raise unknown_epoch(epoch, rank, timeout, dict(self._epochs), self._ended)
+                self._started.wait(timeout=min(remaining, 1.0))
+            return self._epochs[epoch]
 
     def next_batches(self, epoch: int, rank: int, max_n: int, consumed: int,
                      node: Optional[str] = None, wait_s: float = 1.0) -> dict:
@@ -191,86 +221,19 @@ class SplitCoordinator:
             ``{"batches": [StreamBatch, ...], "done": bool}`` instead.
         """
         self._last_call = time.monotonic()
-        ep = self._epochs.get(epoch)
-        if ep is None:
-            raise SbloaderError(f"epoch {epoch} was not started by rank 0 (known: {sorted(self._epochs)})")
+        ep = self._held(epoch, rank)
+        if ep is None:  # it ended on every rank that asked for it
+            return self._ended.reply(epoch)
         ep.ack(rank, consumed)
         items = ep.take(rank, max_n, node, wait_s, self._stall_report_s)
         done = ep.done(rank)
+        if not items and not done:
+            check_ranks_alive(self._watch, ep, rank)
         self._collect()
         if isinstance(ep, StreamEpoch):
             return {"batches": items, "done": done}
         return {"refs": [i.ref for i in items], "metas": [i.meta for i in items],
                 "index": [ep.spec.index_of(i.meta.seq) for i in items], "done": done}
-
-    def rebuild(self, epoch: int, rank: int, taken: list, spec: Optional[EpochSpec], timeout: float = 120.0,
-                wait: bool = True) -> Optional[int]:
-        """Rebuild an epoch after the previous coordinator died, from the ranks' own logs.
-
-        Every rank reports the batches its training loop took (their bytes reached
-        it; the rest died with the old coordinator, which owned them) and the
-        epoch's spec (only rank 0's counts; the others may send None). Once all ranks reported, the
-        batches nobody took are planned again, each rank owed exactly what it
-        still lacks of its count, and the ranks continue.
-
-        A rank that had already finished the epoch when the coordinator died
-        notices only at its next epoch; it reports with ``wait=False`` (all its
-        batches taken) so the ranks still in the epoch can go on.
-
-        Returns:
-            The per-rank batch count of the epoch (None with ``wait=False``).
-
-        Raises:
-            SbloaderError: not every rank reported within ``timeout`` seconds.
-        """
-        self._last_call = time.monotonic()
-        deadline = time.monotonic() + timeout
-        with self._lock:
-            if epoch in self._rebuilt:  # a late report: the epoch was rebuilt (and maybe finished)
-                ep = self._epochs.get(epoch)
-                return ep.spec.per_rank if ep is not None and wait else None
-            pend = self._rebuilds.setdefault(epoch, {"taken": {}, "spec": None})
-            pend["taken"][rank] = list(taken)
-            if rank == 0:
-                # Rank 0 started the epoch: the batch indices every rank reports are
-                # positions in *its* plan. Another rank's sampler may have drawn
-                # another order (an unseeded shuffle), so only rank 0's spec counts.
-                pend["spec"] = spec
-            self._started.notify_all()
-            if not wait:
-                if epoch not in self._epochs and len(pend["taken"]) == self._world_size:
-                    self._start_rebuilt(epoch, pend["spec"], pend["taken"])
-                return None
-            while epoch not in self._epochs:
-                if len(pend["taken"]) == self._world_size:
-                    self._start_rebuilt(epoch, pend["spec"], pend["taken"])
-                    break
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    missing = sorted(set(range(self._world_size)) - set(pend["taken"]))
-                    raise SbloaderError(
-                        f"rebuilding epoch {epoch} after the coordinator died: rank(s) {missing} did not report "
-                        f"within {timeout:.0f} s (finished or dead?); restart the job from the last checkpoint"
-                    )
-                self._started.wait(timeout=remaining)
-            return self._epochs[epoch].spec.per_rank
-
-    def _start_rebuilt(self, epoch: int, spec: EpochSpec, taken: dict) -> None:
-        """Start the part of ``spec`` that no rank took (called with the lock held)."""
-        self._rebuilds.pop(epoch, None)
-        self._rebuilt.add(epoch)
-        done = {b for batches in taken.values() for b in batches}
-        keep = [i for i in range(len(spec.plan.order)) if i not in done]
-        plan = EpochPlan(spec.plan.epoch, spec.plan.epoch_seed, tuple(spec.plan.order[i] for i in keep),
-                         spec.plan.shuffle)
-        assignment = tuple(spec.assignment[i] for i in keep) if spec.assignment is not None else None
-        rebuilt = replace(spec, source=spec.source.subset(keep), plan=plan, assignment=assignment,
-                          batch_index=tuple(keep))
-        ep = Epoch(rebuilt, self._world_size, self._actor_cache, self._estimates,
-                    earlier=tuple(self._epochs.values()), taken=taken, ledger=self._ledger)
-        self._epochs[epoch] = ep
-        ep.start()
-        self._started.notify_all()
 
     def finish(self, epoch: int, rank: int, consumed: int) -> None:
         """A rank left the epoch having consumed ``consumed`` batches."""
@@ -360,7 +323,7 @@ class SplitCoordinator:
                 logger.warning("sbloader coordinator: no rank called for %.0f s; the job is taken to be over, "
                                "releasing the worker pool and exiting", self._idle_exit_s)
                 break
-            if self._watch.over():
+            if self._watch.over(world_size=self._world_size):
                 logger.info("sbloader coordinator: every rank's process has exited; releasing the pool")
                 break
             time.sleep(min(DRIVER_CHECK_S, max(0.2, self._idle_exit_s - idle)))
@@ -377,8 +340,14 @@ class SplitCoordinator:
         and keeping it would hold them in the object store for the rest of the job.
         """
         with self._lock:
-            for e in [e for e, ep in self._epochs.items() if ep.finished]:
+            done = [e for e, ep in self._epochs.items() if ep.finished]
+            late = overflow({e: ep for e, ep in self._epochs.items() if e not in done})
+            for e, never in late:
+                logger.warning("sbloader coordinator: epoch %d is dropped unfinished (%d epochs are held at most); "
+                               "rank(s) %s never asked for it", e, MAX_HELD_EPOCHS, never)
+            for e in done + [e for e, _ in late]:
                 ep = self._epochs.pop(e)
+                self._ended.add(e, ep.per_rank, isinstance(ep, StreamEpoch))  # a late rank gets the end
                 if ep.executor is not None:
                     self._estimates = ep.executor.estimates()
                     self._finished_stats[e] = ep.executor.stats()

@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 _KEEP_BLOCKS = 4  # fetched blocks a rank keeps while it takes their batches
 _MAX_REBUILDS = 3
+_MAX_REMAKES = 3  # times one batch lost with its node is made again
 
 
 def epoch_spec(run: Any, fingerprint: dict, worker_op: Any, options: ExecutionOptions, in_order: bool) -> EpochSpec:
@@ -63,7 +64,7 @@ def join(coord: Any, rank: int, epoch: int, spec: Callable[[], EpochSpec]) -> in
     """
     if rank == 0:
         return ray.get(coord.start_epoch.remote(spec()))
-    per_rank = ray.get(coord.wait_epoch.remote(epoch, 300.0))
+    per_rank = ray.get(coord.wait_epoch.remote(epoch, 300.0, rank))  # raises on timeout, saying what rank 0 does
     if per_rank is None:
         raise SbloaderError(f"rank 0 did not start epoch {epoch} within 300 s; is rank 0 iterating this loader?")
     return per_rank
@@ -99,16 +100,37 @@ class Pull:
         self._consumed, self._reconnect, self._spec = consumed, reconnect, spec
         self.fetched: list[int] = []
         self.fetch_s = 0.0
+        self.rebuilds = 0  # coordinators lost and rebuilt in this epoch
+        self.remade = 0  # batches lost with their node and made again
 
     def _acked(self) -> int:
         # copies free the block's bytes at once; zero-copy batches only once the loop took them
         return len(self.fetched) if self.copy else self._consumed()
 
+    def _fetch(self, ref: Any, batch_index: int) -> Any:
+        """A batch's block; one lost with the node that made it (the coordinator lives: it
+        owns the block) is made again from its provenance (``SplitCoordinator.remake``)."""
+        for attempt in range(_MAX_REMAKES + 1):
+            try:
+                return ray.get(ref)
+            except ray.exceptions.OwnerDiedError:  # the coordinator died: rebuild (the caller)
+                raise
+            except ray.exceptions.ObjectLostError as e:
+                if attempt == _MAX_REMAKES:
+                    raise SbloaderError(f"rank {self.rank}: batch {batch_index} of epoch {self.epoch} was lost "
+                                        f"{attempt + 1} times with the nodes that made it") from e
+                logger.warning("sbloader rank %d: batch %d of epoch %d was lost with the node that made it (%s); "
+                               "making it again from its provenance", self.rank, batch_index, self.epoch,
+                               type(e).__name__)
+                self.remade += 1
+                ref = ray.get(self.coord.remake.remote(self.epoch, batch_index))
+        raise AssertionError("unreachable")
+
     def batches(self) -> Iterator[tuple[Any, int]]:
         """``(tensors, batch index of the epoch)`` until this rank has its count."""
         node = ray.get_runtime_context().get_node_id()
         ready: deque = deque()  # (block ref, batch index) received, not yet fetched
-        received, rebuilds = 0, 0
+        received = 0
 
         meter = RateMeter()
 
@@ -135,14 +157,14 @@ class Pull:
                     continue
                 ref, batch_index = ready.popleft()
                 t0 = time.perf_counter()
-                block = ray.get(ref)
+                block = self._fetch(ref, batch_index)
             except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as e:
                 # The coordinator died, and with it the blocks it owned. Rebuild it from
                 # what every rank holds; the rest is planned again.
-                rebuilds += 1
-                if rebuilds > _MAX_REBUILDS:
+                self.rebuilds += 1
+                if self.rebuilds > _MAX_REBUILDS:
                     raise SbloaderError(
-                        f"rank {self.rank}: the split coordinator died {rebuilds} times in epoch {self.epoch}. "
+                        f"rank {self.rank}: the split coordinator died {self.rebuilds} times in epoch {self.epoch}. "
                         "Restart the job and load the last checkpoint's loader state"
                     ) from e
                 logger.warning("sbloader rank %d: coordinator lost (%s); rebuilding epoch %d from %d taken "
@@ -258,8 +280,10 @@ def pull_stream(coord: Any, rank: int, epoch: int, ask: int, pin: bool, copy: bo
 
 
 def finish(coord: Any, epoch: int, rank: int, consumed: int) -> None:
-    """Tell the coordinator this rank left the epoch after ``consumed`` batches (not waited for)."""
+    """Tell the coordinator this rank left the epoch after ``consumed`` batches (waited for, at most
+    5 s: a process that exits right after must not lose it, or the coordinator would take the
+    rank for lost and keep the epoch for it)."""
     try:
-        coord.finish.remote(epoch, rank, consumed)
-    except Exception:  # the coordinator is gone: nothing to tell
+        ray.get(coord.finish.remote(epoch, rank, consumed), timeout=5)
+    except Exception:  # the coordinator is gone or busy: nothing to tell
         pass

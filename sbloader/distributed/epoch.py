@@ -44,6 +44,7 @@ class RankLog:
     last_seen: float = field(default_factory=time.monotonic)
     node: Optional[str] = None
     left: bool = False  # the rank left the epoch (finish)
+    asked: bool = False  # the rank asked for batches of this epoch at least once
 
 
 class Epoch:
@@ -76,6 +77,7 @@ class Epoch:
             if ledger:
                 self.logs[r].delivered = RunLog(batches)
             self.logs[r].count = self.logs[r].acked = len(batches)
+            self.logs[r].asked = True
         self.produced_all = False
         self.error: Optional[BaseException] = None
         self.closed = False  # the executor was shut down on purpose before producing everything
@@ -178,6 +180,7 @@ class Epoch:
         log = self.logs[rank]
         log.last_seen = time.monotonic()
         log.node = node
+        log.asked = True
         quota = self.spec.per_rank - log.count
         if quota <= 0:
             return []
@@ -262,8 +265,11 @@ class Epoch:
 
     @property
     def finished(self) -> bool:
+        """Every rank has ended the epoch: it left it, or it asked and acknowledged its whole
+        share. A rank that never asked has not (a short epoch, even an empty one, may end on
+        the others before a late rank arrives; it must still get its share and the end)."""
         pr = self.per_rank
-        return all(lg.left or (pr is not None and lg.acked >= pr) for lg in self.logs)
+        return all(lg.left or (lg.asked and pr is not None and lg.acked >= pr) for lg in self.logs)
 
     def shutdown(self) -> None:
         self.stop_executor()

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import ray
 
 #: How often the ranks' processes are checked, and how long all must be gone.
 DRIVER_CHECK_S = 1.0
 DRIVERS_GONE_GRACE_S = 2.0
+#: How long a coordinator waits for a rank that never said hello once the others are gone.
+LATE_RANK_GRACE_S = 300.0
 
 
 def job_alive(job_hex: str) -> bool:
@@ -37,22 +39,50 @@ class JobWatch:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._holders: dict[int, str] = {}
+        self._nodes: dict[int, str] = {}
         self._gone_since: Optional[float] = None
+        self._gone: list[int] = []
+        self._checked = 0.0
 
-    def claim(self, rank: int, driver: str) -> Optional[str]:
-        """Record ``rank`` as served to ``driver``; returns another live holder of the rank (refuse), else None."""
+    def claim(self, rank: int, driver: str, node: Optional[str] = None) -> Optional[str]:
+        """Record ``rank`` as served to ``driver`` (on ``node``); returns another live holder of the
+        rank (refuse), else None."""
         with self._lock:
             holder = self._holders.get(rank)
             if holder is not None and holder != driver and job_alive(holder):
                 return holder
             self._holders[rank] = driver
+            if node is not None:
+                self._nodes[rank] = node
             return None
 
-    def over(self, now: Optional[float] = None) -> bool:
-        """True once every recorded process has been gone for :data:`DRIVERS_GONE_GRACE_S` (checked by polling)."""
+    def node_of(self, rank: int) -> Optional[str]:
+        """The node ``rank``'s process said hello from (None: not told)."""
+        return self._nodes.get(rank)
+
+    def gone(self, now: Optional[float] = None, alive: Any = None) -> list[int]:
+        """The ranks whose process is gone (its Ray job dead: it exited, or its node was lost);
+        asked of the GCS at most once per :data:`DRIVER_CHECK_S`."""
         now = time.monotonic() if now is None else now
+        if now - self._checked >= DRIVER_CHECK_S:
+            self._checked = now
+            with self._lock:
+                holders = dict(self._holders)
+            alive = alive or job_alive
+            self._gone = sorted(r for r, d in holders.items() if not alive(d))
+        return list(self._gone)
+
+    def over(self, now: Optional[float] = None, world_size: Optional[int] = None,
+             alive: Any = None) -> bool:
+        """True once every recorded process has been gone for :data:`DRIVERS_GONE_GRACE_S` (checked
+        by polling); for :data:`LATE_RANK_GRACE_S` while some rank of the ``world_size`` never said
+        hello (it may be late: the coordinator must outlive the rank that created it)."""
+        now = time.monotonic() if now is None else now
+        job_alive = alive or globals()["job_alive"]
         with self._lock:
             drivers = set(self._holders.values())
+            grace = DRIVERS_GONE_GRACE_S if world_size is None or len(self._holders) >= world_size \
+                else LATE_RANK_GRACE_S
         if not drivers or any(job_alive(d) for d in drivers):
             self._gone_since = None
             return False
@@ -60,4 +90,28 @@ class JobWatch:
             self._gone_since = now
         with self._lock:
             unchanged = set(self._holders.values()) == drivers
-        return unchanged and now - self._gone_since >= DRIVERS_GONE_GRACE_S
+        return unchanged and now - self._gone_since >= grace
+
+
+def check_ranks_alive(watch: JobWatch, ep: Any, asking: int) -> None:
+    """Fail the epoch for rank ``asking`` when another rank's process is gone before the end of
+    its share (``ep``: the coordinator's epoch, with per-rank ``logs`` and ``done``).
+
+    Losing the node that runs a rank is the trainer's failure, not the loader's: the
+    other ranks would wait for its batches, or DDP for its gradients, until a timeout.
+    They fail within seconds instead, naming the rank and its node; torchrun's restart
+    resumes from the last checkpoint.
+
+    Raises:
+        SbloaderError: naming the gone rank(s) and their node(s).
+    """
+    from sbloader.core.errors import SbloaderError
+
+    gone = [r for r in watch.gone() if r != asking and r < len(ep.logs) and not ep.logs[r].left and not ep.done(r)]
+    if gone:
+        where = ", ".join(f"rank {r} on node {watch.node_of(r) or '?'}" for r in gone)
+        raise SbloaderError(
+            f"epoch {ep.spec.epoch}: the process of {where} is gone before the end of its share (its node was "
+            "lost, or it crashed): the training job has lost a rank, which the loader cannot replace. Restart "
+            "the job (torchrun's --max-restarts); it resumes exactly once from the last checkpoint's loader state"
+        )

@@ -56,12 +56,16 @@ def get_coordinator(job: Union[JobIdentity, str], loader_name: str, world_size: 
     name = coordinator_name(job.job_id, loader_name, restart_count)
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    # on the node of the rank that creates it (soft): the ranks' node outlives a CPU node lost mid-epoch
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    # On the node of the rank that creates it, so that it shares its fate with a rank, never
+    # with a CPU node lost mid-epoch (the objects it owns, every block of the epoch, go with
+    # it). Hard: a soft affinity put a detached num_cpus=0 actor on another node in 2 of 4
+    # placements on a `ray start` cluster (issue #35), and the job died with that node.
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     handle = SplitCoordinator.options(
         name=name, namespace=job.namespace, get_if_exists=True, lifetime="detached", scheduling_strategy=here,
     ).remote(world_size, fingerprint, stall_report_s, ledger_enabled(), idle_exit_s(), job.token)
-    reply = ray.get(handle.hello.remote(world_size, fingerprint, job.token, rank, ray.get_runtime_context().get_job_id()))
+    ctx = ray.get_runtime_context()
+    reply = ray.get(handle.hello.remote(world_size, fingerprint, job.token, rank, ctx.get_job_id(), ctx.get_node_id()))
     if not reply["ok"]:
         if reply.get("reason") == "token":
             raise SbloaderError(

@@ -44,6 +44,7 @@ class PartitionEpoch(Epoch):
         partitions ``pids``, waiting at most ``wait_s`` for the first of them."""
         log = self.logs[rank]
         log.last_seen = time.monotonic()
+        log.asked = True
         self.ack(rank, consumed)
         deadline = time.monotonic() + wait_s
         with self.cond:
@@ -81,4 +82,4 @@ class PartitionEpoch(Epoch):
 
     @property
     def finished(self) -> bool:
-        return all(lg.left or self.consumed[r] >= self.spec.per_rank for r, lg in enumerate(self.logs))
+        return all(lg.left or (lg.asked and self.consumed[r] >= self.spec.per_rank) for r, lg in enumerate(self.logs))

@@ -53,7 +53,7 @@ def join(coord: Any, run: Any, spec: Optional[PartitionEpochSpec]) -> None:
     if spec is not None:
         per_rank = ray.get(coord.start_partition_epoch.remote(spec))
     else:
-        per_rank = ray.get(coord.wait_epoch.remote(run.epoch, 300.0))
+        per_rank = ray.get(coord.wait_epoch.remote(run.epoch, 300.0, run.rank))  # raises on timeout: what rank 0 does
         if per_rank is None:
             raise SbloaderError(f"rank 0 did not start epoch {run.epoch} within 300 s; is rank 0 iterating "
                                 "this loader?")
@@ -152,10 +152,12 @@ def _assemble(b: Any, run: Any, blocks: dict, offset: dict) -> Batch:
 
 
 def finish(coord: Any, epoch: int, rank: int, taken: int) -> None:
-    """Tell the coordinator this rank left the epoch after ``taken`` batches (not waited for)."""
+    """Tell the coordinator this rank left the epoch after ``taken`` batches (waited for, at most
+    5 s: a process that exits right after must not lose it, or the coordinator would take the
+    rank for lost and keep the epoch for it)."""
     try:
-        coord.finish.remote(epoch, rank, taken)
-    except Exception:  # the coordinator is gone: nothing to tell
+        ray.get(coord.finish.remote(epoch, rank, taken), timeout=5)
+    except Exception:  # the coordinator is gone or busy: nothing to tell
         pass
 
 

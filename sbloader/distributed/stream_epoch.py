@@ -100,6 +100,7 @@ class StreamEpoch(Epoch):
         log = self.logs[rank]
         log.last_seen = time.monotonic()
         log.node = node
+        log.asked = True
         deadline = time.monotonic() + wait_s
         with self.cond:
             while True:

@@ -17,6 +17,16 @@ from sbloader.executor.policy import min_budget_bytes
 
 FREE_LAG_S = 0.25
 
+#: The default budget's share of the cluster's object store.
+DEFAULT_STORE_SHARE = 0.25
+
+
+def default_budget() -> int:
+    """The default memory budget: :data:`DEFAULT_STORE_SHARE` of the cluster's object store."""
+    import ray
+
+    return int(ray.cluster_resources().get("object_store_memory", 2 * 2**30) * DEFAULT_STORE_SHARE)
+
 
 class MemoryBudget:
     """The bytes an execution holds, against its budget.

@@ -53,6 +53,7 @@ class Running:
         call: the call that makes it.
         partition_id: the partition it reads or maps.
         lease: a final-stage block's shared-memory slot.
+        source: the input block of a call after the source stage (to run it again).
     """
 
     stage: int
@@ -63,3 +64,4 @@ class Running:
     call: Call
     partition_id: int = -1
     lease: Optional[SlotLease] = None
+    source: Any = None

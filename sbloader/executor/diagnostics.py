@@ -111,6 +111,13 @@ class ProgressBars:
         if self._bars:
             self._bars[stage].update(rows)
 
+    def show_bytes(self, stage: int, counters: dict) -> None:
+        """Show on stage ``stage``'s bar the bytes its reads took from the store and from the cache."""
+        if self._bars:
+            mb = 2 ** 20
+            self._bars[stage].set_postfix_str(f"store {counters.get('bytes_read', 0) / mb:.1f} MiB, cache "
+                                              f"{counters.get('cache_bytes', 0) / mb:.1f} MiB", refresh=False)
+
     def close(self) -> None:
         """Close the bars (idempotent)."""
         for b in self._bars:

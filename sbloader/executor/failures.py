@@ -1,6 +1,13 @@
-"""How a Ray call's failure reaches the consumer, and how a call's shared argument travels."""
+"""How a Ray call's failure reaches the consumer, and how a call's shared argument travels.
+
+A call that fails because the cluster lost something (its actor, its node, an
+object it needed) is a failure of the system, not of the user's code: its
+partitions run again elsewhere from their provenance (:class:`Rerun`), at most
+:data:`MAX_RERUNS` times per partition. Anything else reaches the consumer.
+"""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import ray
@@ -9,6 +16,30 @@ from sbloader.core.errors import SbloaderError, TaskLostError
 from sbloader.executor.tasks import Packed, pack
 
 _INLINE_ARG_BYTES = 64 * 1024
+
+#: Times one partition is run again after failures of the system before its call's error is raised.
+MAX_RERUNS = 4
+
+
+@dataclass(frozen=True)
+class Rerun:
+    """A call's result that the system lost (see :func:`system_failure`): run its partition again."""
+
+    error: BaseException
+
+
+def system_failure(e: BaseException) -> bool:
+    """Whether a call failed because the cluster lost something, not because of the user's code.
+
+    A pool actor unreachable or dead (its node died, its process was killed), a node
+    gone, an object lost with its node: the work can run again elsewhere. An actor
+    whose constructor raised is the user's error (it would fail again); so is
+    everything a task raised itself.
+    """
+    if isinstance(e, ray.exceptions.ActorDiedError) and getattr(e, "actor_init_failed", False):
+        return False
+    return isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.NodeDiedError,
+                          ray.exceptions.ObjectLostError, ray.exceptions.LocalRayletDiedError))
 
 
 def unwrap(e: BaseException) -> BaseException:
@@ -37,7 +68,8 @@ def sort_failures(refs: Sequence[Any], inflight: dict, other_copy: Callable[[Any
                   stage_names: Sequence[str], epoch: int) -> list:
     """After a failed batch ``ray.get`` of metadata refs: each ref's metadata, or None for a
     failed copy of a partition that another copy delivered or may still deliver (a
-    speculated partition). Any other failure is raised, as a
+    speculated partition), or a :class:`Rerun` for a call the system lost
+    (:func:`system_failure`: the caller runs it again). Any other failure is raised, as a
     :class:`~sbloader.core.errors.TaskLostError` when it happened outside the user's functions.
 
     Args:
@@ -60,6 +92,9 @@ def sort_failures(refs: Sequence[Any], inflight: dict, other_copy: Callable[[Any
             except Exception:
                 pass
             if not other_copy(run):
+                if system_failure(e):
+                    metas.append(Rerun(e))
+                    continue
                 if unwrap(e) is e:
                     raise lost(stage_names[run.stage], epoch, run.call.items, run.partition_id, e)
                 raise

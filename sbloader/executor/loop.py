@@ -1,13 +1,11 @@
 """The scheduling loop of one execution: what its background thread does.
 
-State: a queue of waiting inputs per stage (ordered by plan position), the calls in
-flight, the actor pools (:mod:`~sbloader.executor.pools`), the ready outputs
-(:mod:`~sbloader.executor.outputs`) and the bytes held (:mod:`~sbloader.executor.budget`).
-Each step scales the pools, launches again the partitions of straggling read calls
-(:mod:`~sbloader.executor.stragglers`), and asks the pure policy
-(:mod:`~sbloader.executor.policy`) which stage to feed next under the memory budget.
-Finished calls are collected with ``ray.wait`` on their small metadata refs: block
-bytes never pass through this process.
+State: waiting inputs per stage (by plan position), calls in flight, actor pools
+(:mod:`~sbloader.executor.pools`), ready outputs and bytes held (``outputs``, ``budget``).
+Each step scales the pools, relaunches straggling reads (``stragglers``), and asks the pure
+policy (:mod:`~sbloader.executor.policy`) which stage to feed next under the memory budget.
+Finished calls are collected with ``ray.wait`` on their small metadata refs: block bytes
+never pass through this process.
 """
 from __future__ import annotations
 
@@ -23,13 +21,14 @@ from typing import Optional
 import ray
 
 from sbloader.core.block import BlockMeta
+from sbloader.core.context import merge_counters
 from sbloader.core.errors import ResourceError, SbloaderError
 from sbloader.core.plan import EpochPlan
 from sbloader.core.stats import ExecutionStats, OperatorStats
-from sbloader.executor.budget import MemoryBudget
+from sbloader.executor.budget import MemoryBudget, default_budget
 from sbloader.executor.calls import Call, Running, Solo
 from sbloader.executor.diagnostics import ProgressBars, StuckWatch, resource_demand
-from sbloader.executor.failures import shared_arg, sort_failures
+from sbloader.executor.failures import Rerun, shared_arg, sort_failures
 from sbloader.executor.handoff import SlotArena
 from sbloader.executor.slot_store import SlotLease
 from sbloader.executor.launcher import Launcher
@@ -37,7 +36,8 @@ from sbloader.executor.options import ExecutionOptions, OutputBlock
 from sbloader.executor.outputs import Outputs
 from sbloader.executor.pace import ConsumerPace
 from sbloader.executor.policy import StageView, blocks_ahead_cap, select_stage
-from sbloader.executor.pools import ActorPools
+from sbloader.executor.pools import ActorPools, constructed_info
+from sbloader.executor.reruns import Reruns
 from sbloader.executor.reservations import StageNeeds, pool_limit, shortfall
 from sbloader.executor.sizing import Sizing
 from sbloader.executor.stages import Stage, stage_concurrency
@@ -79,13 +79,14 @@ class Scheduler:
         self.sizing = Sizing(len(stages), estimates, pace)
         self.est = self.sizing.block_bytes  # output bytes per block, per stage
         self.stats = ExecutionStats(operators=[OperatorStats(s.name) for s in stages])
+        self.reruns = Reruns(plan.epoch, self.stats)
         self.outputs = Outputs(options.deterministic, dropped=self.drop_output)
         self.watch = StuckWatch(options.exclude_nodes)
         self._throttle_mark: dict[int, float] = {}
         cpus = cluster_cpus()
         budget = options.memory_budget
         if budget is None:
-            budget = int(ray.cluster_resources().get("object_store_memory", 2 * 2**30) * 0.25)
+            budget = default_budget()
         self.budget = MemoryBudget(budget, len(stages))
         self.stats.memory_budget = self.budget.budget
         self._slots = [stage_concurrency(s, cpus) if s.kind != "actor" else 0 for s in stages]
@@ -104,6 +105,11 @@ class Scheduler:
 
     def step(self) -> None:
         """Scale the pools, launch again the partitions of straggling read calls, launch work."""
+        if self.reruns.watch_nodes():  # a node joined: the task stages may keep more in flight
+            from sbloader.runtime.session import cluster_cpus
+
+            self._slots = [max(n, stage_concurrency(s, cluster_cpus())) if s.kind != "actor" else 0
+                           for n, s in zip(self._slots, self._stages)]
         queued = {i: len(self.queues[i]) for i in self.pools.pools}
         ok = {i: self.held() + (self.est[i] or 0.0) <= self.budget.budget for i in queued}
         self.pools.scale(queued, ok, {i: self._upstream_active(i) for i in queued})
@@ -233,7 +239,7 @@ class Scheduler:
         call = Call(1, actor, started=time.monotonic())
         self._stage_inflight[i] += 1
         self.inflight[meta_ref] = Running(i, seq, block_ref, out.meta.nbytes, self.est[i] or 0.0, call,
-                                           out.meta.partition_id, lease)
+                                           out.meta.partition_id, lease, out)
 
     def _launch_read(self) -> None:
         """One call of the source stage: a task (or a pool actor's call) that reads the next few
@@ -268,7 +274,7 @@ class Scheduler:
         """(Outside the lock) The metadata of the finished calls among ``ready``:
         ``(actor refs, metadata refs, their metadata or None for a failed duplicate)``."""
         metas_refs = [r for r in ready if r in self.inflight]
-        actors = [(r, _constructed(r)) for r in ready if r in self.pools.pending]
+        actors = [(r, constructed_info(r)) for r in ready if r in self.pools.pending]
         try:
             metas = ray.get(metas_refs) if metas_refs else []
         except Exception:
@@ -281,6 +287,9 @@ class Scheduler:
             self.pools.constructed(r, info)
         for ref, meta in zip(metas_refs, metas):
             run = self.inflight.pop(ref)
+            if isinstance(meta, Rerun):
+                self._rerun(run, meta.error)
+                continue
             if meta is None:  # a failed copy of a partition another copy still covers
                 self.free_lease(run.lease)
                 self._free_slot(run)
@@ -291,6 +300,21 @@ class Scheduler:
     def _sort_failures(self, refs: list) -> list:
         return sort_failures(refs, self.inflight, lambda run: self.stragglers.other_copy(run, self.inflight.values()),
                              [s.name for s in self._stages], self._plan.epoch)
+
+    def _rerun(self, run: Running, error: BaseException) -> None:
+        """The system lost this call (its actor or node): its partition, or its input block, is
+        queued again; a lost pool actor leaves its pool, which regrows on the other nodes."""
+        self.free_lease(run.lease)
+        self._free_slot(run)
+        node = self.pools.lose(run.call.actor) if run.call.actor is not None else None
+        self.reruns.record(run, error, self._stages[run.stage].name, node)
+        if run.stage == 0:
+            part = next(p for seq, p in run.call.items if p.id == run.partition_id)
+            heapq.heappush(self.queues[0], (run.seq, next(self._counter), part))
+            self.remaining += 1
+        else:
+            heapq.heappush(self.queues[run.stage], (run.seq, next(self._counter), run.source))
+            self.budget.queued[run.stage] += run.source.meta.nbytes
 
     def _free_slot(self, run: Running, task_s: float = 0.0) -> None:
         """One of the call's partitions came back: on its last, the call's slot is free (a
@@ -327,8 +351,9 @@ class Scheduler:
         st.rows, st.blocks, st.bytes = st.rows + meta.num_rows, st.blocks + 1, st.bytes + meta.nbytes
         st.task_s += meta.task_s
         st.skipped += meta.skipped
-        for k, v in meta.counters:
-            st.counters[k] = st.counters.get(k, 0) + v
+        merge_counters(st.counters, meta.counters)
+        if meta.counters:
+            self.bars.show_bytes(i, st.counters)
         st.full_decodes += meta.full_decodes
         self.sizing.observe(i, meta, st.blocks, last)
         self.bars.update(i, meta.num_rows)
@@ -343,17 +368,6 @@ class Scheduler:
                 self.free_lease(lease)
             self.budget.check(self.est, self._opts.prefetch_blocks)
         self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, int(self.held()))
-
-
-def _constructed(ref: ray.ObjectRef) -> Optional[tuple]:
-    """An actor's ``ready()``: ``(node, pid, construction seconds)``, or None when the actor died
-    for a reason of its own (a lost worker or node); its constructor's error is raised."""
-    try:
-        return ray.get(ref)
-    except ray.exceptions.ActorDiedError as e:
-        if getattr(e, "actor_init_failed", False):
-            raise
-        return None
 
 
 def pool_bounds(stages: list[Stage], exclude_nodes: tuple) -> dict[int, tuple[int, int]]:

@@ -56,6 +56,7 @@ class PoolActor:
     inflight: int = 0
     idle_since: float = field(default_factory=time.monotonic)
     launched: float = field(default_factory=time.monotonic)
+    node: Optional[str] = None  # its node, once constructed
 
     @property
     def ready(self) -> bool:
@@ -114,6 +115,18 @@ def prestart_pools(source_name: str, ops: Sequence[Any], options: ExecutionOptio
             actor_cache.setdefault(i, []).append(PrestartedActor(handle, handle.ready.remote()))
             started += 1
     return started
+
+
+def constructed_info(ref: ray.ObjectRef) -> Optional[tuple]:
+    """An actor's ``ready()``: ``(node, pid, construction seconds)``, or None when the actor died
+    or became unreachable for a reason of its own (a lost worker or node); its constructor's
+    error is raised."""
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayActorError as e:  # ActorDiedError, ActorUnavailableError
+        if getattr(e, "actor_init_failed", False):
+            raise
+        return None
 
 
 class ActorPools:
@@ -203,13 +216,37 @@ class ActorPools:
             self.pools[i].remove(actor)
             st.actors_lost += 1
             self._lost[i] += 1
+            try:  # unreachable (its node lost) rather than dead: no restart beside its replacement
+                ray.kill(actor.handle, no_restart=True)
+            except Exception:
+                pass
             return
         built_s = float(info[2]) if len(info) > 2 else 0.0
         st.actors_ready += 1
         st.construction_s += built_s
         st.resource_wait_s += max(0.0, time.monotonic() - actor.launched - built_s)
         actor.ready_ref = None
+        actor.node = str(info[0]) if info else None
         actor.idle_since = time.monotonic()
+
+    def lose(self, actor: PoolActor) -> Optional[str]:
+        """An actor the system lost (its node died, its process was killed): out of its pool,
+        killed for good (a restart would hold its resources beside the one the pool builds
+        instead), counted as lost so the pool may build another. Returns its node (None: unknown).
+        Idempotent: every call in flight on it fails alike."""
+        for i, actors in self.pools.items():
+            if actor in actors:
+                actors.remove(actor)
+                self._stats[i].actors_lost += 1
+                self._lost[i] += 1
+                if actor.ready_ref is not None:
+                    self.pending.pop(actor.ready_ref, None)
+                try:
+                    ray.kill(actor.handle, no_restart=True)
+                except Exception:  # already gone
+                    pass
+                break
+        return actor.node
 
     def pending_per_stage(self) -> dict[int, int]:
         """Actors still starting, per pool."""

@@ -17,7 +17,7 @@ import numpy as np
 import ray
 
 from sbloader.core.block import BATCH_ROWS_COLUMN, ROW_COLUMN, Block, BlockMeta, block_nbytes, num_rows, take
-from sbloader.core.context import TaskCounts, task_context
+from sbloader.core.context import TaskCounts, merge_counters, task_context
 from sbloader.core.errors import SourceReadError, UserFunctionError, picklable
 from sbloader.core.ops import Op, apply_op
 from sbloader.core.plan import row_permutation
@@ -197,8 +197,7 @@ def read_partition(reader_and_shared: tuple, partition: Partition, info: EpochIn
     if info.shuffle_rows and n > 1:
         block = take(block, row_permutation(n, info.epoch_seed, partition.id))
     if counters is not None:
-        for k, v in c.counters.items():
-            counters[k] = counters.get(k, 0) + v
+        merge_counters(counters, c.counters)
     return block, TaskCounts.of(c)
 
 

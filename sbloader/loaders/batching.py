@@ -17,6 +17,7 @@ import numpy as np
 from sbloader.core.block import ROW_COLUMN, Batch, Block, BlockMeta, Provenance, make_batch, slice_block
 from sbloader.executor.executor import StreamingExecutor
 from sbloader.core.cut import Cutter
+from sbloader.core.window import Window, WindowSpec, parse_window
 
 
 class Row(dict):
@@ -94,28 +95,43 @@ class ShuffleWindow:
     """How shuffled batches are drawn from several blocks at once.
 
     Attributes:
-        blocks: blocks a batch draws from (more are opened while they hold fewer
-            rows than a batch); 1 cuts each block on its own.
+        window: the epoch's resolved window (:class:`~sbloader.core.window.Window`), or a
+            count of blocks (1 cuts each block on its own).
         epoch_seed: the epoch seed the draws derive from.
         first_batch: the index of the first batch (a resumed epoch goes on counting).
         release: called with a block's meta once no batch will take rows from it.
+        weight: what a block weighs against the window's cap (default: its bytes for a
+            window in bytes, its rows otherwise).
+        observe: called with the :class:`~sbloader.core.cut.Cutter` after every batch
+            (how wide the window was, whether the epoch did not fit it).
     """
 
-    blocks: int
+    window: Any
     epoch_seed: int = 0
     first_batch: int = 0
     release: Optional[Callable[[BlockMeta], None]] = None
+    weight: Optional[Callable[[BlockMeta], int]] = None
+    observe: Optional[Callable[[Cutter], None]] = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.blocks, bool) or not isinstance(self.blocks, (int, np.integer)) or self.blocks < 1:
-            raise ValueError(f"shuffle_window must be a positive number of partitions, found {self.blocks!r}")
+        if not isinstance(self.window, Window):
+            object.__setattr__(self, "window", Window(partitions=parse_window(self.window).partitions or 0))
+
+    def weigh(self, meta: BlockMeta) -> int:
+        """The weight of a block against the window's cap."""
+        if self.weight is not None:
+            return int(self.weight(meta))
+        return int(meta.nbytes if self.window.unit == "bytes" else meta.num_rows)
 
 
-def window_of(source: Any, shuffle_window: Optional[int] = None) -> int:
-    """The shuffle window in partitions: ``shuffle_window`` (validated), or the source's default."""
-    if shuffle_window is None:
-        return int(getattr(source, "shuffle_window", 1))
-    return int(ShuffleWindow(shuffle_window).blocks)
+def window_of(source: Any, shuffle_window: Any = None) -> WindowSpec:
+    """The shuffle window asked for: ``shuffle_window`` (validated, see
+    :func:`~sbloader.core.window.parse_window`), or the source's default: one partition
+    where a shuffled partition is already a uniform sample, else a share of the memory
+    budget."""
+    if shuffle_window is None and getattr(source, "shuffle_window", 1) is not None:
+        return parse_window(int(getattr(source, "shuffle_window", 1)))
+    return parse_window(shuffle_window)
 
 
 def iter_batches(
@@ -138,7 +154,7 @@ def iter_batches(
     """
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size must be >= 1 or None, found {batch_size}")
-    if window is not None and window.blocks > 1 and batch_size is not None:
+    if window is not None and not window.window.in_turn and batch_size is not None:
         yield from iter_mixed_batches(blocks, batch_size, drop_last, window)
         return
     release = window.release if window is not None else None
@@ -170,45 +186,62 @@ def iter_batches(
 
 def iter_mixed_batches(blocks: Iterator[tuple[Block, BlockMeta]], batch_size: int, drop_last: bool,
                        window: ShuffleWindow) -> Iterator[Batch]:
-    """Batches drawn from ``window.blocks`` open blocks at once (the shuffle window).
+    """Batches drawn from every open block at once (the shuffle window).
 
     A :class:`~sbloader.core.cut.Cutter` decides each batch: a uniform draw without
     replacement over the open blocks' remaining rows, each block's rows taken in
-    order; a block that runs out is replaced by the next one. Rows inside a block are
-    already shuffled, so a block's first rows are a random sample of it, and what a
-    block gave is always a prefix: the consumed ledger stays a count per partition.
-    Blocks open in the order they arrive; with a deterministic delivery order the
-    batches depend on the epoch seed only.
+    order; a block that runs out is replaced by the next ones the window has room for.
+    Rows inside a block are already shuffled, so a block's first rows are a random
+    sample of it, and what a block gave is always a prefix: the consumed ledger stays
+    a count per partition. Blocks open in the order they arrive (one block waits
+    while the window has no room for it); with a deterministic delivery order the
+    batches depend on the epoch seed (and the blocks' weights) only. A block that ran
+    out is released at once when its batch was a concatenation (a copy), else once
+    the next batch is made (the consumer may still hold a view of it).
     """
     release = window.release or (lambda meta: None)
+    observe = window.observe or (lambda cutter: None)
     source = iter(blocks)
-    cutter = Cutter(window.blocks, window.epoch_seed, window.first_batch)
+    cutter = Cutter(window.window, window.epoch_seed, window.first_batch)
     opened: dict[int, tuple[Block, BlockMeta]] = {}  # partition id -> block
+    waiting: Optional[tuple[Block, BlockMeta, int]] = None  # the next block, the window full
     ended = False
     done: list[BlockMeta] = []  # ran out in the last batch: released once the next is made
     try:
         while True:
-            while not ended and cutter.wants(batch_size):
-                try:
-                    block, meta = next(source)
-                except StopIteration:
-                    ended = True
+            while not ended:
+                if waiting is None:
+                    try:
+                        block, meta = next(source)
+                    except StopIteration:
+                        ended = True
+                        break
+                    if meta.num_rows == 0:
+                        release(meta)
+                        continue
+                    waiting = (block, meta, window.weigh(meta))
+                if not cutter.wants(batch_size, waiting[2]):
                     break
-                if meta.num_rows > 0:
-                    opened[meta.partition_id] = (block, meta)
-                    cutter.add(meta.partition_id, meta.num_rows)
-                else:
-                    release(meta)
+                block, meta, w = waiting
+                waiting = None
+                opened[meta.partition_id] = (block, meta)
+                cutter.add(meta.partition_id, meta.num_rows, w)
             rows = min(batch_size, cutter.open_rows)
             if rows == 0 or (rows < batch_size and drop_last):
                 return
             pieces = cutter.cut(rows)
+            observe(cutter)
             batch = make_batch([(slice_block(opened[p.key][0], p.start, p.stop), p.key, opened[p.key][1].epoch)
                                  for p in pieces])
             for meta in done:
                 release(meta)
             done = [opened.pop(p.key)[1] for p in pieces if p.stop >= opened[p.key][1].num_rows]
+            if len(pieces) > 1:  # the batch is a copy: the blocks that ran out are free at once
+                for meta in done:
+                    release(meta)
+                done = []
             yield batch
     finally:
-        for meta in done + [m for _, m in opened.values()]:
+        left = done + [m for _, m in opened.values()] + ([waiting[1]] if waiting is not None else [])
+        for meta in left:
             release(meta)

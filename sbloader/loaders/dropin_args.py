@@ -4,10 +4,12 @@ Kept apart from the loader class so its constructor reads as what it stores.
 """
 from __future__ import annotations
 
+import logging
 import math
-
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -117,12 +119,14 @@ def decide_split(split: Optional[bool], world: Any, dataset: Any, iterable: bool
     known = sampler is None or type(sampler) in (RandomSampler, SequentialSampler, DistributedSampler)
     if split is None:
         if iterable:
-            raise ValueError(
-                f"world size is {world.world_size} and the loader has an IterableDataset: pass split=True "
-                "(the coordinator iterates it once for the job and splits its output across ranks, equal "
-                "batch counts on every rank) or split=False (it shards itself by rank: every rank then "
-                "iterates its own shard, as under torch)"
-            )
+            # torch's behaviour, so that swapping the import keeps a job working: every rank iterates
+            # the dataset (which shards itself by rank, as webdataset's split_by_node does)
+            logger.info(
+                "sbloader: world size is %d and the loader has an IterableDataset: every rank iterates it, as "
+                "under torch (split=False; it must shard itself by rank). split=True would iterate it once for "
+                "the job and split its output across ranks, equal batch counts on every rank",
+                world.world_size)
+            return False
         if batch_sampler is not None:
             raise ValueError(
                 f"world size is {world.world_size} and the loader has a batch_sampler "

@@ -29,7 +29,7 @@ from sbloader.core.errors import UserFunctionError, reraise_as_torch
 from sbloader.core.ops import Op
 from sbloader.core.plan import make_epoch_plan
 from sbloader.core.stats import ExecutionStats, StallStats
-from sbloader.distributed import dropin_client
+from sbloader.distributed import dropin_client, pipeline_client
 from sbloader.executor.options import ExecutionOptions
 from sbloader.executor.pools import kill_cached
 from sbloader.executor.launch import arena_here, options_here, start_execution
@@ -338,6 +338,10 @@ def split_epoch(s: DropinSettings, carry: DropinCarry, run: EpochRun, rank: int,
         dropin_client.finish(pull.coord, run.epoch, rank, len(run.taken))
         if run.complete:
             carry.last_split_run = run
+        carry.stats = pipeline_client.stats(pull.coord, run.epoch)  # the job's pipeline, at the coordinator
+        if carry.stats is not None:
+            carry.stats.rebuilt_coordinators += pull.rebuilds
+        stalls.note_failures(carry.stats, pull.rebuilds)
         _report(s, f"rank {rank} epoch {run.epoch}", stalls)()
 
     return EpochIterator(produce(), run, ahead=s.ahead, stalls=stalls, to_device=_device(s), translate=translate,

@@ -19,7 +19,10 @@ from sbloader.core.plan import EpochPlan, make_epoch_plan
 from sbloader.core.stats import ExecutionStats, StallStats
 from sbloader.distributed import pipeline_client
 from sbloader.executor.launch import arena_here, options_here, start_execution
+from sbloader.core.window import FIRST_PARTITIONS, WindowSpec, drawn_share, narrow_message
+from sbloader.loaders import shuffle_window
 from sbloader.loaders.batching import BlockFeed, ShuffleWindow, iter_batches
+from sbloader.loaders.shuffle_window import prefetch_hint
 from sbloader.loaders.epoch import Delivery, EpochIterator
 from sbloader.loaders.pipeline_run import PipelineRun, SplitRun, skip_consumed
 from sbloader.loaders.tensors import DeviceCopy, TensorOptions, columns_as_tensors
@@ -47,7 +50,7 @@ class PipelineSettings:
         deterministic: fixed delivery order for a given epoch seed.
         memory_budget: bytes the pipeline may hold in the object store.
         prefetch_blocks: ready blocks kept ahead, and batches made ahead of the loop.
-        window: partitions each batch draws from at once (1 without shuffle).
+        window: the shuffle window asked for (one partition without shuffle).
         allow_trainer_node: let tasks run on this process's node on a cluster.
         tensors: how batches become tensors.
         device: the loop's device (None: the CPU).
@@ -59,7 +62,7 @@ class PipelineSettings:
     deterministic: bool
     memory_budget: Optional[int]
     prefetch_blocks: int
-    window: int
+    window: WindowSpec
     allow_trainer_node: bool
     tensors: TensorOptions
     device: Any = None
@@ -67,7 +70,7 @@ class PipelineSettings:
     def prefetch_for(self, source: Source, plan: EpochPlan) -> int:
         """Ready blocks to keep ahead: ``prefetch_blocks``, raised to the shuffle window's
         blocks and to two batches' worth when a batch spans several blocks."""
-        base = max(self.prefetch_blocks, self.window + 1) if self.window > 1 else self.prefetch_blocks
+        base = max(self.prefetch_blocks, prefetch_hint(self.window))
         rows = source.num_rows()
         try:
             parts = len(source.partitions(plan.epoch, plan.epoch_seed, shuffle=plan.shuffle))
@@ -118,9 +121,11 @@ def local_epoch(pipeline: Pipeline, settings: PipelineSettings, run: PipelineRun
                                estimates=carry.estimates, arena=arena_here())
     carry.stats = executor.stats()
     stalls = StallStats()
-    window = settings.window
-    feed = BlockFeed(executor, hold=None if window > 1 else 1)
-    cut = ShuffleWindow(window, run.epoch_seed, run.batches, feed.release if window > 1 else None)
+    window = shuffle_window.local_window(settings.window, run, carry.stats.memory_budget)
+    report = shuffle_window.Report(pipeline, settings.window, len(run.order), carry.stats)
+    feed = BlockFeed(executor, hold=1 if window.in_turn else None)
+    cut = ShuffleWindow(window, run.epoch_seed, run.batches, None if window.in_turn else feed.release,
+                        shuffle_window.block_weight(window, run), report.observe)
 
     def produce() -> Iterator[Delivery]:
         seen: list = []  # partition sizes seen, recorded with the next batch the loop takes
@@ -160,7 +165,8 @@ def split_epoch(pipeline: Pipeline, settings: PipelineSettings, run: SplitRun, c
         spec = None
         if run.rank == 0:
             plan = EpochPlan(run.epoch, run.base.epoch_seed, run.pids, settings.shuffle)
-            ahead = settings.prefetch_for(pipeline.source, plan) + run.plan.world_size * (1 + settings.window)
+            ahead = settings.prefetch_for(pipeline.source, plan) + run.plan.world_size * (
+                1 + min(run.plan.widest, FIRST_PARTITIONS))
             options = options_here(memory_budget=settings.memory_budget, deterministic=settings.deterministic,
                                    prefetch_blocks=ahead, progress=False,
                                    allow_trainer_node=settings.allow_trainer_node)
@@ -175,9 +181,17 @@ def split_epoch(pipeline: Pipeline, settings: PipelineSettings, run: SplitRun, c
     def closed() -> None:
         pipeline_client.finish(coordinator, run.epoch, run.rank, run.taken)
         carry.stats = pipeline_client.stats(coordinator, run.epoch)
+        if run.plan.narrowed and carry.stats is not None:
+            carry.stats.shuffle_note = narrowed_note(settings.window, run.plan.widest, len(run.base.order))
+        stalls.note_failures(carry.stats)
 
     return EpochIterator(produce(), run, ahead=max(1, settings.prefetch_blocks), stalls=stalls,
                          to_device=_device_copy(settings), on_close=closed)
+
+
+def narrowed_note(spec: WindowSpec, widest: int, partitions: int) -> str:
+    """The ``stats()`` line of a split epoch that did not fit its window."""
+    return narrow_message(spec, drawn_share(widest, partitions), widest, partitions)
 
 
 def sizes_of(source: Source, epoch: int, epoch_seed: int, shuffle: bool) -> dict:

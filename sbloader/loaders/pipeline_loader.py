@@ -21,10 +21,12 @@ from sbloader.core.split import split_epoch
 from sbloader.core.stats import ExecutionStats, StallStats
 from sbloader.executor.pools import kill_cached
 from sbloader.loaders import pipeline_state
+from sbloader.core.window import WindowSpec
+from sbloader.loaders import shuffle_window
 from sbloader.loaders.batching import window_of
 from sbloader.loaders.epoch import EpochIterator
-from sbloader.loaders.pipeline_epoch import (Carry, Pipeline, PipelineSettings, epoch_plan, local_epoch, sizes_of,
-                                             split_epoch as run_split_epoch)
+from sbloader.loaders.pipeline_epoch import (Carry, Pipeline, PipelineSettings, epoch_plan, local_epoch,
+                                             narrowed_note, sizes_of, split_epoch as run_split_epoch)
 from sbloader.loaders.pipeline_run import PipelineRun, plan_split
 from sbloader.loaders.tensors import TensorOptions
 from sbloader.runtime.world import World
@@ -43,11 +45,15 @@ class PipelineLoader:
             seed, partitions run in a drawn order, rows are shuffled inside each, and a
             source whose partition is one unit of I/O (a Parquet row group, a video)
             has each batch drawn from several partitions at once (``shuffle_window``).
-        shuffle_window: under ``shuffle``, how many partitions each batch draws from at
-            once (default: the source's: 1 for ``read_images``, ``from_items``...,
-            8 for ``read_parquet`` and ``read_videos``). The loop then holds that many
-            output blocks (within the memory budget); 1 cuts each partition's batches
-            on its own. See the user guide's "Shuffling".
+        shuffle_window: under ``shuffle``, what the partitions a batch draws from at once
+            may hold: a size (``"512 MiB"``), rows (``"50000 rows"``), or an int, a count
+            of partitions as before (1 cuts each partition's batches on its own, the
+            least memory). Default: the source's: 1 for ``read_images``,
+            ``from_items``... (their partitions are already uniform samples); for
+            ``read_parquet``, ``read_videos`` and ``read_webdataset`` half the memory
+            budget (``sbloader.core.window.DEFAULT_SHARE``), so data whose output fits
+            mixes exactly like torch's shuffle; the window's blocks count in the
+            budget. See the user guide's "Shuffling".
         seed: fix the epoch seed to ``f(seed, epoch)``; None draws it like torch.
         drop_last: drop a final short batch.
         deterministic: fixed delivery order for a given epoch seed.
@@ -89,14 +95,14 @@ class PipelineLoader:
                  collate_fn: Optional[Callable] = None, generator: Any = None,
                  rank: Optional[int] = None, world_size: Optional[int] = None,
                  persistent_workers: bool = False, allow_trainer_node: bool = False,
-                 shuffle_window: Optional[int] = None, name: Optional[str] = None,
+                 shuffle_window: Any = None, name: Optional[str] = None,
                  job_id: Optional[str] = None) -> None:
         if batch_size is None or batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, found {batch_size}")
         self.dataset = dataset
         self.batch_size = batch_size
         self.shuffle = shuffle
-        self.shuffle_window = window_of(dataset.source, shuffle_window)
+        self.shuffle_window = window_of(dataset.source, shuffle_window)  # a WindowSpec
         self.seed = seed
         self.generator = generator
         self.persistent_workers = persistent_workers
@@ -108,7 +114,7 @@ class PipelineLoader:
         self.settings = PipelineSettings(
             batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, deterministic=deterministic,
             memory_budget=memory_budget, prefetch_blocks=prefetch_blocks,
-            window=self.shuffle_window if shuffle else 1, allow_trainer_node=allow_trainer_node,
+            window=self.shuffle_window if shuffle else WindowSpec(partitions=1), allow_trainer_node=allow_trainer_node,
             tensors=TensorOptions(pin=pin, zero_copy=zero_copy, dtypes=dtypes, collate_fn=collate_fn),
             device=device)
         self._carry = Carry(actor_cache={} if persistent_workers else None)
@@ -218,8 +224,13 @@ class PipelineLoader:
             it = local_epoch(self.dataset, self.settings, base, self._carry)
         else:
             sizes = sizes_of(self.dataset.source, base.epoch, base.epoch_seed, self.shuffle)
+            window = shuffle_window.split_window(self.settings.window, base, self.dataset.source,
+                                                 shuffle_window.default_budget(self.settings.memory_budget))
             run = plan_split(base, sizes, rows_changing(self.dataset.ops), self.batch_size, self.world.world_size,
-                             self.world.rank, self.settings.drop_last, self.settings.window)
+                             self.world.rank, self.settings.drop_last, window)
+            if run.plan.narrowed:
+                shuffle_window.warn_once(self.dataset, narrowed_note(self.settings.window, run.plan.widest,
+                                                                     len(base.order)))
             it = run_split_epoch(self.dataset, self.settings, run, self._split_coordinator(), self._carry)
         self._run, self._stalls, self._iterator = it.run, it.stalls, weakref.ref(it)
         return it

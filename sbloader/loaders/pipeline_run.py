@@ -36,6 +36,8 @@ class PipelineRun:
         order: the partition ids of the epoch's whole plan, in order.
         batches: batches the training loop took in this epoch (before and during this
             run; padding left out): a resumed epoch's shuffle window goes on counting.
+        window: the epoch's budget shuffle window as ``[cap, unit]`` once resolved (a
+            resumed epoch cuts with it), or None.
     """
 
     epoch: int
@@ -46,6 +48,7 @@ class PipelineRun:
     complete: bool = False
     order: tuple = ()
     batches: int = 0
+    window: Optional[list] = None
 
     def unfinished(self) -> tuple:
         """The partition ids still to run, in plan order."""
@@ -148,7 +151,7 @@ class SplitRun:
         base = self.base
         run = PipelineRun(base.epoch, base.epoch_seed, done=set(base.done), taken=dict(base.taken),
                           order=base.order, batches=self.plan.first_index + k * self.plan.world_size,
-                          complete=self.complete)
+                          complete=self.complete, window=base.window)
         for place, n in consumed_after(self.plan, k).items():
             pid = self.pids[place]
             prior = base.taken.get(pid, 0)
@@ -161,7 +164,7 @@ class SplitRun:
 
 
 def plan_split(base: PipelineRun, sizes: dict, rows_changing: bool, batch_size: int, world_size: int,
-               rank: int, drop_last: bool, window: int) -> SplitRun:
+               rank: int, drop_last: bool, window: Any) -> SplitRun:
     """Cut what the epoch has left into the job's batches (the same plan on every rank).
 
     Args:
@@ -169,7 +172,8 @@ def plan_split(base: PipelineRun, sizes: dict, rows_changing: bool, batch_size: 
         sizes: output rows of every partition id (None where the source cannot tell).
         rows_changing: an operator may change the number of rows (``filter``, ``flat_map``).
         batch_size, world_size, rank, drop_last: the job's batching.
-        window: partitions a batch draws from at once.
+        window: partitions a batch draws from at once, or the epoch's resolved
+            :class:`~sbloader.core.window.Window` (weighed in rows).
 
     Raises:
         SbloaderError: a partition's size is unknown or an operator may change it.
@@ -182,5 +186,6 @@ def plan_split(base: PipelineRun, sizes: dict, rows_changing: bool, batch_size: 
             "row (no filter/flat_map); or set world_size=1 / use sbloader.DataLoader"
         )
     rows = tuple(int(sizes[pid]) - base.taken.get(pid, 0) for pid in pids)
-    plan = cut_plan(rows, batch_size, world_size, drop_last, window, base.epoch_seed, base.batches)
+    whole = tuple(int(sizes[pid]) for pid in pids)  # a partly consumed block still holds all its rows
+    plan = cut_plan(rows, batch_size, world_size, drop_last, window, base.epoch_seed, base.batches, whole)
     return SplitRun(base, pids, rows, plan, rank)

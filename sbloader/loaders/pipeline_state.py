@@ -5,7 +5,11 @@ fixes: consumption follows the plan, so the places consumed are a few ranges
 however the plan permutes the ids. The body: ``epoch_seed``, ``done`` (places of
 the partitions fully consumed, as ranges), ``partial`` (place -> output rows taken
 of the few partly consumed) and ``batches`` (batches taken, so a resumed epoch's
-shuffle window draws as the uninterrupted one would). Version 2; version 1 named
+shuffle window draws as the uninterrupted one would) and, for a budget shuffle window,
+``window`` (``[cap, unit]``: the window the epoch started with). Over 64 partly
+consumed partitions (a wide window), their counts are packed (``partial_packed``,
+:func:`~sbloader.core.ledger.pack_counts`). Version 3 (version 2 had neither
+optional key and loads as is); version 2; version 1 named
 partition ids, which an unshuffled epoch's places are (read as version 2), and a
 shuffled one's are not (refused with the reason).
 """
@@ -18,7 +22,7 @@ from sbloader.core.errors import StateDictError
 from sbloader.core.state import StateFormat
 from sbloader.loaders.pipeline_run import PipelineRun
 
-STATE_VERSION = 2
+STATE_VERSION = 3
 
 
 def _upgrade_v1(state: dict) -> dict:
@@ -35,7 +39,12 @@ def _upgrade_v1(state: dict) -> dict:
     return {**state, "version": 2, "batches": 0}
 
 
-FORMAT = StateFormat("sbloader.PipelineLoader", STATE_VERSION, ("done", "partial"), {1: _upgrade_v1})
+def _upgrade_v2(state: dict) -> dict:
+    """Version 3 only adds optional keys (``partial_packed``, ``window``): a version-2 state means the same."""
+    return {**state, "version": 3}
+
+
+FORMAT = StateFormat("sbloader.PipelineLoader", STATE_VERSION, ("done", "partial"), {1: _upgrade_v1, 2: _upgrade_v2})
 
 
 def fingerprint(pipeline: Any, batch_size: Optional[int], shuffle: bool) -> dict:
@@ -53,15 +62,24 @@ def make_state(fp: dict, epoch: int, run: Optional[PipelineRun]) -> dict:
         return {**FORMAT.header(fp), "epoch": run.epoch + 1, **fresh}  # the epoch is done: start the next cleanly
     place = {pid: i for i, pid in enumerate(run.order)}
     partial = sorted(((place[pid], int(n)) for pid, n in run.taken.items() if n > 0))
+    counts = ({"partial": {str(p): n for p, n in partial}} if len(partial) <= ledger.PACK_ABOVE
+              else {"partial": {}, "partial_packed": ledger.pack_counts(dict(partial))})
     return {**FORMAT.header(fp), "epoch": run.epoch, "epoch_seed": run.epoch_seed,
             "done": [list(r) for r in ledger.from_positions(place[pid] for pid in run.done)],
-            "partial": {str(p): n for p, n in partial}, "batches": int(run.batches)}
+            **counts, "batches": int(run.batches),
+            **({"window": list(run.window)} if run.window else {})}
 
 
 def run_from_state(state: dict, order: tuple) -> PipelineRun:
     """The run a loaded state resumes, given its epoch's plan ``order`` (partition ids)."""
     places = ledger.to_positions(state.get("done", []))
-    named = [int(p) for p in places] + [int(k) for k in state.get("partial", {})]
+    partial = {int(k): int(v) for k, v in state.get("partial", {}).items()}
+    try:
+        partial.update(ledger.unpack_counts(state["partial_packed"]) if state.get("partial_packed") else {})
+    except Exception as e:  # a damaged string: say so rather than resume wrongly
+        raise StateDictError(f"state partial_packed: found a value that does not unpack ({e}); expected what "
+                             "state_dict() wrote") from None
+    named = [int(p) for p in places] + list(partial)
     if named and max(named) >= len(order):
         raise StateDictError(
             f"the state names place {max(named)} of an epoch of {len(order)} partitions; load it into a loader "
@@ -71,7 +89,18 @@ def run_from_state(state: dict, order: tuple) -> PipelineRun:
         epoch=int(state["epoch"]),
         epoch_seed=int(state["epoch_seed"]),
         done={order[int(p)] for p in places},
-        taken={order[int(k)]: int(v) for k, v in state.get("partial", {}).items()},
+        taken={order[k]: v for k, v in partial.items()},
         order=tuple(order),
         batches=int(state.get("batches", 0)),
+        window=_window(state.get("window")),
     )
+
+
+def _window(value: Any) -> Optional[list]:
+    """A state's ``window`` (``[cap, "rows" | "bytes"]``) checked, or None."""
+    if value is None:
+        return None
+    if (not isinstance(value, (list, tuple)) or len(value) != 2 or not isinstance(value[0], int)
+            or value[0] < 1 or value[1] not in ("rows", "bytes")):
+        raise StateDictError(f"state window: found {value!r}, expected [cap >= 1, 'rows' or 'bytes'] or no window")
+    return [int(value[0]), str(value[1])]

@@ -9,7 +9,8 @@ elements, sampler positions) draws which items form each partition from the epoc
 seed (:func:`~sbloader.core.plan.member_positions`), so every partition is a uniform
 sample of the dataset. A source whose unit of I/O holds many rows (a Parquet row
 group, a video) keeps its partitions and asks the consumer to draw each batch
-from several partitions at once (``shuffle_window``).
+from several partitions at once (``shuffle_window``: by default as many as a share
+of the memory budget holds, see :mod:`sbloader.core.window`).
 """
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ from typing import Any, Callable, Optional, Protocol, runtime_checkable
 from sbloader.core.block import Block
 
 #: ``shuffle_window`` of a source whose partition is one unit of I/O holding many rows
-#: (a Parquet row group, a video): a shuffled batch draws from this many partitions.
-IO_UNIT_SHUFFLE_WINDOW = 8
+#: (a Parquet row group, a video): None, a shuffled batch draws from as many partitions
+#: as the window's share of the memory budget holds (:mod:`sbloader.core.window`).
+IO_UNIT_SHUFFLE_WINDOW = None
 
 
 @dataclass(frozen=True)
@@ -47,9 +49,10 @@ class Source(Protocol):
 
     name: str
     #: Partitions whose rows a shuffled batch is drawn from by default: 1 where a
-    #: shuffled partition is already a uniform sample of the dataset, more where a
-    #: partition is one unit of I/O holding many adjacent rows.
-    shuffle_window: int
+    #: shuffled partition is already a uniform sample of the dataset, None (a share
+    #: of the memory budget) where a partition is one unit of I/O holding many
+    #: adjacent rows.
+    shuffle_window: Optional[int]
 
     def shared(self) -> Any:
         """An object shipped once to the object store and given to every ``read``."""

@@ -94,6 +94,7 @@ class DiskCache:
         os.makedirs(root, exist_ok=True)
         self._lock = threading.Lock()
         self._used: Optional[int] = None  # bytes cached, as this process last counted
+        self._dirs: set = set()  # sub-folders this process made (or found)
 
     def path_for(self, uri: str, version: str) -> str:
         """Where an object's entry lives (whether or not it exists)."""
@@ -111,10 +112,15 @@ class DiskCache:
             return None
         return p
 
+    def _makedirs(self, d: str) -> None:
+        if d not in self._dirs:
+            os.makedirs(d, exist_ok=True)
+            self._dirs.add(d)
+
     def lock(self, uri: str, version: str) -> "_FileLock":
         """An exclusive lock on the entry across processes (hold it while downloading)."""
         p = self.path_for(uri, version)
-        os.makedirs(os.path.dirname(p), exist_ok=True)
+        self._makedirs(os.path.dirname(p))
         return _FileLock(p + ".lock")
 
     def put(self, uri: str, version: str, data: bytes) -> Optional[str]:
@@ -123,10 +129,11 @@ class DiskCache:
         if not self.make_room(len(data)):
             return None
         p = self.path_for(uri, version)
-        os.makedirs(os.path.dirname(p), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(p))
+        self._makedirs(os.path.dirname(p))
+        # Unique to this process and thread (the entry's lock is held): no random name to draw.
+        tmp = os.path.join(os.path.dirname(p), f".tmp-{os.getpid()}-{threading.get_ident()}")
         try:
-            with os.fdopen(fd, "wb") as f:
+            with open(tmp, "wb") as f:
                 f.write(data)
             os.replace(tmp, p)
         except BaseException:

@@ -2,33 +2,38 @@
 backoff, and the node-local cache in front (:mod:`sbloader.sources.cache`).
 
 A :class:`RemoteFiles` travels with a source's reader: the user's filesystem (or
-None: resolved from each URI's scheme on the worker), the cache settings, and every
-object's listed size and modification time (its version). A read task asks it for
-the objects of its partition at once (:meth:`RemoteFiles.read_many`): up to
-``max_in_flight`` requests run in a thread pool while the task decodes the ones
-already back, in order, so a store's per-request latency is paid once per
-``max_in_flight`` objects rather than per object.
+None: each URI's scheme picks the client, :mod:`sbloader.sources.object_client`), the
+cache settings, and every object's listed size and modification time (its version),
+so an object costs one GET (no HEAD). A read task asks it for the objects of its
+partition at once and names the next partitions' objects to fetch ahead
+(:meth:`RemoteFiles.read_many`): they all go to the process's fetch pool, bounded by a
+budget of requests in flight and of bytes (:mod:`sbloader.sources.inflight`), while
+the task decodes the ones already back, in order.
 
-Counters (``cache_hits``, ``cache_misses``, ``bytes_read`` from the store,
-``cache_bytes`` read from the cache, ``retries``, ``not_admitted``) are reported
-to the task's context and reach ``stats()``.
+Counters (``objects_read`` and ``bytes_read`` from the store, ``cache_hits``,
+``cache_misses``, ``cache_bytes`` read from the cache, ``retries``, ``not_admitted``,
+``prefetched``, ``peak_in_flight`` (requests in flight in the process, the largest
+seen), ``store_wait_ms`` (time readers waited for bytes)) are reported to the task's
+context and reach ``stats()``.
 """
 from __future__ import annotations
 
 import io
+import os
 import random
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence, Union
 
 from sbloader.core.context import report_counters
 from sbloader.sources.cache import CacheConfig, cache_here
 from sbloader.sources.filesystems import resolve
+from sbloader.sources.inflight import DEFAULT_MAX_BYTES, DEFAULT_MAX_REQUESTS, GAUGE, Waited, pool, take_while_within
+from sbloader.sources.object_client import client_for
 
-#: Requests a read task keeps in flight by default.
-DEFAULT_MAX_IN_FLIGHT = 32
+#: Requests a process keeps in flight by default (``max_in_flight=``).
+DEFAULT_MAX_IN_FLIGHT = DEFAULT_MAX_REQUESTS
 
 _NOT_RETRYABLE_WORDS = ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "NoSuchBucket",
                         "NoSuchKey", "response code: 400", "response code: 401", "response code: 403",
@@ -84,15 +89,12 @@ class _Got:
 
 _BACKGROUND: dict = {}  # counts of prefetches, reported by the next read in this process
 _BACKGROUND_LOCK = threading.Lock()
-_POOL: list[ThreadPoolExecutor] = []
-_POOL_LOCK = threading.Lock()
 
 
-def _pool(workers: int) -> ThreadPoolExecutor:
-    with _POOL_LOCK:
-        if not _POOL or _POOL[0]._max_workers < workers:
-            _POOL[:] = [ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sbloader-fetch")]
-        return _POOL[0]
+def _add_background(counts: dict) -> None:
+    with _BACKGROUND_LOCK:
+        for k, v in counts.items():
+            _BACKGROUND[k] = _BACKGROUND.get(k, 0) + v
 
 
 @dataclass(frozen=True)
@@ -103,8 +105,10 @@ class RemoteFiles:
         filesystem: the user's ``filesystem=`` (None: each URI's scheme decides).
         cache: the node-local cache settings.
         versions: ``uri -> (size, mtime_ns)`` from the listing.
-        max_in_flight: requests one read task keeps in flight.
+        max_in_flight: requests one process keeps in flight (its fetch pool's threads).
         retry: retries of each request.
+        max_bytes: bytes one read task asks for ahead of its reader (own objects and
+            fetch-ahead together).
     """
 
     filesystem: Any = None
@@ -112,33 +116,53 @@ class RemoteFiles:
     versions: dict = field(default_factory=dict, compare=False, repr=False)
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
     retry: RetryPolicy = RetryPolicy()
+    max_bytes: int = DEFAULT_MAX_BYTES
 
     def _version(self, uri: str) -> tuple[Optional[int], str]:
         v = self.versions.get(uri)
         return (None, "unlisted") if v is None else (int(v[0]), f"{v[0]}-{v[1]}")
 
-    def _download(self, uri: str, size: Optional[int], got: _Got) -> bytes:
+    def _request(self, uri: str, got: _Got, fetch: Any) -> bytes:
+        """``fetch()`` with retries and backoff, counted in the process's gauge."""
         rng = random.Random()
         for attempt in range(self.retry.attempts):
             try:
-                fs, path = resolve(uri, self.filesystem)
-                with fs.open_input_stream(path) as f:
-                    data = f.read()
-                if size is not None and len(data) != size:
-                    raise ObjectChangedError(f"{uri!r} has {len(data)} bytes where the listing said {size}: it "
-                                             f"changed after the dataset was created; create the dataset again")
-                return data
+                with GAUGE:
+                    return fetch()
             except FileNotFoundError as e:
                 raise FileNotFoundError(f"no such object: {uri!r} ({e}); check the bucket and key, or pass "
                                         f"on_error='skip'") from e
-            except ObjectChangedError:
-                raise
             except Exception as e:
                 if not is_retryable(e) or attempt + 1 >= self.retry.attempts:
                     raise OSError(f"cannot read {uri!r} after {attempt + 1} tries: {e}") from e
                 got.retries += 1
                 time.sleep(self.retry.backoff(attempt, rng))
         raise AssertionError("unreachable")
+
+    def _download(self, uri: str, size: Optional[int], got: _Got) -> bytes:
+        client = client_for(uri, self.filesystem)
+        data = self._request(uri, got, lambda: client.get(uri))
+        if size is not None and len(data) != size:
+            raise ObjectChangedError(f"{uri!r} has {len(data)} bytes where the listing said {size}: it "
+                                     f"changed after the dataset was created; create the dataset again")
+        return data
+
+    def read_range(self, uri: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of an object with one ranged request (retried as a GET is),
+        counted in ``stats()`` (``range_reads``, ``bytes_read``)."""
+        got = _Got()
+        client = client_for(uri, self.filesystem)
+        t0 = time.perf_counter()
+        try:
+            data = self._request(uri, got, lambda: client.get_range(uri, start, end))
+        finally:
+            report_counters({"retries": got.retries, "store_wait_ms": 1000 * (time.perf_counter() - t0),
+                             "peak_in_flight": GAUGE.take_peak()})
+        if len(data) != end - start:
+            raise ObjectChangedError(f"{uri!r}: asked for bytes [{start}, {end}), got {len(data)}: it changed "
+                                     f"after the dataset was created; create the dataset again")
+        report_counters({"range_reads": 1, "bytes_read": len(data)})
+        return data
 
     def _get(self, uri: str, want_path: bool) -> _Got:
         got = _Got()
@@ -166,42 +190,74 @@ class RemoteFiles:
             got.error = e
         return got
 
-    def _report(self, got: _Got) -> None:
+    def _report(self, got: _Got, waited_s: float = 0.0) -> None:
         n = len(got.data) if got.data is not None else 0
         with _BACKGROUND_LOCK:
             counts = dict(_BACKGROUND)
             _BACKGROUND.clear()
         counts["retries"] = counts.get("retries", 0) + got.retries
+        counts["store_wait_ms"] = 1000 * waited_s
         if got.error is None:
             if got.hit:
                 counts.update(cache_hits=1, cache_bytes=n)
             else:
                 counts.update(cache_misses=1, not_admitted=0 if got.admitted else 1,
+                              objects_read=counts.get("objects_read", 0) + 1,
                               bytes_read=counts.get("bytes_read", 0) + n)
         report_counters(counts)
 
-    def read_many(self, uris: Sequence[str]) -> Iterator[tuple[str, Union[bytes, BaseException]]]:
-        """Each object's bytes (or the exception that read raised), in the order given,
-        with up to ``max_in_flight`` requests running at once."""
+    def read_many(self, uris: Sequence[str], ahead: Sequence[str] = ()) -> Iterator[tuple[str, Union[bytes, BaseException]]]:
+        """Each object's bytes (or the exception that read raised), in the order given.
+
+        All of ``uris`` are asked for at once (up to ``max_bytes``; the rest as the first
+        are consumed), then ``ahead`` (the next partitions' objects) is fetched into the
+        cache behind them (:meth:`prefetch`), in the process's fetch pool.
+        """
         if not uris:
             return
-        pool = _pool(self.max_in_flight)
-        window = max(1, self.max_in_flight)
-        futures = [pool.submit(self._get, u, False) for u in uris[:window]]
+        ex = pool(self.max_in_flight)
+        sizes = [self._version(u)[0] for u in uris]
+        first = take_while_within(sizes, self.max_bytes)
+        futures = [self._submit(ex, u) for u in uris[:first]]
         nxt = len(futures)
+        pending = self.prefetch(ahead, budget=self.max_bytes - sum(int(s or 0) for s in sizes[:first]),
+                                collect=True)
+        waited = Waited()
         for i, uri in enumerate(uris):
-            got = futures[i].result()
+            got = waited.block(futures[i].result) if futures[i] is not None else self._get(uri, False)
             futures[i] = None  # drop the bytes once handed on
-            if nxt < len(uris):
-                futures.append(pool.submit(self._get, uris[nxt], False))
+            outstanding = sum(int(s or 0) for s in sizes[i + 1:nxt])
+            while nxt < len(uris) and (nxt == i + 1 or outstanding + int(sizes[nxt] or 0) <= self.max_bytes):
+                futures.append(self._submit(ex, uris[nxt]))
+                outstanding += int(sizes[nxt] or 0)
                 nxt += 1
-            self._report(got)
+            self._report(got, waited.seconds)
+            waited.seconds = 0.0
             yield uri, got.error if got.error is not None else got.data
+        # The fetch-ahead this read started is counted here, in its task (not lost when no
+        # later read runs in this process): it ran while the objects above were decoded.
+        counts: dict = {}
+        for f in pending:
+            for k, v in waited.block(f.result).items():
+                counts[k] = counts.get(k, 0) + v
+        counts.update(peak_in_flight=GAUGE.take_peak(), store_wait_ms=1000 * waited.seconds)
+        report_counters(counts)
+
+    def _cached(self, uri: str) -> bool:
+        size, version = self._version(uri)
+        cache = cache_here(self.cache) if size is not None else None
+        return cache is not None and cache.get(uri, version, size) is not None
+
+    def _submit(self, ex: Any, uri: str) -> Any:
+        """A future of the object from the pool, or None when the cache holds it: a hit is read
+        where it is consumed (a thread hop costs more CPU than reading a cached file)."""
+        return None if self._cached(uri) else ex.submit(self._get, uri, False)
 
     def read(self, uri: str) -> bytes:
         """One object's bytes (from the cache when it holds them)."""
+        t0 = time.perf_counter()
         got = self._get(uri, False)
-        self._report(got)
+        self._report(got, time.perf_counter() - t0)
         if got.error is not None:
             raise got.error
         return got.data
@@ -211,12 +267,15 @@ class RemoteFiles:
         an in-memory buffer: what pyarrow and PyAV open. A local path comes back as it is."""
         if self.filesystem is None and uri not in self.versions:
             return uri
+        t0 = time.perf_counter()
         got = self._get(uri, True)
+        waited = time.perf_counter() - t0
+        report_counters({"peak_in_flight": GAUGE.take_peak()})
         if got.error is None and got.hit:
-            import os
-            report_counters({"cache_hits": 1, "cache_bytes": os.path.getsize(got.path)})
+            report_counters({"cache_hits": 1, "cache_bytes": os.path.getsize(got.path),
+                             "store_wait_ms": 1000 * waited})
             return got.path
-        self._report(got)
+        self._report(got, waited)
         if got.error is not None:
             raise got.error
         return got.path if got.path is not None else io.BytesIO(got.data)
@@ -236,31 +295,50 @@ class RemoteFiles:
             return uri
         return self.local(uri)
 
-    def prefetch(self, uris: Sequence[str]) -> None:
-        """Fetch objects into the cache in the background: only when the cache has room for
-        all of them now (a full cache admits nothing, so fetching ahead would read the
-        objects twice). Reads filling the cache meanwhile can still leave one out: it is
-        then read again when its partition runs."""
-        if not self.cache.enabled or not uris:
-            return
-        cache = cache_here(self.cache)
-        sizes = [self._version(u)[0] for u in uris]
-        if cache is None or any(s is None for s in sizes) or not cache.make_room(sum(sizes)):
-            return
-        pool = _pool(self.max_in_flight)
-        for u in uris:
-            pool.submit(self._prefetch_one, u)
+    def prefetch(self, uris: Sequence[str], budget: Optional[int] = None, collect: bool = False) -> list:
+        """Fetch objects into the cache in the background, as many of them (from the first) as
+        ``budget`` bytes allow (None: ``max_bytes``), and only when the cache has room for
+        them now (a full cache admits nothing, so fetching ahead would read the objects
+        twice). Reads filling the cache meanwhile can still leave one out: it is then read
+        again when its partition runs.
 
-    def _prefetch_one(self, uri: str) -> None:
+        Returns:
+            With ``collect``, the futures of the fetches, each giving its counts (the caller
+            reports them); otherwise nothing, and the counts are reported by the next read
+            of this process.
+        """
+        if not self.cache.enabled or not uris:
+            return []
+        cache = cache_here(self.cache)
+        uris = [u for u in uris if not self._cached(u)]
+        sizes = [self._version(u)[0] for u in uris]
+        if cache is None or not uris or any(s is None for s in sizes):
+            return []
+        budget = self.max_bytes if budget is None else budget
+        total, n = 0, 0
+        for s in sizes:
+            if total + s > budget:
+                break
+            total, n = total + s, n + 1
+        if not n or not cache.make_room(total):
+            return []
+        ex = pool(self.max_in_flight)
+        futures = [ex.submit(self._prefetch_one, u) for u in uris[:n]]
+        if collect:
+            return futures
+        for f in futures:
+            f.add_done_callback(lambda f: _add_background(f.result()) if f.exception() is None else None)
+        return []
+
+    def _prefetch_one(self, uri: str) -> dict:
         size, _ = self._version(uri)
         cache = cache_here(self.cache)
         if size is None or cache is None or not cache.make_room(size):
-            return  # a full cache admits nothing: fetching ahead would only read it twice
+            return {}  # a full cache admits nothing: fetching ahead would only read it twice
         got = self._get(uri, True)
         if got.error is None and not got.hit and got.data is not None:
-            with _BACKGROUND_LOCK:
-                for k, v in (("prefetched", 1), ("bytes_read", len(got.data)), ("retries", got.retries)):
-                    _BACKGROUND[k] = _BACKGROUND.get(k, 0) + v
+            return {"prefetched": 1, "objects_read": 1, "bytes_read": len(got.data), "retries": got.retries}
+        return {"retries": got.retries}
 
 
 def files_ahead(shared: Any, partition_id: int, count: int = 2) -> list[str]:
@@ -279,7 +357,7 @@ def files_ahead(shared: Any, partition_id: int, count: int = 2) -> list[str]:
 
 
 def remote_files(versions: dict, filesystem: Any, cache: bool, cache_dir: Any, cache_max_bytes: Optional[int],
-                 max_in_flight: int) -> Optional[RemoteFiles]:
+                 max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> Optional[RemoteFiles]:
     """The :class:`RemoteFiles` of a source whose listing found remote objects (``versions``)
     or that reads through the user's ``filesystem``; None for local paths only.
 
@@ -290,7 +368,7 @@ def remote_files(versions: dict, filesystem: Any, cache: bool, cache_dir: Any, c
 
     config = cache_config(cache, cache_dir, cache_max_bytes)
     if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
-        raise ValueError(f"max_in_flight must be a positive integer (requests a read task keeps in flight), "
+        raise ValueError(f"max_in_flight must be a positive integer (requests a process keeps in flight), "
                          f"found {max_in_flight!r}")
     if not versions and filesystem is None:
         return None

@@ -258,6 +258,18 @@ class IOUnitSource:
         """The planned partitions; the same for every epoch."""
         return list(self._parts)
 
+    def row_bytes(self) -> Optional[float]:
+        """Stored bytes per row (the local files' sizes over their rows), or None when unknown
+        (remote files): sizes a shuffle window in rows before any block exists."""
+        rows = self.num_rows()
+        paths = {getattr(p.payload, "path", None) for p in self._parts}
+        if not rows or self._remote is not None or None in paths:
+            return None
+        try:
+            return sum(os.path.getsize(p) for p in paths) / rows
+        except (OSError, TypeError):
+            return None
+
     def num_rows(self) -> Optional[int]:
         """Rows from the files' metadata (None when a file's is unreadable under ``"raise"``)."""
         if any(p.num_rows is None for p in self._parts):

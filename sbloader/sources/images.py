@@ -39,8 +39,8 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
 _MODES = ("RGB", "RGBA", "L", None)
 
 #: Partitions after its own (by id) whose remote objects a read task fetches into the
-#: node's cache while it decodes.
-PREFETCH_PARTITIONS = 1
+#: node's cache while it decodes (within the byte budget, :mod:`sbloader.sources.inflight`).
+PREFETCH_PARTITIONS = 2
 
 
 def check_mode(mode: Any) -> None:
@@ -139,16 +139,6 @@ def _read_bytes(path: str) -> bytes:
         return f.read()
 
 
-def _then_prefetch(items: Any, remote: RemoteFiles, uris: Sequence[str]) -> Any:
-    """Yield ``items``, starting the prefetch of ``uris`` once the first item is back."""
-    first = True
-    for item in items:
-        yield item
-        if first:
-            remote.prefetch(uris)
-            first = False
-
-
 def _read_image_files(shared: Any, partition: Partition, *, size: Optional[tuple[int, int]],
                       mode: Optional[str], on_error: str, decode: bool = True,
                       remote: Optional[RemoteFiles] = None) -> Block:
@@ -159,12 +149,13 @@ def _read_image_files(shared: Any, partition: Partition, *, size: Optional[tuple
     images: list[Any] = []
     kept: list[str] = []
     rows: list[int] = []
-    fetched = remote.read_many(paths) if remote is not None else ((p, None) for p in paths)
-    if remote is not None and shared is not None:
+    if remote is not None:
         # The next partitions' objects go into the node's cache behind this one's requests.
-        nxt = [u for k in range(1, PREFETCH_PARTITIONS + 1) if partition.id + k < len(shared)
+        nxt = [u for k in range(1, PREFETCH_PARTITIONS + 1) if shared is not None and partition.id + k < len(shared)
                for u in shared[partition.id + k]]
-        fetched = _then_prefetch(fetched, remote, nxt)
+        fetched = remote.read_many(paths, ahead=nxt)
+    else:
+        fetched = ((p, None) for p in paths)
     for i, (path, got) in enumerate(fetched):
         try:
             if isinstance(got, BaseException):

@@ -164,16 +164,17 @@ def index_shard(path: str, open_shard: Callable[[str], BinaryIO]) -> ShardIndex:
                       np.asarray(g.stops, dtype=np.int64), tuple(sorted(g.exts)), error, size)
 
 
-def cached_index(path: str, open_shard: Callable[[str], BinaryIO],
-                 stat: Callable[[str], tuple]) -> ShardIndex:
-    """:func:`index_shard`, once per process while ``stat(path)`` (size, mtime) stays the same."""
+def cached_index(path: str, open_shard: Optional[Callable[[str], BinaryIO]], stat: Callable[[str], tuple],
+                 build: Optional[Callable[[str], ShardIndex]] = None) -> ShardIndex:
+    """:func:`index_shard` (or ``build(path)`` when given), once per process while ``stat(path)``
+    (size, mtime, or a listed version) stays the same."""
     key = (path,) + tuple(stat(path))
     with _INDEXES_LOCK:
         idx = _INDEXES.get(key)
         if idx is not None:
             _INDEXES.move_to_end(key)
             return idx
-    idx = index_shard(path, open_shard)
+    idx = build(path) if build is not None else index_shard(path, open_shard)
     with _INDEXES_LOCK:
         _INDEXES[key] = idx
         while len(_INDEXES) > INDEX_CACHE_SHARDS:

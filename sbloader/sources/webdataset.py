@@ -8,8 +8,9 @@ its bytes. Members are grouped into samples by WebDataset's key rule, and every
 block has the columns ``__key__``, ``__url__`` and one per extension found in any
 shard (``None`` where a sample lacks it).
 
-Shards are opened by :func:`open_shard` and listed by :func:`list_shards`: local paths
-here; remote URIs plug in there.
+Shards are local paths or URIs of an object store (``s3://``, ``gs://``, fsspec's), listed
+by :func:`list_shards` (brace patterns included); remote shards are indexed and read
+through :mod:`sbloader.sources.remote_shards` (range requests, the node-local cache).
 """
 from __future__ import annotations
 
@@ -26,15 +27,16 @@ import ray
 from sbloader.core.block import ROW_COLUMN, Block, to_column
 from sbloader.core.context import report_skipped
 from sbloader.sources.base import Partition
-from sbloader.sources.files import IOUnitSource, PathLike, list_files, read_error
+from sbloader.sources.fetch import RemoteFiles, files_ahead
+from sbloader.sources.files import IOUnitSource, PathLike, list_inputs, read_error
 from sbloader.sources.images import _decode_bytes
 from sbloader.sources.tar_index import ShardIndex, cached_index, is_meta, local_stat, read_members, split_key
 
 #: Samples per partition by default: one training batch of a typical size per task, as
 #: ``read_images``' 64 files (every partition is a task and a block; with 256 a 2-CPU
 #: read ran fewer, larger tasks and decoded more slowly than the same images as files,
-#: ``benchmarks/results/webdataset.md``). A shuffled batch draws from ``shuffle_window``
-#: (8) partitions, so from up to 8 shards' ranges at once.
+#: ``benchmarks/results/webdataset.md``). A shuffled batch draws from every partition
+#: its ``shuffle_window`` (a share of the memory budget by default) holds, so from many shards' ranges at once.
 DEFAULT_SAMPLES_PER_PARTITION = 64
 
 #: Extensions ``read_webdataset`` lists in a directory or a glob.
@@ -49,11 +51,11 @@ _INT_EXTS = frozenset({"cls", "cls2", "index"})
 _BRACE_RE = re.compile(r"\{([^{}]*)\}")
 
 
-# ----- where shards are: local paths (remote URIs plug in here) --------------------
+# ----- where shards are: local paths or URIs ------------------------------------
 
 
 def open_shard(path: str) -> BinaryIO:
-    """Open a shard for seekable binary reading. Local paths only."""
+    """Open a local shard for seekable binary reading."""
     return open(path, "rb")
 
 
@@ -82,36 +84,67 @@ def expand_braces(pattern: str) -> list[str]:
     return [head + c + rest for c in choices for rest in expand_braces(tail)]
 
 
-def list_shards(paths: Union[PathLike, Sequence[PathLike]]) -> list[str]:
-    """A directory (``.tar`` files, recursively, sorted), a glob, a brace pattern, a file, or a
-    list of those (order kept), as absolute local paths."""
+def list_shards(paths: Union[PathLike, Sequence[PathLike]], filesystem: Any = None) -> tuple[list[str], dict]:
+    """A directory or prefix (``.tar`` files, recursively, sorted), a glob, a brace pattern, a
+    file or object, or a list of those (order kept): the shards' absolute paths or URIs, and
+    ``{uri: (size, mtime_ns)}`` for the remote ones. A remote brace pattern is one listing
+    of the folder before its first brace (a request per 1,000 keys), not a request per shard.
+
+    Raises:
+        FileNotFoundError: a path, an object or a shard of a pattern does not exist.
+    """
+    from sbloader.sources.filesystems import is_remote, list_uris
+
     entries = [paths] if isinstance(paths, (str, bytes)) or not hasattr(paths, "__iter__") else list(paths)
-    expanded: list[Any] = []
+    out: list[str] = []
+    versions: dict = {}
     for e in entries:
-        expanded.extend(expand_braces(e) if isinstance(e, str) else [e])
-    return list_files(expanded, SHARD_EXTENSIONS, "webdataset")
+        if isinstance(e, str) and (filesystem is not None or is_remote(e)) and _BRACE_RE.search(e):
+            names = expand_braces(e)
+            folder = e[:e.index("{")].rsplit("/", 1)[0] + "/"
+            listed = {o.uri: o for o in list_uris([folder], None, "webdataset", filesystem=filesystem)}
+            missing = [n for n in names if n not in listed]
+            if missing:
+                raise FileNotFoundError(f"{len(missing)} of the {len(names)} shards of {e!r} are not under {folder!r}, "
+                                        f"e.g. {missing[0]!r}; check the pattern")
+            out.extend(names)
+            versions.update((n, (listed[n].size, listed[n].mtime_ns)) for n in names)
+            continue
+        more, v = list_inputs(expand_braces(e) if isinstance(e, str) else [e], SHARD_EXTENSIONS, "webdataset",
+                              filesystem=filesystem)
+        out.extend(more)
+        versions.update(v)
+    return out, versions
 
 
 # ----- planning -------------------------------------------------------------------
 
 
-def index_shards(paths: Sequence[str]) -> list[ShardIndex]:
-    """Index several shards (cached per process; see :func:`~sbloader.sources.tar_index.cached_index`)."""
-    return [cached_index(p, open_shard, local_stat) for p in paths]
+def index_shards(paths: Sequence[str], remote: Optional[RemoteFiles] = None) -> list[ShardIndex]:
+    """Index several shards (cached per process, and for remote shards in the node's cache
+    directory; see :func:`~sbloader.sources.tar_index.cached_index`)."""
+    from sbloader.sources.remote_shards import index_remote_shard
+
+    return [index_remote_shard(p, remote) if _is_remote(p, remote) else cached_index(p, open_shard, local_stat)
+            for p in paths]
+
+
+def _is_remote(path: str, remote: Optional[RemoteFiles]) -> bool:
+    return remote is not None and (remote.filesystem is not None or path in remote.versions)
 
 
 _index_task = ray.remote(num_cpus=1, max_retries=3)(index_shards)
 
 
-def gather_indexes(paths: Sequence[str]) -> list[ShardIndex]:
+def gather_indexes(paths: Sequence[str], remote: Optional[RemoteFiles] = None) -> list[ShardIndex]:
     """Every shard's index: in the driver for a handful, else in remote Ray tasks (one per chunk)."""
     if len(paths) <= DRIVER_INDEX_MAX_SHARDS:
-        return index_shards(paths)
+        return index_shards(paths, remote)
     from sbloader.runtime.session import cluster_cpus, ensure_initialized
 
     ensure_initialized()
     per_task = max(4, math.ceil(len(paths) / max(1, int(2 * cluster_cpus()))))
-    refs = [_index_task.remote(list(paths[i:i + per_task])) for i in range(0, len(paths), per_task)]
+    refs = [_index_task.remote(list(paths[i:i + per_task]), remote) for i in range(0, len(paths), per_task)]
     return [idx for chunk in ray.get(refs) for idx in chunk]
 
 
@@ -190,15 +223,23 @@ def group_samples(members: Sequence[tuple[str, bytes]]) -> list[tuple[str, dict]
 
 
 def _read_shard_range(shared: Any, partition: Partition, *, extensions: tuple[str, ...], decode: bool,
-                      on_error: str) -> Block:
-    """Read one partition's samples into columns ``__key__``, ``__url__`` and one per extension."""
+                      on_error: str, remote: Optional[RemoteFiles] = None) -> Block:
+    """Read one partition's samples into columns ``__key__``, ``__url__`` and one per extension
+    (a remote shard's range with one ranged GET, or from the node's cache)."""
+    from sbloader.sources.remote_shards import read_remote_range
+    from sbloader.sources.tar_members import parse_members
+
     r: ShardRange = partition.payload
     hint = "check the shard, or pass on_error='skip' to skip what cannot be read"
     try:
         if r.error:
             raise OSError(f"cannot index {r.path!r} past sample {r.first}: {r.error}")
-        with open_shard(r.path) as f:
-            samples = group_samples(read_members(f, r.start, r.end))
+        if _is_remote(r.path, remote):
+            remote.prefetch(files_ahead(shared, partition.id, 1))
+            samples = group_samples(parse_members(read_remote_range(r.path, r.start, r.end, remote)))
+        else:
+            with open_shard(r.path) as f:
+                samples = group_samples(read_members(f, r.start, r.end))
         if len(samples) != r.stop - r.first or (samples and samples[0][0] != r.first_key):
             raise ValueError(f"found {len(samples)} samples from key {samples[0][0] if samples else None!r} where "
                              f"the index had {r.stop - r.first} from {r.first_key!r}: the shard changed after the "
@@ -243,12 +284,14 @@ class WebDatasetSource(IOUnitSource):
         samples_per_partition: samples per partition (None: one partition per shard).
         decode: decode members by extension, or hand on their bytes.
         on_error: ``"raise"`` or ``"skip"``.
+        remote: how the read tasks fetch remote shards (None: every shard is local).
     """
 
     name = "WebDataset"
 
     def __init__(self, indexes: Sequence[ShardIndex], samples_per_partition: Optional[int], decode: bool,
-                 on_error: str) -> None:
+                 on_error: str, remote: Optional[RemoteFiles] = None) -> None:
+        self._remote = remote
         self._files = list(indexes)
         self._spp = samples_per_partition
         self._decode = bool(decode)
@@ -269,7 +312,7 @@ class WebDatasetSource(IOUnitSource):
     def reader(self) -> Callable[[Any, Partition], Block]:
         """The module-level read function with this source's options bound."""
         return functools.partial(_read_shard_range, extensions=self._extensions, decode=self._decode,
-                                 on_error=self._on_error)
+                                 on_error=self._on_error, remote=self._remote)
 
     def fingerprint(self) -> dict:
         """Type, row and partition counts, options, and a digest of the shards and their keys."""

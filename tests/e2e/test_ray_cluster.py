@@ -79,9 +79,15 @@ def _kill(pids: list[int]) -> None:
 
 
 class Cluster:
-    """The head and the second node: address, env for jobs, and the pids to stop."""
+    """The head and the CPU nodes: address, env for jobs, and the pids to stop.
 
-    def __init__(self) -> None:
+    Args:
+        head_cpus: the head's CPUs (the ranks run there).
+        nodes: CPUs of each node joined with ``ray start --address`` (the first gets the
+            custom resource ``node2``).
+    """
+
+    def __init__(self, head_cpus: int = 4, nodes: tuple = (4,)) -> None:
         self.root = tempfile.mkdtemp(prefix="sbrc", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
         self.port = _free_port()
         self.address = f"127.0.0.1:{self.port}"
@@ -89,19 +95,34 @@ class Cluster:
         base["RAY_USAGE_STATS_ENABLED"] = "0"
         self.env = base
         self.raylets_before = set(self._raylets())
+        self.node_raylets: dict[str, set] = {}  # node id -> its raylet's pid(s), for every node but the head
         head = subprocess.run(
-            ["ray", "start", "--head", "--node-ip-address=127.0.0.1", f"--port={self.port}", "--num-cpus=4",
+            ["ray", "start", "--head", "--node-ip-address=127.0.0.1", f"--port={self.port}", f"--num-cpus={head_cpus}",
              "--include-dashboard=false", f"--temp-dir={self.root}/head"],
             env=dict(base, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0"), capture_output=True, text=True, timeout=120)
         assert head.returncode == 0, head.stdout[-2000:] + head.stderr[-2000:]
         self.head_raylet = set(self._raylets()) - self.raylets_before
+        for k, cpus in enumerate(nodes):
+            node_id = self.add_node(cpus, '{"node2": 1}' if k == 0 else None)
+            if k == 0:
+                self.node2_raylet = set(self.node_raylets[node_id])
+
+    def add_node(self, cpus: int, resources: str | None = None) -> str:
+        """Join one more node with ``ray start --address``; returns its node id."""
+        known = set(self._raylets())
+        extra = [f"--resources={resources}"] if resources else []
         node = subprocess.run(
             [sys.executable, str(RAY_CLI), "start", f"--address={self.address}", "--node-ip-address=127.0.0.1",
-             "--num-cpus=4", '--resources={"node2": 1}', "--dashboard-agent-listen-port=0",
-             "--metrics-export-port=0"],
-            env=dict(base, RAY_AUTH_MODE="token"), capture_output=True, text=True, timeout=120)
+             f"--num-cpus={cpus}", *extra, "--dashboard-agent-listen-port=0", "--metrics-export-port=0"],
+            env=dict(self.env, RAY_AUTH_MODE="token"), capture_output=True, text=True, timeout=120)
         assert node.returncode == 0, node.stdout[-2000:] + node.stderr[-2000:]
-        self.node2_raylet = set(self._raylets()) - self.raylets_before - self.head_raylet
+        ours = set(_ray_daemons(f":{self.port}"))  # other sessions' Rays may start nodes meanwhile
+        new = (set(self._raylets()) & ours) - known - self.head_raylet
+        ids = {_node_id_of(p) for p in new}
+        assert len(ids) == 1, f"expected one new raylet, found {new}"
+        node_id = ids.pop()
+        self.node_raylets[node_id] = new
+        return node_id
 
     def _raylets(self) -> list[int]:
         return [p for p in _ray_daemons("raylet_socket_name") if "/raylet " in _cmdline(p) or
@@ -110,10 +131,22 @@ class Cluster:
     def kill_node2(self) -> None:
         _kill(_tree(sorted(self.node2_raylet)))
 
+    def kill_node(self, node_id: str) -> None:
+        """SIGKILL every process of a node: its raylet and everything it started (workers, agents)."""
+        _kill(_tree(sorted(self.node_raylets[node_id])))
+
     def stop(self) -> None:
-        daemons = _ray_daemons(self.root) + _ray_daemons(f":{self.port}") + sorted(self.head_raylet | self.node2_raylet)
+        raylets = set(self.head_raylet).union(*self.node_raylets.values())
+        daemons = _ray_daemons(self.root) + _ray_daemons(f":{self.port}") + sorted(raylets)
         _kill(sorted(set(_tree(daemons))))
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _node_id_of(raylet_pid: int) -> str:
+    for arg in _cmdline(raylet_pid).split():
+        if arg.startswith("--node_id="):
+            return arg.split("=", 1)[1]
+    raise AssertionError(f"raylet {raylet_pid} has no --node_id: {_cmdline(raylet_pid)[:300]}")
 
 
 @pytest.fixture(scope="module")
@@ -125,14 +158,14 @@ def cluster():
         c.stop()
 
 
-def _torchrun(cluster: Cluster, out: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
+def _torchrun(cluster: Cluster, out: Path, *args: str, env: dict | None = None, script: Path = JOB) -> list:
     """Two torchrun agents of one rank each (two machines of one GPU in docs/multinode.md), one job."""
     rdzv = _free_port()
     procs = []
     for node_rank in range(2):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
                f"--node-rank={node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{rdzv}",
-               f"--rdzv-id=job-{out.name}", "--max-restarts=0", str(JOB), "--out", str(out), *args]
+               f"--rdzv-id=job-{out.name}", "--max-restarts=0", str(script), "--out", str(out), *args]
         procs.append(subprocess.Popen(cmd, env=dict(cluster.env, RAY_ADDRESS=cluster.address, **(env or {})),
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return procs
@@ -257,3 +290,72 @@ def test_two_ray_train_jobs_at_once_each_get_all_their_data(cluster, tmp_path, s
         for e in range(2):
             assert len(ranks[0][e]) == len(ranks[1][e])
             assert sorted(ranks[0][e] + ranks[1][e]) == list(range(n)), f"job {out.name} epoch {e}"
+
+
+# ----- a CPU node lost, and one added, mid-epoch (issue #35) --------------------------------------------------------
+
+NODE_LOSS_JOB = HERE.parent / "scripts" / "node_loss_job.py"
+
+
+@pytest.fixture
+def small_cluster():
+    """As docs/multinode.md's quick start: a head with 1 CPU that trains, two CPU nodes of 2 CPUs."""
+    c = Cluster(head_cpus=1, nodes=(2, 2))
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def _progress(out: Path) -> list[dict]:
+    lines = []
+    for r in range(2):
+        path = out / f"progress{r}.jsonl"
+        if path.exists():
+            lines += [json.loads(x) for x in path.read_text().splitlines() if x.strip().endswith("}")]
+    return lines
+
+
+@pytest.mark.parametrize("mode", ["dropin", "native"])
+def test_a_cpu_node_killed_and_one_added_mid_epoch_every_rank_goes_on_exactly_once(small_cluster, tmp_path, mode):
+    procs = _torchrun(small_cluster, tmp_path, "--mode", mode, script=NODE_LOSS_JOB)
+    try:
+        deadline = time.monotonic() + 240
+        while sum(1 for b in _progress(tmp_path) if b["epoch"] == 0) < 8:  # a few batches, both nodes busy
+            assert time.monotonic() < deadline, "the job made no progress"
+            assert all(p.poll() is None for p in procs), "a rank exited early"
+            time.sleep(0.2)
+        ran: dict[str, int] = {}
+        for b in _progress(tmp_path):
+            for n in b["nodes"]:
+                ran[n] = ran.get(n, 0) + 1
+        victim = max((n for n in ran if n in small_cluster.node_raylets), key=lambda n: ran[n])
+        small_cluster.kill_node(victim)
+        killed_at = time.time()
+        added = small_cluster.add_node(2)
+        out = _wait(procs, timeout=420)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    epochs = _epochs_of(tmp_path)
+    for ranks in epochs:
+        assert sorted(i for r in ranks for i in r["ids"]) == list(range(ROWS)), "every sample exactly once per epoch"
+        assert len(ranks[0]["ids"]) == len(ranks[1]["ids"]), "equal counts on every rank"
+    assert ran[victim] > 0, "the killed node ran work before the kill"
+    after = [b for b in _progress(tmp_path) if b["t"] > killed_at]
+    assert any(added in b["nodes"] for b in after), "the node added mid-epoch was never used"
+    assert f"lost node {victim}" in out, "no warning named the lost node"
+    assert any(f"lost node(s) {victim[:12]}" in r["stats"] for ranks in epochs for r in ranks), \
+        "stats() did not name the lost node"
+    deadline = time.monotonic() + 30
+    left = _leftovers(small_cluster)
+    while (left["actors"] or left["pgs"]) and time.monotonic() < deadline:
+        time.sleep(1.0)
+        left = _leftovers(small_cluster)
+    assert left == {"actors": [], "pgs": 0}, f"the job left this on the cluster: {left}"
+
+
+def _epochs_of(out: Path) -> list[list[dict]]:
+    logs = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return [[log["epochs"][e] for log in logs] for e in range(len(logs[0]["epochs"]))]

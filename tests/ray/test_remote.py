@@ -15,7 +15,7 @@ from PIL import Image
 import sbloader
 from sbloader.core.errors import SourceReadError
 from sbloader.datagen import write_image_parquet, write_video
-from sbloader.sources import filesystems
+from sbloader.sources import filesystems, tar_index
 from sbloader.sources.filesystems import LAST_LISTING, list_uris
 
 BUCKET = "sbloader-tests"
@@ -89,8 +89,11 @@ def test_images_over_s3_equal_local_and_a_later_epoch_reads_no_object_bytes(ray_
     s3.proxy.reset_counts()
     _same(local, _rows(ds), root, uri)
     assert s3.proxy.object_gets == 24  # each object once, whether read or fetched ahead
+    assert s3.proxy.counts[("HEAD", "object")] == 0  # its size came from the listing: no HEAD before the GET
     st = ds.stats().operators[0].counters
     assert st["cache_misses"] + st.get("cache_hits", 0) == 24 and st["cache_misses"] >= 5
+    assert st["objects_read"] == 24 and st["bytes_read"] == s3.proxy.object_get_bytes
+    assert 1 <= st["peak_in_flight"] <= 64 and st["store_wait_ms"] >= 1
     s3.proxy.reset_counts()
     _same(local, _rows(ds, shuffle=True, seed=1), root, uri)
     assert s3.proxy.object_gets == 0 and s3.proxy.object_get_bytes == 0
@@ -119,6 +122,13 @@ def test_injected_503s_and_dropped_connections_are_survived_exactly_once(ray_ses
     _same(local, _rows(ds), root, uri)  # every row once (_rows refuses a repeat)
     assert proxy.faults_done - done == 5 and not proxy.faults
     assert proxy.object_gets == 24  # each object's successful GET once
+    assert ds.stats().operators[0].counters["retries"] == 5
+    # 403 is not retried: under on_error="skip" the object is skipped and counted, the rest read once.
+    skipping = sbloader.read_images(uri, files_per_partition=4, cache=False, on_error="skip")
+    proxy.reset_counts()
+    proxy.inject("403", 1)
+    assert len(_rows(skipping)) == 23 and skipping.stats().skipped == 1
+    assert proxy.object_gets == 23
 
 
 def test_a_missing_object_is_named_and_skipped_under_on_error_skip(ray_session, images, tmp_path):
@@ -254,3 +264,77 @@ def test_two_processes_share_a_cache_directory_and_fetch_each_object_once(images
     assert all(p.returncode == 0 for p in procs)
     assert int(outs[0]) == int(outs[1]) == sum(o.size for o in objs)
     assert _server().proxy.object_gets == len(objs)  # the lock: one download per object
+
+
+def _wds_rows(ds) -> dict:
+    out = {}
+    for r in ds.iter_rows(deterministic=True):
+        assert r["__key__"] not in out, f"{r['__key__']} delivered twice"
+        out[r["__key__"]] = (os.path.basename(str(r["__url__"])), bytes(r["txt"]), bytes(r["cls"]),
+                             bytes(r.get("jpg") or r.get("png")))
+    return out
+
+
+def test_webdataset_shards_by_brace_pattern_equal_local_with_one_request_per_range(ray_session, bucket, tmp_path):
+    pytest.importorskip("webdataset")
+    from wds_shards import write_shards
+
+    local = write_shards(str(tmp_path / "wds"), shards=3, per_shard=7)
+    data = open(local[1], "rb").read()
+    (tmp_path / "wds" / "bad").mkdir()
+    (tmp_path / "wds" / "bad" / "train-000001.tar").write_bytes(data[:int(len(data) * 0.6) + 100])
+    _upload(bucket, str(tmp_path / "wds"), "wds")
+    want = _wds_rows(sbloader.read_webdataset(local, decode=False, samples_per_partition=3))
+    proxy = _server().proxy
+    pattern = f"s3://{BUCKET}/wds/train-{{000000..000002}}.tar"
+    for cache in (True, False):
+        proxy.reset_counts()
+        ds = sbloader.read_webdataset(pattern, decode=False, samples_per_partition=3, cache=cache,
+                                      cache_dir=str(tmp_path / "c"))
+        # Indexed once per process: with the cache, each shard fetched whole into it (one GET each).
+        # The pattern is one listing of its folder (pyarrow asks once whether the folder is an
+        # object): no request per shard before its GET.
+        assert proxy.object_gets == (3 if cache else 0) and proxy.counts[("HEAD", "object")] <= 1
+        proxy.reset_counts()
+        assert _wds_rows(ds) == want
+        assert proxy.counts[("HEAD", "object")] == 0
+        st = ds.stats().operators[0].counters
+        if cache:  # the reads take nothing from the store
+            assert proxy.object_gets == 0 and st["cache_hits"] == 9 and "cache_misses" not in st
+        else:  # one ranged GET per partition (3 shards of 7 samples, 3 per partition)
+            assert proxy.object_gets == 9 and st["range_reads"] == 9
+            assert st["bytes_read"] == proxy.object_get_bytes
+    tar_index._INDEXES.clear()
+    proxy.reset_counts()
+    again = sbloader.read_webdataset(pattern, decode=False, samples_per_partition=3, cache_dir=str(tmp_path / "c"))
+    assert proxy.object_gets == 0 and again.num_rows() == 21  # the indexes were kept in the cache directory
+    # A truncated shard in the bucket: the samples before the damage, as for a local one.
+    files = [f"s3://{BUCKET}/wds/train-000000.tar", f"s3://{BUCKET}/wds/bad/train-000001.tar"]
+    skip = sbloader.read_webdataset(files, decode=False, samples_per_partition=3, on_error="skip", cache=False)
+    got = _wds_rows(skip)
+    good = skip.source.files[1].keys
+    assert 0 < len(good) < 7 and sorted(got) == sorted([f"s0_{i:03d}" for i in range(7)] + list(good))
+    assert skip.stats().skipped == 1
+    with pytest.raises(FileNotFoundError, match="1 of the 3 shards"):
+        sbloader.read_webdataset(f"s3://{BUCKET}/wds/train-{{000001..000003}}.tar")
+    with pytest.raises(SourceReadError, match="bad/train-000001.tar"):
+        _wds_rows(sbloader.read_webdataset(files, decode=False, samples_per_partition=3, cache=False))
+
+
+def test_resumed_mid_epoch_from_a_bucket_every_sample_once(ray_session, bucket, tmp_path):
+    pytest.importorskip("webdataset")
+    from harness import check_resume_everywhere
+    from wds_shards import write_shards
+
+    write_shards(str(tmp_path / "r"), shards=3, per_shard=8, images=False)
+    _upload(bucket, str(tmp_path / "r"), "resume")
+    ids = [s * 1000 + i for s in range(3) for i in range(8)]
+
+    def make(rank, world_size, name):
+        ds = sbloader.read_webdataset(f"s3://{BUCKET}/resume/train-{{000000..000002}}.tar", samples_per_partition=3,
+                                      cache=False)
+        return ds.to_dataloader(4, shuffle=True, seed=5, deterministic=True, rank=rank, world_size=world_size,
+                                name=name)
+
+    _server().proxy.inject("503", 2)
+    check_resume_everywhere(make, ids, key="cls", resume_world_sizes=(2,), same_order=True, steps=[3])

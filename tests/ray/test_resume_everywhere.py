@@ -56,6 +56,26 @@ def test_the_native_loader_split_across_ranks(ray_session):
                             resume_world_sizes=(1, 3), same_order=True, steps=[0, 1, 2, 3])
 
 
+def test_the_native_loader_with_a_budget_shuffle_window(ray_session, tmp_path):
+    """Row groups of 5 and a window of 12 rows, which the file does not fit (issue #39; the
+    default window, which it fits, is resumed in tests/ray/test_shuffle.py)."""
+    import warnings
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = str(tmp_path / "rg5.parquet")
+    pq.write_table(pa.table({"id": list(range(N))}), path, row_group_size=5)
+
+    def make(rank: int, world_size: int, name: str):
+        return sbloader.read_parquet(path).to_dataloader(BS, shuffle=True, seed=3, deterministic=True, rank=rank,
+                                                         world_size=world_size, name=name, shuffle_window="12 rows")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the 12-row window says the file does not fit it
+        check_resume_everywhere(make, list(range(N)), key="id", resume_world_sizes=(2,), same_order=True,
+                                steps=[0, 1, 3, 5, 6])
+
+
 class _Ids:
     """A drop-in loader whose batches (tensors of ids) read as ``{"id": ...}``."""
 

@@ -153,8 +153,16 @@ def test_the_shuffle_window_is_validated(ray_session, sorted_parquet) -> None:
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="shuffle_window"):
             ds.to_dataloader(BATCH, shuffle=True, shuffle_window=bad)
-    assert ds.to_dataloader(BATCH, shuffle=True).shuffle_window == 8
-    assert sbloader.from_items(list(range(10))).to_dataloader(2).shuffle_window == 1
+    for bad in ("0 rows", "ten rows", "5 parsecs", 1.0):
+        with pytest.raises(ValueError, match="shuffle_window"):
+            ds.to_dataloader(BATCH, shuffle=True, shuffle_window=bad)
+    from sbloader.core.window import DEFAULT_SHARE, WindowSpec
+
+    assert ds.to_dataloader(BATCH, shuffle=True).shuffle_window == WindowSpec(share=DEFAULT_SHARE)
+    assert ds.to_dataloader(BATCH, shuffle=True, shuffle_window=3).shuffle_window == WindowSpec(partitions=3)
+    assert ds.to_dataloader(BATCH, shuffle=True, shuffle_window="2 MiB").shuffle_window == WindowSpec(bytes=2**20 * 2)
+    assert ds.to_dataloader(BATCH, shuffle=True, shuffle_window="500 rows").shuffle_window == WindowSpec(rows=500)
+    assert sbloader.from_items(list(range(10))).to_dataloader(2).shuffle_window == WindowSpec(partitions=1)
 
 
 # ----- exactly once across a resume --------------------------------------------------------

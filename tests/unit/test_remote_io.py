@@ -146,10 +146,14 @@ def test_throttled_reads_are_retried_and_counted_then_served_from_the_cache(tmp_
     with task_context(0, 0, 0, "read", -1) as ctx:
         got = list(rf.read_many(sorted(rf.versions)))
     assert [b for _, b in got] == [bytes([i]) * (i + 1) for i in range(5)]
-    assert ctx.counters == {"retries": 10, "cache_misses": 5, "bytes_read": 15}
+    c = dict(ctx.counters)
+    assert 1 <= c.pop("peak_in_flight") <= 5 and c.pop("store_wait_ms", 0) >= 0
+    assert c == {"retries": 10, "cache_misses": 5, "objects_read": 5, "bytes_read": 15}
     with task_context(0, 0, 0, "read", -1) as ctx:
         assert rf.read("flaky://4.bin") == b"\x04" * 5
-    assert ctx.counters == {"cache_hits": 1, "cache_bytes": 5} and handler.opens["4.bin"] == 3
+    c = dict(ctx.counters)
+    c.pop("store_wait_ms", None)
+    assert c == {"cache_hits": 1, "cache_bytes": 5} and handler.opens["4.bin"] == 3
 
 
 def test_a_missing_object_or_too_many_failures_name_the_uri(tmp_path):
@@ -182,3 +186,39 @@ def test_files_ahead_are_the_next_distinct_files():
     shared = ("a", "a", "b", "b", "c", "d")
     assert files_ahead(shared, 0) == ["b", "c"] and files_ahead(shared, 4) == ["d"] and files_ahead(shared, 5) == []
     assert files_ahead(None, 0) == []
+
+
+def test_peaks_merge_as_maxima_and_other_counts_add_up():
+    from sbloader.core.context import merge_counters
+    from sbloader.sources.inflight import take_while_within
+
+    into = {"peak_in_flight": 5, "bytes_read": 10}
+    merge_counters(into, {"peak_in_flight": 3, "bytes_read": 5, "retries": 0})
+    merge_counters(into, (("peak_in_flight", 7), ("objects_read", 1)))
+    assert into == {"peak_in_flight": 7, "bytes_read": 15, "objects_read": 1}
+    assert take_while_within([4, 4, 4], 8) == 2 and take_while_within([20, 1], 8) == 1
+    assert take_while_within([None, None], 0) == 2 and take_while_within([], 8) == 0
+
+
+def test_the_read_stage_s_bar_shows_the_bytes_from_the_store_and_the_cache(monkeypatch):
+    import io as _io
+    from types import SimpleNamespace
+
+    import tqdm.auto
+    import tqdm.std
+
+    from sbloader.executor.diagnostics import ProgressBars
+
+    made = []
+
+    class Quiet(tqdm.std.tqdm):
+        def __init__(self, *a, **kw):
+            kw["file"] = _io.StringIO()
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Quiet)
+    bars = ProgressBars([SimpleNamespace(ops=[], name="ReadImages")], 10, True)
+    bars.show_bytes(0, {"bytes_read": 3 * 2 ** 20, "cache_bytes": 2 ** 19})
+    assert made[0].postfix == "store 3.0 MiB, cache 0.5 MiB"
+    bars.close()

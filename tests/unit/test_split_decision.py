@@ -7,8 +7,8 @@ torchrun's variables in the environment): no Ray is started, which the
 A loader the coordinator can split safely (no sampler, or torch's RandomSampler,
 SequentialSampler, DistributedSampler) splits by default; anything else must say
 ``split=`` or the constructor raises, naming what it found and only the choices
-that work for it (an IterableDataset: split=True, the coordinator splits its
-output, or split=False, it shards itself; a batch_sampler: split=False only).
+that work for it (a batch_sampler: split=False only). An IterableDataset without
+``split=`` is iterated by every rank, as under torch (split=False), with one info line.
 """
 from __future__ import annotations
 
@@ -149,14 +149,18 @@ def test_custom_sampler_with_split_is_accepted(split):
     assert lo.sampler is not None and type(lo.sampler) is EveryOther
 
 
-def test_iterable_dataset_without_split_names_both_choices():
-    with pytest.raises(ValueError) as info:
-        loader(Stream(), batch_size=4)
-    msg = str(info.value)
-    assert "IterableDataset" in msg and "world size is 2" in msg, msg
-    assert "split=True" in msg and "splits its output across ranks" in msg, msg
-    assert "split=False" in msg and "shards itself by rank" in msg, msg
-    # what the message says works
+def test_iterable_dataset_without_split_is_iterated_by_every_rank_as_under_torch(caplog):
+    # issue #41: torch's DataLoader accepts it (every rank iterates the dataset, which shards itself by
+    # rank); one import swapped must keep working, and one info line says what split=True would give
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="sbloader.loaders.dropin_args"):
+        assert loader(Stream(), batch_size=4).split is False
+    msg = " ".join(r.getMessage() for r in caplog.records)
+    assert len(caplog.records) == 1, msg
+    assert "IterableDataset" in msg and "world size is 2" in msg and "as under torch (split=False" in msg, msg
+    assert "split=True would iterate it once for the job and split its output across ranks" in msg, msg
+    # both choices, said explicitly, work
     assert loader(Stream(), batch_size=4, split=False).split is False
     lo = loader(Stream(), batch_size=4, split=True)
     assert lo.split is True

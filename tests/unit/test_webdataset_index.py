@@ -117,13 +117,13 @@ def test_grouping_leaves_out_meta_and_names_without_a_dot():
 def test_shards_listed_from_a_directory_a_glob_a_brace_pattern_and_a_list(tmp_path):
     paths = write_shards(str(tmp_path / "d"), shards=3, per_shard=1, images=False)
     (tmp_path / "d" / "notes.txt").write_text("x")
-    assert list_shards(str(tmp_path / "d")) == paths
-    assert list_shards(str(tmp_path / "d" / "*.tar")) == paths
-    assert list_shards(str(tmp_path / "d" / "train-{000000..000002}.tar")) == paths
-    assert list_shards([paths[2], paths[0]]) == [paths[2], paths[0]]
+    assert list_shards(str(tmp_path / "d"))[0] == paths
+    assert list_shards(str(tmp_path / "d" / "*.tar"))[0] == paths
+    assert list_shards(str(tmp_path / "d" / "train-{000000..000002}.tar"))[0] == paths
+    assert list_shards([paths[2], paths[0]])[0] == [paths[2], paths[0]]
     with pytest.raises(FileNotFoundError):
         list_shards(str(tmp_path / "d" / "train-{000003..000004}.tar"))
-    assert os.path.isabs(list_shards(os.path.relpath(paths[0]))[0])
+    assert os.path.isabs(list_shards(os.path.relpath(paths[0]))[0][0])
 
 
 def test_a_member_with_a_long_name_is_found_at_its_extended_header(tmp_path):
@@ -190,3 +190,31 @@ def test_a_header_the_fast_parser_does_not_know_goes_to_tarfile():
     with pytest.raises(_Unusual):
         _parse(data)
     assert parse_members(data) == _with_tarfile(data) == [("k0.txt", b"hi"), ("k1.txt", b"hi")]
+
+
+def test_a_shard_indexed_through_ranged_reads_equals_the_local_index(tmp_path):
+    from sbloader.sources.remote_shards import RangeFile
+
+    (path,) = write_shards(str(tmp_path / "d"), shards=1, per_shard=9)
+    data = open(path, "rb").read()
+    asked = []
+
+    def read_range(uri, start, end):
+        asked.append((start, end))
+        return data[start:end]
+
+    files = []
+
+    def opener(p):
+        files.append(RangeFile(p, len(data), read_range, block=4096))
+        return files[-1]
+
+    local = index_shard(path, open_shard)
+    remote = index_shard(path, opener)
+    assert remote.keys == local.keys and not remote.error and remote.file_size == len(data)
+    assert np.array_equal(remote.starts, local.starts) and np.array_equal(remote.stops, local.stops)
+    # Blocks of 4 KiB, each asked for once while reading forward (the end-of-archive check may re-read one).
+    assert len(asked) <= len(data) // 4096 + 2 and all(e - s >= 4096 or e == len(data) for s, e in asked)
+    cut = data[:len(data) // 2 + 100]
+    damaged = index_shard(path, lambda p: RangeFile(p, len(cut), lambda u, s, e: cut[s:e], block=4096))
+    assert damaged.error.startswith("truncated") and 0 < damaged.num_samples < 9

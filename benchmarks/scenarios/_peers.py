@@ -1,0 +1,89 @@
+"""The crop workload's native peers (Ray Data, DALI CPU, SPDL), each an epoch factory over
+the same JPEG paths: read, random-resized-crop 224 (scale 0.08–1, ratio 3/4–4/3), random
+flip, uint8 CHW, batches of 64. Imported only when the peer is installed."""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from benchmarks._image_workload import BATCH, SIZE, T, label_of, labels_of, process_rng
+
+
+def rd_window_batch(batch: dict) -> dict:
+    """Ray Data's ``map_batches`` function: the window decode (as sbloader's), crop, flip."""
+    rng = process_rng()
+    return {"image": np.stack([T.decode_crop_flip(b, SIZE, rng) for b in batch["bytes"]]),
+            "label": labels_of(batch["path"])}
+
+
+def ray_data_epochs(paths: list[str], cores: int) -> Callable[[], Iterator[Any]]:
+    """``ray.data.read_binary_files(paths).map_batches(f).iter_torch_batches(64)``, a new run per epoch."""
+    import logging
+
+    import ray.data
+
+    logging.getLogger("ray.data").setLevel(logging.WARNING)  # its progress lines would drown the report's log
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    ds = ray.data.read_binary_files(paths, include_paths=True).map_batches(rd_window_batch, batch_size=BATCH)
+    return lambda: ds.iter_torch_batches(batch_size=BATCH)
+
+
+def dali_epochs(paths: list[str], cores: int) -> Callable[[], Iterator[Any]]:
+    """DALI's CPU pipeline (``device_id=None``), built once: ``readers.file`` +
+    ``decoders.image_random_crop`` (decodes the crop window) + antialiased resize + flip."""
+    from nvidia.dali import fn, pipeline_def, types
+
+    @pipeline_def(batch_size=BATCH, num_threads=cores, device_id=None, seed=0)
+    def pipe() -> Any:
+        jpegs, labels = fn.readers.file(files=paths, labels=[label_of(p) for p in paths], random_shuffle=True)
+        imgs = fn.decoders.image_random_crop(jpegs, device="cpu", output_type=types.RGB, random_area=[0.08, 1.0],
+                                             random_aspect_ratio=[3 / 4, 4 / 3], num_attempts=10)
+        imgs = fn.resize(imgs, resize_x=SIZE, resize_y=SIZE, antialias=True)
+        imgs = fn.flip(imgs, horizontal=fn.random.coin_flip())
+        return fn.transpose(imgs, perm=[2, 0, 1]), labels
+
+    p = pipe()
+    p.build()
+    batches = -(-len(paths) // BATCH)
+    last = len(paths) - (batches - 1) * BATCH
+
+    def epoch() -> Iterator[Any]:
+        for i in range(batches):
+            imgs, _ = p.run()
+            a = imgs.as_array()
+            yield a if i + 1 < batches else a[:last]
+
+    return epoch
+
+
+def spdl_decode(path: str) -> np.ndarray:
+    """SPDL (FFmpeg): demux, decode through a crop+scale(+hflip) filter, CHW uint8."""
+    import spdl.io as io
+
+    rng = process_rng()
+    packets = io.demux_image(path)
+    w, h = packets.width, packets.height
+    left, top, right, bottom = T.random_resized_crop_box(w, h, rng)
+    flip = ",hflip" if rng.random() < 0.5 else ""
+    desc = f"crop={right - left}:{bottom - top}:{left}:{top},scale={SIZE}:{SIZE}{flip},format=rgb24"
+    frames = io.decode_packets(packets, filter_desc=desc)
+    return np.ascontiguousarray(io.to_numpy(io.convert_frames(frames)).transpose(2, 0, 1))
+
+
+def _stack(items: list) -> np.ndarray:
+    return np.stack(items)
+
+
+def spdl_epochs(paths: list[str], cores: int) -> Callable[[], Iterator[Any]]:
+    """``spdl.pipeline``: a source of shuffled paths, the decode in ``cores`` threads, batches of 64."""
+    from spdl.pipeline import PipelineBuilder
+
+    def epoch() -> Iterator[Any]:
+        order = np.random.default_rng().permutation(len(paths))
+        pipe = (PipelineBuilder().add_source([paths[i] for i in order]).pipe(spdl_decode, concurrency=cores)
+                .aggregate(BATCH).pipe(_stack).add_sink(3).build(num_threads=cores))
+        with pipe.auto_stop():
+            yield from pipe
+
+    return epoch

@@ -1,0 +1,91 @@
+"""The crop workload (read a JPEG, random-resized-crop 224, random flip, uint8 CHW,
+batches of 64, 2 workers/threads on 2 cores) through sbloader and its native peers, a
+new epoch per run after one warm-up epoch each: sbloader's pipeline, torch's DataLoader
+(``persistent_workers=True``) with Pillow's whole decode as a torch user writes it and
+with sbloader's window decode, Ray Data, DALI CPU and SPDL (the last three only where
+installed). Images/s and CPU ms per image of the whole process tree."""
+from __future__ import annotations
+
+import gc
+from typing import Any, Callable
+
+from benchmarks.harness import Outcome, Plan, run_interleaved
+
+from ._common import batch_len, jpeg_paths, missing_peers, time_epoch
+
+ORDER = 30
+TITLE = "The crop workload: sbloader vs torch, Ray Data, DALI CPU, SPDL"
+PARAMS = {"images": 2048, "cores": 2, "rounds": 3}
+QUICK = {"images": 384, "rounds": 3}
+PEERS = {"Ray Data": "ray.data", "DALI CPU": "nvidia.dali", "SPDL": "spdl.io"}
+BASE = ("sbloader", "torch (Pillow decode)", "torch (window decode)")
+
+
+def plan(**p: Any) -> Plan:
+    """sbloader and two torch loaders, and the peers that are installed."""
+    skipped = missing_peers(PEERS)
+    return Plan(list(BASE) + [k for k in PEERS if k not in skipped], p["rounds"], skipped,
+                f"{p['images']} JPEGs, one epoch per run")
+
+
+def build(paths: list[str], cores: int) -> tuple[dict[str, Callable[[], Any]], dict[str, str], list]:
+    """Epoch factories of the contenders that start, the ones that did not with why, what to keep alive."""
+    import torch
+
+    import sbloader
+    from benchmarks import _image_workload as w
+
+    sbloader.init(num_cpus=cores)
+    sbl = (sbloader.read_images(paths, decode=False).map_batches(w.sbl_decode_files_window_batch)
+           .to_dataloader(w.BATCH, shuffle=True, seed=0))
+    kw = {"batch_size": w.BATCH, "shuffle": True, "num_workers": cores, "persistent_workers": True}
+    tp = torch.utils.data.DataLoader(w.ExactImageFolderDataset(paths), **kw)
+    tw = torch.utils.data.DataLoader(w.ImageFolderDataset(paths), **kw)
+    out = {"sbloader": lambda: iter(sbl), "torch (Pillow decode)": lambda: iter(tp),
+           "torch (window decode)": lambda: iter(tw)}
+    skipped = missing_peers(PEERS)
+    from . import _peers
+
+    makers = {"Ray Data": _peers.ray_data_epochs, "DALI CPU": _peers.dali_epochs, "SPDL": _peers.spdl_epochs}
+    for name, make in makers.items():
+        if name in skipped:
+            continue
+        try:
+            out[name] = make(paths, cores)
+        except Exception as e:  # noqa: BLE001 - installed but does not start here: said in the report
+            skipped[name] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}"
+    torch.set_num_threads(1)
+    return out, skipped, [sbl, tp, tw]
+
+
+def run(**p: Any) -> Outcome:
+    """One warm-up epoch per contender, then ``rounds`` interleaved epochs."""
+    paths = jpeg_paths(p["images"])
+    for f in paths:  # the page cache
+        open(f, "rb").read()
+    epochs, skipped, keep = build(paths, p["cores"])
+    contenders = {}
+    for name, make in epochs.items():
+        try:
+            time_epoch(make, batch_len)  # warm-up: start-up, workers, imports
+        except Exception as e:  # noqa: BLE001
+            skipped[name] = f"warm-up epoch failed: {type(e).__name__}: {str(e)[:200]}"
+            continue
+
+        def one(make: Callable[[], Any] = make) -> dict[str, float]:
+            r = time_epoch(make, batch_len)
+            return {"images_per_s": r["items"] / r["epoch_s"], "first_batch_s": r["first_batch_s"]}
+
+        contenders[name] = one
+    trials = run_interleaved(contenders, p["rounds"])
+    for t in trials.trials:
+        t.metrics["cpu_ms_per_image"] = 1e3 * t.metrics["cpu_s"] / p["images"]
+    del keep
+    gc.collect()
+    return Outcome(trials, "images_per_s", "images/s", baseline="torch (Pillow decode)",
+                   extra=("cpu_ms_per_image", "first_batch_s"), skipped=skipped,
+                   notes=["sbloader, torch (window decode) and Ray Data run sbloader.transforms.decode_crop_flip "
+                          "(decodes only the crop window); torch (Pillow decode) decodes the whole JPEG, as a torch "
+                          "user's Dataset does; DALI decodes the crop window too; SPDL decodes through FFmpeg with a "
+                          "crop+scale filter.",
+                          "CPU ms per image: this process and all its descendants (workers, Ray, threads)."])

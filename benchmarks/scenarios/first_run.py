@@ -1,0 +1,61 @@
+"""A new user's first run: a fresh Python process that imports the loader and takes
+the first batch of a ``DataLoader(list(range(1000)), batch_size=32, shuffle=True,
+num_workers=2)`` (``benchmarks/first_batch.py``): sbloader (its embedded Ray starts
+here) against torch's DataLoader, same arguments. Seconds from the import to the
+first batch, measured inside the process; the process's whole life beside it."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+from benchmarks.harness import ROOT, Outcome, Plan, run_interleaved
+
+ORDER = 5
+TITLE = "First run: import to first batch in a fresh process"
+PARAMS = {"rounds": 3}
+QUICK = {"rounds": 3}
+SNIPPET = """
+import json, time
+t0 = time.perf_counter()
+import {mod} as m
+t1 = time.perf_counter()
+loader = m.DataLoader(list(range(1000)), batch_size=32, shuffle=True, num_workers=2)
+next(iter(loader))
+t2 = time.perf_counter()
+print(json.dumps({{"import_s": t1 - t0, "first_batch_s": t2 - t0}}), flush=True)
+"""
+
+
+def plan(**p: Any) -> Plan:
+    """sbloader and torch, a fresh process per run."""
+    return Plan(["sbloader", "torch"], p["rounds"], notes="no RAY_ADDRESS: the embedded Ray starts")
+
+
+def fresh(mod: str) -> dict[str, float]:
+    """Run the snippet in a new interpreter; its figures and the process's life."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-c", SNIPPET.format(mod=mod)], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+    if r.returncode != 0:
+        raise RuntimeError(f"{mod}: exit status {r.returncode}: {r.stderr.strip()[-300:]}")
+    lines = [x for x in r.stdout.splitlines() if x.startswith('{"import_s"')]
+    if not lines:
+        raise RuntimeError(f"{mod}: no figures printed; stdout {r.stdout[-200:]!r}, stderr {r.stderr[-300:]!r}")
+    out = json.loads(lines[-1])
+    out["process_s"] = time.perf_counter() - t0
+    return out
+
+
+def run(**p: Any) -> Outcome:
+    """``rounds`` fresh processes each, interleaved."""
+    trials = run_interleaved({"sbloader": lambda: fresh("sbloader"),
+                              "torch": lambda: fresh("torch.utils.data")}, p["rounds"])
+    return Outcome(trials, "first_batch_s", "s", higher_is_better=False, baseline="torch",
+                   extra=("import_s", "process_s"),
+                   notes=["the same snippet as benchmarks/first_batch.py; process_s includes the interpreter's start "
+                          "and sbloader's shutdown of its embedded Ray"])

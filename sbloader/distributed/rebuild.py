@@ -1,0 +1,145 @@
+"""The rebuild of an epoch after its split coordinator died: the protocol's coordinator side.
+
+A coordinator owns every block of the epochs it runs, so when it dies (its node,
+or its process, was lost) the blocks it handed out that no rank fetched go with
+it. The ranks then find or create its successor and report what their training
+loops took; once every rank has reported, the successor plans the rest again, each
+rank owed exactly what it still lacks of its count (``dropin_client.rebuild_epoch``
+is the rank side). :class:`RebuildProtocol` is a base of
+:class:`~sbloader.distributed.coordinator.SplitCoordinator` and uses its state
+(``_lock``, ``_started``, ``_epochs``, ``_rebuilds``, ``_rebuilt``...).
+
+A block lost while its coordinator lives (made on a node that died before a rank
+fetched it) is made again from its provenance instead: :meth:`RebuildProtocol.remake`.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any, Optional
+
+from sbloader.core.errors import SbloaderError
+from sbloader.core.plan import EpochPlan
+from sbloader.distributed.epoch import Epoch
+from sbloader.distributed.specs import EpochSpec
+
+
+class RebuildProtocol:
+    """The coordinator's side of the rebuild (a mixin of the coordinator actor)."""
+
+    _lock: Any
+    _started: Any
+    _epochs: dict
+    _rebuilds: dict
+    _rebuilt: set
+
+    def rebuild(self, epoch: int, rank: int, taken: list, spec: Optional[EpochSpec], timeout: float = 120.0,
+                wait: bool = True) -> Optional[int]:
+        """Rebuild an epoch after the previous coordinator died, from the ranks' own logs.
+
+        Every rank reports the batches its training loop took (their bytes reached
+        it; the rest died with the old coordinator, which owned them) and the
+        epoch's spec (only rank 0's counts; the others may send None). Once all ranks reported, the
+        batches nobody took are planned again, each rank owed exactly what it
+        still lacks of its count, and the ranks continue.
+
+        A rank that had already finished the epoch when the coordinator died
+        notices only at its next epoch; it reports with ``wait=False`` (all its
+        batches taken) so the ranks still in the epoch can go on.
+
+        Returns:
+            The per-rank batch count of the epoch (None with ``wait=False``).
+
+        Raises:
+            SbloaderError: not every rank reported within ``timeout`` seconds.
+        """
+        self._last_call = time.monotonic()
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            if epoch in self._rebuilt:  # a late report: the epoch was rebuilt (and maybe finished)
+                ep = self._epochs.get(epoch)
+                return ep.spec.per_rank if ep is not None and wait else None
+            pend = self._rebuilds.setdefault(epoch, {"taken": {}, "spec": None})
+            pend["taken"][rank] = list(taken)
+            if rank == 0:
+                # Rank 0 started the epoch: the batch indices every rank reports are
+                # positions in *its* plan. Another rank's sampler may have drawn
+                # another order (an unseeded shuffle), so only rank 0's spec counts.
+                pend["spec"] = spec
+            self._started.notify_all()
+            if not wait:
+                if epoch not in self._epochs and len(pend["taken"]) == self._world_size:
+                    self._start_rebuilt(epoch, pend["spec"], pend["taken"])
+                return None
+            while epoch not in self._epochs:
+                if len(pend["taken"]) == self._world_size:
+                    self._start_rebuilt(epoch, pend["spec"], pend["taken"])
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    missing = sorted(set(range(self._world_size)) - set(pend["taken"]))
+                    raise SbloaderError(
+                        f"rebuilding epoch {epoch} after the coordinator died: rank(s) {missing} did not report "
+                        f"within {timeout:.0f} s (finished or dead?); restart the job from the last checkpoint"
+                    )
+                self._started.wait(timeout=remaining)
+            return self._epochs[epoch].spec.per_rank
+
+    def _start_rebuilt(self, epoch: int, spec: EpochSpec, taken: dict) -> None:
+        """Start the part of ``spec`` that no rank took (called with the lock held)."""
+        self._rebuilds.pop(epoch, None)
+        self._rebuilt.add(epoch)
+        done = {b for batches in taken.values() for b in batches}
+        keep = [i for i in range(len(spec.plan.order)) if i not in done]
+        plan = EpochPlan(spec.plan.epoch, spec.plan.epoch_seed, tuple(spec.plan.order[i] for i in keep),
+                         spec.plan.shuffle)
+        assignment = tuple(spec.assignment[i] for i in keep) if spec.assignment is not None else None
+        rebuilt = replace(spec, source=spec.source.subset(keep), plan=plan, assignment=assignment,
+                          batch_index=tuple(keep))
+        ep = Epoch(rebuilt, self._world_size, self._actor_cache, self._estimates,
+                    earlier=tuple(self._epochs.values()), taken=taken, ledger=self._ledger)
+        self._epochs[epoch] = ep
+        ep.start()
+        self._started.notify_all()
+
+    def remake(self, epoch: int, index: int) -> Any:
+        """Make batch ``index`` of a drop-in epoch again: its block was lost with the node that
+        made it (``ObjectLostError`` at the rank) before the rank fetched it.
+
+        The batch's partition runs again on an actor of its own (the pool's actors
+        belong to the epoch's executor), built, used once and killed; the block ref
+        is returned (this coordinator owns it, as every block of the epoch).
+
+        Raises:
+            SbloaderError: the epoch is not running here, or has no such batch.
+        """
+        import ray
+
+        from sbloader.executor.failures import shared_arg
+        from sbloader.executor.pools import new_pool_actor
+        from sbloader.executor.stages import build_stages
+        from sbloader.executor.tasks import EpochInfo
+
+        self._last_call = time.monotonic()
+        ep = self._epochs.get(epoch)
+        spec = getattr(ep, "spec", None)
+        seqs = [q for q in range(len(spec.plan.order)) if spec.index_of(q) == index] if spec is not None else []
+        if not seqs or not hasattr(spec, "assignment"):
+            raise SbloaderError(f"batch {index} of epoch {epoch} cannot be made again: that epoch is not running "
+                                f"on this coordinator (known: {sorted(self._epochs)})")
+        seq = seqs[0]
+        pid = spec.plan.order[seq]
+        part = next(p for p in spec.source.partitions(epoch, spec.plan.epoch_seed, shuffle=spec.plan.shuffle)
+                    if p.id == pid)
+        stage = build_stages(spec.source.name, list(spec.ops))[0]
+        actor = new_pool_actor(stage, 0, 1, spec.options)
+        try:
+            block, meta = actor.read_process.options(num_returns=2).remote(
+                shared_arg((spec.source.reader(), spec.source.shared())), (part,),
+                EpochInfo(epoch, spec.plan.epoch_seed, spec.plan.shuffle), (seq,), stage.name, None)
+            ray.get(meta)
+        finally:
+            ray.kill(actor, no_restart=True)
+        if ep.executor is not None:
+            ep.executor.stats().rerun_partitions += 1
+        return block

@@ -1,0 +1,102 @@
+"""Partitions run again because the cluster lost their call, and the nodes lost.
+
+A call the system lost (:func:`~sbloader.executor.failures.system_failure`: its
+pool actor or node gone) runs again elsewhere from its partition's provenance:
+the scheduling loop queues the partition (or the input block) again, the pool
+regrows on the surviving nodes. This module counts, bounds and reports it: one
+warning line per lost node (or per kind of loss where Ray does not say which
+node), and the execution's statistics name the nodes and count the re-runs.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+from sbloader.core.stats import ExecutionStats
+from sbloader.executor.calls import Running
+from sbloader.executor.failures import MAX_RERUNS, lost
+
+logger = logging.getLogger(__name__)
+
+UNKNOWN_NODE = "?"
+NODE_POLL_S = 2.0  # how often an execution looks at the cluster's nodes
+
+
+class Reruns:
+    """The re-runs of one execution.
+
+    Args:
+        epoch: the execution's epoch (named in the warnings).
+        stats: its statistics (``rerun_partitions``, ``lost_nodes``).
+    """
+
+    def __init__(self, epoch: int, stats: ExecutionStats) -> None:
+        self._epoch, self._stats = epoch, stats
+        self._counts: dict[tuple[int, int], int] = {}
+        self._warned: set[str] = set()
+        self._alive: Optional[set] = None
+        self._polled = 0.0
+
+    def record(self, run: Running, error: BaseException, stage_name: str, node: Optional[str]) -> None:
+        """One lost call's partition (``node``: where it ran, if known) is about to run again.
+
+        Raises:
+            TaskLostError: the partition was already run again :data:`MAX_RERUNS` times.
+        """
+        key = (run.stage, run.partition_id)
+        n = self._counts.get(key, 0) + 1
+        if n > MAX_RERUNS:
+            raise lost(stage_name, self._epoch, run.call.items, run.partition_id, error)
+        self._counts[key] = n
+        self._stats.rerun_partitions += 1
+        where = node or UNKNOWN_NODE
+        if where not in self._stats.lost_nodes:
+            self._stats.lost_nodes.append(where)
+        tag = where if node else f"{UNKNOWN_NODE}{type(error).__name__}"
+        if tag not in self._warned:
+            self._warned.add(tag)
+            first = (str(error).strip().splitlines() or [""])[0][:160]
+            logger.warning(
+                "sbloader epoch %d: lost node %s (a %r call failed: %s: %s); its partitions run again on the other "
+                "nodes from their provenance, and pools regrow there", self._epoch, where if node else "(unknown)",
+                stage_name, type(error).__name__, first)
+
+    def watch_nodes(self, now: Optional[float] = None, nodes: Optional[list] = None) -> bool:
+        """Look at the cluster's nodes (at most every :data:`NODE_POLL_S`): a node gone is named
+        (Ray re-runs a lost task by itself, so no call of ours may fail), one that joined is
+        logged. Returns True when a node joined: the caller may launch more work.
+
+        Args:
+            nodes: ``ray.nodes()`` (asked here when None).
+        """
+        now = time.monotonic() if now is None else now
+        if now - self._polled < NODE_POLL_S:
+            return False
+        self._polled = now
+        try:
+            if nodes is None:
+                import ray
+
+                nodes = ray.nodes()
+        except Exception:  # the GCS is busy: next time
+            return False
+        alive = {n["NodeID"] for n in nodes if n.get("Alive")}
+        before, self._alive = self._alive, alive
+        if before is None:
+            return False
+        for node in sorted(before - alive):
+            if node not in self._stats.lost_nodes:
+                self._stats.lost_nodes.append(node)
+            if node not in self._warned:
+                self._warned.add(node)
+                logger.warning("sbloader epoch %d: lost node %s (it left the cluster); the work it held runs "
+                               "again on the other nodes", self._epoch, node)
+        for node in sorted(alive - before):
+            logger.info("sbloader epoch %d: node %s joined the cluster; work is placed on it", self._epoch, node)
+        return bool(alive - before)
+
+    @property
+    def total(self) -> int:
+        """Partitions run again so far."""
+        return sum(self._counts.values())
