@@ -17,7 +17,7 @@ from sbloader.core.plan import draw_epoch_seed, epoch_seed_from
 from sbloader.core.split import split_epoch as split_positions
 from sbloader.core.stats import ExecutionStats, StallStats
 from sbloader.executor.pools import kill_cached
-from sbloader.loaders import dropin_args, dropin_checkpoint, dropin_state
+from sbloader.loaders import dropin_args, dropin_checkpoint, dropin_state, warm_workers
 from sbloader.loaders.dropin_args import check_torch_args, decide_split, is_iterable_dataset
 from sbloader.loaders.dropin_epoch import (DropinCarry, DropinSettings, cpus_held_by_loaders, find_coordinator,
                                            local_epoch, pool_epoch, safe_len, split_epoch, stream_epoch)
@@ -214,6 +214,7 @@ class DataLoader(Generic[T_co]):
             carry.dropped = True  # an epoch still running hands its actors back later: it kills them then
             try:
                 kill_cached(carry.actor_cache)
+                warm_workers.release(carry)
             except Exception:  # the interpreter is tearing down (module globals gone): Ray went before
                 pass
 
