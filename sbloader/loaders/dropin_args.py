@@ -205,7 +205,7 @@ def excess_workers_message(num_workers: int, worker_num_cpus: float, cpus: Optio
             f"{int(cpus // max(worker_num_cpus, 1e-9))} ({cpus:g} CPUs in the Ray cluster or on this machine), "
             "which is smaller than what this DataLoader is going to create. Please be aware that excessive worker "
             "creation might get DataLoader running slow or even freeze, lower the worker number to avoid "
-            "potential slowness/freeze if necessary (a pool that cannot fit fails with ResourceError at start).")
+            "potential slowness/freeze if necessary (they all start: each asks Ray for an equal share of the CPUs).")
 
 
 def fitted_worker_cpus(num_workers: int, worker_num_cpus: float, cpus: Optional[float],
