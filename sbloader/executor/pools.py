@@ -70,7 +70,12 @@ class PoolActor:
 
 
 def kill_cached(actor_cache: Optional[dict]) -> None:
-    """Kill every actor kept in an actor cache (handles or :class:`PrestartedActor`) and empty it."""
+    """Kill every actor kept in an actor cache (handles or :class:`PrestartedActor`) and empty it
+    (nothing to kill once Ray is down: a loader collected at exit must not start Ray again)."""
+    if not ray.is_initialized():
+        for handles in (actor_cache or {}).values():
+            handles.clear()
+        return
     for handles in (actor_cache or {}).values():
         for h in handles:
             try:

@@ -271,6 +271,18 @@ class MapActor:
         """Node id, pid and the seconds the construction took, once the instance is constructed."""
         return _node_id(), os.getpid(), self._construction_s
 
+    def rebuild(self, op: Op) -> tuple[str, int, float]:
+        """Construct the callable class again from ``op``'s constructor arguments (a warm actor taken
+        by the next execution: a fresh instance, the process kept); then as :meth:`ready`."""
+        t0 = time.perf_counter()
+        self._instance = None
+        self._op = op
+        self._instance = op.fn(*op.fn_constructor_args, **dict(op.fn_constructor_kwargs))
+        self._read_ops = self._read_ops[:-1] + (op,)
+        self._read_fns = self._read_fns[:-1] + (self._instance,)
+        self._construction_s = time.perf_counter() - t0
+        return self.ready()
+
     @ray.method(num_returns=2)
     def process(self, block: Block, meta: BlockMeta, info: EpochInfo,
                 lease: Optional[SlotLease] = None) -> tuple[Any, BlockMeta]:

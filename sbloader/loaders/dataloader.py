@@ -17,10 +17,10 @@ from sbloader.core.plan import draw_epoch_seed, epoch_seed_from
 from sbloader.core.split import split_epoch as split_positions
 from sbloader.core.stats import ExecutionStats, StallStats
 from sbloader.executor.pools import kill_cached
-from sbloader.loaders import dropin_args, dropin_checkpoint, dropin_state
+from sbloader.loaders import dropin_args, dropin_checkpoint, dropin_state, warm_workers
 from sbloader.loaders.dropin_args import check_torch_args, decide_split, is_iterable_dataset
-from sbloader.loaders.dropin_epoch import (DropinCarry, DropinSettings, find_coordinator, local_epoch, pool_epoch,
-                                           safe_len, split_epoch, stream_epoch)
+from sbloader.loaders.dropin_epoch import (DropinCarry, DropinSettings, cpus_held_by_loaders, find_coordinator,
+                                           local_epoch, pool_epoch, safe_len, split_epoch, stream_epoch)
 from sbloader.loaders.epoch import EpochIterator
 from sbloader.runtime.world import World
 
@@ -212,7 +212,11 @@ class DataLoader(Generic[T_co]):
         carry = getattr(self, "_carry", None)
         if carry is not None:
             carry.dropped = True  # an epoch still running hands its actors back later: it kills them then
-            kill_cached(carry.actor_cache)
+            try:
+                kill_cached(carry.actor_cache)
+                warm_workers.release(carry)
+            except Exception:  # the interpreter is tearing down (module globals gone): Ray went before
+                pass
 
     # ----- torch-compatible surface -------------------------------------------
 
@@ -342,7 +346,7 @@ class DataLoader(Generic[T_co]):
             memory_budget=self.memory_budget, batches_per_partition=self.batches_per_partition,
             worker_num_cpus=dropin_args.fitted_worker_cpus(
                 self.num_workers, self.worker_num_cpus, dropin_args.available_cpus(),
-                None if self.split else dropin_args.free_cpus()),
+                None if self.split else dropin_args.free_cpus(cpus_held_by_loaders(self._carry))),
             worker_resources=self.worker_resources,
             allow_trainer_node=self.allow_trainer_node, persistent_workers=self.persistent_workers, seed=self.seed,
             dataset_id=self.dataset_id, report_stalls=self.report_stalls, start_timeout=self.start_timeout)

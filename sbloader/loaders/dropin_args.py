@@ -205,7 +205,7 @@ def excess_workers_message(num_workers: int, worker_num_cpus: float, cpus: Optio
             f"{int(cpus // max(worker_num_cpus, 1e-9))} ({cpus:g} CPUs in the Ray cluster or on this machine), "
             "which is smaller than what this DataLoader is going to create. Please be aware that excessive worker "
             "creation might get DataLoader running slow or even freeze, lower the worker number to avoid "
-            "potential slowness/freeze if necessary (a pool that cannot fit fails with ResourceError at start).")
+            "potential slowness/freeze if necessary (they all start: each asks Ray for an equal share of the CPUs).")
 
 
 def fitted_worker_cpus(num_workers: int, worker_num_cpus: float, cpus: Optional[float],
@@ -223,13 +223,15 @@ def fitted_worker_cpus(num_workers: int, worker_num_cpus: float, cpus: Optional[
     return math.floor(room / num_workers * 1e4) / 1e4
 
 
-def free_cpus() -> Optional[float]:
-    """CPUs of the Ray cluster no actor or task holds now (None before Ray is up)."""
+def free_cpus(held_here: float = 0.0) -> Optional[float]:
+    """CPUs of the Ray cluster no actor or task holds now, less ``held_here`` (what this process's
+    other loaders asked for: their actors may not be placed yet); None before Ray is up."""
     import ray
 
     if not ray.is_initialized():
         return None
-    return float(ray.available_resources().get("CPU", 0.0))
+    total = float(ray.cluster_resources().get("CPU", 0.0))
+    return max(0.0, min(float(ray.available_resources().get("CPU", 0.0)), total - held_here))
 
 
 def warn_excess_workers(num_workers: int, worker_num_cpus: float) -> None:

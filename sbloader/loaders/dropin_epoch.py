@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Union
 
@@ -37,6 +38,7 @@ from sbloader.loaders.dropin_state import EpochRun
 from sbloader.loaders.epoch import Delivery, EpochIterator
 from sbloader.loaders.failed_batch import FailedBatch
 from sbloader.loaders.iterable_resume import IterableRun, first_snapshot, iterate_shard, open_shard
+from sbloader.loaders import warm_workers
 from sbloader.loaders.tensors import DeviceCopy, TensorOptions, pin_batch, wire_as_tensors
 from sbloader.loaders.worker import SHARD_STATE_COLUMN, LoaderWorker
 from sbloader.sources.batches import ReadyBatchSource, ShardSource
@@ -108,12 +110,14 @@ class DropinSettings:
         return TensorOptions(pin=self.pin, zero_copy=self.zero_copy)
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity (kept in a WeakSet)
 class DropinCarry:
     """What a drop-in loader keeps from one epoch to the next.
 
     Attributes:
         actor_cache: the worker actors (``persistent_workers``; the pool's per epoch otherwise).
+        warm_cache: without ``persistent_workers``, the last epoch's actor processes, rebuilt by
+            the next epoch (:mod:`~sbloader.loaders.warm_workers`).
         estimates: the stages' output block sizes measured by the last epoch.
         stats: the latest epoch's execution statistics.
         coordinator: the loader's split coordinator, once found.
@@ -130,6 +134,17 @@ class DropinCarry:
     last_split_run: Optional[EpochRun] = None
     lease_interval_s: float = 1.0  # seconds one request's lease lasts (below a quarter of stall_report_s)
     dropped: bool = False
+    held_cpus: float = 0.0  # CPUs its pool's actors ask Ray for (running, or kept as persistent workers)
+    warm_cache: dict = field(default_factory=dict)  # persistent_workers=False: actors kept warm (warm_workers)
+    warm_timer: Any = None
+
+
+_CARRIES: "weakref.WeakSet[DropinCarry]" = weakref.WeakSet()  # the drop-in loaders of this process
+
+
+def cpus_held_by_loaders(exclude: Optional[DropinCarry] = None) -> float:
+    """CPUs the live drop-in pools of this process ask for (known here before Ray places them)."""
+    return sum(c.held_cpus for c in list(_CARRIES) if c is not exclude and not c.dropped)
 
 
 def find_coordinator(world: Any, name: str, fingerprint: dict, stall_report_s: float, settings: DropinSettings,
@@ -235,10 +250,15 @@ def pool_epoch(s: DropinSettings, carry: DropinCarry, run: Optional[Union[EpochR
     options = options_here(memory_budget=s.memory_budget, deterministic=s.in_order, progress=False,
                            prefetch_blocks=max(1, math.ceil(s.ahead * s.num_workers / s.batches_per_partition)),
                            allow_trainer_node=s.allow_trainer_node)
-    executor = start_execution(source, (s.worker_op(epoch_seed),), plan, options,
-                               actor_cache=carry.actor_cache if s.persistent_workers else None,
-                               estimates=carry.estimates, arena=arena_here())
+    op = s.worker_op(epoch_seed)
+    warm = not s.persistent_workers and warm_workers.enabled()
+    cache = carry.actor_cache if s.persistent_workers else warm_workers.take(carry, op, s.num_workers) if warm \
+        else None
+    executor = start_execution(source, (op,), plan, options, actor_cache=cache, estimates=carry.estimates,
+                               arena=arena_here())
     carry.stats = executor.stats()
+    carry.held_cpus = s.num_workers * s.worker_num_cpus
+    _CARRIES.add(carry)
     stalls = StallStats()
     tensors = s.tensors()
 
@@ -272,6 +292,10 @@ def pool_epoch(s: DropinSettings, carry: DropinCarry, run: Optional[Union[EpochR
 
     def closed() -> None:
         carry.estimates = executor.estimates()
+        if warm:  # the actors stay warm for the next epoch (an idle timeout kills them)
+            warm_workers.keep(carry)
+        elif not s.persistent_workers or carry.dropped:
+            carry.held_cpus = 0.0
         if carry.dropped:  # the loader went first (its iterator lived on): its persistent actors go now
             kill_cached(carry.actor_cache)
         _report(s, f"epoch {epoch}", stalls)()

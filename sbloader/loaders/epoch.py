@@ -20,6 +20,7 @@ whatever produced the batches:
 from __future__ import annotations
 
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Protocol
@@ -30,6 +31,21 @@ from sbloader.loaders.fetch_ahead import FetchAhead
 
 
 _END = object()  # prime() found the epoch empty
+_LIVE: "weakref.WeakSet[EpochIterator]" = weakref.WeakSet()  # epochs not yet garbage
+
+
+def close_live_epochs() -> None:
+    """End every epoch still open in this process (called before the embedded Ray stops)."""
+    for it in list(_LIVE):
+        try:
+            it.close()
+        except Exception:
+            pass
+
+
+from sbloader.runtime.session import before_shutdown  # noqa: E402
+
+before_shutdown(close_live_epochs)
 
 
 @dataclass
@@ -100,6 +116,7 @@ class EpochIterator:
         self.after_batch: Optional[Callable[[int], None]] = None
         self._held: deque = deque()
         self._primed: Any = None  # the first delivery, fetched by prime()
+        _LIVE.add(self)
         self._yielded_at: Optional[float] = None
         self._closed = False
 

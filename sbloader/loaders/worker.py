@@ -71,6 +71,20 @@ def _stack_in_private_memory() -> Any:
         fn_map[torch.Tensor] = original
 
 
+def _fresh(config: Any) -> dict:
+    """The config's arguments, unpickled anew: every construction (a warm actor's next epoch too) gets
+    the dataset as the trainer pickled it, never a copy an earlier epoch mutated."""
+    from sbloader.executor.tasks import Packed
+
+    if isinstance(config, Packed):
+        import ray.cloudpickle as cloudpickle
+
+        return cloudpickle.loads(config.data)
+    import copy
+
+    return copy.deepcopy(config)
+
+
 def _objects(items: list) -> np.ndarray:
     col = np.empty((len(items),), dtype=object)
     for i, x in enumerate(items):
@@ -138,11 +152,9 @@ class LoaderWorker:
     """
 
     def __init__(self, config: Any) -> None:
-        from sbloader.executor.tasks import unpack
-
         self._config = config  # unpacked again for each further IterableDataset shard's own copy
         self._shard_datasets: dict = {}
-        self._setup(**unpack(config))
+        self._setup(**_fresh(config))
 
     def _setup(self, dataset: Any, collate_fn: Callable, auto_collation: bool, num_workers: int,
                worker_init_fn: Optional[Callable[[int], None]] = None,
@@ -224,19 +236,7 @@ class LoaderWorker:
         """Shard ``shard``'s own copy of the dataset, as torch's worker ``shard`` has its own: the
         actor's for its first shard, a fresh copy for any other (kept with persistent workers)."""
         if shard not in self._shard_datasets:
-            from sbloader.executor.tasks import Packed
-
-            if not self._shard_datasets:
-                copy_ = self._dataset
-            elif isinstance(self._config, Packed):
-                import ray.cloudpickle as cloudpickle
-
-                copy_ = cloudpickle.loads(self._config.data)["dataset"]
-            else:
-                import copy
-
-                copy_ = copy.deepcopy(self._config["dataset"])
-            self._shard_datasets[shard] = copy_
+            self._shard_datasets[shard] = self._dataset if not self._shard_datasets else _fresh(self._config)["dataset"]
         return self._shard_datasets[shard]
 
     def _make(self, task: Any) -> Any:

@@ -224,7 +224,7 @@ def init(
             else:
                 start()
                 embedded = True
-            atexit.register(shutdown)
+            atexit.register(_at_exit)
         else:
             with _Quiet():
                 ray.init(address=_join.prepare(address), **kwargs)
@@ -249,10 +249,38 @@ def _start_reaper() -> Any:
         return None
 
 
+_BEFORE_SHUTDOWN: list[Callable[[], Any]] = []
+
+
+def before_shutdown(fn: Callable[[], Any]) -> None:
+    """Have :func:`shutdown` call ``fn`` first (the loaders end their live epochs: no thread of
+    theirs calls into a Ray that is gone)."""
+    if fn not in _BEFORE_SHUTDOWN:
+        _BEFORE_SHUTDOWN.append(fn)
+
+
+def _at_exit() -> None:
+    """The process exits: nothing may start a Ray again (Ray's auto-init from a thread still
+    running would print its start-up notices and fail), then :func:`shutdown`, quietly."""
+    try:
+        from ray._private import auto_init_hook
+
+        auto_init_hook.enable_auto_connect = False
+    except Exception:  # Ray internals moved: shutdown still runs
+        pass
+    with _Quiet():
+        shutdown()
+
+
 def shutdown() -> None:
     """Stop the embedded Ray if sbloader started it; only forget a joined cluster."""
     import ray
 
+    for fn in list(_BEFORE_SHUTDOWN):
+        try:
+            fn()
+        except Exception as exc:  # a loader that cannot end its epoch must not keep Ray up
+            logger.debug("sbloader: before shutdown: %s", exc)
     with _LOCK:
         world = _STATE.pop("world", None)
         if _STATE["owned"] and ray.is_initialized():

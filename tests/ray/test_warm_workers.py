@@ -1,0 +1,110 @@
+"""Warm workers with torch's default arguments (issue #37): the worker processes outlive an epoch,
+torch's per-epoch semantics hold, and nothing stays behind (idle timeout, exit)."""
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+import time
+
+import ray
+import torch
+from torch.utils.data import Dataset
+
+import sbloader
+
+
+class Mutating(Dataset):
+    """Each ``dataset[i]`` bumps a counter of the worker's copy and returns (pid, counter, seed)."""
+
+    def __init__(self, n=8):
+        self.n, self.mutations = n, 0
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        self.mutations += 1
+        return torch.tensor([os.getpid(), self.mutations, torch.initial_seed()])
+
+
+def record_init(folder, worker_id):
+    with open(os.path.join(folder, f"{os.getpid()}-{worker_id}-{time.monotonic_ns()}"), "w"):
+        pass
+
+
+def inits(folder):
+    return sorted(name.split("-")[1] for name in os.listdir(folder))
+
+
+def test_default_arguments_keep_processes_and_torch_semantics(ray_session, tmp_path):
+    for persistent in (False, True):
+        folder = tmp_path / f"p{int(persistent)}"
+        folder.mkdir()
+        dl = sbloader.DataLoader(Mutating(), batch_size=2, num_workers=2, persistent_workers=persistent,
+                                 worker_init_fn=functools.partial(record_init, str(folder)))
+        epochs = [torch.cat(list(dl)) for _ in range(3)]
+        # without persistent_workers every epoch's workers start from the dataset as pickled at its
+        # start: each worker's counter counts this epoch's items only (never the last epoch's)
+        if persistent:  # torch: a persistent worker keeps its copy, its counter goes on
+            assert int(epochs[-1][:, 1].max()) > 8
+        else:
+            assert all(int(e[:, 1].max()) <= 8 for e in epochs), (persistent, epochs)
+        expected = ["0", "1"] if persistent else ["0", "0", "0", "1", "1", "1"]
+        deadline = time.monotonic() + 60  # a worker that made no batch may still be constructing
+        while inits(folder) != expected and time.monotonic() < deadline:
+            time.sleep(0.2)
+        # torch: worker_init_fn once per worker per epoch (once for the loader's life when persistent)
+        assert inits(folder) == expected
+        # the same two processes every epoch: kept warm, not started anew
+        assert len({name.split("-")[0] for name in os.listdir(folder)}) == 2
+        if not persistent:  # seeds follow torch's rule: base seed + worker id, a new base seed each epoch
+            assert len({int(s) for e in epochs for s in e[:, 2]}) >= 3
+        del dl
+
+
+def test_warm_actors_are_killed_after_the_idle_timeout_and_with_the_loader(ray_session, monkeypatch):
+    monkeypatch.setenv("SBLOADER_WARM_IDLE_S", "1")
+    dl = sbloader.DataLoader(Mutating(), batch_size=2, num_workers=2)
+    assert len(list(dl)) == 4
+    deadline = time.monotonic() + 60
+    while any(dl._carry.warm_cache.values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(dl._carry.warm_cache.values()), "warm actors still kept after the idle timeout"
+    monkeypatch.setenv("SBLOADER_WARM_IDLE_S", "600")
+    assert len(list(dl)) == 4  # a new pool after the timeout
+    handles = [h for hs in dl._carry.warm_cache.values() for h in hs]
+    assert len(handles) == 2
+    del dl  # dropped: its warm actors go at once
+    for h in handles:
+        handle = getattr(h, "handle", h)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                ray.get(handle.ready.remote(), timeout=10)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                break
+            time.sleep(0.5)
+        else:
+            raise AssertionError("a dropped loader's warm actor still answers")
+
+
+SCRIPT = """
+import torch, sbloader
+dl = sbloader.DataLoader(torch.arange(16), batch_size=4, num_workers=2)
+it = iter(dl); next(it)           # an epoch left open at exit
+dl2 = sbloader.DataLoader(torch.arange(16), batch_size=4, num_workers=2, persistent_workers=True)
+assert sum(len(b) for b in dl2) == 16
+assert sum(len(b) for b in dl2) == 16
+"""
+
+
+def test_a_script_prints_nothing_at_exit(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
+        __file__)))), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    noise = [line for line in proc.stderr.splitlines() if "no task finished for" not in line]  # load notice
+    assert noise == [], proc.stderr[-3000:]
