@@ -224,14 +224,17 @@ def fitted_worker_cpus(num_workers: int, worker_num_cpus: float, cpus: Optional[
 
 
 def free_cpus(held_here: float = 0.0) -> Optional[float]:
-    """CPUs of the Ray cluster no actor or task holds now, less ``held_here`` (what this process's
-    other loaders asked for: their actors may not be placed yet); None before Ray is up."""
+    """CPUs of the Ray cluster less ``held_here`` (what this process's other live loaders' workers
+    asked for: a loader kept alive by a traceback keeps its actors); None before Ray is up.
+
+    Not Ray's momentary ``available_resources()``: the tasks and actors of a pipeline that just
+    ended still show there for a moment, and a share of 0 would let the workers run unreserved
+    (anywhere, the trainer's node included)."""
     import ray
 
     if not ray.is_initialized():
         return None
-    total = float(ray.cluster_resources().get("CPU", 0.0))
-    return max(0.0, min(float(ray.available_resources().get("CPU", 0.0)), total - held_here))
+    return max(0.0, float(ray.cluster_resources().get("CPU", 0.0)) - held_here)
 
 
 def warn_excess_workers(num_workers: int, worker_num_cpus: float) -> None:
