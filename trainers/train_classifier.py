@@ -113,8 +113,9 @@ def main() -> None:
         step, start_epoch = ckpt["step"], ckpt["epoch"]
         if ckpt.get("loader") is not None and hasattr(loader, "load_state_dict"):
             loader.load_state_dict(ckpt["loader"])
-            # a checkpoint on an epoch's last step holds the next epoch's (clean) loader state
-            start_epoch = ckpt["loader"]["epoch"]
+            # a checkpoint on an epoch's last step holds that epoch's empty remainder (torchdata's
+            # StatefulDataLoader convention): training goes on with the next epoch
+            start_epoch = ckpt["loader"]["epoch"] + (1 if ckpt["loader"].get("empty_remainder") else 0)
         elif step % len(loader) == 0:
             # no loader state (torch's DataLoader): a checkpoint on an epoch's last step starts the
             # next epoch, not that one again (a mid-epoch checkpoint restarts its epoch)

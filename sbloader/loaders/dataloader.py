@@ -255,9 +255,12 @@ class DataLoader(Generic[T_co]):
         if epoch < 0:
             raise ValueError(f"epoch must be >= 0, found {epoch}")
         if self._resume is not None and self._resume.get("epoch") != epoch:
-            warnings.warn(
-                f"set_epoch({epoch}) after load_state_dict of epoch {self._resume.get('epoch')}: the loaded "
-                "state is dropped and epoch starts fresh", stacklevel=2)
+            # the epoch after a state taken at the last batch of its own (an empty remainder) is the
+            # expected continuation: only another epoch drops a loaded state worth a warning
+            if not (self._resume.get("empty_remainder") and epoch == self._resume.get("epoch", -2) + 1):
+                warnings.warn(
+                    f"set_epoch({epoch}) after load_state_dict of epoch {self._resume.get('epoch')}: the loaded "
+                    "state is dropped and epoch starts fresh", stacklevel=2)
             self._resume = None
         self._epoch = epoch
 
