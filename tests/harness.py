@@ -41,6 +41,22 @@ class Taken:
         return [i for b in self.batches for i in b]
 
 
+class IdsLoader:
+    """A drop-in loader whose batches (tensors of ids) read as ``{"id": ...}``."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def __iter__(self) -> Any:
+        return ({"id": b.numpy()} for b in self.loader)
+
+    def state_dict(self) -> dict:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state)
+
+
 def ids_of(batch: Any, key: str) -> list:
     """The ids of a batch's real rows (rows marked ``sbloader_padding`` left out)."""
     ids = np.asarray(batch[key]).reshape(-1)

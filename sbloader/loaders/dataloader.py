@@ -16,11 +16,9 @@ from typing import Any, Callable, Generic, Optional, TypeVar
 from sbloader.core.plan import draw_epoch_seed, epoch_seed_from
 from sbloader.core.split import split_epoch as split_positions
 from sbloader.core.stats import ExecutionStats, StallStats
-from sbloader.executor.pools import kill_cached
-from sbloader.loaders import dropin_args, dropin_checkpoint, dropin_state, warm_workers
+from sbloader.loaders import dropin_args, dropin_checkpoint, dropin_state
 from sbloader.loaders.dropin_args import check_torch_args, decide_split, is_iterable_dataset
-from sbloader.loaders.dropin_epoch import (DropinCarry, DropinSettings, cpus_held_by_loaders, find_coordinator,
-                                           local_epoch, pool_epoch, safe_len, split_epoch, stream_epoch)
+from sbloader.loaders.dropin_settings import DropinCarry, DropinSettings, cpus_held_by_loaders, safe_len
 from sbloader.loaders.epoch import EpochIterator
 from sbloader.runtime.world import World
 
@@ -87,6 +85,11 @@ class DataLoader(Generic[T_co]):
         snapshot_every_n_steps: torchdata ``StatefulDataLoader``'s; accepted and not needed: the
             state is computed at any step (map-style: from the plan; iterable: each batch
             carries its shard's snapshot), so every step is a snapshot.
+        local_start: while the worker pool is not up (Ray starting, the first epoch), a map-style
+            epoch starts on ``num_workers`` worker processes forked here, as torch's, and the pool
+            takes over once its actors are up (:mod:`~sbloader.loaders.local_start`). False: every
+            batch comes from the pool (a trainer node whose CPUs are kept for the trainer);
+            ``SBLOADER_LOCAL_START=0`` turns it off process-wide.
 
     What is the same as torch's and what differs: ``docs/user_guide.md``.
     """
@@ -129,6 +132,7 @@ class DataLoader(Generic[T_co]):
         allow_trainer_node: bool = False,
         start_timeout: Optional[float] = 300.0,
         snapshot_every_n_steps: Optional[int] = 1,
+        local_start: bool = True,
     ) -> None:
         import torch
         from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
@@ -200,6 +204,11 @@ class DataLoader(Generic[T_co]):
         self._base_seed: Optional[int] = None
         self._carry = DropinCarry()
         self._len_reported: Optional[int] = None  # an IterableDataset's len(), once the user asked (torch's check)
+        self.local_start = local_start
+        if num_workers > 0:  # Ray starts (or is joined) now, in the background: the first batch never waits
+            from sbloader.runtime import background
+
+            background.start()
         self._initialized = True
 
     def __setattr__(self, attr: str, val: Any) -> None:
@@ -211,12 +220,7 @@ class DataLoader(Generic[T_co]):
     def __del__(self) -> None:
         carry = getattr(self, "_carry", None)
         if carry is not None:
-            carry.dropped = True  # an epoch still running hands its actors back later: it kills them then
-            try:
-                kill_cached(carry.actor_cache)
-                warm_workers.release(carry)
-            except Exception:  # the interpreter is tearing down (module globals gone): Ray went before
-                pass
+            carry.drop()
 
     # ----- torch-compatible surface -------------------------------------------
 
@@ -305,29 +309,9 @@ class DataLoader(Generic[T_co]):
         previous = self._iterator() if self._iterator is not None else None
         if previous is not None:  # a new epoch while the last one's iterator lives on: end that one
             previous.close()
-        s = self._settings()
-        w = self.world
-        if self.split and self._iterable:
-            epoch, epoch_seed = self._next_epoch()
-            self._coordinator(stream=True)
-            it = stream_epoch(s, self._carry, w.rank, epoch, epoch_seed)
-        elif self.split:
-            self._run = run = self._start_run(w.world_size)
-            self._coordinator()
-            it = split_epoch(s, self._carry, run, w.rank, self._reconnect)
-        else:
-            if self._iterable:
-                run = dropin_checkpoint.start_iterable_run(self)
-            else:
-                run = self._start_run(1) if self._stateful else None
-            self._run = run
-            epoch, epoch_seed = (run.epoch, run.epoch_seed) if run is not None else self._next_epoch()
-            if self.num_workers == 0 or (run is not None and not self._iterable and not run.batches):
-                it = local_epoch(s, run, epoch, epoch_seed, self._index_sampler)
-            else:
-                it = pool_epoch(s, self._carry, run, epoch, epoch_seed, self._index_sampler)
-                if self.worker_init_fn is not None:  # its error is raised by iter(), as torchdata's
-                    it.prime()
+        from sbloader.loaders.dropin_iter import start_epoch
+
+        it = start_epoch(self, self._settings())
         if self._iterable and not self.split and self._len_reported is not None:
             it.after_batch = dropin_args.length_check(self.dataset, self._len_reported, self.num_workers)
         self._stalls, self._iterator = it.stalls, weakref.ref(it)
@@ -352,7 +336,8 @@ class DataLoader(Generic[T_co]):
                 None if self.split else dropin_args.free_cpus(cpus_held_by_loaders(self._carry))),
             worker_resources=self.worker_resources,
             allow_trainer_node=self.allow_trainer_node, persistent_workers=self.persistent_workers, seed=self.seed,
-            dataset_id=self.dataset_id, report_stalls=self.report_stalls, start_timeout=self.start_timeout)
+            dataset_id=self.dataset_id, report_stalls=self.report_stalls, start_timeout=self.start_timeout,
+            local_start=self.local_start, multiprocessing_context=self.multiprocessing_context)
 
     def _next_epoch(self) -> tuple[int, int]:
         """The next epoch and its seed (drawn as torch draws its base seed, or ``f(seed, epoch)``)."""
@@ -383,6 +368,8 @@ class DataLoader(Generic[T_co]):
         if self._carry.coordinator is None:
             fp = {"dataset": type(self.dataset).__name__, "len": safe_len(self.dataset),
                   "batch_size": self.batch_size, "drop_last": self.drop_last, "dataset_id": self.dataset_id}
+            from sbloader.loaders.dropin_epoch import find_coordinator
+
             self._carry.coordinator = find_coordinator(self.world, self.name, fp, self.stall_report_s,
                                                        self._settings(), stream)
             self._carry.lease_interval_s = min(1.0, self.stall_report_s / 4)

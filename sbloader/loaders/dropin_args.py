@@ -179,14 +179,24 @@ def check_multiprocessing_context(context: Any, num_workers: int) -> None:
                         f"the start method, but got multiprocessing_context={context}")
 
 
+def ray_is_up() -> bool:
+    """Whether Ray is initialized in this process, without importing it (a loader's construction
+    never does: Ray is imported and started in the background)."""
+    import sys
+
+    ray = sys.modules.get("ray")
+    is_initialized = getattr(ray, "is_initialized", None)  # None while another thread imports it
+    return is_initialized is not None and bool(is_initialized())
+
+
 def available_cpus() -> Optional[float]:
     """CPUs the workers can run on: the Ray cluster's when Ray is up, this machine's (its CPU
     affinity) when the embedded Ray would start here, None when a cluster is named but not joined."""
     import os
 
-    import ray
+    if ray_is_up():
+        import ray
 
-    if ray.is_initialized():
         return float(ray.cluster_resources().get("CPU", 0.0))
     if os.environ.get("RAY_ADDRESS"):
         return None
@@ -230,10 +240,10 @@ def free_cpus(held_here: float = 0.0) -> Optional[float]:
     Not Ray's momentary ``available_resources()``: the tasks and actors of a pipeline that just
     ended still show there for a moment, and a share of 0 would let the workers run unreserved
     (anywhere, the trainer's node included)."""
+    if not ray_is_up():
+        return None
     import ray
 
-    if not ray.is_initialized():
-        return None
     return max(0.0, float(ray.cluster_resources().get("CPU", 0.0)) - held_here)
 
 

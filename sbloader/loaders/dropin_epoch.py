@@ -18,133 +18,26 @@ from __future__ import annotations
 
 import math
 import time
-import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Union
 
 import ray
 
 from sbloader.core.context import seed_globals, task_context
-from sbloader.core.errors import UserFunctionError, reraise_as_torch
-from sbloader.core.ops import Op
 from sbloader.core.plan import make_epoch_plan
-from sbloader.core.stats import ExecutionStats, StallStats
+from sbloader.core.stats import StallStats
 from sbloader.distributed import dropin_client, pipeline_client
-from sbloader.executor.options import ExecutionOptions
 from sbloader.executor.pools import kill_cached
 from sbloader.executor.launch import arena_here, options_here, start_execution
-from sbloader.executor.tasks import pack
+from sbloader.loaders.dropin_settings import _CARRIES, DropinCarry, DropinSettings
 from sbloader.loaders.dropin_state import EpochRun
 from sbloader.loaders.epoch import Delivery, EpochIterator
-from sbloader.loaders.failed_batch import FailedBatch
+from sbloader.loaders.failed_batch import FailedBatch, translate
 from sbloader.loaders.iterable_resume import IterableRun, first_snapshot, iterate_shard, open_shard
 from sbloader.loaders import warm_workers
-from sbloader.loaders.tensors import DeviceCopy, TensorOptions, pin_batch, wire_as_tensors
-from sbloader.loaders.worker import SHARD_STATE_COLUMN, LoaderWorker
+from sbloader.loaders.tensors import pin_batch, wire_as_tensors
+from sbloader.loaders.worker import SHARD_STATE_COLUMN
 from sbloader.sources.batches import ReadyBatchSource, ShardSource
-
-
-@dataclass(frozen=True)
-class DropinSettings:
-    """The loader's arguments an epoch runs with (a snapshot taken when the iteration starts).
-
-    Attributes: those of :class:`~sbloader.loaders.dataloader.DataLoader`, resolved
-    (``pin``: page-locked copies only with an accelerator; ``auto_collation``: the
-    loader batches; ``iterable``: the dataset is an ``IterableDataset``).
-    """
-
-    dataset: Any
-    collate_fn: Callable
-    auto_collation: bool
-    iterable: bool
-    batch_size: Optional[int]
-    drop_last: bool
-    num_workers: int
-    worker_init_fn: Optional[Callable]
-    prefetch_factor: Optional[int]
-    in_order: bool
-    timeout: float
-    pin: bool
-    zero_copy: bool
-    device: Any
-    memory_budget: Optional[int]
-    batches_per_partition: int
-    worker_num_cpus: float
-    worker_resources: Optional[dict]
-    allow_trainer_node: bool
-    persistent_workers: bool
-    seed: Optional[int]
-    dataset_id: Optional[str]
-    report_stalls: bool
-    start_timeout: Optional[float] = None
-
-    @property
-    def ahead(self) -> int:
-        """Batches made ahead of the loop (torch's ``prefetch_factor``)."""
-        return max(1, self.prefetch_factor or 2)
-
-    def worker_op(self, base_seed: Optional[int] = None) -> Op:
-        """The pool of ``num_workers`` remote workers that fetch and collate (``base_seed``: the
-        seed each worker adds its id to before ``worker_init_fn``, as torch's; None: a random one)."""
-        workers = max(1, self.num_workers)
-        config = pack(dict(  # pickled once per epoch here: the workers see the dataset as it is now
-            dataset=self.dataset, collate_fn=self.collate_fn, auto_collation=self.auto_collation,
-            num_workers=workers, worker_init_fn=self.worker_init_fn,
-            batch_size=self.batch_size, drop_last=self.drop_last, base_seed=base_seed))
-        return Op("map_batches", LoaderWorker, "LoaderWorker", index=0, num_cpus=self.worker_num_cpus,
-                  resources=self.worker_resources, concurrency=(workers, workers),
-                  fn_constructor_args=(config,), fuse_read=True)
-
-    def source_fingerprint(self) -> dict:
-        """How the epoch's sources describe the dataset."""
-        return {"type": type(self.dataset).__name__, "len": safe_len(self.dataset), "dataset_id": self.dataset_id}
-
-    def coordinator_options(self) -> ExecutionOptions:
-        """The execution options of the loader's epochs on the coordinator."""
-        return options_here(memory_budget=self.memory_budget, deterministic=self.in_order, progress=False,
-                            prefetch_blocks=max(2, (self.prefetch_factor or 2) * max(1, self.num_workers)),
-                            allow_trainer_node=self.allow_trainer_node)
-
-    def tensors(self) -> TensorOptions:
-        """How a worker's wire batch becomes the loop's tensors."""
-        return TensorOptions(pin=self.pin, zero_copy=self.zero_copy)
-
-
-@dataclass(eq=False)  # hashed by identity (kept in a WeakSet)
-class DropinCarry:
-    """What a drop-in loader keeps from one epoch to the next.
-
-    Attributes:
-        actor_cache: the worker actors (``persistent_workers``; the pool's per epoch otherwise).
-        warm_cache: without ``persistent_workers``, the last epoch's actor processes, rebuilt by
-            the next epoch (:mod:`~sbloader.loaders.warm_workers`).
-        estimates: the stages' output block sizes measured by the last epoch.
-        stats: the latest epoch's execution statistics.
-        coordinator: the loader's split coordinator, once found.
-        last_split_run: the last epoch this rank finished split by the coordinator (a
-            coordinator lost after it is told, so the ranks still in it can go on).
-        dropped: the loader is gone; an epoch that outlives it kills the actors it
-            hands back to ``actor_cache`` (nobody will use them again).
-    """
-
-    actor_cache: dict = field(default_factory=dict)
-    estimates: Optional[list] = None
-    stats: Optional[ExecutionStats] = None
-    coordinator: Any = None
-    last_split_run: Optional[EpochRun] = None
-    lease_interval_s: float = 1.0  # seconds one request's lease lasts (below a quarter of stall_report_s)
-    dropped: bool = False
-    held_cpus: float = 0.0  # CPUs its pool's actors ask Ray for (running, or kept as persistent workers)
-    warm_cache: dict = field(default_factory=dict)  # persistent_workers=False: actors kept warm (warm_workers)
-    warm_timer: Any = None
-
-
-_CARRIES: "weakref.WeakSet[DropinCarry]" = weakref.WeakSet()  # the drop-in loaders of this process
-
-
-def cpus_held_by_loaders(exclude: Optional[DropinCarry] = None) -> float:
-    """CPUs the live drop-in pools of this process ask for (known here before Ray places them)."""
-    return sum(c.held_cpus for c in list(_CARRIES) if c is not exclude and not c.dropped)
 
 
 def find_coordinator(world: Any, name: str, fingerprint: dict, stall_report_s: float, settings: DropinSettings,
@@ -164,33 +57,6 @@ def find_coordinator(world: Any, name: str, fingerprint: dict, stall_report_s: f
         source = ShardSource.name if stream else ReadyBatchSource.name
         coord.prewarm.remote(source, (settings.worker_op(),), settings.coordinator_options())
     return coord
-
-
-def safe_len(x: Any) -> Optional[int]:
-    """``len(x)``, or None for an object without one."""
-    try:
-        return len(x)
-    except TypeError:
-        return None
-
-
-def translate(e: BaseException) -> None:
-    """Raise a worker's error as torch's DataLoader does (its original type); else leave it."""
-    if isinstance(e, UserFunctionError):
-        reraise_as_torch(e)
-    if isinstance(e, ray.exceptions.RayTaskError) and isinstance(e.cause, UserFunctionError):
-        reraise_as_torch(e.cause)
-
-
-def _device(s: DropinSettings) -> Optional[DeviceCopy]:
-    return DeviceCopy(s.device, s.pin) if s.device is not None else None
-
-
-def _report(s: DropinSettings, what: str, stalls: StallStats) -> Callable[[], None]:
-    def report() -> None:
-        if s.report_stalls:
-            print(f"sbloader {what}: {stalls}")
-    return report
 
 
 def local_epoch(s: DropinSettings, run: Optional[Union[EpochRun, IterableRun]], epoch: int, epoch_seed: int,
@@ -230,36 +96,50 @@ def local_epoch(s: DropinSettings, run: Optional[Union[EpochRun, IterableRun]], 
         if run is not None:  # a state taken before the first batch holds the iterator's state already
             run.took((0, first_snapshot(s.dataset, *opened)))
     stalls = StallStats()
-    return EpochIterator(produce(), run, ahead=0, stalls=stalls, to_device=_device(s),
-                         on_close=_report(s, f"epoch {epoch}", stalls))
+    return EpochIterator(produce(), run, ahead=0, stalls=stalls, to_device=s.device_copy(),
+                         on_close=s.reporter(f"epoch {epoch}", stalls))
 
 
-def pool_epoch(s: DropinSettings, carry: DropinCarry, run: Optional[Union[EpochRun, IterableRun]], epoch: int, epoch_seed: int,
-               index_sampler: Any) -> EpochIterator:
-    """A pool of ``num_workers`` remote actors fetches and collates the epoch's batches."""
+@dataclass
+class PoolPhase:
+    """An epoch's batches from the pool of ``num_workers`` remote actors, once started.
+
+    Attributes:
+        executor: the execution running the pool.
+        produce: its generator of :class:`Delivery` (records: the batch's index in the epoch).
+        closed: what the epoch does when it ends (estimates kept, actors kept warm or released).
+    """
+
+    executor: Any
+    produce: Iterator[Delivery]
+    closed: Callable[[], None]
+
+
+def open_pool(s: DropinSettings, carry: DropinCarry, run: Optional[Union[EpochRun, IterableRun]], epoch: int,
+              epoch_seed: int, items: Optional[list], stalls: StallStats, start: int = 0,
+              cache: Optional[dict] = None) -> PoolPhase:
+    """Start the pool on the epoch's batches from index ``start`` on (``items``: the map-style epoch's
+    work items; None for an ``IterableDataset``'s shards), on the actors in ``cache`` when given
+    (started ahead of it), else the loader's persistent or warm ones."""
     fp = s.source_fingerprint()
     if s.iterable:
         source: Any = ShardSource(s.num_workers, fp, run.resume if run is not None else None)
-    elif run is not None:
-        items = run.batches if s.auto_collation else [b[0] for b in run.batches]  # batch_size=None: one index
-        source = ReadyBatchSource(items, s.batches_per_partition, fp, ids=run.ids)
     else:
-        source = ReadyBatchSource([list(b) if s.auto_collation else b for b in index_sampler],
-                                  s.batches_per_partition, fp)
+        bpp = s.batches_per_partition
+        ids = run.ids[start:] if run is not None else [j // bpp for j in range(start, len(items))]
+        source = ReadyBatchSource(items[start:], s.batches_per_partition, fp, ids=ids)
     plan = make_epoch_plan([p.id for p in source.partitions(epoch, epoch_seed)], epoch, epoch_seed, shuffle=False)
-    options = options_here(memory_budget=s.memory_budget, deterministic=s.in_order, progress=False,
-                           prefetch_blocks=max(1, math.ceil(s.ahead * s.num_workers / s.batches_per_partition)),
-                           allow_trainer_node=s.allow_trainer_node)
+    options = pool_options(s)
     op = s.worker_op(epoch_seed)
     warm = not s.persistent_workers and warm_workers.enabled()
-    cache = carry.actor_cache if s.persistent_workers else warm_workers.take(carry, op, s.num_workers) if warm \
-        else None
+    if cache is None:
+        cache = carry.actor_cache if s.persistent_workers else warm_workers.take(carry, op, s.num_workers, s.warm_key()) \
+            if warm else None
     executor = start_execution(source, (op,), plan, options, actor_cache=cache, estimates=carry.estimates,
                                arena=arena_here())
     carry.stats = executor.stats()
     carry.held_cpus = s.num_workers * s.worker_num_cpus
     _CARRIES.add(carry)
-    stalls = StallStats()
     tensors = s.tensors()
 
     def produce() -> Iterator[Delivery]:
@@ -286,7 +166,7 @@ def pool_epoch(s: DropinSettings, carry: DropinCarry, run: Optional[Union[EpochR
                 record = None
                 if run is not None:
                     record = (snaps[i] if snaps is not None else None) if s.iterable else \
-                        item.meta.seq * s.batches_per_partition + i
+                        start + item.meta.seq * s.batches_per_partition + i
                 yield Delivery(batch, record, release)
             out = []
 
@@ -298,11 +178,31 @@ def pool_epoch(s: DropinSettings, carry: DropinCarry, run: Optional[Union[EpochR
             carry.held_cpus = 0.0
         if carry.dropped:  # the loader went first (its iterator lived on): its persistent actors go now
             kill_cached(carry.actor_cache)
-        _report(s, f"epoch {epoch}", stalls)()
 
-    return EpochIterator(produce(), run, ahead=s.ahead, stalls=stalls, to_device=_device(s), translate=translate,
-                         timeout=s.timeout or None, wake=executor.shutdown, on_close=closed,
-                         started=executor.pools_up, start_timeout=s.start_timeout)
+    return PoolPhase(executor, produce(), closed)
+
+
+def pool_options(s: DropinSettings) -> Any:
+    """The execution options of the loader's pool in this process."""
+    return options_here(memory_budget=s.memory_budget, deterministic=s.in_order, progress=False,
+                        prefetch_blocks=max(1, math.ceil(s.ahead * s.num_workers / s.batches_per_partition)),
+                        allow_trainer_node=s.allow_trainer_node)
+
+
+def pool_epoch(s: DropinSettings, carry: DropinCarry, run: Optional[Union[EpochRun, IterableRun]], epoch: int,
+               epoch_seed: int, index_sampler: Any) -> EpochIterator:
+    """A pool of ``num_workers`` remote actors fetches and collates the epoch's batches."""
+    stalls = StallStats()
+    items = None if s.iterable else s.epoch_items(run, index_sampler)
+    pool = open_pool(s, carry, run, epoch, epoch_seed, items, stalls)
+
+    def closed() -> None:
+        pool.closed()
+        s.reporter(f"epoch {epoch}", stalls)()
+
+    return EpochIterator(pool.produce, run, ahead=s.ahead, stalls=stalls, to_device=s.device_copy(), translate=translate,
+                         timeout=s.timeout or None, wake=pool.executor.shutdown, on_close=closed,
+                         started=pool.executor.pools_up, start_timeout=s.start_timeout)
 
 
 def split_epoch(s: DropinSettings, carry: DropinCarry, run: EpochRun, rank: int,
@@ -352,9 +252,9 @@ def split_epoch(s: DropinSettings, carry: DropinCarry, run: EpochRun, rank: int,
         if carry.stats is not None:
             carry.stats.rebuilt_coordinators += pull.rebuilds
         stalls.note_failures(carry.stats, pull.rebuilds)
-        _report(s, f"rank {rank} epoch {run.epoch}", stalls)()
+        s.reporter(f"rank {rank} epoch {run.epoch}", stalls)()
 
-    return EpochIterator(produce(), run, ahead=s.ahead, stalls=stalls, to_device=_device(s), translate=translate,
+    return EpochIterator(produce(), run, ahead=s.ahead, stalls=stalls, to_device=s.device_copy(), translate=translate,
                          on_close=closed)
 
 
@@ -373,7 +273,7 @@ def stream_epoch(s: DropinSettings, carry: DropinCarry, rank: int, epoch: int, e
 
     def closed() -> None:
         dropin_client.finish(coord, epoch, rank, stalls.batches)
-        _report(s, f"rank {rank} epoch {epoch}", stalls)()
+        s.reporter(f"rank {rank} epoch {epoch}", stalls)()
 
-    return EpochIterator(produce(), None, ahead=s.ahead, stalls=stalls, to_device=_device(s), translate=translate,
+    return EpochIterator(produce(), None, ahead=s.ahead, stalls=stalls, to_device=s.device_copy(), translate=translate,
                          on_close=closed)

@@ -57,3 +57,14 @@ class FailedBatch:
                 exception = RuntimeError(msg)
             raise exception from (original if original is not None else err)
         reraise_as_torch(err)
+
+
+def translate(e: BaseException) -> None:
+    """Raise a worker's error as torch's DataLoader does (its original type); else leave it."""
+    import sys
+
+    if isinstance(e, UserFunctionError):
+        reraise_as_torch(e)
+    ray = sys.modules.get("ray")  # a Ray task's error exists only where Ray was imported
+    if ray is not None and isinstance(e, ray.exceptions.RayTaskError) and isinstance(e.cause, UserFunctionError):
+        reraise_as_torch(e.cause)

@@ -20,7 +20,7 @@ from sbloader.core.stats import ExecutionStats, StallStats
 from sbloader.distributed import pipeline_client
 from sbloader.executor.launch import arena_here, options_here, start_execution
 from sbloader.core.window import FIRST_PARTITIONS, WindowSpec, drawn_share, narrow_message
-from sbloader.loaders import shuffle_window
+from sbloader.loaders import shuffle_window, warm_workers
 from sbloader.loaders.batching import BlockFeed, ShuffleWindow, iter_batches
 from sbloader.loaders.shuffle_window import prefetch_hint
 from sbloader.loaders.epoch import Delivery, EpochIterator
@@ -117,7 +117,12 @@ def local_epoch(pipeline: Pipeline, settings: PipelineSettings, run: PipelineRun
     options = options_here(memory_budget=settings.memory_budget, deterministic=settings.deterministic,
                            prefetch_blocks=settings.prefetch_for(source, plan), progress=False,
                            allow_trainer_node=settings.allow_trainer_node)
-    executor = start_execution(source, pipeline.ops, plan, options, actor_cache=carry.actor_cache,
+    warm_key = None if carry.actor_cache is not None else \
+        warm_workers.pipeline_key(source.name, pipeline.ops, settings.allow_trainer_node)
+    # callable-class actors: the loader's own (persistent_workers), or warm ones this process kept from an
+    # earlier pipeline with the same classes, arguments and resources (handed back when the epoch ends)
+    cache = carry.actor_cache if warm_key is None else warm_workers.unpark(warm_key)
+    executor = start_execution(source, pipeline.ops, plan, options, actor_cache=cache,
                                estimates=carry.estimates, arena=arena_here())
     carry.stats = executor.stats()
     stalls = StallStats()
@@ -147,6 +152,8 @@ def local_epoch(pipeline: Pipeline, settings: PipelineSettings, run: PipelineRun
 
     def closed() -> None:
         carry.estimates = executor.estimates()
+        if warm_key is not None:
+            warm_workers.park(warm_key, cache)
         if run.complete:
             carry.counted_rows = carry.stats.operators[-1].rows
 

@@ -8,15 +8,22 @@ and the next epoch rebuilds the worker in each of them (:meth:`MapActor.rebuild
 semantics hold: the rebuild unpickles the dataset as the trainer pickled it at the
 start of this iteration (a mutation made in a worker never reaches the next epoch),
 runs ``worker_init_fn`` again, and seeds the worker from this epoch's base seed
-(``base_seed + worker_id``). Warm actors are killed after ``SBLOADER_WARM_IDLE_S``
-seconds without an epoch (60), when the loader is dropped, and at exit (with the
-embedded Ray). ``SBLOADER_WARM_WORKERS=0`` turns this off (a new pool per epoch).
+(``base_seed + worker_id``). ``SBLOADER_WARM_WORKERS=0`` turns this off (a new pool
+per epoch).
+
+Warm per process, not per loader: when a loader is dropped, its idle warm actors go
+to this process's idle pool, keyed by what they were started with (the count, CPUs
+and resources per actor, the placement); a new loader with the same key takes them
+(a script that builds its loader inside the epoch loop starts no new processes).
+Idle actors, a loader's or the process's, are killed after ``SBLOADER_WARM_IDLE_S``
+seconds without an epoch (60), and at exit (with the embedded Ray). They are this
+process's actors in this job's Ray: never shared with another process or job.
 """
 from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import ray
 
@@ -33,10 +40,64 @@ def idle_s() -> float:
     return float(os.environ.get("SBLOADER_WARM_IDLE_S", "60"))
 
 
-def take(carry: Any, op: Any, num_workers: int) -> dict:
-    """The actor cache this epoch's pool starts from: the loader's warm actors, each rebuilding its
-    worker from ``op`` (fresh dataset, ``worker_init_fn`` again), or empty (none, or another count)."""
+_IDLE_LOCK = threading.Lock()
+_IDLE: dict = {}  # key -> (actor cache, its idle timer): the warm actors of dropped loaders
+
+
+def pool_key(num_workers: int, num_cpus: float, resources: Optional[dict], allow_trainer_node: bool) -> Tuple:
+    """What a pool's actors were started with: two loaders with the same key can share them."""
+    return (max(1, num_workers), float(num_cpus), tuple(sorted((resources or {}).items())), bool(allow_trainer_node))
+
+
+def park(key: Any, cache: dict) -> None:
+    """Idle actors (an actor cache) wait in the process's idle pool under ``key`` for the next user of
+    the same key, and are killed after the idle time; killed at once when that key is taken already."""
+    cache = {k: list(v) for k, v in cache.items() if v}
+    if not cache:
+        return
+    with _IDLE_LOCK:
+        if key in _IDLE or not ray.is_initialized():
+            kill_cached(cache)
+            return
+        timer = threading.Timer(idle_s(), _expire, args=(key,))
+        timer.daemon = True
+        _IDLE[key] = (cache, timer)
+        timer.start()
+
+
+def unpark(key: Any) -> dict:
+    """The process's idle actors under ``key`` (taken out of the idle pool), or an empty cache."""
+    with _IDLE_LOCK:
+        entry = _IDLE.pop(key, None)
+    if entry is None:
+        return {}
+    entry[1].cancel()
+    return entry[0]
+
+
+def _adopt(carry: Any) -> None:
+    """An empty loader takes the process's idle actors of its key, if any."""
+    key = getattr(carry, "warm_key", None)
+    if key is None or any(carry.warm_cache.values()):
+        return
+    carry.warm_cache.update(unpark(key))
+
+
+def available(carry: Any, key: Tuple, num_workers: int) -> bool:
+    """Whether ``num_workers`` warm actors wait for this loader (its own, or the process's idle ones)."""
+    carry.warm_key = key
+    _adopt(carry)
+    return sum(len(hs) for hs in carry.warm_cache.values()) == num_workers
+
+
+def take(carry: Any, op: Any, num_workers: int, key: Optional[Tuple] = None) -> dict:
+    """The actor cache this epoch's pool starts from: the loader's warm actors (or the process's idle
+    ones of the same ``key``), each rebuilding its worker from ``op`` (fresh dataset, ``worker_init_fn``
+    again), or empty (none, or another count)."""
     cancel(carry)
+    if key is not None:
+        carry.warm_key = key
+    _adopt(carry)
     cache = carry.warm_cache
     handles = [h.handle if isinstance(h, PrestartedActor) else h for hs in cache.values() for h in hs]
     if len(handles) != num_workers or not ray.is_initialized() or len(cache) != 1:
@@ -70,10 +131,51 @@ def cancel(carry: Any) -> None:
 
 
 def release(carry: Any) -> None:
-    """Kill the warm actors now (idle too long, or the loader is gone)."""
+    """Kill the warm actors now (idle too long)."""
     cancel(carry)
     try:
         kill_cached(carry.warm_cache)
     except Exception:  # Ray is shutting down
         pass
     carry.held_cpus = 0.0
+
+
+def hand_to_process(carry: Any) -> None:
+    """The loader is gone: its idle warm actors wait in the process's idle pool for a loader of the
+    same key (killed after the idle time); without a key, or when one is waiting there already, killed."""
+    cancel(carry)
+    key = getattr(carry, "warm_key", None)
+    cache = {k: list(v) for k, v in carry.warm_cache.items() if v}
+    carry.warm_cache.clear()
+    carry.held_cpus = 0.0
+    if key is None:
+        kill_cached(cache)
+    else:
+        park(key, cache)
+
+
+def pipeline_key(source_name: str, ops: Any, allow_trainer_node: bool) -> Optional[Tuple]:
+    """The key under which a native pipeline's callable-class actors wait between pipelines: its
+    operators as pickled (class, constructor arguments, resources, the functions fused before it)
+    and the placement. None when it has no callable-class stage (nothing to keep)."""
+    if not any(op.is_actor for op in ops):
+        return None
+    import hashlib
+
+    import ray.cloudpickle as cloudpickle
+
+    try:
+        digest = hashlib.sha256(cloudpickle.dumps((source_name, list(ops)))).hexdigest()
+    except Exception:  # an operator that does not pickle alike twice: no reuse
+        return None
+    return ("pipeline", digest, bool(allow_trainer_node))
+
+
+def _expire(key: Tuple) -> None:
+    with _IDLE_LOCK:
+        entry = _IDLE.pop(key, None)
+    if entry is not None:
+        try:
+            kill_cached(entry[0])
+        except Exception:  # Ray is shutting down
+            pass

@@ -650,7 +650,8 @@ def _mapping_of(ptr: int) -> str:
 
 
 def test_zero_copy_gives_object_store_buffers(ray_session):
-    loader = sbloader.DataLoader(BigDataset(), batch_size=4, num_workers=1, zero_copy=True)
+    loader = sbloader.DataLoader(BigDataset(), batch_size=4, num_workers=1, zero_copy=True,
+                                 local_start=False)  # the pool's buffers (a local batch is in torch's shared memory)
     batches = list(loader)
     assert [b[:, 0, 0, 0].tolist() for b in batches] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     for b in batches:  # read-only views of shared memory (Ray's object store, or the loader's slots), not copies

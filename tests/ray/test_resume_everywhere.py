@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 import sbloader
-from harness import check_resume_everywhere
+from harness import IdsLoader, check_resume_everywhere
 
 N = 24
 BS = 4
@@ -36,12 +36,12 @@ def _native(**kw):
 def test_the_drop_in_in_one_process(ray_session, workers):
     def make(rank, world_size, name):
         loader = _dropin(workers)(rank, world_size, name)
-        return _Ids(loader)
+        return IdsLoader(loader)
     check_resume_everywhere(make, list(range(N)), key="id", same_order=True, end_state="empty")
 
 
 def test_the_drop_in_split_across_ranks(ray_session):
-    check_resume_everywhere(lambda r, w, n: _Ids(_dropin(1)(r, w, n)), list(range(N)), key="id", world_size=2,
+    check_resume_everywhere(lambda r, w, n: IdsLoader(_dropin(1)(r, w, n)), list(range(N)), key="id", world_size=2,
                             resume_world_sizes=(1, 3), same_order=True, steps=[0, 1, 2, 3], end_state="empty")
 
 
@@ -76,17 +76,3 @@ def test_the_native_loader_with_a_budget_shuffle_window(ray_session, tmp_path):
                                 steps=[0, 1, 3, 5, 6])
 
 
-class _Ids:
-    """A drop-in loader whose batches (tensors of ids) read as ``{"id": ...}``."""
-
-    def __init__(self, loader) -> None:
-        self.loader = loader
-
-    def __iter__(self):
-        return ({"id": b.numpy()} for b in self.loader)
-
-    def state_dict(self) -> dict:
-        return self.loader.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.loader.load_state_dict(state)

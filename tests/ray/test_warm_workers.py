@@ -43,7 +43,8 @@ def test_default_arguments_keep_processes_and_torch_semantics(ray_session, tmp_p
         folder = tmp_path / f"p{int(persistent)}"
         folder.mkdir()
         dl = sbloader.DataLoader(Mutating(), batch_size=2, num_workers=2, persistent_workers=persistent,
-                                 worker_init_fn=functools.partial(record_init, str(folder)))
+                                 worker_init_fn=functools.partial(record_init, str(folder)),
+                                 local_start=False)  # the pool's own semantics (the local start: test_local_start)
         epochs = [torch.cat(list(dl)) for _ in range(3)]
         # without persistent_workers every epoch's workers start from the dataset as pickled at its
         # start: each worker's counter counts this epoch's items only (never the last epoch's)
@@ -64,30 +65,49 @@ def test_default_arguments_keep_processes_and_torch_semantics(ray_session, tmp_p
         del dl
 
 
-def test_warm_actors_are_killed_after_the_idle_timeout_and_with_the_loader(ray_session, monkeypatch):
+def _answers(handle) -> bool:
+    try:
+        ray.get(handle.ready.remote(), timeout=10)
+        return True
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return False
+
+
+def test_warm_actors_are_per_process_and_killed_after_the_idle_timeout(ray_session, monkeypatch):
     monkeypatch.setenv("SBLOADER_WARM_IDLE_S", "1")
-    dl = sbloader.DataLoader(Mutating(), batch_size=2, num_workers=2)
+    dl = sbloader.DataLoader(Mutating(), batch_size=2, num_workers=2, local_start=False)
     assert len(list(dl)) == 4
     deadline = time.monotonic() + 60
     while any(dl._carry.warm_cache.values()) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(dl._carry.warm_cache.values()), "warm actors still kept after the idle timeout"
     monkeypatch.setenv("SBLOADER_WARM_IDLE_S", "600")
-    assert len(list(dl)) == 4  # a new pool after the timeout
-    handles = [h for hs in dl._carry.warm_cache.values() for h in hs]
+    first = torch.cat(list(dl))
+    assert len(first) == 8  # a new pool after the timeout
+    handles = [getattr(h, "handle", h) for hs in dl._carry.warm_cache.values() for h in hs]
     assert len(handles) == 2
-    del dl  # dropped: its warm actors go at once
-    for h in handles:
-        handle = getattr(h, "handle", h)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                ray.get(handle.ready.remote(), timeout=10)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                break
-            time.sleep(0.5)
-        else:
-            raise AssertionError("a dropped loader's warm actor still answers")
+    del dl  # dropped: its warm actors wait for the process's next loader of the same arguments
+    assert all(_answers(h) for h in handles)
+    # a new loader with the same worker resources takes them: the same processes, rebuilt (fresh dataset)
+    dl2 = sbloader.DataLoader(Mutating(), batch_size=2, num_workers=2, local_start=False)
+    second = torch.cat(list(dl2))
+    assert {int(p) for p in second[:, 0]} == {int(p) for p in first[:, 0]}
+    assert int(second[:, 1].max()) <= 8  # each worker's dataset copy is this epoch's
+    assert sum(o.actors_created for o in dl2.stats().operators) == 0  # constructions counted: none new
+    # other worker resources: new actors (the idle ones are not taken)
+    dl3 = sbloader.DataLoader(Mutating(), batch_size=2, num_workers=2, local_start=False, worker_num_cpus=0.5)
+    third = torch.cat(list(dl3))
+    assert not ({int(p) for p in third[:, 0]} & {int(p) for p in second[:, 0]})
+    del dl2, dl3
+    monkeypatch.setenv("SBLOADER_WARM_IDLE_S", "1")
+    dl4 = sbloader.DataLoader(Mutating(), batch_size=2, num_workers=2, local_start=False)
+    list(dl4)
+    kept = [getattr(h, "handle", h) for hs in dl4._carry.warm_cache.values() for h in hs]
+    del dl4  # to the process's idle pool, killed after the idle time
+    deadline = time.monotonic() + 60
+    while any(_answers(h) for h in kept) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not any(_answers(h) for h in kept), "idle warm actors still answer after the idle timeout"
 
 
 SCRIPT = """
@@ -108,3 +128,41 @@ def test_a_script_prints_nothing_at_exit(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     noise = [line for line in proc.stderr.splitlines() if "no task finished for" not in line]  # load notice
     assert noise == [], proc.stderr[-3000:]
+
+
+class Stamp:
+    """A callable-class stage that records each construction and stamps rows with its pid."""
+
+    def __init__(self, folder, tag):
+        self.tag = tag
+        with open(os.path.join(folder, f"{tag}-{os.getpid()}-{time.monotonic_ns()}"), "w"):
+            pass
+
+    def __call__(self, batch):
+        batch["pid"] = batch["id"] * 0 + os.getpid()
+        return batch
+
+
+def test_a_new_pipelines_class_stage_takes_warm_actors(ray_session, tmp_path):
+    """A new pipeline per epoch: its callable-class stage with the same class, constructor arguments and
+    resources runs in the actors the last pipeline left (constructions counted); another argument builds
+    new ones."""
+    def epoch(tag):
+        ds = sbloader.from_items([{"id": i} for i in range(24)], rows_per_partition=6).map_batches(
+            Stamp, fn_constructor_args=(str(tmp_path), tag), concurrency=(1, 1))
+        loader = ds.to_dataloader(6, shuffle=True, seed=0)
+        ids, pids = [], set()
+        for b in loader:
+            ids += b["id"].tolist()
+            pids |= set(b["pid"].tolist())
+        assert sorted(ids) == list(range(24))
+        created = sum(o.actors_created for o in loader.stats().operators)
+        return pids, created
+
+    constructions = lambda tag: len([n for n in os.listdir(tmp_path) if n.startswith(f"{tag}-")])  # noqa: E731
+    first, created = epoch("a")
+    assert created == 1 and constructions("a") == 1
+    second, created = epoch("a")  # a new pipeline, the same stage: the warm actor
+    assert created == 0 and constructions("a") == 1 and second == first
+    third, created = epoch("b")  # another constructor argument: a new actor
+    assert created == 1 and constructions("b") == 1 and not (third & first)

@@ -1,0 +1,182 @@
+"""What a drop-in loader's epoch runs with, and what it keeps from one epoch to the next.
+
+Both are plain data, importable without Ray: ``import sbloader`` and building a
+``DataLoader`` import neither Ray nor the executor (an epoch that needs them does).
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from sbloader.core.ops import Op
+from sbloader.core.stats import ExecutionStats
+
+if TYPE_CHECKING:
+    from sbloader.executor.options import ExecutionOptions
+    from sbloader.loaders.dropin_state import EpochRun
+    from sbloader.loaders.tensors import TensorOptions
+
+
+@dataclass(frozen=True)
+class DropinSettings:
+    """The loader's arguments an epoch runs with (a snapshot taken when the iteration starts).
+
+    Attributes: those of :class:`~sbloader.loaders.dataloader.DataLoader`, resolved
+    (``pin``: page-locked copies only with an accelerator; ``auto_collation``: the
+    loader batches; ``iterable``: the dataset is an ``IterableDataset``).
+    """
+
+    dataset: Any
+    collate_fn: Callable
+    auto_collation: bool
+    iterable: bool
+    batch_size: Optional[int]
+    drop_last: bool
+    num_workers: int
+    worker_init_fn: Optional[Callable]
+    prefetch_factor: Optional[int]
+    in_order: bool
+    timeout: float
+    pin: bool
+    zero_copy: bool
+    device: Any
+    memory_budget: Optional[int]
+    batches_per_partition: int
+    worker_num_cpus: float
+    worker_resources: Optional[dict]
+    allow_trainer_node: bool
+    persistent_workers: bool
+    seed: Optional[int]
+    dataset_id: Optional[str]
+    report_stalls: bool
+    start_timeout: Optional[float] = None
+    local_start: bool = True
+    multiprocessing_context: Any = None
+
+    @property
+    def ahead(self) -> int:
+        """Batches made ahead of the loop (torch's ``prefetch_factor``)."""
+        return max(1, self.prefetch_factor or 2)
+
+    def worker_op(self, base_seed: Optional[int] = None) -> Op:
+        """The pool of ``num_workers`` remote workers that fetch and collate (``base_seed``: the
+        seed each worker adds its id to before ``worker_init_fn``, as torch's; None: a random one)."""
+        from sbloader.executor.tasks import pack
+        from sbloader.loaders.worker import LoaderWorker
+
+        workers = max(1, self.num_workers)
+        config = pack(dict(  # pickled once per epoch here: the workers see the dataset as it is now
+            dataset=self.dataset, collate_fn=self.collate_fn, auto_collation=self.auto_collation,
+            num_workers=workers, worker_init_fn=self.worker_init_fn,
+            batch_size=self.batch_size, drop_last=self.drop_last, base_seed=base_seed))
+        return Op("map_batches", LoaderWorker, "LoaderWorker", index=0, num_cpus=self.worker_num_cpus,
+                  resources=self.worker_resources, concurrency=(workers, workers),
+                  fn_constructor_args=(config,), fuse_read=True)
+
+    def source_fingerprint(self) -> dict:
+        """How the epoch's sources describe the dataset."""
+        return {"type": type(self.dataset).__name__, "len": safe_len(self.dataset), "dataset_id": self.dataset_id}
+
+    def coordinator_options(self) -> ExecutionOptions:
+        """The execution options of the loader's epochs on the coordinator."""
+        from sbloader.executor.launch import options_here
+
+        return options_here(memory_budget=self.memory_budget, deterministic=self.in_order, progress=False,
+                            prefetch_blocks=max(2, (self.prefetch_factor or 2) * max(1, self.num_workers)),
+                            allow_trainer_node=self.allow_trainer_node)
+
+    def epoch_items(self, run: Optional["EpochRun"], index_sampler: Any) -> list:
+        """A map-style epoch's work items, in sampler order: index lists (one index each without
+        auto-batching), from the run's plan or, without one, from the batch sampler."""
+        if run is not None:
+            return run.batches if self.auto_collation else [b[0] for b in run.batches]  # batch_size=None
+        return [list(b) if self.auto_collation else b for b in index_sampler]
+
+    def device_copy(self) -> Any:
+        """The copy of each batch to ``device`` (None: batches stay on the CPU)."""
+        from sbloader.loaders.tensors import DeviceCopy
+
+        return DeviceCopy(self.device, self.pin) if self.device is not None else None
+
+    def reporter(self, what: str, stalls: Any) -> Callable[[], None]:
+        """Prints the epoch's stall instrument at its end when ``report_stalls`` is set."""
+        def report() -> None:
+            if self.report_stalls:
+                print(f"sbloader {what}: {stalls}")
+        return report
+
+    def warm_key(self) -> tuple:
+        """What this loader's pool actors are started with (:func:`~sbloader.loaders.warm_workers.pool_key`)."""
+        from sbloader.loaders.warm_workers import pool_key
+
+        return pool_key(self.num_workers, self.worker_num_cpus, self.worker_resources, self.allow_trainer_node)
+
+    def tensors(self) -> TensorOptions:
+        """How a worker's wire batch becomes the loop's tensors."""
+        from sbloader.loaders.tensors import TensorOptions
+
+        return TensorOptions(pin=self.pin, zero_copy=self.zero_copy)
+
+
+@dataclass(eq=False)  # hashed by identity (kept in a WeakSet)
+class DropinCarry:
+    """What a drop-in loader keeps from one epoch to the next.
+
+    Attributes:
+        actor_cache: the worker actors (``persistent_workers``; the pool's per epoch otherwise).
+        warm_cache: without ``persistent_workers``, the last epoch's actor processes, rebuilt by
+            the next epoch (:mod:`~sbloader.loaders.warm_workers`).
+        estimates: the stages' output block sizes measured by the last epoch.
+        stats: the latest epoch's execution statistics.
+        coordinator: the loader's split coordinator, once found.
+        last_split_run: the last epoch this rank finished split by the coordinator (a
+            coordinator lost after it is told, so the ranks still in it can go on).
+        dropped: the loader is gone; an epoch that outlives it kills the actors it
+            hands back to ``actor_cache`` (nobody will use them again).
+    """
+
+    actor_cache: dict = field(default_factory=dict)
+    estimates: Optional[list] = None
+    stats: Optional[ExecutionStats] = None
+    coordinator: Any = None
+    last_split_run: Optional[EpochRun] = None
+    lease_interval_s: float = 1.0  # seconds one request's lease lasts (below a quarter of stall_report_s)
+    dropped: bool = False
+    held_cpus: float = 0.0  # CPUs its pool's actors ask Ray for (running, or kept as persistent workers)
+    warm_cache: dict = field(default_factory=dict)  # persistent_workers=False: actors kept warm (warm_workers)
+    warm_timer: Any = None
+    warm_key: Any = None  # what its warm actors were started with (warm_workers.pool_key)
+
+    def drop(self) -> None:
+        """The loader is gone: kill its kept actors (an epoch still running hands its actors back
+        later and kills them then)."""
+        self.dropped = True
+        try:
+            import sys
+
+            if "ray" not in sys.modules:  # no epoch ever started Ray: no actors to kill
+                return
+            from sbloader.executor.pools import kill_cached
+            from sbloader.loaders import warm_workers
+
+            kill_cached(self.actor_cache)
+            warm_workers.hand_to_process(self)
+        except Exception:  # the interpreter is tearing down (module globals gone): Ray went before
+            pass
+
+
+_CARRIES: "weakref.WeakSet[DropinCarry]" = weakref.WeakSet()  # the drop-in loaders of this process
+
+
+def cpus_held_by_loaders(exclude: Optional[DropinCarry] = None) -> float:
+    """CPUs the live drop-in pools of this process ask for (known here before Ray places them)."""
+    return sum(c.held_cpus for c in list(_CARRIES) if c is not exclude and not c.dropped)
+
+
+def safe_len(x: Any) -> Optional[int]:
+    """``len(x)``, or None for an object without one."""
+    try:
+        return len(x)
+    except TypeError:
+        return None

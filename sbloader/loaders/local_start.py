@@ -1,0 +1,310 @@
+"""The local start of a drop-in epoch: its first batches from worker processes forked here.
+
+A Ray actor pool takes seconds to come up (the embedded Ray's start, then a process per
+actor, importing torch, unpickling the dataset); torch forks its workers in a fraction
+of one. So when the loader's pool is not ready (Ray still starting, or no actors kept
+from an earlier epoch), a map-style epoch starts at once on ``num_workers`` local
+processes made by torch's own worker machinery (``torch.utils.data``'s multiprocessing
+iterator: fork where torch forks, the user's ``multiprocessing_context`` otherwise),
+while Ray starts in the background (:mod:`sbloader.runtime.background`) and the pool's
+actors are started ahead (:func:`~sbloader.executor.pools.prestart_pools`).
+
+The epoch is one straight path, two phases of one producer:
+
+1. **local**: the local workers make whole partitions (``batches_per_partition``
+   batches) in plan order, each as a remote worker would (the same worker id, seed
+   ``epoch_seed + id``, ``get_worker_info()`` naming the user's dataset,
+   ``worker_init_fn``, per-partition seeds from the plan);
+2. **handover**: once the pool's actors are constructed, the local sampler stops
+   handing out partitions: the local workers finish the ``k`` partitions they were
+   given, the pool starts on partition ``k`` (and its batches are made while the
+   local ones drain), and the loop receives every batch once, in plan order, with
+   the same batch boundaries and records (the batch's index in the epoch): a
+   ``state_dict()`` before, during or after the handover is the same arithmetic.
+
+``local_start=False`` on the ``DataLoader`` (or ``SBLOADER_LOCAL_START=0``) turns it
+off, for a trainer node whose CPUs are kept for the trainer. With ``persistent_workers=True``
+there is no local start: those workers keep their state for the loader's life, so they are
+one set of processes (the pool), as torch's are.
+"""
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+import warnings
+from typing import Any, Iterator, Optional
+
+from sbloader.core.context import task_context
+from sbloader.core.stats import StallStats
+from sbloader.loaders.epoch import Delivery, EpochIterator
+from sbloader.loaders.failed_batch import FailedBatch
+from sbloader.loaders.tensors import pin_batch
+
+LOCAL_START_ENV = "SBLOADER_LOCAL_START"  # 0: never start an epoch on local processes
+HANDOVER_AT_ENV = "SBLOADER_HANDOVER_AT"  # tests: every epoch starts locally and hands over at this partition
+_LOCAL: dict = {"own_states": None}  # in a local worker: its RNG streams once worker_init_fn set them
+
+
+def enabled(s: Any) -> bool:
+    """Whether an epoch may start on local processes: the loader's ``local_start`` (unless the environment
+    says 0), and not with ``persistent_workers`` (whose workers keep their state for the loader's life: one
+    set of processes, ``worker_init_fn`` once per worker)."""
+    return s.local_start and not s.persistent_workers and os.environ.get(LOCAL_START_ENV, "1") != "0"
+
+
+def forced_handover() -> Optional[int]:
+    """The partition at which ``SBLOADER_HANDOVER_AT`` forces the handover (tests), or None."""
+    value = os.environ.get(HANDOVER_AT_ENV)
+    return int(value) if value not in (None, "") else None
+
+
+def pool_is_up(s: Any, carry: Any) -> bool:
+    """Whether the loader's pool can start its epoch without waiting: Ray up and its actors kept
+    (persistent, or warm from the last epoch with the same count)."""
+    from sbloader.runtime import background
+
+    if forced_handover() is not None:
+        return False
+    if not background.ready():
+        return False
+    if s.persistent_workers:
+        return sum(len(hs) for hs in carry.actor_cache.values()) == s.num_workers
+    from sbloader.loaders import warm_workers
+
+    return warm_workers.enabled() and warm_workers.available(carry, s.warm_key(), s.num_workers)
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+class _WorkerInit:
+    """Run in each local worker before its first partition, as :class:`~sbloader.loaders.worker.LoaderWorker`
+    does in a remote one: seed ``epoch_seed + id``, ``get_worker_info()`` naming the user's dataset, then the
+    user's ``worker_init_fn`` (whose changes to the RNGs, if any, the worker keeps from then on)."""
+
+    def __init__(self, dataset: Any, epoch_seed: int, user_fn: Any) -> None:
+        self.dataset, self.epoch_seed, self.user_fn = dataset, epoch_seed, user_fn
+
+    def __call__(self, worker_id: int) -> None:
+        from torch.utils.data import get_worker_info
+
+        from sbloader.loaders.worker import _rng_states, _same_states, _seed_all, _set_torch_worker_info
+
+        info = get_worker_info()
+        seed = (self.epoch_seed + worker_id) % 2**63
+        _seed_all(seed)
+        _set_torch_worker_info(worker_id, info.num_workers, seed, self.dataset)
+        _LOCAL["own_states"] = None
+        if self.user_fn is not None:
+            before = _rng_states()
+            self.user_fn(worker_id)  # its error: torch's "Caught X in DataLoader worker process N"
+            after = _rng_states()
+            if not _same_states(before, after):
+                _LOCAL["own_states"] = after
+
+
+class _Partitions:
+    """What the local workers index: partition ``p`` -> ``(p, its collated batches)``; a batch whose
+    ``dataset[i]`` or ``collate_fn`` raised is torch's ``ExceptionWrapper`` in its place."""
+
+    def __init__(self, dataset: Any, collate_fn: Any, auto: bool, items: list, ids: list, bpp: int, epoch: int,
+                 epoch_seed: int) -> None:
+        self.dataset, self.collate_fn, self.auto = dataset, collate_fn, auto
+        self.items, self.ids, self.bpp, self.epoch, self.epoch_seed = items, ids, bpp, epoch, epoch_seed
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.items) / self.bpp)
+
+    def __getitem__(self, p: int) -> tuple:
+        from torch.utils.data._utils import worker as torch_worker
+        from torch.utils.data._utils.worker import ExceptionWrapper
+
+        from sbloader.loaders.worker import _rng_states, _set_rng_states
+
+        first = p * self.bpp
+        out = []
+        with task_context(self.epoch, self.epoch_seed, self.ids[first], "LoaderWorker", 0):
+            own = _LOCAL["own_states"]
+            if own is not None:  # worker_init_fn's seed stands: the worker's streams go on
+                _set_rng_states(own)
+            for item in self.items[first:first + self.bpp]:
+                try:
+                    out.append(self.collate_fn([self.dataset[i] for i in item] if self.auto else self.dataset[item]))
+                except Exception:
+                    info = torch_worker.get_worker_info()
+                    out.append(ExceptionWrapper(where=f"in DataLoader worker process {info.id if info else 0}"))
+            if own is not None:
+                _LOCAL["own_states"] = _rng_states()
+        return p, out
+
+
+class Handover:
+    """The local sampler of partitions: hands out partitions until the pool's actors are up, then stops.
+
+    Args:
+        total: the epoch's partitions.
+        actors: the pool's actors started ahead (:class:`~sbloader.executor.pools.PrestartedActor`), filled
+            in by the background start once Ray is up.
+    """
+
+    def __init__(self, total: int, at: Optional[int] = None) -> None:
+        self.total, self.at = total, at  # at: hand over exactly there, waiting for the pool (tests)
+        self.stopped_at: Optional[int] = None  # the first partition the pool makes (None: the local phase ran all)
+        self.cache: dict = {}
+        self._refs: list = []
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def prestarted(self, cache: dict) -> None:
+        """The pool's actors are starting (their constructors' refs say when they are up)."""
+        with self._lock:
+            self.cache = cache
+            self._refs = [h.ready_ref for hs in cache.values() for h in hs if hasattr(h, "ready_ref")]
+
+    def ready(self) -> bool:
+        """Whether every actor of the pool is constructed (never blocks)."""
+        with self._lock:
+            refs = list(self._refs)
+        if not self.cache:
+            return False
+        if not refs:
+            return True
+        import ray
+
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        return len(done) == len(refs)
+
+    def __iter__(self) -> Iterator[int]:
+        for p in range(self.total):
+            if self.at is not None:
+                if p == self.at:
+                    while not self.ready() and not self.closed:
+                        time.sleep(0.01)
+                    self.stopped_at = p
+                    return
+            elif p > 0 and self.ready():  # at least one local partition: the local workers are already forked
+                self.stopped_at = p
+                return
+            yield p
+
+
+def _prestart(s: Any, carry: Any, epoch_seed: int, handover: Handover) -> None:
+    """In the background: Ray up (started at the loader's construction), then the pool's actors
+    started ahead (the loader's warm ones rebuilt, or new ones) for the handover."""
+    try:
+        from sbloader.loaders import warm_workers
+        from sbloader.loaders.dropin_epoch import pool_options
+        from sbloader.executor.pools import prestart_pools
+        from sbloader.runtime.session import ensure_initialized
+        from sbloader.sources.batches import ReadyBatchSource
+
+        ensure_initialized()
+        if handover.closed:
+            return
+        op = s.worker_op(epoch_seed)
+        if s.persistent_workers:
+            cache = carry.actor_cache
+        elif warm_workers.enabled():
+            cache = warm_workers.take(carry, op, s.num_workers, s.warm_key())
+        else:
+            cache = {}
+        prestart_pools(ReadyBatchSource.name, (op,), pool_options(s), cache)
+        handover.prestarted(cache)
+    except Exception as exc:  # the local phase goes on alone; the pool's own start raises it if it recurs
+        import logging
+
+        logging.getLogger(__name__).debug("sbloader: pool prestart failed: %r", exc)
+
+
+def local_start_epoch(s: Any, carry: Any, run: Any, epoch: int, epoch_seed: int,
+                      index_sampler: Any) -> EpochIterator:
+    """A map-style epoch that starts on local worker processes and hands over to the pool."""
+    import torch
+    from torch.utils.data import DataLoader as TorchLoader
+
+    from sbloader.loaders.failed_batch import translate
+
+    stalls = StallStats()
+    items = s.epoch_items(run, index_sampler)
+    bpp = s.batches_per_partition
+    ids = run.ids if run is not None else [j // bpp for j in range(len(items))]
+    handover = Handover(math.ceil(len(items) / bpp), forced_handover())
+    parts = _Partitions(s.dataset, s.collate_fn, s.auto_collation, items, ids, bpp, epoch, epoch_seed)
+    local = TorchLoader(parts, batch_size=None, sampler=handover, num_workers=s.num_workers, collate_fn=_identity,
+                        timeout=s.timeout, worker_init_fn=_WorkerInit(s.dataset, epoch_seed, s.worker_init_fn),
+                        multiprocessing_context=s.multiprocessing_context,
+                        generator=torch.Generator().manual_seed(epoch_seed % 2**63),  # the trainer's RNG untouched
+                        prefetch_factor=s.prefetch_factor)
+    threading.Thread(target=_prestart, args=(s, carry, epoch_seed, handover), daemon=True,
+                     name="sbloader-pool-prestart").start()
+    phase: dict = {}
+
+    def local_batches() -> Iterator[Delivery]:
+        with warnings.catch_warnings():  # torch's too-many-workers warning was given at the loader's creation
+            warnings.simplefilter("ignore", UserWarning)
+            it = iter(local)
+        received = 0
+        while True:
+            try:
+                p, batches = next(it)
+            except StopIteration:
+                return
+            except Exception as e:  # worker_init_fn failed or a worker died: torch's error, the epoch ends
+                yield Delivery(FailedBatch(e, fatal=True), None)
+                return
+            received += 1
+            for i, b in enumerate(batches):
+                j = p * bpp + i
+                yield Delivery(_unwrap(b, s.pin), j if run is not None else None)
+
+    def produce() -> Iterator[Delivery]:
+        yield from local_batches()
+        k = handover.stopped_at
+        if k is None:  # the local workers made the whole epoch
+            return
+        from sbloader.loaders.dropin_epoch import open_pool
+
+        pool = phase["pool"] = open_pool(s, carry, run, epoch, epoch_seed, items, stalls, start=k * bpp,
+                                         cache=handover.cache)
+        yield from pool.produce
+
+    def wake() -> None:
+        handover.closed = True
+        if "pool" in phase:
+            phase["pool"].executor.shutdown()
+
+    def closed() -> None:
+        handover.closed = True
+        if "pool" in phase:
+            phase["pool"].closed()
+        else:  # the pool never ran: its actors started ahead stay warm for the next epoch, as the pool's would
+            _keep_prestarted(s, carry, handover)
+        s.reporter(f"epoch {epoch}", stalls)()
+
+    return EpochIterator(produce(), run, ahead=s.ahead, stalls=stalls, to_device=s.device_copy(), translate=translate,
+                         timeout=s.timeout or None, wake=wake, on_close=closed)
+
+
+def _unwrap(batch: Any, pin: bool) -> Any:
+    """A local batch as the loop receives it: pinned if asked, or its error in its place."""
+    from torch.utils.data._utils.worker import ExceptionWrapper
+
+    if isinstance(batch, ExceptionWrapper):
+        try:
+            batch.reraise()
+        except Exception as e:  # raised at this batch; the loop may catch it and go on, as under torch
+            return FailedBatch(e)
+    return pin_batch(batch) if pin else batch
+
+
+def _keep_prestarted(s: Any, carry: Any, handover: Handover) -> None:
+    """The epoch ended before the handover: the actors started for it wait for the next epoch."""
+    if s.persistent_workers or not handover.cache:
+        return
+    from sbloader.loaders import warm_workers
+
+    carry.held_cpus = s.num_workers * s.worker_num_cpus
+    warm_workers.keep(carry)

@@ -1,0 +1,56 @@
+"""Ray started (or joined) in the background, from the moment a loader is built.
+
+Starting the embedded Ray takes seconds (its daemons, then the first actors); a loader's
+first batches never wait for it (:mod:`sbloader.loaders.local_start`). :func:`start`
+begins :func:`~sbloader.runtime.session.ensure_initialized` on a daemon thread once per
+process and returns at once; :func:`ready` says, without blocking, whether it is done.
+An error is kept and raised again by whoever calls ``ensure_initialized`` next (it
+retries the start, on the caller's thread, and raises there).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Optional
+
+logger = logging.getLogger(__name__)
+
+_LOCK = threading.Lock()
+_STATE: dict = {"thread": None, "done": threading.Event(), "error": None}
+
+
+def _run() -> None:
+    try:
+        from sbloader.runtime.session import ensure_initialized
+
+        ensure_initialized()
+    except BaseException as exc:  # raised again where the loader needs Ray (ensure_initialized retries)
+        _STATE["error"] = exc
+        logger.debug("sbloader: the background Ray start failed: %r", exc)
+    finally:
+        _STATE["done"].set()
+
+
+def start() -> None:
+    """Start (or join) Ray on a background thread, once per process; return at once."""
+    with _LOCK:
+        if _STATE["thread"] is not None:
+            return
+        thread = threading.Thread(target=_run, name="sbloader-ray-start", daemon=True)
+        _STATE["thread"] = thread
+        thread.start()
+
+
+def ready() -> bool:
+    """Whether Ray is up in this process (started here in the background, or by anyone else)."""
+    if _STATE["done"].is_set():
+        return _STATE["error"] is None
+    import sys
+
+    ray = sys.modules.get("ray")
+    return ray is not None and _STATE["thread"] is None and ray.is_initialized()
+
+
+def failed() -> Optional[BaseException]:
+    """The background start's error, if it failed."""
+    return _STATE["error"] if _STATE["done"].is_set() else None

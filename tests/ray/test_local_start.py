@@ -1,0 +1,156 @@
+"""The local start of a drop-in epoch (issue #44): the first batches from local worker processes,
+then the pool; every sample once, the Ray-only order, batch boundaries and states kept across the
+handover, wherever it falls."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch.utils.data import Dataset, get_worker_info
+
+import sbloader
+from sbloader.loaders import local_start
+
+
+class Tagged(Dataset):
+    """``dataset[i]`` -> (i, a draw of torch's RNG, the worker's pid, its worker id)."""
+
+    def __init__(self, n=40):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        info = get_worker_info()
+        assert info is not None and info.dataset is self  # torch's worker info names the user's dataset
+        return torch.tensor([i, int(torch.randint(0, 2**30, ())), os.getpid(), info.id])
+
+
+def epoch_rows(loader, epoch=0):
+    loader.set_epoch(epoch)
+    return [b for b in loader]
+
+
+def run(monkeypatch, at, **kw):
+    if at is None:
+        monkeypatch.delenv(local_start.HANDOVER_AT_ENV, raising=False)
+    else:
+        monkeypatch.setenv(local_start.HANDOVER_AT_ENV, str(at))
+    loader = sbloader.DataLoader(Tagged(), batch_size=4, shuffle=True, seed=7, local_start=at is not None, **kw)
+    return epoch_rows(loader), loader
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+def test_handover_at_every_batch_keeps_order_and_samples(ray_session, monkeypatch, workers):
+    reference, _ = run(monkeypatch, None, num_workers=workers)  # the pool alone
+    ref_ids = [b[:, 0].tolist() for b in reference]
+    assert sorted(i for ids in ref_ids for i in ids) == list(range(40))
+    pids_ray = {int(p) for b in reference for p in b[:, 2]}
+    for at in range(len(reference) + 1):
+        got, loader = run(monkeypatch, at, num_workers=workers)
+        # every sample once, in the Ray-only order, the same batch boundaries
+        assert [b[:, 0].tolist() for b in got] == ref_ids, at
+        # the same augmentation draws: each batch seeded from the plan, wherever it was made
+        assert [b[:, 1].tolist() for b in got] == [b[:, 1].tolist() for b in reference], at
+        pids = [{int(p) for p in b[:, 2]} for b in got]
+        local = set().union(*pids[:at]) if at else set()
+        assert os.getpid() not in local and not (local & pids_ray)  # local batches from forked workers
+        # worker ids as torch's: 0..num_workers-1 in both phases
+        assert {int(w) for b in got for w in b[:, 3]} <= set(range(workers))
+        if at < len(reference):  # the pool made the rest
+            assert loader.stats() is not None
+
+
+def test_zero_workers_has_no_local_phase(ray_session, monkeypatch):
+    monkeypatch.setenv(local_start.HANDOVER_AT_ENV, "1")
+    loader = sbloader.DataLoader(Tagged(), batch_size=4, shuffle=True, seed=7, num_workers=0)
+    rows = [b[:, 0].tolist() for b in loader]
+    assert sorted(i for r in rows for i in r) == list(range(40))
+    assert all(int(p) == os.getpid() for b in loader for p in b[:, 2])
+
+
+@pytest.mark.parametrize("at", [0, 2, 5])
+@pytest.mark.parametrize("taken", [1, 3, 6])
+def test_state_dict_across_the_handover_resumes_exactly_once(ray_session, monkeypatch, at, taken):
+    monkeypatch.setenv(local_start.HANDOVER_AT_ENV, str(at))
+    loader = sbloader.DataLoader(Tagged(), batch_size=4, shuffle=True, seed=3, num_workers=2)
+    it = iter(loader)
+    first = [next(it)[:, 0].tolist() for _ in range(taken)]
+    state = loader.state_dict()  # taken before, at or after the handover
+    del it
+    resumed = sbloader.DataLoader(Tagged(), batch_size=4, shuffle=True, seed=3, num_workers=2)
+    resumed.load_state_dict(state)
+    rest = [b[:, 0].tolist() for b in resumed]
+    ids = [i for r in first + rest for i in r]
+    assert sorted(ids) == list(range(40)), (at, taken)
+    # the same order as an uninterrupted run
+    whole = sbloader.DataLoader(Tagged(), batch_size=4, shuffle=True, seed=3, num_workers=2)
+    assert first + rest == [b[:, 0].tolist() for b in whole]
+
+
+@pytest.mark.parametrize("at", [1, 3])
+def test_states_around_the_handover_resume_on_one_and_two_ranks(ray_session, monkeypatch, at):
+    """Every step of an epoch handed over at batch ``at``, resumed on 1 and 2 ranks (the shared harness)."""
+    from harness import IdsLoader, check_resume_everywhere
+
+    monkeypatch.setenv(local_start.HANDOVER_AT_ENV, str(at))
+
+    def make(rank, world_size, name):
+        return IdsLoader(sbloader.DataLoader(list(range(24)), batch_size=4, shuffle=True, num_workers=2, seed=3,
+                                        rank=rank, world_size=world_size, name=name, job_id="local-start"))
+
+    check_resume_everywhere(make, list(range(24)), key="id", resume_world_sizes=(2,), same_order=True,
+                            steps=[0, at - 1, at, at + 1, 6], end_state="empty")
+
+
+class FailsAt(Tagged):
+    def __getitem__(self, i):
+        if i == 5:
+            raise ValueError("bad sample 5")
+        return super().__getitem__(i)
+
+
+def test_local_phase_error_is_torchs_and_the_epoch_goes_on(monkeypatch):
+    monkeypatch.setenv(local_start.HANDOVER_AT_ENV, "100")  # all local
+    loader = sbloader.DataLoader(FailsAt(12), batch_size=2, num_workers=2)
+    got, errors = [], []
+    it = iter(loader)
+    while True:
+        try:
+            got.append(next(it)[:, 0].tolist())
+        except StopIteration:
+            break
+        except ValueError as e:
+            errors.append(str(e))
+    assert len(errors) == 1 and "Caught ValueError in DataLoader worker process" in errors[0]
+    assert "bad sample 5" in errors[0]
+    assert [i for b in got for i in b] == [0, 1, 2, 3, 6, 7, 8, 9, 10, 11]
+
+
+def record_init(worker_id):
+    info = get_worker_info()
+    # torch's order: seeded base_seed + id before worker_init_fn, get_worker_info() set
+    assert info.seed == torch.initial_seed()
+    assert info.id == worker_id
+
+
+def test_worker_init_fn_and_seeds_as_torchs_in_the_local_phase(monkeypatch):
+    monkeypatch.setenv(local_start.HANDOVER_AT_ENV, "100")
+    seeds = []
+    for _ in range(2):
+        loader = sbloader.DataLoader(Tagged(8), batch_size=2, num_workers=2, seed=11, worker_init_fn=record_init)
+        seeds.append([b[:, 1].tolist() for b in loader])
+    assert seeds[0] == seeds[1]  # a seed fixes the draws
+
+
+def bad_init(worker_id):
+    raise KeyError("no such thing")
+
+
+def test_worker_init_fn_error_in_the_local_phase(monkeypatch):
+    monkeypatch.setenv(local_start.HANDOVER_AT_ENV, "100")
+    loader = sbloader.DataLoader(Tagged(8), batch_size=2, num_workers=2, worker_init_fn=bad_init)
+    with pytest.raises(KeyError, match="Caught KeyError in DataLoader worker process"):
+        list(loader)
