@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from sbloader.core.ops import Op
 from sbloader.core.stats import ExecutionStats
+from sbloader.runtime.background import loaded
 
 if TYPE_CHECKING:
     from sbloader.executor.options import ExecutionOptions
@@ -153,15 +154,12 @@ class DropinCarry:
         later and kills them then)."""
         self.dropped = True
         try:
-            import sys
-
-            if "ray" not in sys.modules:  # no epoch ever started Ray: no actors to kill
+            # never an import here (a __del__, maybe at exit): what killed nothing was never loaded
+            pools, warm = loaded("sbloader.executor.pools"), loaded("sbloader.loaders.warm_workers")
+            if pools is None or warm is None:
                 return
-            from sbloader.executor.pools import kill_cached
-            from sbloader.loaders import warm_workers
-
-            kill_cached(self.actor_cache)
-            warm_workers.hand_to_process(self)
+            pools.kill_cached(self.actor_cache)
+            warm.hand_to_process(self)
         except Exception:  # the interpreter is tearing down (module globals gone): Ray went before
             pass
 

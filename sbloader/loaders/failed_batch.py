@@ -61,10 +61,10 @@ class FailedBatch:
 
 def translate(e: BaseException) -> None:
     """Raise a worker's error as torch's DataLoader does (its original type); else leave it."""
-    import sys
+    from sbloader.runtime.background import loaded
 
     if isinstance(e, UserFunctionError):
         reraise_as_torch(e)
-    ray = sys.modules.get("ray")  # a Ray task's error exists only where Ray was imported
+    ray = loaded("ray")  # a Ray task's error exists only where Ray was imported
     if ray is not None and isinstance(e, ray.exceptions.RayTaskError) and isinstance(e.cause, UserFunctionError):
         reraise_as_torch(e.cause)

@@ -157,6 +157,7 @@ class Handover:
         self._refs: list = []
         self._lock = threading.Lock()
         self.closed = False
+        self.gave_up = False  # the pool could not be started: the local workers make the whole epoch
 
     def prestarted(self, cache: dict) -> None:
         """The pool's actors are starting (their constructors' refs say when they are up)."""
@@ -181,10 +182,11 @@ class Handover:
         for p in range(self.total):
             if self.at is not None:
                 if p == self.at:
-                    while not self.ready() and not self.closed:
+                    while not self.ready() and not self.closed and not self.gave_up:
                         time.sleep(0.01)
-                    self.stopped_at = p
-                    return
+                    if not self.gave_up:
+                        self.stopped_at = p
+                        return
             elif p > 0 and self.ready():  # at least one local partition: the local workers are already forked
                 self.stopped_at = p
                 return
@@ -204,7 +206,14 @@ def _prestart(s: Any, carry: Any, epoch_seed: int, handover: Handover) -> None:
         ensure_initialized()
         if handover.closed:
             return
-        op = s.worker_op(epoch_seed)
+        try:
+            op = s.worker_op(epoch_seed)
+        except Exception as exc:  # the dataset (or collate_fn, worker_init_fn) cannot travel to the pool
+            warnings.warn(f"sbloader: the epoch stays on local worker processes: the dataset, collate_fn or "
+                          f"worker_init_fn cannot be pickled for the cluster's workers ({exc!r}); make them "
+                          "picklable to load on the cluster", RuntimeWarning, stacklevel=1)
+            handover.gave_up = True
+            return
         if s.persistent_workers:
             cache = carry.actor_cache
         elif warm_workers.enabled():
@@ -216,6 +225,7 @@ def _prestart(s: Any, carry: Any, epoch_seed: int, handover: Handover) -> None:
     except Exception as exc:  # the local phase goes on alone; the pool's own start raises it if it recurs
         import logging
 
+        handover.gave_up = True
         logging.getLogger(__name__).debug("sbloader: pool prestart failed: %r", exc)
 
 
@@ -233,11 +243,14 @@ def local_start_epoch(s: Any, carry: Any, run: Any, epoch: int, epoch_seed: int,
     ids = run.ids if run is not None else [j // bpp for j in range(len(items))]
     handover = Handover(math.ceil(len(items) / bpp), forced_handover())
     parts = _Partitions(s.dataset, s.collate_fn, s.auto_collation, items, ids, bpp, epoch, epoch_seed)
-    local = TorchLoader(parts, batch_size=None, sampler=handover, num_workers=s.num_workers, collate_fn=_identity,
-                        timeout=s.timeout, worker_init_fn=_WorkerInit(s.dataset, epoch_seed, s.worker_init_fn),
-                        multiprocessing_context=s.multiprocessing_context,
-                        generator=torch.Generator().manual_seed(epoch_seed % 2**63),  # the trainer's RNG untouched
-                        prefetch_factor=s.prefetch_factor)
+    with warnings.catch_warnings():  # torch's too-many-workers warning was given at the loader's creation
+        warnings.simplefilter("ignore", UserWarning)
+        local = TorchLoader(parts, batch_size=None, sampler=handover, num_workers=s.num_workers,
+                            collate_fn=_identity, timeout=s.timeout,
+                            worker_init_fn=_WorkerInit(s.dataset, epoch_seed, s.worker_init_fn),
+                            multiprocessing_context=s.multiprocessing_context,
+                            generator=torch.Generator().manual_seed(epoch_seed % 2**63),  # the trainer's RNG untouched
+                            prefetch_factor=s.prefetch_factor)
     threading.Thread(target=_prestart, args=(s, carry, epoch_seed, handover), daemon=True,
                      name="sbloader-pool-prestart").start()
     phase: dict = {}
@@ -302,9 +315,10 @@ def _unwrap(batch: Any, pin: bool) -> Any:
 
 def _keep_prestarted(s: Any, carry: Any, handover: Handover) -> None:
     """The epoch ended before the handover: the actors started for it wait for the next epoch."""
-    if s.persistent_workers or not handover.cache:
-        return
-    from sbloader.loaders import warm_workers
+    from sbloader.runtime.background import loaded
 
+    warm_workers = loaded("sbloader.loaders.warm_workers")  # no import: this may run at exit
+    if s.persistent_workers or not handover.cache or warm_workers is None:
+        return
     carry.held_cpus = s.num_workers * s.worker_num_cpus
     warm_workers.keep(carry)

@@ -10,7 +10,9 @@ retries the start, on the caller's thread, and raises there).
 from __future__ import annotations
 
 import logging
+import sys
 import threading
+from types import ModuleType
 from typing import Optional
 
 logger = logging.getLogger(__name__)
@@ -45,10 +47,19 @@ def ready() -> bool:
     """Whether Ray is up in this process (started here in the background, or by anyone else)."""
     if _STATE["done"].is_set():
         return _STATE["error"] is None
-    import sys
-
-    ray = sys.modules.get("ray")
+    ray = loaded("ray")
     return ray is not None and _STATE["thread"] is None and ray.is_initialized()
+
+
+def loaded(name: str) -> Optional[ModuleType]:
+    """Module ``name`` if it is fully imported, else None, without importing anything: for code that
+    may run at exit or in a ``__del__``, where an import could wait forever for a module lock that a
+    background thread (this module's Ray start) held when the interpreter began to shut down."""
+    module = sys.modules.get(name)
+    spec = getattr(module, "__spec__", None)
+    if module is None or (spec is not None and getattr(spec, "_initializing", False)):
+        return None
+    return module
 
 
 def failed() -> Optional[BaseException]:

@@ -24,8 +24,8 @@ class Tagged(Dataset):
 
     def __getitem__(self, i):
         info = get_worker_info()
-        assert info is not None and info.dataset is self  # torch's worker info names the user's dataset
-        return torch.tensor([i, int(torch.randint(0, 2**30, ())), os.getpid(), info.id])
+        assert info is None or info.dataset is self  # torch's worker info names the user's dataset
+        return torch.tensor([i, int(torch.randint(0, 2**30, ())), os.getpid(), info.id if info else -1])
 
 
 def epoch_rows(loader, epoch=0):
@@ -154,3 +154,66 @@ def test_worker_init_fn_error_in_the_local_phase(monkeypatch):
     loader = sbloader.DataLoader(Tagged(8), batch_size=2, num_workers=2, worker_init_fn=bad_init)
     with pytest.raises(KeyError, match="Caught KeyError in DataLoader worker process"):
         list(loader)
+
+
+class Unpicklable(Tagged):
+    def __init__(self, n=8):
+        import threading
+
+        super().__init__(n)
+        self.lock = threading.Lock()
+
+
+def test_a_dataset_that_cannot_be_pickled(monkeypatch):
+    monkeypatch.setenv(local_start.HANDOVER_AT_ENV, "100")
+    # torch's spawn context pickles the dataset: torch's error
+    with pytest.raises(TypeError, match="pickle"):
+        list(sbloader.DataLoader(Unpicklable(), batch_size=2, num_workers=2, multiprocessing_context="spawn"))
+    # with local_start off the pool pickles it: the same error
+    monkeypatch.delenv(local_start.HANDOVER_AT_ENV)
+    with pytest.raises(TypeError, match="pickle"):
+        list(sbloader.DataLoader(Unpicklable(), batch_size=2, num_workers=2, local_start=False))
+
+
+EXIT_SCRIPT = """
+import sys, time
+import sbloader
+loader = sbloader.DataLoader(list(range(1000)), batch_size=32, shuffle=True, num_workers=2)
+it = iter(loader)
+print(next(it)[:2].tolist(), flush=True)
+if sys.argv[1] == "drain":
+    assert sum(len(b) for b in it) == 1000 - 32
+"""
+
+
+@pytest.mark.parametrize("when", ["first_batch", "drain"])
+def test_a_script_exits_at_once_and_prints_nothing(tmp_path, when):
+    """A script that ends right after its first batch (Ray still starting in the background), or after the
+    epoch: it exits, prints nothing of ours or Ray's, and leaves no process behind."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", local_start.HANDOVER_AT_ENV)}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
+        __file__)))), env.get("PYTHONPATH", "")])
+    proc = subprocess.Popen([sys.executable, "-c", EXIT_SCRIPT, when], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, err = proc.communicate()
+        raise AssertionError(f"the script did not exit: {err[-2000:]}")
+    assert proc.returncode == 0, err[-3000:]
+    assert len(out.splitlines()) == 1
+    noise = [line for line in err.splitlines() if "no task finished for" not in line]  # a load notice
+    assert noise == [], err[-3000:]
+    import time
+
+    deadline = time.monotonic() + 30  # Ray's daemons die with their parent (parent-death signal, reaper)
+    while time.monotonic() < deadline:
+        left = subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        if not left:
+            break
+        time.sleep(0.5)
+    assert not left, f"processes left behind: {left}"

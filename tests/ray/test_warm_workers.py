@@ -91,19 +91,26 @@ def test_warm_actors_are_per_process_and_killed_after_the_idle_timeout(ray_sessi
     # a new loader with the same worker resources takes them: the same processes, rebuilt (fresh dataset)
     dl2 = sbloader.DataLoader(Mutating(), batch_size=2, num_workers=2, local_start=False)
     second = torch.cat(list(dl2))
-    assert {int(p) for p in second[:, 0]} == {int(p) for p in first[:, 0]}
+    kept = [getattr(h, "handle", h) for hs in dl2._carry.warm_cache.values() for h in hs]
+    assert {h._actor_id for h in kept} == {h._actor_id for h in handles}
+    assert {int(p) for p in second[:, 0]} <= {ray.get(h.ready.remote())[1] for h in handles}
     assert int(second[:, 1].max()) <= 8  # each worker's dataset copy is this epoch's
     assert sum(o.actors_created for o in dl2.stats().operators) == 0  # constructions counted: none new
+    del dl2  # its actors wait in the process's idle pool again
     # other worker resources: new actors (the idle ones are not taken)
     dl3 = sbloader.DataLoader(Mutating(), batch_size=2, num_workers=2, local_start=False, worker_num_cpus=0.5)
     third = torch.cat(list(dl3))
-    assert not ({int(p) for p in third[:, 0]} & {int(p) for p in second[:, 0]})
-    del dl2, dl3
+    others = [getattr(h, "handle", h) for hs in dl3._carry.warm_cache.values() for h in hs]
+    assert not ({h._actor_id for h in others} & {h._actor_id for h in handles})
+    assert not ({int(p) for p in third[:, 0]} & {ray.get(h.ready.remote())[1] for h in handles})
     monkeypatch.setenv("SBLOADER_WARM_IDLE_S", "1")
+    del dl3  # idle, then killed after the idle time
     dl4 = sbloader.DataLoader(Mutating(), batch_size=2, num_workers=2, local_start=False)
     list(dl4)
     kept = [getattr(h, "handle", h) for hs in dl4._carry.warm_cache.values() for h in hs]
+    assert {h._actor_id for h in kept} == {h._actor_id for h in handles}  # dl2's, taken again
     del dl4  # to the process's idle pool, killed after the idle time
+    kept += others
     deadline = time.monotonic() + 60
     while any(_answers(h) for h in kept) and time.monotonic() < deadline:
         time.sleep(0.5)
