@@ -39,12 +39,12 @@ from typing import Any, Iterator, Optional
 from sbloader.core.context import task_context
 from sbloader.core.stats import StallStats
 from sbloader.loaders.epoch import Delivery, EpochIterator
-from sbloader.loaders.failed_batch import FailedBatch
+from sbloader.loaders.failed_batch import WORKER_INIT_FN, FailedBatch
 from sbloader.loaders.tensors import pin_batch
 
 LOCAL_START_ENV = "SBLOADER_LOCAL_START"  # 0: never start an epoch on local processes
 HANDOVER_AT_ENV = "SBLOADER_HANDOVER_AT"  # tests: every epoch starts locally and hands over at this partition
-_LOCAL: dict = {"own_states": None}  # in a local worker: its RNG streams once worker_init_fn set them
+_LOCAL: dict = {"own_states": None, "init_error": None}  # in a local worker: its RNG streams once worker_init_fn set them
 
 
 def enabled(s: Any) -> bool:
@@ -97,10 +97,13 @@ class _WorkerInit:
         seed = (self.epoch_seed + worker_id) % 2**63
         _seed_all(seed)
         _set_torch_worker_info(worker_id, info.num_workers, seed, self.dataset)
-        _LOCAL["own_states"] = None
+        _LOCAL["own_states"] = _LOCAL["init_error"] = None
         if self.user_fn is not None:
             before = _rng_states()
-            self.user_fn(worker_id)  # its error: torch's "Caught X in DataLoader worker process N"
+            try:
+                self.user_fn(worker_id)
+            except Exception as e:  # raised at the worker's first batch, as a pool actor's (naming worker_init_fn)
+                _LOCAL["init_error"] = FailedBatch.remote(e, WORKER_INIT_FN, -1, -1, worker_id, fatal=True)
             after = _rng_states()
             if not _same_states(before, after):
                 _LOCAL["own_states"] = after
@@ -125,6 +128,8 @@ class _Partitions:
         from sbloader.loaders.worker import _rng_states, _set_rng_states
 
         first = p * self.bpp
+        if _LOCAL["init_error"] is not None:
+            return p, [_LOCAL["init_error"]] * len(self.items[first:first + self.bpp])
         out = []
         with task_context(self.epoch, self.epoch_seed, self.ids[first], "LoaderWorker", 0):
             own = _LOCAL["own_states"]
@@ -246,7 +251,7 @@ def local_start_epoch(s: Any, carry: Any, run: Any, epoch: int, epoch_seed: int,
     with warnings.catch_warnings():  # torch's too-many-workers warning was given at the loader's creation
         warnings.simplefilter("ignore", UserWarning)
         local = TorchLoader(parts, batch_size=None, sampler=handover, num_workers=s.num_workers,
-                            collate_fn=_identity, timeout=s.timeout,
+                            collate_fn=_identity,  # ``timeout``: the epoch's, counted once the workers are up
                             worker_init_fn=_WorkerInit(s.dataset, epoch_seed, s.worker_init_fn),
                             multiprocessing_context=s.multiprocessing_context,
                             generator=torch.Generator().manual_seed(epoch_seed % 2**63),  # the trainer's RNG untouched
@@ -259,7 +264,6 @@ def local_start_epoch(s: Any, carry: Any, run: Any, epoch: int, epoch_seed: int,
         with warnings.catch_warnings():  # torch's too-many-workers warning was given at the loader's creation
             warnings.simplefilter("ignore", UserWarning)
             it = iter(local)
-        received = 0
         while True:
             try:
                 p, batches = next(it)
@@ -268,7 +272,7 @@ def local_start_epoch(s: Any, carry: Any, run: Any, epoch: int, epoch_seed: int,
             except Exception as e:  # worker_init_fn failed or a worker died: torch's error, the epoch ends
                 yield Delivery(FailedBatch(e, fatal=True), None)
                 return
-            received += 1
+            phase["up"] = True  # the workers are up: ``timeout`` counts from here, ``start_timeout`` is over
             for i, b in enumerate(batches):
                 j = p * bpp + i
                 yield Delivery(_unwrap(b, s.pin), j if run is not None else None)
@@ -298,13 +302,16 @@ def local_start_epoch(s: Any, carry: Any, run: Any, epoch: int, epoch_seed: int,
         s.reporter(f"epoch {epoch}", stalls)()
 
     return EpochIterator(produce(), run, ahead=s.ahead, stalls=stalls, to_device=s.device_copy(), translate=translate,
-                         timeout=s.timeout or None, wake=wake, on_close=closed)
+                         timeout=s.timeout or None, wake=wake, on_close=closed,
+                         started=lambda: bool(phase.get("up")), start_timeout=s.start_timeout)
 
 
 def _unwrap(batch: Any, pin: bool) -> Any:
     """A local batch as the loop receives it: pinned if asked, or its error in its place."""
     from torch.utils.data._utils.worker import ExceptionWrapper
 
+    if isinstance(batch, FailedBatch):  # worker_init_fn failed in that worker
+        return batch
     if isinstance(batch, ExceptionWrapper):
         try:
             batch.reraise()

@@ -333,7 +333,8 @@ LEAK_PLAN = ([(1, False, 1), (1, True, 4), (1, True, 2), (2, True, 1)]
              + [(0, False, fate % 5) for fate in range(96)])
 
 
-def test_hundred_loaders_created_iterated_and_dropped_leak_nothing(ray_session):
+def test_hundred_loaders_created_iterated_and_dropped_leak_nothing(ray_session, monkeypatch):
+    monkeypatch.setenv("SBLOADER_WARM_IDLE_S", "0")  # a dropped loader's warm actors are not kept for the next
     warm = sbloader.DataLoader(Ids(8), batch_size=2, num_workers=1)
     assert flat_ids(warm) == list(range(8))  # Ray's connections and the slot arena exist from here on
     del warm

@@ -152,8 +152,9 @@ def bad_init(worker_id):
 def test_worker_init_fn_error_in_the_local_phase(monkeypatch):
     monkeypatch.setenv(local_start.HANDOVER_AT_ENV, "100")
     loader = sbloader.DataLoader(Tagged(8), batch_size=2, num_workers=2, worker_init_fn=bad_init)
-    with pytest.raises(KeyError, match="Caught KeyError in DataLoader worker process"):
+    with pytest.raises(KeyError, match="Caught KeyError in DataLoader worker process") as info:
         list(loader)
+    assert "worker_init_fn" in str(info.value) and isinstance(info.value.__cause__, KeyError)
 
 
 class Unpicklable(Tagged):

@@ -35,7 +35,8 @@ def main() -> None:
         print(json.dumps({"scenario": name, "head_cpus": head_cpus, "trainer": trainer,
                           "worker": worker.node_id, "nodes": sorted(nodes)}), flush=True)
     # the drop-in's worker actors follow the same policy
-    loader = sbloader.DataLoader(NodeTagged(64), batch_size=8, num_workers=2)
+    # the pool's placement (local_start=False: no first batches from processes forked on the trainer's node)
+    loader = sbloader.DataLoader(NodeTagged(64), batch_size=8, num_workers=2, local_start=False)
     nodes = sorted({n for batch in loader for n in batch["node"]})
     print(json.dumps({"scenario": "dataloader", "head_cpus": head_cpus, "trainer": trainer,
                       "worker": worker.node_id, "nodes": nodes}), flush=True)
