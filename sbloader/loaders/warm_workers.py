@@ -76,11 +76,27 @@ def unpark(key: Any) -> dict:
 
 
 def _adopt(carry: Any) -> None:
-    """An empty loader takes the process's idle actors of its key, if any."""
+    """An empty loader takes the process's idle actors of its key, if any: a dropped loader's, or
+    those of a live loader between epochs (a loop that builds its loader each epoch holds the last
+    one until the new one is built; that one, if it iterates again, starts its own)."""
+    from sbloader.loaders.dropin_settings import _CARRIES
+
     key = getattr(carry, "warm_key", None)
     if key is None or any(carry.warm_cache.values()):
         return
     carry.warm_cache.update(unpark(key))
+    if any(carry.warm_cache.values()):
+        return
+    with _IDLE_LOCK:
+        for other in list(_CARRIES):
+            if other is carry or other.dropped or getattr(other, "warm_key", None) != key \
+                    or other.warm_timer is None or not any(other.warm_cache.values()):
+                continue  # another key, or in an epoch (its idle countdown runs only between epochs)
+            cancel(other)
+            carry.warm_cache.update(other.warm_cache)
+            other.warm_cache.clear()
+            other.held_cpus = 0.0
+            return
 
 
 def available(carry: Any, key: Tuple, num_workers: int) -> bool:
@@ -111,6 +127,9 @@ def take(carry: Any, op: Any, num_workers: int, key: Optional[Tuple] = None) -> 
 
 def keep(carry: Any) -> None:
     """An epoch ended and left its actors in ``carry.warm_cache``: kill them after the idle time."""
+    from sbloader.loaders.dropin_settings import _CARRIES
+
+    _CARRIES.add(carry)
     cancel(carry)
     if carry.dropped:
         kill_cached(carry.warm_cache)
