@@ -215,6 +215,11 @@ class PipelineLoader:
                                                 w.restart_count, rank=w.rank)
         return self._coordinator
 
+    def _reconnect(self) -> Any:
+        """The job's coordinator anew, after the one this loader had died."""
+        self._coordinator = None
+        return self._split_coordinator()
+
     def __iter__(self) -> EpochIterator:
         previous = self._iterator() if self._iterator is not None else None
         if previous is not None:  # a new epoch while the last one's iterator lives on: end that one
@@ -232,7 +237,7 @@ class PipelineLoader:
             if run.plan.narrowed:
                 shuffle_window.warn_once(self.dataset, narrowed_note(self.settings.window, run.plan.widest,
                                                                      len(base.order)))
-            it = run_split_epoch(self.dataset, self.settings, run, coordinator, self._carry)
+            it = run_split_epoch(self.dataset, self.settings, run, coordinator, self._carry, self._reconnect)
         self._run, self._stalls, self._iterator = it.run, it.stalls, weakref.ref(it)
         return it
 
