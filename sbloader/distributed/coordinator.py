@@ -81,6 +81,7 @@ class SplitCoordinator(RebuildProtocol):
         self._rebuilt: set[int] = set()  # epochs rebuilt here (finished ones leave _epochs)
         self._finished_stats: dict[int, Any] = {}  # the last few finished epochs' ExecutionStats
         self._ended = EndedEpochs()  # epochs every rank ended: a late request gets the end (late_ranks.py)
+        self._seeds: dict[int, int] = {}  # epoch -> the seed the first rank drew (an unseeded native loader)
 
     def hello(self, world_size: int, fingerprint: dict, token: Optional[str] = None, rank: Optional[int] = None,
               driver: Optional[str] = None, node: Optional[str] = None) -> dict:
@@ -137,6 +138,16 @@ class SplitCoordinator(RebuildProtocol):
                 ep.start()
                 self._started.notify_all()
             return _count(self._epochs[spec.epoch].spec.per_rank)
+
+    def agree_seed(self, epoch: int, seed: int) -> int:
+        """The epoch seed of an unseeded native loader's epoch, the same for every rank: the first
+        rank to ask proposes its draw (each rank's torch RNG may differ), the others get it."""
+        self._last_call = time.monotonic()
+        with self._lock:
+            agreed = self._seeds.setdefault(int(epoch), int(seed))
+            while len(self._seeds) > 16:
+                self._seeds.pop(next(iter(self._seeds)))
+            return agreed
 
     def start_partition_epoch(self, spec: PartitionEpochSpec) -> int:
         """Rank 0 starts an epoch of a native pipeline split across ranks (idempotent);

@@ -215,6 +215,19 @@ class PipelineLoader:
                                                 w.restart_count, rank=w.rank)
         return self._coordinator
 
+    def _job_seed(self, base: PipelineRun, coordinator: Any) -> PipelineRun:
+        """A fresh unseeded epoch with the seed every rank uses (the first rank's draw): the ranks
+        cut their batches from one plan, and each rank's torch RNG may draw another seed."""
+        if self.seed is not None or base.done or base.taken or base.batches:
+            return base  # seeded, or resumed from a state every rank loaded alike
+        import ray
+
+        seed = ray.get(coordinator.agree_seed.remote(base.epoch, base.epoch_seed))
+        if seed == base.epoch_seed:
+            return base
+        plan = epoch_plan(self.dataset.source, base.epoch, seed, self.shuffle)
+        return PipelineRun(plan.epoch, plan.epoch_seed, order=plan.order)
+
     def _reconnect(self) -> Any:
         """The job's coordinator anew, after the one this loader had died."""
         self._coordinator = None
@@ -229,6 +242,7 @@ class PipelineLoader:
             it = local_epoch(self.dataset, self.settings, base, self._carry)
         else:
             coordinator = self._split_coordinator()  # joins the job's Ray: the default budget reads it
+            base = self._job_seed(base, coordinator)
             sizes = sizes_of(self.dataset.source, base.epoch, base.epoch_seed, self.shuffle)
             window = shuffle_window.split_window(self.settings.window, base, self.dataset.source,
                                                  shuffle_window.default_budget(self.settings.memory_budget))

@@ -23,13 +23,13 @@ ROWS, BATCH, WORLD = 480, 8, 2
 TIMEOUT_S = 240
 
 
-def run_job(out: Path, *args: str) -> tuple[int, str]:
-    """``torchrun --standalone --nproc-per-node=2 SCRIPT --out OUT *args``: (exit code, output)."""
+def run_job(out: Path, *args: str, script: Path = SCRIPT) -> tuple[int, str]:
+    """``torchrun --standalone --nproc-per-node=2 script --out OUT *args``: (exit code, output)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.pop("RAY_ADDRESS", None)  # the job starts its own embedded Ray
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
-           "--max-restarts=0", str(SCRIPT), "--out", str(out), *args]
+           "--max-restarts=0", str(script), "--out", str(out), *args]
     with open(out / "output.txt", "w") as log:
         proc = subprocess.Popen(cmd, cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
