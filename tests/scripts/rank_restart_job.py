@@ -39,7 +39,12 @@ def main() -> None:
     args = p.parse_args()
     args.in_order = 0
     rank, attempt = int(os.environ["RANK"]), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    dist.init_process_group("gloo")
+    # torchrun's agent keeps one store across restarts and the workers' keys are not prefixed by
+    # attempt: gloo would read the dead attempt's addresses ("Connection refused"). As DDP jobs
+    # that restart do, prefix them (sbloader prefixes its own keys by restart count too).
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{attempt}", store), rank=rank,
+                            world_size=int(os.environ["WORLD_SIZE"]))
     if args.loader == "native":
         loader = native_loader(args)
     else:
