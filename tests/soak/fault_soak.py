@@ -200,7 +200,8 @@ def main() -> None:
     finally:
         cluster.stop()
     firsts = [float(x.split()[0]) for x in loads]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    commit = os.environ.get("SOAK_COMMIT") or subprocess.run(  # SOAK_COMMIT: run from an exported snapshot
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
     report = {"seed": a.seed, "command": " ".join(["python3"] + sys.argv), "commit": commit.strip(),
               "started": started, "ended": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
               "load_min": min(firsts), "load_max": max(firsts), "cpu_count": os.cpu_count(),
