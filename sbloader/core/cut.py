@@ -112,7 +112,9 @@ class Cutter:
             return True
         w, n = self.window, len(self._open)
         if w.partitions is not None and n >= w.partitions:
-            self.narrowed = self.narrowed or n > 1
+            # a window of one partition cuts them in turn (their rows are uniform samples): a
+            # batch that spans two at a boundary is not a window the data did not fit
+            self.narrowed = self.narrowed or (w.partitions > 1 and n > 1)
             return False
         if w.ramp and n >= ramp_partitions(self.index) and self.open_rows >= ramp_rows(self.index, batch_rows):
             return False

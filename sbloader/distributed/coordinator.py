@@ -81,6 +81,7 @@ class SplitCoordinator(RebuildProtocol):
         self._rebuilt: set[int] = set()  # epochs rebuilt here (finished ones leave _epochs)
         self._finished_stats: dict[int, Any] = {}  # the last few finished epochs' ExecutionStats
         self._ended = EndedEpochs()  # epochs every rank ended: a late request gets the end (late_ranks.py)
+        self._seeds: dict[int, int] = {}  # epoch -> the seed the first rank drew (an unseeded native loader)
 
     def hello(self, world_size: int, fingerprint: dict, token: Optional[str] = None, rank: Optional[int] = None,
               driver: Optional[str] = None, node: Optional[str] = None) -> dict:
@@ -127,18 +128,8 @@ class SplitCoordinator(RebuildProtocol):
         workers before this epoch's.
         """
         self._last_call = time.monotonic()
-        deadline = time.monotonic() + 120.0
         with self._lock:
-            while any(e < spec.epoch for e in self._rebuilds):  # an entry leaves once rebuilt
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise SbloaderError(
-                        f"epoch {spec.epoch} cannot start: the rebuild of an earlier epoch after the coordinator "
-                        f"died still waits for ranks that did not report within 120 s "
-                        f"({ {e: sorted(p['taken']) for e, p in self._rebuilds.items()} }). "
-                        "Restart the job from the last checkpoint"
-                    )
-                self._started.wait(timeout=min(remaining, 1.0))
+            self._await_rebuilds(spec.epoch)
             if spec.epoch not in self._epochs:
                 kind = StreamEpoch if spec.per_rank is None else Epoch
                 ep = kind(spec, self._world_size, self._actor_cache, self._estimates,
@@ -148,11 +139,23 @@ class SplitCoordinator(RebuildProtocol):
                 self._started.notify_all()
             return _count(self._epochs[spec.epoch].spec.per_rank)
 
-    def start_partition_epoch(self, spec: PartitionEpochSpec) -> int:
-        """Rank 0 starts an epoch of a native pipeline split across ranks (idempotent);
-        returns the per-rank batch count."""
+    def agree_seed(self, epoch: int, seed: int) -> int:
+        """The epoch seed of an unseeded native loader's epoch, the same for every rank: the first
+        rank to ask proposes its draw (each rank's torch RNG may differ), the others get it."""
         self._last_call = time.monotonic()
         with self._lock:
+            agreed = self._seeds.setdefault(int(epoch), int(seed))
+            while len(self._seeds) > 16:
+                self._seeds.pop(next(iter(self._seeds)))
+            return agreed
+
+    def start_partition_epoch(self, spec: PartitionEpochSpec) -> int:
+        """Rank 0 starts an epoch of a native pipeline split across ranks (idempotent);
+        returns the per-rank batch count. An earlier epoch being rebuilt goes first, as in
+        :meth:`start_epoch`."""
+        self._last_call = time.monotonic()
+        with self._lock:
+            self._await_rebuilds(spec.epoch)
             if spec.epoch not in self._epochs:
                 ep = PartitionEpoch(spec, self._world_size, self._actor_cache, self._estimates,
                                      earlier=tuple(self._epochs.values()))
@@ -160,6 +163,24 @@ class SplitCoordinator(RebuildProtocol):
                 ep.start()
                 self._started.notify_all()
             return self._epochs[spec.epoch].spec.per_rank
+
+    def _await_rebuilds(self, epoch: int, timeout: float = 120.0) -> None:
+        """(Lock held) Wait until no epoch before ``epoch`` waits for the ranks' reports to be rebuilt.
+
+        Raises:
+            SbloaderError: some rank did not report within ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        while any(e < epoch for e in self._rebuilds):  # an entry leaves once rebuilt
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise SbloaderError(
+                    f"epoch {epoch} cannot start: the rebuild of an earlier epoch after the coordinator died "
+                    f"still waits for ranks that did not report within {timeout:.0f} s "
+                    f"({ {e: len(p['taken']) for e, p in self._rebuilds.items()} } rank(s) reported). "
+                    "Restart the job from the last checkpoint"
+                )
+            self._started.wait(timeout=min(remaining, 1.0))
 
     def block_refs(self, epoch: int, rank: int, consumed: int, pids: list, wait_s: float = 1.0) -> dict:
         """(A native pipeline's epoch) Acknowledge ``consumed`` batches of ``rank``, then the refs

@@ -119,9 +119,10 @@ class Pull:
                 if attempt == _MAX_REMAKES:
                     raise SbloaderError(f"rank {self.rank}: batch {batch_index} of epoch {self.epoch} was lost "
                                         f"{attempt + 1} times with the nodes that made it") from e
-                logger.warning("sbloader rank %d: batch %d of epoch %d was lost with the node that made it (%s); "
-                               "making it again from its provenance", self.rank, batch_index, self.epoch,
-                               type(e).__name__)
+                # the coordinator names the lost node once for the job; stats() counts the re-runs
+                logger.info("sbloader rank %d: batch %d of epoch %d was lost with the node that made it (%s); "
+                            "making it again from its provenance", self.rank, batch_index, self.epoch,
+                            type(e).__name__)
                 self.remade += 1
                 ref = ray.get(self.coord.remake.remote(self.epoch, batch_index))
         raise AssertionError("unreachable")

@@ -5,11 +5,16 @@ pipeline once for the job. Every rank cuts its batches from the cut plan all ran
 compute alike (:func:`~sbloader.core.cut.cut_plan`): it asks the coordinator for the
 refs of the blocks its next batches need, fetches them (zero-copy on its node) and
 keeps each while a later batch of its own takes rows from it (:func:`batches`).
+A coordinator that died (its node, or its process) is replaced: every rank reports
+how many of its batches it has cut, the new one runs the partitions still needed, and
+each rank goes on from where it was (:class:`Link`, ``rebuild.py``).
 """
 from __future__ import annotations
 
+import logging
 import time
-from typing import Any, Iterator, Optional, Protocol
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Protocol
 
 import numpy as np
 
@@ -22,8 +27,11 @@ from sbloader.core.plan import EpochPlan
 from sbloader.distributed.specs import PartitionEpochSpec
 from sbloader.executor.options import ExecutionOptions
 
+logger = logging.getLogger(__name__)
+
 _WAIT_S = 1.0  # one coordinator request waits at most this long for a block
 _AHEAD = 2  # batches whose blocks a rank asks for ahead of the one it cuts
+_MAX_REBUILDS = 3  # coordinators lost in one epoch before the rank gives up
 
 
 class RankSplit(Protocol):
@@ -47,6 +55,44 @@ def partition_spec(run: Any, source: Any, ops: tuple, options: ExecutionOptions,
                               {run.pids[place]: i for place, i in last_use(run.plan).items()})
 
 
+@dataclass
+class Link:
+    """A rank's way to its epoch's coordinator: the live handle, and how to replace a dead one.
+
+    Attributes:
+        coord: the coordinator now.
+        reconnect: finds (or creates) the job's coordinator anew; None: a lost one is fatal.
+        spec: the epoch's spec (rank 0's; the new coordinator plans the rebuild from it).
+        rebuilds: coordinators lost and rebuilt in this epoch.
+    """
+
+    coord: Any
+    reconnect: Optional[Callable[[], Any]] = None
+    spec: Optional[PartitionEpochSpec] = None
+    rebuilds: int = 0
+
+    def rebuild(self, run: Any, cut: int, cause: BaseException) -> None:
+        """The coordinator died: find its successor and report the ``cut`` batches this rank has
+        made of epoch ``run.epoch``; returns once every rank reported and the epoch runs again.
+
+        Raises:
+            SbloaderError: no way to reconnect, too many losses in one epoch, or the other
+                ranks did not report in time.
+        """
+        from sbloader.distributed.dropin_client import rebuild_epoch
+
+        self.rebuilds += 1
+        if self.reconnect is None or self.rebuilds > _MAX_REBUILDS:
+            raise SbloaderError(
+                f"rank {run.rank}: the split coordinator died ({type(cause).__name__}) {self.rebuilds} time(s) in "
+                f"epoch {run.epoch}. Restart the job and load the last checkpoint's loader state"
+            ) from cause
+        logger.warning("sbloader rank %d: coordinator lost (%s); rebuilding epoch %d from batch %d",
+                       run.rank, type(cause).__name__, run.epoch, cut)
+        self.coord = self.reconnect()
+        rebuild_epoch(self.coord, run.epoch, run.rank, list(range(cut)), self.spec if run.rank == 0 else None)
+
+
 def join(coord: Any, run: Any, spec: Optional[PartitionEpochSpec]) -> None:
     """Rank 0 (``spec`` given) starts the epoch; the others wait for it. Every rank checks it
     planned the same number of batches as rank 0."""
@@ -64,9 +110,11 @@ def join(coord: Any, run: Any, spec: Optional[PartitionEpochSpec]) -> None:
         )
 
 
-def batches(coord: Any, run: Any) -> Iterator[tuple[Batch, int]]:
+def batches(link: Any, run: Any) -> Iterator[tuple[Batch, int]]:
     """(Fetch thread) This rank's batches as ``(batch, index among its batches)``, from the
-    batch after the last one its loop took."""
+    batch after the last one its loop took. ``link``: a :class:`Link` (or a coordinator, which
+    is then not replaced when it dies)."""
+    link = link if isinstance(link, Link) else Link(link)
     mine = run.plan.for_rank(run.rank)
     offset = {place: run.base.taken.get(pid, 0) for place, pid in enumerate(run.pids)}
     last_mine: dict[int, int] = {}
@@ -85,20 +133,30 @@ def batches(coord: Any, run: Any) -> Iterator[tuple[Batch, int]]:
                     out.append(pid)
         return out
 
-    for j, b in enumerate(mine[run.taken:], start=run.taken):
+    j = run.taken
+    while j < len(mine):
+        b = mine[j]
         want = wanted(j)
         now = [run.pids[p.key] for p in _places(b)]
-        while any(pid not in refs and pid not in blocks for pid in now):
-            reply = _call(lambda: coord.block_refs.remote(run.epoch, run.rank, run.taken, want, _WAIT_S))
-            refs.update(reply["refs"])
-            want = [pid for pid in want if pid not in refs]
-        for pid in now:
-            if pid not in blocks:
-                blocks[pid] = _checked(ray.get(refs.pop(pid)), pid, run, offset)
+        try:
+            while any(pid not in refs and pid not in blocks for pid in now):
+                reply = _call(lambda: link.coord.block_refs.remote(run.epoch, run.rank, run.taken, want, _WAIT_S))
+                refs.update(reply["refs"])
+                want = [pid for pid in want if pid not in refs]
+            for pid in now:
+                if pid not in blocks:
+                    blocks[pid] = _checked(ray.get(refs.pop(pid)), pid, run, offset)
+        except (ray.exceptions.RayActorError, ray.exceptions.OwnerDiedError) as e:
+            # The coordinator died, and with it the blocks it owned that this rank had not
+            # fetched (those fetched stay in this process): the epoch is rebuilt from batch j.
+            link.rebuild(run, j, e)
+            refs.clear()
+            continue
         yield _assemble(b, run, blocks, offset), j
         for pid in [pid for pid, last in last_mine.items() if last == j]:
             blocks.pop(pid, None)
             refs.pop(pid, None)
+        j += 1
 
 
 def _call(send: Any, patience_s: float = 30.0) -> Any:
@@ -149,6 +207,13 @@ def _assemble(b: Any, run: Any, blocks: dict, offset: dict) -> Batch:
         first = make_batch(pieces)
         out.provenance, out.parts = first.provenance, first.parts
     return out
+
+
+def report_done(coord: Any, run: Any, spec: Optional[PartitionEpochSpec]) -> None:
+    """Tell a coordinator that replaced a dead one that this rank had cut all of epoch ``run.epoch``
+    (not waited for: the ranks still in that epoch rebuild it once every rank reported)."""
+    coord.rebuild.remote(run.epoch, run.rank, list(range(run.plan.per_rank)), spec if run.rank == 0 else None,
+                         120.0, False)
 
 
 def finish(coord: Any, epoch: int, rank: int, taken: int) -> None:

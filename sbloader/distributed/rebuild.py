@@ -9,6 +9,11 @@ is the rank side). :class:`RebuildProtocol` is a base of
 :class:`~sbloader.distributed.coordinator.SplitCoordinator` and uses its state
 (``_lock``, ``_started``, ``_epochs``, ``_rebuilds``, ``_rebuilt``...).
 
+A native pipeline's epoch split across ranks (:class:`~sbloader.distributed.specs.PartitionEpochSpec`)
+is rebuilt the same way (``pipeline_client`` is its rank side): each rank reports how
+many of its own batches it has cut; the partitions a rank still needs run again (a
+partition replays bit for bit) and each rank goes on cutting from where it was.
+
 A block lost while its coordinator lives (made on a node that died before a rank
 fetched it) is made again from its provenance instead: :meth:`RebuildProtocol.remake`.
 """
@@ -18,10 +23,12 @@ import time
 from dataclasses import replace
 from typing import Any, Optional
 
+from sbloader.core.cut import progress
 from sbloader.core.errors import SbloaderError
 from sbloader.core.plan import EpochPlan
 from sbloader.distributed.epoch import Epoch
-from sbloader.distributed.specs import EpochSpec
+from sbloader.distributed.partition_epoch import PartitionEpoch
+from sbloader.distributed.specs import EpochSpec, PartitionEpochSpec
 
 
 class RebuildProtocol:
@@ -39,7 +46,9 @@ class RebuildProtocol:
 
         Every rank reports the batches its training loop took (their bytes reached
         it; the rest died with the old coordinator, which owned them) and the
-        epoch's spec (only rank 0's counts; the others may send None). Once all ranks reported, the
+        epoch's spec (only rank 0's counts; the others may send None). For a native
+        pipeline's epoch (a :class:`PartitionEpochSpec`) ``taken`` is the rank's own
+        batches it has cut, ``0 .. n-1``: it goes on from batch ``n``. Once all ranks reported, the
         batches nobody took are planned again, each rank owed exactly what it
         still lacks of its count, and the ranks continue.
 
@@ -56,6 +65,10 @@ class RebuildProtocol:
         self._last_call = time.monotonic()
         deadline = time.monotonic() + timeout
         with self._lock:
+            if epoch in self._epochs and epoch not in self._rebuilds and epoch not in self._rebuilt:
+                # this coordinator runs the epoch: it did not die (the rank only lost touch with
+                # it for a while); nothing to rebuild, and no report left pending forever
+                return self._epochs[epoch].spec.per_rank if wait else None
             if epoch in self._rebuilt:  # a late report: the epoch was rebuilt (and maybe finished)
                 ep = self._epochs.get(epoch)
                 return ep.spec.per_rank if ep is not None and wait else None
@@ -89,6 +102,9 @@ class RebuildProtocol:
         """Start the part of ``spec`` that no rank took (called with the lock held)."""
         self._rebuilds.pop(epoch, None)
         self._rebuilt.add(epoch)
+        if isinstance(spec, PartitionEpochSpec):
+            self._start_rebuilt_partitions(epoch, spec, taken)
+            return
         done = {b for batches in taken.values() for b in batches}
         keep = [i for i in range(len(spec.plan.order)) if i not in done]
         plan = EpochPlan(spec.plan.epoch, spec.plan.epoch_seed, tuple(spec.plan.order[i] for i in keep),
@@ -98,6 +114,29 @@ class RebuildProtocol:
                           batch_index=tuple(keep))
         ep = Epoch(rebuilt, self._world_size, self._actor_cache, self._estimates,
                     earlier=tuple(self._epochs.values()), taken=taken, ledger=self._ledger)
+        self._epochs[epoch] = ep
+        ep.start()
+        self._started.notify_all()
+
+    def _start_rebuilt_partitions(self, epoch: int, spec: PartitionEpochSpec, taken: dict) -> None:
+        """(Lock held) Run again the partitions of a native split epoch some rank still needs.
+
+        Rank ``r`` has cut its first ``len(taken[r])`` batches; every later batch of every
+        rank has a cut index of at least :func:`~sbloader.core.cut.progress` of those
+        counts, so the partitions whose last use is below it are needed by no rank (the
+        blocks a rank already fetched stay in its process). A rank that had cut all its
+        batches counts as having left the epoch.
+        """
+        cut = [len(taken.get(r, ())) for r in range(self._world_size)]
+        passed = progress(cut)
+        keep = tuple(pid for pid in spec.plan.order if spec.last_use.get(pid, -1) >= passed)
+        plan = EpochPlan(spec.plan.epoch, spec.plan.epoch_seed, keep, spec.plan.shuffle)
+        ep = PartitionEpoch(replace(spec, plan=plan), self._world_size, self._actor_cache, self._estimates,
+                            earlier=tuple(self._epochs.values()))
+        for r, n in enumerate(cut):
+            if n >= spec.per_rank:
+                ep.logs[r].left = ep.logs[r].asked = True
+                ep.consumed[r] = spec.per_rank
         self._epochs[epoch] = ep
         ep.start()
         self._started.notify_all()

@@ -22,6 +22,21 @@ logger = logging.getLogger(__name__)
 UNKNOWN_NODE = "?"
 NODE_POLL_S = 2.0  # how often an execution looks at the cluster's nodes
 
+# Losses already warned about in this process: one line per lost node for the job, not one per
+# epoch's execution (a coordinator runs every epoch of its job; epoch 1's node watch would name
+# again the node epoch 0's calls lost).
+_WARNED: set[str] = set()
+
+
+def warn_once(tag: str, message: str, *args: Any) -> bool:
+    """Log ``message`` as a warning unless ``tag`` (a node id, or a kind of loss) was warned
+    about in this process already; True when it was logged."""
+    if tag in _WARNED:
+        return False
+    _WARNED.add(tag)
+    logger.warning(message, *args)
+    return True
+
 
 class Reruns:
     """The re-runs of one execution.
@@ -57,10 +72,9 @@ class Reruns:
         if tag not in self._warned:
             self._warned.add(tag)
             first = (str(error).strip().splitlines() or [""])[0][:160]
-            logger.warning(
-                "sbloader epoch %d: lost node %s (a %r call failed: %s: %s); its partitions run again on the other "
-                "nodes from their provenance, and pools regrow there", self._epoch, where if node else "(unknown)",
-                stage_name, type(error).__name__, first)
+            warn_once(tag, "sbloader epoch %d: lost node %s (a %r call failed: %s: %s); its partitions run again on "
+                      "the other nodes from their provenance, and pools regrow there", self._epoch,
+                      where if node else "(unknown)", stage_name, type(error).__name__, first)
 
     def watch_nodes(self, pools: Any = None, now: Optional[float] = None, nodes: Optional[list] = None) -> bool:
         """Look at the cluster's nodes (at most every :data:`NODE_POLL_S`): a node gone is named
@@ -95,8 +109,8 @@ class Reruns:
                 self._stats.lost_nodes.append(node)
             if node not in self._warned:
                 self._warned.add(node)
-                logger.warning("sbloader epoch %d: lost node %s (it left the cluster); the work it held runs "
-                               "again on the other nodes", self._epoch, node)
+                warn_once(node, "sbloader epoch %d: lost node %s (it left the cluster); the work it held runs "
+                          "again on the other nodes", self._epoch, node)
         for node in sorted(alive - before):
             logger.info("sbloader epoch %d: node %s joined the cluster; work is placed on it", self._epoch, node)
         return bool(alive - before)

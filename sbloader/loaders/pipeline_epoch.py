@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Protocol
+from typing import Any, Callable, Iterator, Optional, Protocol
 
 from sbloader.core.ops import Op
 from sbloader.core.plan import EpochPlan, make_epoch_plan
@@ -92,12 +92,15 @@ class Carry:
         counted_rows: rows the last complete epoch delivered (``len()`` of a pipeline
             that may change the row count).
         stats: the latest epoch's execution statistics.
+        last_split: (split across ranks) the last epoch this rank cut to its end and its spec
+            (rank 0's): a coordinator lost after it is told, so the ranks still in it go on.
     """
 
     actor_cache: Optional[dict] = None
     estimates: Optional[list] = None
     counted_rows: Optional[int] = None
     stats: Optional[ExecutionStats] = field(default=None)
+    last_split: Optional[tuple] = None
 
 
 def epoch_plan(source: Source, epoch: int, epoch_seed: int, shuffle: bool) -> EpochPlan:
@@ -163,13 +166,17 @@ def local_epoch(pipeline: Pipeline, settings: PipelineSettings, run: PipelineRun
 
 
 def split_epoch(pipeline: Pipeline, settings: PipelineSettings, run: SplitRun, coordinator: Any,
-                carry: Carry) -> EpochIterator:
-    """One rank's epoch of a job: the job's pipeline on its coordinator, this rank's batches cut here."""
+                carry: Carry, reconnect: Optional[Callable[[], Any]] = None) -> EpochIterator:
+    """One rank's epoch of a job: the job's pipeline on its coordinator, this rank's batches cut here.
+
+    ``reconnect`` finds the job's coordinator anew after it died (its node or its process):
+    the ranks rebuild the epoch on the new one (:class:`~sbloader.distributed.pipeline_client.Link`).
+    """
     stalls = StallStats()
     carry.stats = None
+    link = pipeline_client.Link(coordinator, reconnect)
 
     def produce() -> Iterator[Delivery]:
-        spec = None
         if run.rank == 0:
             plan = EpochPlan(run.epoch, run.base.epoch_seed, run.pids, settings.shuffle)
             ahead = settings.prefetch_for(pipeline.source, plan) + run.plan.world_size * (
@@ -177,23 +184,45 @@ def split_epoch(pipeline: Pipeline, settings: PipelineSettings, run: SplitRun, c
             options = options_here(memory_budget=settings.memory_budget, deterministic=settings.deterministic,
                                    prefetch_blocks=ahead, progress=False,
                                    allow_trainer_node=settings.allow_trainer_node)
-            spec = pipeline_client.partition_spec(run, pipeline.source, pipeline.ops, options, settings.shuffle)
-        pipeline_client.join(coordinator, run, spec)
-        for batch, _ in pipeline_client.batches(coordinator, run):
+            link.spec = pipeline_client.partition_spec(run, pipeline.source, pipeline.ops, options,
+                                                       settings.shuffle)
+        try:
+            pipeline_client.join(link.coord, run, link.spec)
+        except ray_actor_error() as e:
+            # The coordinator died after this rank had cut all of its previous epoch: say so to
+            # the new one (ranks still in that epoch wait for every rank's report), then join.
+            last = carry.last_split
+            if reconnect is None:
+                raise
+            link.coord = reconnect()
+            if last is not None:
+                pipeline_client.report_done(link.coord, last[0], last[1])
+            pipeline_client.join(link.coord, run, link.spec)
+        for batch, _ in pipeline_client.batches(link, run):
             t0 = time.perf_counter()
             out = columns_as_tensors(batch, settings.tensors)
             stalls.fetch_s += time.perf_counter() - t0
             yield Delivery(out, 1)
+        carry.last_split = (run, link.spec)
 
     def closed() -> None:
-        pipeline_client.finish(coordinator, run.epoch, run.rank, run.taken)
-        carry.stats = pipeline_client.stats(coordinator, run.epoch)
+        pipeline_client.finish(link.coord, run.epoch, run.rank, run.taken)
+        carry.stats = pipeline_client.stats(link.coord, run.epoch)
         if run.plan.narrowed and carry.stats is not None:
             carry.stats.shuffle_note = narrowed_note(settings.window, run.plan.widest, len(run.base.order))
-        stalls.note_failures(carry.stats)
+        if carry.stats is not None:
+            carry.stats.rebuilt_coordinators += link.rebuilds
+        stalls.note_failures(carry.stats, link.rebuilds)
 
     return EpochIterator(produce(), run, ahead=max(1, settings.prefetch_blocks), stalls=stalls,
                          to_device=_device_copy(settings), on_close=closed)
+
+
+def ray_actor_error() -> type:
+    """Ray's error for a call on an actor that died (imported late: Ray loads on first use)."""
+    import ray
+
+    return ray.exceptions.RayActorError
 
 
 def narrowed_note(spec: WindowSpec, widest: int, partitions: int) -> str:

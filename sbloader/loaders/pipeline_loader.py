@@ -215,6 +215,24 @@ class PipelineLoader:
                                                 w.restart_count, rank=w.rank)
         return self._coordinator
 
+    def _job_seed(self, base: PipelineRun, coordinator: Any) -> PipelineRun:
+        """A fresh unseeded epoch with the seed every rank uses (the first rank's draw): the ranks
+        cut their batches from one plan, and each rank's torch RNG may draw another seed."""
+        if self.seed is not None or base.done or base.taken or base.batches:
+            return base  # seeded, or resumed from a state every rank loaded alike
+        import ray
+
+        seed = ray.get(coordinator.agree_seed.remote(base.epoch, base.epoch_seed))
+        if seed == base.epoch_seed:
+            return base
+        plan = epoch_plan(self.dataset.source, base.epoch, seed, self.shuffle)
+        return PipelineRun(plan.epoch, plan.epoch_seed, order=plan.order)
+
+    def _reconnect(self) -> Any:
+        """The job's coordinator anew, after the one this loader had died."""
+        self._coordinator = None
+        return self._split_coordinator()
+
     def __iter__(self) -> EpochIterator:
         previous = self._iterator() if self._iterator is not None else None
         if previous is not None:  # a new epoch while the last one's iterator lives on: end that one
@@ -224,6 +242,7 @@ class PipelineLoader:
             it = local_epoch(self.dataset, self.settings, base, self._carry)
         else:
             coordinator = self._split_coordinator()  # joins the job's Ray: the default budget reads it
+            base = self._job_seed(base, coordinator)
             sizes = sizes_of(self.dataset.source, base.epoch, base.epoch_seed, self.shuffle)
             window = shuffle_window.split_window(self.settings.window, base, self.dataset.source,
                                                  shuffle_window.default_budget(self.settings.memory_budget))
@@ -232,7 +251,7 @@ class PipelineLoader:
             if run.plan.narrowed:
                 shuffle_window.warn_once(self.dataset, narrowed_note(self.settings.window, run.plan.widest,
                                                                      len(base.order)))
-            it = run_split_epoch(self.dataset, self.settings, run, coordinator, self._carry)
+            it = run_split_epoch(self.dataset, self.settings, run, coordinator, self._carry, self._reconnect)
         self._run, self._stalls, self._iterator = it.run, it.stalls, weakref.ref(it)
         return it
 

@@ -11,9 +11,11 @@ what to do when it does not.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
-from typing import Optional
+import sys
+from typing import Iterator, Optional
 
 from sbloader.core.errors import SbloaderError
 
@@ -74,14 +76,39 @@ def _refused(exc: BaseException) -> bool:
     return "AuthToken" in str(exc) or type(exc).__name__ == "AuthenticationError"
 
 
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Send this process's file descriptor 2 to /dev/null for the duration (Ray's C++ client logs
+    straight to it: a probe that expects a refusal must not print ``InvalidAuthToken`` lines)."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no usable stderr: nothing to hide
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def token_accepted(address: str) -> bool:
-    """Whether the cluster at ``address`` accepts this process as it is (False only on an auth refusal)."""
+    """Whether the cluster at ``address`` accepts this process as it is (False only on an auth refusal).
+
+    A probe: a refusal is expected where a token exists but token mode is off, and what
+    Ray's client logs about it (``gcs_client.cc ... InvalidAuthToken``, twice) is not shown;
+    :func:`check_token` reports a refusal that remains.
+    """
     try:
         from ray._raylet import GcsClient
     except ImportError:
         return True
     try:
-        GcsClient(address=address)
+        with _quiet_stderr():
+            GcsClient(address=address)
     except Exception as exc:
         if _refused(exc):
             return False

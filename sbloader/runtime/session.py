@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, TypeVar
 
 from sbloader.runtime import join as _join
+from sbloader.runtime import ray_chatter as _chatter
 from sbloader.runtime import reaper as _reaper
 from sbloader.runtime import rendezvous as _rendezvous
 from sbloader.runtime.world import World
@@ -229,6 +230,7 @@ def init(
             with _Quiet():
                 ray.init(address=_join.prepare(address), **kwargs)
             embedded = False
+        _chatter.install()  # Ray's retry and node-death lines: sbloader reports a loss in one line
         ctx = ray.get_runtime_context()
         info = RuntimeInfo(address=ctx.gcs_address, embedded=embedded, node_id=ctx.get_node_id())
         _STATE.update(owned=embedded, info=info)

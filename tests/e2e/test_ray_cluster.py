@@ -111,10 +111,11 @@ class Cluster:
             self.stop()
             raise
 
-    def add_node(self, cpus: int, resources: str | None = None) -> str:
-        """Join one more node with ``ray start --address``; returns its node id."""
+    def add_node(self, cpus: int, resources: str | None = None, temp_dir: str | None = None) -> str:
+        """Join one more node with ``ray start --address``; returns its node id. ``temp_dir``: its own
+        session and log directory, as on another machine (by default it shares the head's)."""
         known = set(self._raylets())
-        extra = [f"--resources={resources}"] if resources else []
+        extra = ([f"--resources={resources}"] if resources else []) + ([f"--temp-dir={temp_dir}"] if temp_dir else [])
         node = subprocess.run(
             [sys.executable, str(RAY_CLI), "start", f"--address={self.address}", "--node-ip-address=127.0.0.1",
              f"--num-cpus={cpus}", *extra, "--dashboard-agent-listen-port=0", "--metrics-export-port=0"],

@@ -1,0 +1,61 @@
+"""The split coordinator's process dies mid-epoch: the ranks rebuild it and lose nothing (issue #46).
+
+``tests/scripts/coordinator_kill_job.py`` under ``torchrun --standalone`` (2 ranks, one
+embedded Ray): rank 0 SIGKILLs the coordinator actor's process (by its pid) after 6 of
+its 30 batches of epoch 0, the ranks stepping in lockstep. The job must exit 0, every
+sample exactly once per epoch, the same count on every rank, a new coordinator process
+in use, and the loader's ``stats()`` must say one coordinator was rebuilt.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "tests" / "scripts" / "coordinator_kill_job.py"
+ROWS, BATCH, WORLD = 480, 8, 2
+TIMEOUT_S = 240
+
+
+def run_job(out: Path, *args: str, script: Path = SCRIPT) -> tuple[int, str]:
+    """``torchrun --standalone --nproc-per-node=2 script --out OUT *args``: (exit code, output)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.pop("RAY_ADDRESS", None)  # the job starts its own embedded Ray
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
+           "--max-restarts=0", str(script), "--out", str(out), *args]
+    with open(out / "output.txt", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = -9
+    return rc, (out / "output.txt").read_text(errors="replace")
+
+
+@pytest.mark.parametrize("mode", ["native", "dropin"])
+def test_coordinator_process_killed_mid_epoch_is_rebuilt_exactly_once(tmp_path, mode):
+    rc, output = run_job(tmp_path, "--mode", mode, "--rows", str(ROWS), "--kill-at", "6")
+    assert rc == 0, f"the job failed (exit {rc}) after its coordinator's process was killed:\n{output[-4000:]}"
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    per_rank = ROWS // BATCH // WORLD
+    killed = ranks[0].get("killed_pid")
+    assert killed, "rank 0 did not kill the coordinator's process: the test proves nothing"
+    assert ranks[0]["final_pid"] != killed, "the coordinator in use at the end is the killed process"
+    for epoch in range(2):
+        counts = [len(lg["epochs"][epoch]["batches"]) for lg in ranks]
+        assert counts == [per_rank] * WORLD == [lg["len"] for lg in ranks], \
+            f"epoch {epoch}: batches per rank {counts}, expected {per_rank} on every rank"
+        ids = sorted(i for lg in ranks for b in lg["epochs"][epoch]["batches"] for i in b)
+        assert ids == list(range(ROWS)), \
+            f"epoch {epoch}: {len(ids)} ids, {len(set(ids))} distinct; missing {sorted(set(range(ROWS)) - set(ids))[:10]}"
+    stats0 = " ".join(lg["epochs"][0]["stats"] for lg in ranks)
+    assert "1 coordinator(s) rebuilt" in stats0, f"stats() does not report the rebuild: {stats0[-600:]}"
