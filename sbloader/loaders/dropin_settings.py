@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Tuple
 
 from sbloader.core.ops import Op
 from sbloader.core.stats import ExecutionStats
@@ -108,9 +108,7 @@ class DropinSettings:
         return report
 
     def warm_key(self) -> tuple:
-        """What this loader's pool actors are started with (:func:`~sbloader.loaders.warm_workers.pool_key`)."""
-        from sbloader.loaders.warm_workers import pool_key
-
+        """What this loader's pool actors are started with (:func:`pool_key`)."""
         return pool_key(self.num_workers, self.worker_num_cpus, self.worker_resources, self.allow_trainer_node)
 
     def tensors(self) -> TensorOptions:
@@ -162,6 +160,11 @@ class DropinCarry:
             warm.hand_to_process(self)
         except Exception:  # the interpreter is tearing down (module globals gone): Ray went before
             pass
+
+
+def pool_key(num_workers: int, num_cpus: float, resources: Optional[dict], allow_trainer_node: bool) -> Tuple:
+    """What a pool's actors were started with: two loaders with the same key can share them."""
+    return (max(1, num_workers), float(num_cpus), tuple(sorted((resources or {}).items())), bool(allow_trainer_node))
 
 
 _CARRIES: "weakref.WeakSet[DropinCarry]" = weakref.WeakSet()  # the drop-in loaders of this process

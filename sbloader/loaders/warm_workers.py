@@ -44,11 +44,6 @@ _IDLE_LOCK = threading.Lock()
 _IDLE: dict = {}  # key -> (actor cache, its idle timer): the warm actors of dropped loaders
 
 
-def pool_key(num_workers: int, num_cpus: float, resources: Optional[dict], allow_trainer_node: bool) -> Tuple:
-    """What a pool's actors were started with: two loaders with the same key can share them."""
-    return (max(1, num_workers), float(num_cpus), tuple(sorted((resources or {}).items())), bool(allow_trainer_node))
-
-
 def park(key: Any, cache: dict) -> None:
     """Idle actors (an actor cache) wait in the process's idle pool under ``key`` for the next user of
     the same key, and are killed after the idle time; killed at once when that key is taken already."""
