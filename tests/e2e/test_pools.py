@@ -41,6 +41,7 @@ def test_pools_on_two_cpus_never_starve_their_reads(tmp_path):
             assert epoch["pool"]["limit"] == limit, epoch["report"]
         # a pool that reads grows at once to its limit (many partitions queued); the second epoch builds none
         assert first["pool"]["created"] == limit and second["pool"]["created"] == 0, (name, run)
+        assert run["kept"] == first["pool"]["created"], run  # every actor built is kept for the next epoch
         assert run["built"] == first["pool"]["created"]  # constructed once each, counted by the class itself
         assert f"(limit {limit}), 0 retired, 0 lost" in first["report"]
     assert out["default"]["epochs"][0]["stages"] == ["ReadImages->MapBatches(Crop)"]

@@ -118,10 +118,13 @@ def starve(work: str) -> dict:
             st = ex.stats()
             epochs.append({"rows": len(paths), "distinct": len(set(paths)), "pool": _pool(st, "Crop"),
                            "stages": [o.name for o in st.operators], "report": str(st)})
-        out[name] = {"epochs": epochs, "built": _built(built, "Crop")}
-        for handles in cache.values():
-            for handle in handles:
-                ray.kill(getattr(handle, "handle", handle))
+        # An actor the pool created may still be constructing when the epoch ends (its reads were
+        # done by the others): count the constructions once every kept actor is constructed.
+        handles = [getattr(h, "handle", h) for kept in cache.values() for h in kept]
+        ray.get([h.ready.remote() for h in handles], timeout=300)
+        out[name] = {"epochs": epochs, "built": _built(built, "Crop"), "kept": len(handles)}
+        for handle in handles:
+            ray.kill(handle)
     return out
 
 
