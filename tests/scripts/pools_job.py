@@ -1,4 +1,4 @@
-"""Actor pools on a Ray of their own: ``python pools_job.py SCENARIO WORKDIR``.
+"""Actor pools on a Ray of their own: ``python pools_job.py SCENARIO[,SCENARIO...] WORKDIR``.
 
 Scenarios (each prints one JSON line):
 
@@ -190,10 +190,15 @@ def gpu2(work: str) -> dict:
 
 
 def main() -> None:
-    scenario, work = sys.argv[1], sys.argv[2]
-    out = {"starve": starve, "cold": cold, "gpu1": gpu1, "gpu2": gpu2}[scenario](work)
-    out["scenario"] = scenario
-    print(json.dumps(out), flush=True)
+    """``SCENARIO[,SCENARIO...] WORKDIR``: scenarios that share a Ray's shape run in one process
+    (``starve,cold``: one fresh 2-CPU Ray instead of two), each printing its line."""
+    scenarios, work = sys.argv[1].split(","), sys.argv[2]
+    for scenario in scenarios:
+        sub = os.path.join(work, scenario)
+        os.makedirs(sub, exist_ok=True)
+        out = {"starve": starve, "cold": cold, "gpu1": gpu1, "gpu2": gpu2}[scenario](sub)
+        out["scenario"] = scenario
+        print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":
