@@ -14,7 +14,6 @@ import os
 import resource
 import subprocess
 import sys
-import tempfile
 from typing import Any
 
 from benchmarks.harness import CLK_TCK, ROOT, Outcome, Plan, _read_stat, descendants, run_interleaved
@@ -71,7 +70,7 @@ def job(name: str, p: dict, data: str, cluster: Any) -> dict:
     kids1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     out = json.loads(lines[-1])
     if cluster is not None:  # the cluster's processes are outside this process tree
-        out["cpu_s"] = (_cpu_s(cluster.daemons() & daemons) - cpu0
+        out["cpu_s"] = (_cpu_s(cluster.daemons()) - cpu0  # workers started during the run count whole
                         + kids1.ru_utime + kids1.ru_stime - kids0.ru_utime - kids0.ru_stime)
     return {"samples_per_s": out["steady_samples_per_s"] or out["samples_per_s"],
             "stall_fraction": out["stall_fraction"], "first_batch_s": out["first_batch_s"],
