@@ -108,7 +108,7 @@ def main() -> None:
         source = raydata_source(args, dataset_path(args), cfg["raydata_block_kib"])
     r = train(args, 0, 1, device, source=source)
     print(json.dumps({k: r[k] for k in ("samples_per_s", "steady_samples_per_s", "stall_fraction",
-                                        "first_batch_s", "steps_run", "wall_s")}), flush=True)
+                                        "first_batch_s", "steps_run", "wall_s", "wait_s")}), flush=True)
 
 
 if __name__ == "__main__":
