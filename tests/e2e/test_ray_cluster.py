@@ -228,10 +228,9 @@ def test_two_rank_job_joins_with_ray_address_reads_on_both_nodes_and_leaves_noth
 def _fails_fast(cluster: Cluster, env: dict, expect: str) -> None:
     """The first use of sbloader fails with ``expect`` within seconds (timed from the call, after the imports).
 
-    The bound is 30 s: sbloader's own checks answer in under a second, or within their
-    5 s connect timeout, on a quiet machine; Ray left alone retries for a minute or hangs.
-    30 s holds that difference on a machine loaded many times over (a tighter bound
-    measured the load, not the behaviour)."""
+    The bound is 30 s: sbloader's own checks answer within their 5 s connect timeout on a
+    quiet machine, and the behaviour checked is an error instead of a hang; 30 s keeps that
+    on a machine loaded many times over (10 s measured the load, not the behaviour)."""
     code = ("import sys, time, sbloader\n"
             "t0 = time.monotonic()\n"
             "try:\n"
