@@ -1,4 +1,5 @@
-"""The image workload of ``bench_images.py``, importable by every contender's processes.
+"""The JPEG crop workload (one module for every scenario that reads JPEGs), importable by
+every contender's processes.
 
 JPEG decode, random-resized-crop to 224x224, random flip, uint8 CHW, batches of 64:
 ``sbloader/transforms.py``'s ``decode_crop_flip`` (or, after a reader that already
@@ -64,24 +65,9 @@ def crop_flip(arr: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return T.to_chw(T.random_flip(out, rng))
 
 
-def decode_then_crop(path: str, rng: np.random.Generator) -> np.ndarray:
-    """What ``read_images(...).map_batches(crop_flip)`` computes for one file, in one
-    process: the whole image decoded to an ``HxWx3`` array by ``read_images``' own
-    decode (``sbloader.sources.images._decode``: most JPEGs by libjpeg-turbo straight into
-    the array), then :func:`crop_flip`. The calibration's bound for that pipeline."""
-    from sbloader.sources.images import _decode
-
-    return crop_flip(_decode(path, None, "RGB"), rng)
-
-
 def labels_of(paths: Sequence[str]) -> np.ndarray:
     """The class indices of a batch's paths."""
     return np.array([label_of(p) for p in paths], dtype=np.int64)
-
-
-def decode_stack(encoded: Sequence[Any], rng: np.random.Generator) -> np.ndarray:
-    """Decode, crop and flip every encoded image of a batch: ``Nx3x224x224`` uint8."""
-    return np.stack([T.decode_crop_flip(b, SIZE, rng) for b in encoded])
 
 
 # ----- the function alone (ceiling) and the Pool --------------------------------
@@ -90,12 +76,6 @@ def preprocess_paths(paths: Sequence[str]) -> dict[str, np.ndarray]:
     """One batch as every loader delivers it: stacked images and labels."""
     rng = process_rng()
     return {"image": np.stack([load_file(p, rng) for p in paths]), "label": labels_of(paths)}
-
-
-def preprocess_paths_decoded(paths: Sequence[str]) -> dict[str, np.ndarray]:
-    """:func:`preprocess_paths` as ``read_images`` + ``crop_flip`` compute it (:func:`decode_then_crop`)."""
-    rng = process_rng()
-    return {"image": np.stack([decode_then_crop(p, rng) for p in paths]), "label": labels_of(paths)}
 
 
 # ----- torch map-style Dataset (torch's DataLoader and sbloader's drop-in) ----------
@@ -135,12 +115,9 @@ def shm_stacking_collate(samples: Sequence[Any]) -> Any:
 
 # ----- sbloader native pipelines --------------------------------------------------
 
-def sbl_crop_flip_batch(batch: dict) -> dict:
-    """``read_images(...).map_batches(this)``: crop and flip the decoded images."""
-    import sbloader
-
-    rng = sbloader.get_context().rng
-    return {"image": np.stack([crop_flip(a, rng) for a in batch["image"]]), "label": labels_of(batch["path"])}
+def decode_stack(encoded: Sequence[Any], rng: np.random.Generator) -> np.ndarray:
+    """Decode, crop and flip every encoded image of a batch: ``Nx3x224x224`` uint8."""
+    return np.stack([T.decode_crop_flip(b, SIZE, rng) for b in encoded])
 
 
 def sbl_decode_files_batch(batch: dict) -> dict:
@@ -148,54 +125,6 @@ def sbl_decode_files_batch(batch: dict) -> dict:
     import sbloader
 
     return {"image": decode_stack(batch["image"], sbloader.get_context().rng), "label": labels_of(batch["path"])}
-
-
-def sbl_decode_batch(batch: dict) -> dict:
-    """``read_parquet(...).map_batches(this)``: decode the binary column, crop, flip."""
-    import sbloader
-
-    return {"image": decode_stack(batch["image"], sbloader.get_context().rng),
-            "label": np.asarray(batch["label"], dtype=np.int64)}
-
-
-# ----- Ray Data ---------------------------------------------------------------------
-
-def rd_crop_flip_batch(batch: dict) -> dict:
-    """``ray.data.read_images(...).map_batches(this)``."""
-    rng = process_rng()
-    return {"image": np.stack([crop_flip(a, rng) for a in batch["image"]]), "label": labels_of(batch["path"])}
-
-
-def rd_decode_batch(batch: dict) -> dict:
-    """``ray.data.read_parquet(...).map_batches(this)``."""
-    return {"image": decode_stack(batch["image"], process_rng()), "label": np.asarray(batch["label"], dtype=np.int64)}
-
-
-# ----- the consumer's CPU work ------------------------------------------------------
-
-_W: dict[str, Any] = {}
-
-
-def cpu_work(x: Any) -> float:
-    """Consumer mode (b): the batch as float and its mean, plus a 768x768 matmul (~10 ms of
-    CPU on one thread).
-
-    The float copy goes into a buffer kept from one call to the next, as a training
-    step's allocator would: a fresh ``x.float()`` (38.5 MB) is served either by new pages
-    (page faults and zeroing: ~6.7 ms) or by a free block of the process's heap (none),
-    depending on what the process allocated before, so the same work cost 3.9 ms in one
-    contender's process and 10 ms in another's (bench_images, 2026-11-22 18:50 run)."""
-    import torch
-
-    w = _W.get("w")
-    if w is None:
-        w = _W["w"] = torch.randn(768, 768, generator=torch.Generator().manual_seed(0))
-    buf = _W.get("buf")
-    if buf is None or buf.shape != x.shape:
-        buf = _W["buf"] = torch.empty(x.shape, dtype=torch.float32)
-    buf.copy_(x)
-    s = buf.mean()
-    return float(s + (w @ w).sum() * 0)
 
 
 # ----- the crop decode (issue #29): before (whole decode) and after (window decode) ----

@@ -22,6 +22,5 @@ from .rounds import (cpu_ms_per_item, fmt_range, interleave, interleave_order, m
 from .scenario import Outcome, Plan
 from .trials import Trial, Trials, paired_ratios, run_interleaved, table_rows
 
-_version = version  # the name the older benchmark scripts use
 
 __all__ = [n for n in dir() if not n.startswith("__")]

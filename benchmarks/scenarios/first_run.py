@@ -1,6 +1,6 @@
 """A new user's first run: a fresh Python process that imports the loader and takes
 the first batch of a ``DataLoader(list(range(1000)), batch_size=32, shuffle=True,
-num_workers=2)`` (``benchmarks/first_batch.py``): sbloader (its embedded Ray starts
+num_workers=2)`` (the README's first-run figure): sbloader (its embedded Ray starts
 here) against torch's DataLoader, same arguments. Seconds from the import to the
 first batch, measured inside the process; the process's whole life beside it."""
 from __future__ import annotations
@@ -57,5 +57,5 @@ def run(**p: Any) -> Outcome:
                               "torch": lambda: fresh("torch.utils.data")}, p["rounds"])
     return Outcome(trials, "first_batch_s", "s", higher_is_better=False, baseline="torch",
                    extra=("import_s", "process_s"),
-                   notes=["the same snippet as benchmarks/first_batch.py; process_s includes the interpreter's start "
+                   notes=["the README's first-run snippet; process_s includes the interpreter's start "
                           "and sbloader's shutdown of its embedded Ray"])

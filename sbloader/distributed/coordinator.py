@@ -13,7 +13,7 @@ and the end (:mod:`~sbloader.distributed.late_ranks`).
 
 ``SBLOADER_NO_LEDGER=1`` in the environment of the rank that creates the
 coordinator switches the ledger off (an internal switch, for
-``benchmarks/bench_resume.py`` to measure what the ledger costs): the coordinator
+measuring what the ledger costs, ``benchmarks/results/resume.md``): the coordinator
 then keeps only counts, and ``state_dict()`` raises.
 """
 from __future__ import annotations

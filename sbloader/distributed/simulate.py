@@ -228,7 +228,7 @@ def simulate(cfg: SimConfig, hosts: int = 1, kill_after_s: Optional[float] = Non
         lead_s: seconds between creating the hosts and the ranks' common start.
 
     Returns:
-        A JSON-serialisable dict (see ``benchmarks/bench_coordinator_scale.py``).
+        A JSON-serialisable dict (figures of it: ``benchmarks/results/coordinator_scale.md``).
     """
     coord = new_coordinator(cfg, 0)
     spec = cfg.spec()

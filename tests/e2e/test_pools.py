@@ -11,19 +11,29 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts", "pools_job.py")
 
 
 def _run(scenario: str, tmp_path) -> dict:
+    """Run the comma-separated ``scenario`` in one process; returns each one's JSON by name."""
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     proc = subprocess.run([sys.executable, SCRIPT, scenario, str(tmp_path)], capture_output=True, text=True,
-                          timeout=300, cwd=str(tmp_path), env=env)
-    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
-    assert len(lines) == 1, f"pools job {scenario} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
-    return lines[0]
+                          timeout=480, cwd=str(tmp_path), env=env)
+    lines = {d["scenario"]: d for d in (json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{"))}
+    want = scenario.split(",")
+    assert sorted(lines) == sorted(want), f"pools job {scenario} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
+    return lines
 
 
-def test_pools_on_two_cpus_never_starve_their_reads(tmp_path):
+@pytest.fixture(scope="module")
+def two_cpu_runs(tmp_path_factory):
+    """``starve`` and ``cold``: both on a fresh 2-CPU Ray, one process for the two."""
+    return _run("starve,cold", tmp_path_factory.mktemp("pools"))
+
+
+def test_pools_on_two_cpus_never_starve_their_reads(two_cpu_runs):
     """The issue's case on a fresh 2-CPU Ray: a JPEG read feeding a callable class.
 
     With default concurrency the pool takes the read in (its actors read their
@@ -31,7 +41,7 @@ def test_pools_on_two_cpus_never_starve_their_reads(tmp_path):
     ``concurrency=(1, 2)`` a read stage of its own feeds the pool, which stops at one
     actor so that the read stage keeps the other CPU. Either way no actor is retired,
     none is built twice, and every image comes once per epoch."""
-    out = _run("starve", tmp_path)
+    out = two_cpu_runs["starve"]
     for name, limit in (("default", 2), ("bounded", 1)):
         run = out[name]
         first, second = run["epochs"]
@@ -41,14 +51,15 @@ def test_pools_on_two_cpus_never_starve_their_reads(tmp_path):
             assert epoch["pool"]["limit"] == limit, epoch["report"]
         # a pool that reads grows at once to its limit (many partitions queued); the second epoch builds none
         assert first["pool"]["created"] == limit and second["pool"]["created"] == 0, (name, run)
+        assert run["kept"] == first["pool"]["created"], run  # every actor built is kept for the next epoch
         assert run["built"] == first["pool"]["created"]  # constructed once each, counted by the class itself
         assert f"(limit {limit}), 0 retired, 0 lost" in first["report"]
     assert out["default"]["epochs"][0]["stages"] == ["ReadImages->MapBatches(Crop)"]
     assert out["bounded"]["epochs"][0]["stages"] == ["ReadImages", "MapBatches(Crop)"]
 
 
-def test_cold_pool_of_one_to_two_constructs_at_most_two(tmp_path):
-    out = _run("cold", tmp_path)
+def test_cold_pool_of_one_to_two_constructs_at_most_two(two_cpu_runs):
+    out = two_cpu_runs["cold"]
     assert out["ids"]
     assert 1 <= out["built"] <= 2 and out["pool"]["created"] <= 2, out
     assert out["pool"]["retired"] == 0, out
@@ -58,7 +69,7 @@ def test_cold_pool_of_one_to_two_constructs_at_most_two(tmp_path):
 def test_gpu_pool_holds_no_cpu_on_a_logical_gpu(tmp_path):
     """``ray.init(num_gpus=1)`` without a GPU: the GPU actor holds the GPU and no CPU, so the
     read stage keeps both CPUs; every row once."""
-    out = _run("gpu1", tmp_path)
+    out = _run("gpu1", tmp_path)["gpu1"]
     assert out["ids"]
     assert out["gpu_actor_cpus"] == [0.0]
     assert out["pool"]["created"] == 1 and out["pool"]["limit"] == 1 and out["built"] == 1
@@ -66,7 +77,7 @@ def test_gpu_pool_holds_no_cpu_on_a_logical_gpu(tmp_path):
 
 
 def test_gpu_pool_stays_on_the_gpu_node_cpu_stages_run_on_both(tmp_path):
-    out = _run("gpu2", tmp_path)
+    out = _run("gpu2", tmp_path)["gpu2"]
     assert out["ids"]
     assert out["gpu_nodes"] == [out["gpu_node"]], out
     assert out["gpu_actor_cpus"] == [0.0]

@@ -227,7 +227,11 @@ def test_two_rank_job_joins_with_ray_address_reads_on_both_nodes_and_leaves_noth
 
 
 def _fails_fast(cluster: Cluster, env: dict, expect: str) -> None:
-    """The first use of sbloader fails with ``expect`` within 10 s (timed from the call, after the imports)."""
+    """The first use of sbloader fails with ``expect`` within seconds (timed from the call, after the imports).
+
+    The bound is 30 s: sbloader's own checks answer within their 5 s connect timeout on a
+    quiet machine, and the behaviour checked is an error instead of a hang; 30 s keeps that
+    on a machine loaded many times over (10 s measured the load, not the behaviour)."""
     code = ("import sys, time, sbloader\n"
             "t0 = time.monotonic()\n"
             "try:\n"
@@ -239,7 +243,7 @@ def _fails_fast(cluster: Cluster, env: dict, expect: str) -> None:
     assert proc.returncode != 0
     assert expect in proc.stderr, proc.stderr[-3000:]
     took = float(proc.stderr.split("TOOK ")[1].split()[0])
-    assert took < 10, f"failed after {took:.1f} s"
+    assert took < 30, f"failed after {took:.1f} s"
 
 
 def test_a_wrong_token_fails_within_seconds_saying_how_to_give_it(cluster):
@@ -302,14 +306,28 @@ def test_two_ray_train_jobs_at_once_each_get_all_their_data(cluster, tmp_path, s
 NODE_LOSS_JOB = HERE.parent / "scripts" / "node_loss_job.py"
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def small_cluster():
-    """As docs/multinode.md's quick start: a head with 1 CPU that trains, two CPU nodes of 2 CPUs."""
+    """As docs/multinode.md's quick start: a head with 1 CPU that trains, two CPU nodes of 2 CPUs.
+
+    Shared by the modes of the node-loss test (one cluster start instead of one per mode):
+    each test kills a CPU node and adds one, so the shape stays a head and two CPU nodes;
+    a test waits, before it ends, until the Ray has marked the killed node dead."""
     c = Cluster(head_cpus=1, nodes=(2, 2))
     try:
         yield c
     finally:
         c.stop()
+
+
+def _alive_nodes(cluster: Cluster) -> list:
+    """Ids of the nodes the cluster's GCS counts alive, seen by a fresh driver."""
+    code = ("import json, ray, sbloader; sbloader.init(address='%s'); "
+            "print(json.dumps([n['NodeID'] for n in ray.nodes() if n['Alive']]))") % cluster.address
+    proc = subprocess.run([sys.executable, "-c", code], env=cluster.env, capture_output=True, text=True, timeout=120)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("[")]
+    assert lines, proc.stderr[-2000:]
+    return json.loads(lines[-1])
 
 
 def _progress(out: Path) -> list[dict]:
@@ -363,6 +381,11 @@ def test_a_cpu_node_killed_and_one_added_mid_epoch_every_rank_goes_on_exactly_on
         time.sleep(1.0)
         left = _leftovers(small_cluster)
     assert left == {"actors": [], "pgs": 0}, f"the job left this on the cluster: {left}"
+    # the next mode runs on this cluster: wait until the killed node counts as dead (Ray's health checks)
+    deadline = time.monotonic() + 180
+    while victim in _alive_nodes(small_cluster):
+        assert time.monotonic() < deadline, f"node {victim} still counted alive 180 s after its kill"
+        time.sleep(2.0)
 
 
 def _epochs_of(out: Path) -> list[list[dict]]:

@@ -5,7 +5,7 @@ Every dataset kind resumes (map-style, an ``IterableDataset`` with or without it
 ``torch.save`` and JSON, a state taken after an epoch's last batch resumes an empty
 remainder, and errors in ``__getitem__``, a sampler, ``__iter__`` or ``worker_init_fn``
 reach the loop as torch raises them, under a bound that turns a hang into a failure.
-The whole torchdata file: ``benchmarks/torchdata_suite.py``. Everything used in the
+The whole torchdata file: ``scripts/conformance/torchdata_suite.py``. Everything used in the
 remote workers is defined at module level (conftest puts tests/ on their PYTHONPATH).
 """
 from __future__ import annotations

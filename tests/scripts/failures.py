@@ -19,6 +19,24 @@ import ray
 from ray.cluster_utils import Cluster
 
 N, PARTS = 300, 30
+NODE_WAIT_S = 300  # a removed node is marked dead by the GCS's health checks: seconds on a loaded machine
+
+
+def _live_node_ids() -> set:
+    return {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+
+
+def replace_node(cluster: Cluster, gone) -> None:
+    """Wait until the GCS has marked the removed node ``gone`` dead, then add a replacement and
+    wait until it has joined: waiting on the cluster's own state, not on a clock (Ray's
+    ``wait_for_nodes`` alone gives up after 30 s, and counts a dead node not yet marked as live)."""
+    deadline = time.monotonic() + NODE_WAIT_S
+    while gone is not None and gone in _live_node_ids():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"node {gone} still alive {NODE_WAIT_S} s after its removal")
+        time.sleep(0.2)
+    cluster.add_node(num_cpus=2)
+    cluster.wait_for_nodes(timeout=NODE_WAIT_S)
 
 
 def tag(batch: dict) -> dict:
@@ -54,7 +72,7 @@ def main() -> None:
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     for _ in range(2):
         cluster.add_node(num_cpus=2)
-    cluster.wait_for_nodes()
+    cluster.wait_for_nodes(timeout=NODE_WAIT_S)
     sbloader.init(address=cluster.address)
 
     # 1-2. a CPU node removed mid-epoch: the worker node that made the latest batch
@@ -77,8 +95,7 @@ def main() -> None:
         out = run(ds(), remove_node)
         out.update(scenario=scenario, victim_ran=removed.get("node") in out["nodes"], victim=removed.get("node"))
         print(json.dumps(out), flush=True)
-        cluster.add_node(num_cpus=2)  # a replacement for the next scenario
-        cluster.wait_for_nodes()
+        replace_node(cluster, removed.get("node"))  # a replacement for the next scenario
 
     # 3. an actor of the pool killed mid-epoch (Ray restarts it; its calls re-run)
     killed: dict = {}

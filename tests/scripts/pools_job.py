@@ -1,4 +1,4 @@
-"""Actor pools on a Ray of their own: ``python pools_job.py SCENARIO WORKDIR``.
+"""Actor pools on a Ray of their own: ``python pools_job.py SCENARIO[,SCENARIO...] WORKDIR``.
 
 Scenarios (each prints one JSON line):
 
@@ -118,10 +118,13 @@ def starve(work: str) -> dict:
             st = ex.stats()
             epochs.append({"rows": len(paths), "distinct": len(set(paths)), "pool": _pool(st, "Crop"),
                            "stages": [o.name for o in st.operators], "report": str(st)})
-        out[name] = {"epochs": epochs, "built": _built(built, "Crop")}
-        for handles in cache.values():
-            for handle in handles:
-                ray.kill(getattr(handle, "handle", handle))
+        # An actor the pool created may still be constructing when the epoch ends (its reads were
+        # done by the others): count the constructions once every kept actor is constructed.
+        handles = [getattr(h, "handle", h) for kept in cache.values() for h in kept]
+        ray.get([h.ready.remote() for h in handles], timeout=300)
+        out[name] = {"epochs": epochs, "built": _built(built, "Crop"), "kept": len(handles)}
+        for handle in handles:
+            ray.kill(handle)
     return out
 
 
@@ -187,10 +190,15 @@ def gpu2(work: str) -> dict:
 
 
 def main() -> None:
-    scenario, work = sys.argv[1], sys.argv[2]
-    out = {"starve": starve, "cold": cold, "gpu1": gpu1, "gpu2": gpu2}[scenario](work)
-    out["scenario"] = scenario
-    print(json.dumps(out), flush=True)
+    """``SCENARIO[,SCENARIO...] WORKDIR``: scenarios that share a Ray's shape run in one process
+    (``starve,cold``: one fresh 2-CPU Ray instead of two), each printing its line."""
+    scenarios, work = sys.argv[1].split(","), sys.argv[2]
+    for scenario in scenarios:
+        sub = os.path.join(work, scenario)
+        os.makedirs(sub, exist_ok=True)
+        out = {"starve": starve, "cold": cold, "gpu1": gpu1, "gpu2": gpu2}[scenario](sub)
+        out["scenario"] = scenario
+        print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ line of every failure. A hanging test is cut by pytest-timeout (``--timeout``).
 
 Usage::
 
-    python3 benchmarks/torch_dataloader_suite.py --torch-test /path/to/test_dataloader.py \\
+    python3 scripts/conformance/torch_dataloader_suite.py --torch-test /path/to/test_dataloader.py \\
         [--timeout 180] [--modes torch sbloader] [--shards 4] [-k EXPR] [--out benchmarks/results/torch_suite]
 
 Needs ``expecttest`` (torch.testing._internal imports it) and ``pytest-timeout``
@@ -35,7 +35,7 @@ import time
 import xml.etree.ElementTree as ET
 from typing import Optional
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Written as sitecustomize.py into a folder put first on PYTHONPATH: every Python process of the run
 # loads it at start-up. It patches torch.utils.data lazily (on its import), so Ray's own processes that

@@ -17,7 +17,7 @@ Where the file comes from (the first that works):
 
 Usage::
 
-    python3 benchmarks/torchdata_suite.py [--mirror /path/to/pytorch-data] [--timeout 60] [-k EXPR] \\
+    python3 scripts/conformance/torchdata_suite.py [--mirror /path/to/pytorch-data] [--timeout 60] [-k EXPR] \\
         [--out benchmarks/results/torchdata_suite]
 
 Needs ``parameterized``, ``expecttest`` and ``pytest-timeout`` (the ``bench`` extra).
@@ -37,7 +37,7 @@ from typing import Optional
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torch_dataloader_suite import parse_junit  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TAG = "v0.11.0"
 PATH = "test/stateful_dataloader/test_state_dict.py"
 URL = f"https://raw.githubusercontent.com/pytorch/data/{TAG}/{PATH}"
