@@ -70,7 +70,7 @@ def run_holding(per_epoch: bool, **p: Any) -> Outcome:
     import torch
 
     import sbloader
-    from benchmarks._jpeg_workload import ImageFolderDataset
+    from benchmarks._image_workload import ImageFolderDataset
 
     ds = ImageFolderDataset(jpeg_paths(p["images"]))
     args = {"batch_size": p["batch_size"], "shuffle": True, "num_workers": p["num_workers"]}

@@ -73,7 +73,16 @@ def pool_is_up(s: Any, carry: Any) -> bool:
         return sum(len(hs) for hs in carry.actor_cache.values()) == s.num_workers
     from sbloader.loaders import warm_workers
 
-    return warm_workers.enabled() and warm_workers.available(carry, s.warm_key(), s.num_workers)
+    if not (warm_workers.enabled() and warm_workers.available(carry, s.warm_key(), s.num_workers)):
+        return False
+    # kept, but still starting (an epoch that ended before its pool was up): start locally again
+    starting = [h.ready_ref for hs in carry.warm_cache.values() for h in hs if hasattr(h, "ready_ref")]
+    if not starting:
+        return True
+    import ray
+
+    done, _ = ray.wait(starting, num_returns=len(starting), timeout=0)
+    return len(done) == len(starting)
 
 
 def _identity(x: Any) -> Any:

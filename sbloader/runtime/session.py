@@ -115,7 +115,7 @@ _EMBEDDED_ENV = {
 # or state API there is no reader of metrics, task events or event-loop stats.
 # Logs of workers (log monitor), task retries, the OOM monitor and token
 # authentication stay as Ray has them. Before/after figures:
-# benchmarks/results/embedded_ray.md (bench_embedded_ray.py).
+# benchmarks/results/embedded_ray.md (measured by the since-deleted bench_embedded_ray.py).
 _EMBEDDED_SYSTEM_CONFIG: dict[str, Any] = {
     # No idle workers started with the driver (num_cpus of them, ~50-90 MiB PSS
     # each): the first tasks start the workers they need at the same moment.
