@@ -56,7 +56,7 @@ def s3_server():
 
 @pytest.fixture(autouse=True)
 def _free_split_coordinators():
-    """Kill the split coordinators a test left in the session's Ray.
+    """Kill the split coordinators (and idle warm actors) a test left in the session's Ray.
 
     A coordinator is a detached actor that keeps its worker pool for the rest of
     its job; in this one-Ray session every test's job ends with the test, and
@@ -68,6 +68,9 @@ def _free_split_coordinators():
 
     if not ray.is_initialized():
         return
+    from sbloader.loaders import warm_workers
+
+    warm_workers.release_idle()  # the warm actors dropped loaders and pipelines left in the process's idle pool
     from sbloader.distributed.naming import NAMESPACE
 
     for entry in ray.util.list_named_actors(all_namespaces=True):

@@ -296,7 +296,8 @@ class DataLoader(Generic[T_co]):
         dropin_checkpoint.load_loader_state(self, state_dict, strict)
 
     def stats(self) -> Optional[ExecutionStats]:
-        """Execution statistics of the latest epoch (None before any, or with num_workers=0)."""
+        """Execution statistics of the latest epoch's pool (None before any, with num_workers=0, or for an
+        epoch the local worker processes made alone)."""
         return self._carry.stats
 
     def stall_stats(self) -> Optional[StallStats]:

@@ -213,6 +213,7 @@ def _prestart(s: Any, carry: Any, epoch_seed: int, handover: Handover) -> None:
     try:
         from sbloader.loaders import warm_workers
         from sbloader.loaders.dropin_epoch import pool_options
+        from sbloader.loaders.dropin_settings import _CARRIES
         from sbloader.executor.pools import prestart_pools
         from sbloader.runtime.session import ensure_initialized
         from sbloader.sources.batches import ReadyBatchSource
@@ -234,6 +235,8 @@ def _prestart(s: Any, carry: Any, epoch_seed: int, handover: Handover) -> None:
             cache = warm_workers.take(carry, op, s.num_workers, s.warm_key())
         else:
             cache = {}
+        carry.held_cpus = s.num_workers * s.worker_num_cpus  # held from now on: other loaders' shares leave them
+        _CARRIES.add(carry)
         prestart_pools(ReadyBatchSource.name, (op,), pool_options(s), cache)
         handover.prestarted(cache)
     except Exception as exc:  # the local phase goes on alone; the pool's own start raises it if it recurs
@@ -252,6 +255,7 @@ def local_start_epoch(s: Any, carry: Any, run: Any, epoch: int, epoch_seed: int,
     from sbloader.loaders.failed_batch import translate
 
     stalls = StallStats()
+    carry.stats = None  # an earlier epoch's are not this one's (the pool's, if it takes over, replace them)
     items = s.epoch_items(run, index_sampler)
     bpp = s.batches_per_partition
     ids = run.ids if run is not None else [j // bpp for j in range(len(items))]

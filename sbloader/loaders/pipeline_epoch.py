@@ -120,7 +120,7 @@ def local_epoch(pipeline: Pipeline, settings: PipelineSettings, run: PipelineRun
     options = options_here(memory_budget=settings.memory_budget, deterministic=settings.deterministic,
                            prefetch_blocks=settings.prefetch_for(source, plan), progress=False,
                            allow_trainer_node=settings.allow_trainer_node)
-    warm_key = None if carry.actor_cache is not None else \
+    warm_key = None if carry.actor_cache is not None or not warm_workers.enabled() else \
         warm_workers.pipeline_key(source.name, pipeline.ops, settings.allow_trainer_node)
     # callable-class actors: the loader's own (persistent_workers), or warm ones this process kept from an
     # earlier pipeline with the same classes, arguments and resources (handed back when the epoch ends)

@@ -185,6 +185,19 @@ def pipeline_key(source_name: str, ops: Any, allow_trainer_node: bool) -> Option
     return ("pipeline", digest, bool(allow_trainer_node))
 
 
+def release_idle() -> None:
+    """Kill every actor waiting in the process's idle pool now (a test's job ends with the test)."""
+    with _IDLE_LOCK:
+        entries = list(_IDLE.values())
+        _IDLE.clear()
+    for cache, timer in entries:
+        timer.cancel()
+        try:
+            kill_cached(cache)
+        except Exception:  # Ray is shutting down
+            pass
+
+
 def _expire(key: Tuple) -> None:
     with _IDLE_LOCK:
         entry = _IDLE.pop(key, None)

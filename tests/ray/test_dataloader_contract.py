@@ -140,7 +140,8 @@ def test_worker_init_fn_error_is_raised_with_its_type_naming_it(ray_session):
 
 
 def test_seed_set_in_worker_init_fn_holds_in_getitem(ray_session):
-    lo = sbloader.DataLoader(SeedOf(12), batch_size=3, num_workers=2, worker_init_fn=seed_12345)
+    # one worker: two workers seeded alike by worker_init_fn draw the same streams (as under torch)
+    lo = sbloader.DataLoader(SeedOf(12), batch_size=3, num_workers=1, worker_init_fn=seed_12345)
     seeds = [int(s) for b in lo for s in b[0]]
     assert seeds == [12345] * 12, seeds
     draws = [float(x) for b in lo for x in b[1]]

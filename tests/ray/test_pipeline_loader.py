@@ -85,10 +85,12 @@ def test_unknown_length_raises_type_error_until_an_epoch_counted_it(ray_session)
     assert len(loader) == 5  # counted by the complete epoch
 
 
-@pytest.mark.parametrize("persistent", [False, True])
-def test_persistent_workers_construct_the_pool_once(ray_session, tmp_path, persistent):
+@pytest.mark.parametrize("persistent,warm", [(False, False), (True, False), (False, True)])
+def test_persistent_workers_construct_the_pool_once(ray_session, tmp_path, monkeypatch, persistent, warm):
     """With persistent_workers=True the pool's actors (a model, in practice) are built once for
-    the loader's life; without, once per epoch, as torch's DataLoader does with its workers."""
+    the loader's life; with warm actors (the default) once while they stay warm in the process;
+    without either (SBLOADER_WARM_WORKERS=0), once per epoch, as torch's DataLoader does with its workers."""
+    monkeypatch.setenv("SBLOADER_WARM_WORKERS", "1" if warm else "0")
     ds = sbloader.range(64, rows_per_partition=8).map_batches(
         _Counted, concurrency=(2, 2), num_cpus=0.5, fn_constructor_args=(str(tmp_path),))
     loader = ds.to_dataloader(16, shuffle=True, seed=0, persistent_workers=persistent)
@@ -103,7 +105,7 @@ def test_persistent_workers_construct_the_pool_once(ray_session, tmp_path, persi
     constructed = [int(name.split("-")[0]) for name in os.listdir(tmp_path)]
     assert len(constructed) == len(set(constructed)), "an actor constructed its class twice"
     assert set().union(*served) <= set(constructed)
-    if persistent:  # the first epoch's actors map the last epoch's rows; no more than the pool's 2, ever
+    if persistent or warm:  # the first epoch's actors map the last epoch's rows; no more than the pool's 2, ever
         assert served[0] & served[2], served
         assert len(constructed) <= 2, constructed
     else:  # every epoch its own actors, as torch's non-persistent workers
