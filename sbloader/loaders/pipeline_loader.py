@@ -78,8 +78,12 @@ class PipelineLoader:
         persistent_workers: keep the actor pools' actors (callable classes of
             ``map_batches``, e.g. a model) from one epoch to the next, as torch's
             ``persistent_workers`` keeps its worker processes: constructed once for
-            the loader's life instead of once per epoch. They hold their CPUs/GPUs
-            between epochs; they go when the loader is deleted.
+            the loader's life. They hold their CPUs/GPUs between epochs; they go when
+            the loader is deleted. Without it the actors still stay warm in this
+            process for ``SBLOADER_WARM_IDLE_S`` (60 s) between epochs and pipelines:
+            the next epoch, or a new pipeline with the same classes, constructor
+            arguments and resources, runs in them (``SBLOADER_WARM_WORKERS=0``: built
+            once per epoch, as torch's non-persistent workers).
         allow_trainer_node: on a cluster, let tasks and actors run on this
             process's node too (by default they avoid it when other nodes have CPUs).
         name: the loader's name in the job (default: its creation index in the

@@ -91,8 +91,9 @@ def test_label_sorted_data_that_fits_mixes_like_torch_every_epoch(ray_session, s
     name = f"w39-{next(_NAMES)}"
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # it fits: no warning
+        # deterministic: the mix is the plan's, not the order blocks happened to arrive in on a busy machine
         out = run_ranks(lambda r: make().to_dataloader(batch, shuffle=True, seed=0, rank=r, world_size=world_size,
-                                                       name=name), world_size)
+                                                       name=name, deterministic=True), world_size)
     want = torch_distinct(labels, batch, world_size)
     for e in range(2):
         distinct = [len(set(lab.tolist())) for batches in out.values() for lab, _, _ in batches[e]]
