@@ -208,6 +208,16 @@ def pool_epoch(s: DropinSettings, carry: DropinCarry, run: Optional[Union[EpochR
 def split_epoch(s: DropinSettings, carry: DropinCarry, run: EpochRun, rank: int,
                 reconnect: Callable[[], Any]) -> EpochIterator:
     """This rank's share of an epoch the job's coordinator runs (every rank the same count)."""
+    stalls = StallStats()
+    produce, closed = open_split(s, carry, run, rank, reconnect, stalls)
+    return EpochIterator(produce, run, ahead=s.ahead, stalls=stalls, to_device=s.device_copy(), translate=translate,
+                         on_close=closed)
+
+
+def open_split(s: DropinSettings, carry: DropinCarry, run: EpochRun, rank: int, reconnect: Callable[[], Any],
+               stalls: StallStats) -> tuple[Iterator[Delivery], Callable[[], None]]:
+    """Join the coordinator's epoch of ``run`` (rank 0 starts it): this rank's batches (records: their
+    index in ``run``) and what the epoch does when it ends."""
     coord = carry.coordinator
 
     def spec() -> Any:
@@ -234,7 +244,6 @@ def split_epoch(s: DropinSettings, carry: DropinCarry, run: EpochRun, rank: int,
             f"rank {rank} planned {run.per_rank} batches for epoch {run.epoch} but rank 0 planned {per_rank}: "
             "every rank must load the same state and use the same loader arguments"
         )
-    stalls = StallStats()
     pull = dropin_client.Pull(coord, rank, run.epoch, per_rank, s.ahead, s.pin, not s.zero_copy,
                               consumed=lambda: len(run.taken), reconnect=reconnect, spec=spec,
                               timeout=s.timeout or None, lease_interval_s=carry.lease_interval_s)
@@ -254,8 +263,7 @@ def split_epoch(s: DropinSettings, carry: DropinCarry, run: EpochRun, rank: int,
         stalls.note_failures(carry.stats, pull.rebuilds)
         s.reporter(f"rank {rank} epoch {run.epoch}", stalls)()
 
-    return EpochIterator(produce(), run, ahead=s.ahead, stalls=stalls, to_device=s.device_copy(), translate=translate,
-                         on_close=closed)
+    return produce(), closed
 
 
 def stream_epoch(s: DropinSettings, carry: DropinCarry, rank: int, epoch: int, epoch_seed: int) -> EpochIterator:

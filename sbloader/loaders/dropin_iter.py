@@ -1,7 +1,8 @@
 """Which epoch an iteration of the drop-in ``DataLoader`` runs: one decision, then one straight path.
 
 - split across ranks by the job's coordinator (:func:`~sbloader.loaders.dropin_epoch.split_epoch`,
-  or :func:`~sbloader.loaders.dropin_epoch.stream_epoch` for an ``IterableDataset``);
+  or :func:`~sbloader.loaders.dropin_epoch.stream_epoch` for an ``IterableDataset``), a loader's
+  first such epoch starting on local processes (:mod:`~sbloader.loaders.split_start`);
 - in this process (``num_workers=0``, or nothing left to load);
 - on local worker processes, handed over to the pool once its actors are up
   (:mod:`~sbloader.loaders.local_start`: the pool is not up yet);
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sbloader.loaders import dropin_checkpoint, local_start
+from sbloader.loaders import dropin_checkpoint, local_start, split_start
 from sbloader.loaders.dropin_settings import DropinSettings
 from sbloader.loaders.epoch import EpochIterator
 
@@ -29,9 +30,14 @@ def start_epoch(loader: Any, s: DropinSettings) -> EpochIterator:
         loader._coordinator(stream=True)
         return stream_epoch(s, carry, w.rank, epoch, epoch_seed)
     if loader.split:
+        loader._run = run = loader._start_run(w.world_size)
+        if split_start.enabled(s, carry) and split_start.local_count(s, run.per_rank) > 0:
+            it = split_start.split_start_epoch(loader, s, run, w.rank)
+            if s.worker_init_fn is not None:  # its error is raised by iter(), as torchdata's
+                it.prime()
+            return it
         from sbloader.loaders.dropin_epoch import split_epoch
 
-        loader._run = run = loader._start_run(w.world_size)
         loader._coordinator()
         return split_epoch(s, carry, run, w.rank, loader._reconnect)
     if loader._iterable:

@@ -100,6 +100,16 @@ class EpochRun:
             self._logs = [[b for b, r in enumerate(self.ranks) if r == rank] for rank in range(world_size)]
         return self.cutter.after(k, self._logs)
 
+    def after(self, k: int, world_size: int) -> "EpochRun":
+        """The rest of this (untaken) run once every rank took its first ``k`` batches: the same
+        epoch resumed there. The plan gives batch ``b`` to rank ``b % world_size``, so those are
+        the first ``k * world_size`` batches; the rest keeps its batches, ranks, pads and ids."""
+        n = k * world_size
+        prior = ledger.merge(list(self.prior) + [r for b in range(n) for r in self.batch_ranges[b]])
+        return EpochRun(self.epoch, self.epoch_seed, self.order, self.order_state, prior, self.batches[n:],
+                        self.pads[n:], self.ranks[n:], self.batch_ranges[n:], self.per_rank - k,
+                        ids=self.ids[n:], sampler_state=self.sampler_state)
+
 
 def _rng_of(sampler: Any) -> Any:
     return getattr(sampler, "generator", None)

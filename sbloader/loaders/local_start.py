@@ -146,13 +146,25 @@ class _Partitions:
                 _set_rng_states(own)
             for item in self.items[first:first + self.bpp]:
                 try:
-                    out.append(self.collate_fn([self.dataset[i] for i in item] if self.auto else self.dataset[item]))
+                    out.append(self._make(item))
                 except Exception:
                     info = torch_worker.get_worker_info()
                     out.append(ExceptionWrapper(where=f"in DataLoader worker process {info.id if info else 0}"))
             if own is not None:
                 _LOCAL["own_states"] = _rng_states()
         return p, out
+
+
+    def _make(self, item: Any) -> Any:
+        """One batch, collated (a split epoch's tail batch padded as a pool actor pads it)."""
+        from sbloader.sources.batches import PaddedBatch
+
+        if isinstance(item, PaddedBatch):
+            from sbloader.core.batch_slice import mark_padding
+
+            batch = self.collate_fn([self.dataset[i] for i in item.indices])
+            return mark_padding(batch, len(item.indices), item.pad)
+        return self.collate_fn([self.dataset[i] for i in item] if self.auto else self.dataset[item])
 
 
 class Handover:
@@ -249,9 +261,6 @@ def _prestart(s: Any, carry: Any, epoch_seed: int, handover: Handover) -> None:
 def local_start_epoch(s: Any, carry: Any, run: Any, epoch: int, epoch_seed: int,
                       index_sampler: Any) -> EpochIterator:
     """A map-style epoch that starts on local worker processes and hands over to the pool."""
-    import torch
-    from torch.utils.data import DataLoader as TorchLoader
-
     from sbloader.loaders.failed_batch import translate
 
     stalls = StallStats()
@@ -260,40 +269,15 @@ def local_start_epoch(s: Any, carry: Any, run: Any, epoch: int, epoch_seed: int,
     bpp = s.batches_per_partition
     ids = run.ids if run is not None else [j // bpp for j in range(len(items))]
     handover = Handover(math.ceil(len(items) / bpp), forced_handover())
-    parts = _Partitions(s.dataset, s.collate_fn, s.auto_collation, items, ids, bpp, epoch, epoch_seed)
-    with warnings.catch_warnings():  # torch's too-many-workers warning was given at the loader's creation
-        warnings.simplefilter("ignore", UserWarning)
-        local = TorchLoader(parts, batch_size=None, sampler=handover, num_workers=s.num_workers,
-                            collate_fn=_identity,  # ``timeout``: the epoch's, counted once the workers are up
-                            worker_init_fn=_WorkerInit(s.dataset, epoch_seed, s.worker_init_fn),
-                            multiprocessing_context=s.multiprocessing_context,
-                            generator=torch.Generator().manual_seed(epoch_seed % 2**63),  # the trainer's RNG untouched
-                            prefetch_factor=s.prefetch_factor)
+    local = torch_workers(s, items, ids, epoch, epoch_seed, handover)
     threading.Thread(target=_prestart, args=(s, carry, epoch_seed, handover), daemon=True,
                      name="sbloader-pool-prestart").start()
     phase: dict = {}
 
-    def local_batches() -> Iterator[Delivery]:
-        with warnings.catch_warnings():  # torch's too-many-workers warning was given at the loader's creation
-            warnings.simplefilter("ignore", UserWarning)
-            it = iter(local)
-        while True:
-            try:
-                p, batches = next(it)
-            except StopIteration:
-                return
-            except Exception as e:  # worker_init_fn failed or a worker died: torch's error, the epoch ends
-                yield Delivery(FailedBatch(e, fatal=True), None)
-                return
-            phase["up"] = True  # the workers are up: ``timeout`` counts from here, ``start_timeout`` is over
-            for i, b in enumerate(batches):
-                j = p * bpp + i
-                yield Delivery(_unwrap(b, s.pin), j if run is not None else None)
-
     def produce() -> Iterator[Delivery]:
-        yield from local_batches()
+        yield from deliveries(s, local, phase, (lambda j: j) if run is not None else (lambda j: None))
         k = handover.stopped_at
-        if k is None:  # the local workers made the whole epoch
+        if k is None or phase.get("failed"):  # the local workers made the whole epoch (or it failed)
             return
         from sbloader.loaders.dropin_epoch import open_pool
 
@@ -317,6 +301,46 @@ def local_start_epoch(s: Any, carry: Any, run: Any, epoch: int, epoch_seed: int,
     return EpochIterator(produce(), run, ahead=s.ahead, stalls=stalls, to_device=s.device_copy(), translate=translate,
                          timeout=s.timeout or None, wake=wake, on_close=closed,
                          started=lambda: bool(phase.get("up")), start_timeout=s.start_timeout)
+
+
+def torch_workers(s: Any, items: list, ids: list, epoch: int, epoch_seed: int, sampler: Any) -> Any:
+    """torch's own ``DataLoader`` over the epoch's partitions of ``items`` (``batches_per_partition`` batches
+    each; ``sampler`` yields the partition numbers to make): ``num_workers`` local processes, each set up as
+    a pool actor is (:class:`_WorkerInit`)."""
+    import torch
+    from torch.utils.data import DataLoader as TorchLoader
+
+    parts = _Partitions(s.dataset, s.collate_fn, s.auto_collation, items, ids, s.batches_per_partition, epoch,
+                        epoch_seed)
+    with warnings.catch_warnings():  # torch's too-many-workers warning was given at the loader's creation
+        warnings.simplefilter("ignore", UserWarning)
+        return TorchLoader(parts, batch_size=None, sampler=sampler, num_workers=s.num_workers,
+                           collate_fn=_identity,  # ``timeout``: the epoch's, counted once the workers are up
+                           worker_init_fn=_WorkerInit(s.dataset, epoch_seed, s.worker_init_fn),
+                           multiprocessing_context=s.multiprocessing_context,
+                           generator=torch.Generator().manual_seed(epoch_seed % 2**63),  # the trainer's RNG untouched
+                           prefetch_factor=s.prefetch_factor)
+
+
+def deliveries(s: Any, local: Any, phase: dict, record: Any) -> Iterator[Delivery]:
+    """The batches of :func:`torch_workers`' loader ``local``, in order, each with ``record(j)`` (``j``: its
+    position among ``items``); ``phase["up"]`` is set once the workers made their first partition."""
+    bpp = s.batches_per_partition
+    with warnings.catch_warnings():  # torch's too-many-workers warning was given at the loader's creation
+        warnings.simplefilter("ignore", UserWarning)
+        it = iter(local)
+    while True:
+        try:
+            p, batches = next(it)
+        except StopIteration:
+            return
+        except Exception as e:  # worker_init_fn failed or a worker died: torch's error, the epoch ends
+            phase["failed"] = True
+            yield Delivery(FailedBatch(e, fatal=True), None)
+            return
+        phase["up"] = True  # the workers are up: ``timeout`` counts from here, ``start_timeout`` is over
+        for i, b in enumerate(batches):
+            yield Delivery(_unwrap(b, s.pin), record(p * bpp + i))
 
 
 def _unwrap(batch: Any, pin: bool) -> Any:

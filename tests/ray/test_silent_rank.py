@@ -30,7 +30,8 @@ def test_rank_that_stops_asking_is_named_by_silent_ranks(ray_session):
     import sbloader
 
     loaders = [sbloader.DataLoader(list(range(ROWS)), batch_size=BATCH, num_workers=1, rank=r, world_size=2,
-                                   job_id="test-silent-rank", name="silent", stall_report_s=STALL_S)
+                                   job_id="test-silent-rank", name="silent", stall_report_s=STALL_S,
+                                   local_start=False)  # the coordinator's from the first batch
                for r in range(2)]
     per_rank = len(loaders[0])
     assert per_rank == ROWS // BATCH // 2

@@ -1,0 +1,128 @@
+"""The local start of a split (torchrun) epoch: each rank's first ``k`` batches from local processes.
+
+Under torchrun the job's coordinator splits a map-style epoch by a pure plan: batch ``b``
+goes to rank ``b % world_size``, the same plan on every rank (:mod:`sbloader.core.split`).
+So a rank needs nobody to know its own first batches. On a loader's first epoch (each
+rank's loader is as new as the others') every rank makes its first ``k`` batches on
+``num_workers`` local worker processes (:func:`~sbloader.loaders.local_start.torch_workers`:
+torch's worker machinery, each worker set up as a pool actor is), while Ray starts or is
+joined in the background and the coordinator is found or created there (rank 0 has it
+start the pool). The rank then joins the coordinator's epoch, which is the same epoch
+resumed after every rank's first ``k`` (:meth:`~sbloader.loaders.dropin_state.EpochRun.after`).
+The ranks agree on it without a word: ``k`` comes from the loader's arguments alone.
+
+- ``k = min(batches per rank, 8 * num_workers * batches_per_partition)``;
+  ``SBLOADER_SPLIT_LOCAL_BATCHES`` sets another count (0: no local start).
+- Only with ``in_order=True`` (the default): with ``in_order=False`` the coordinator hands
+  a batch to whichever rank asks first, so the plan does not say which are a rank's own.
+- Order, batch boundaries, padding and seeds are the plan's: the loop receives what a run
+  without the local start receives, and ``state_dict()`` before, at and after the ``k``-th
+  batch is the same arithmetic (the plan's cut after every rank's first ``j`` batches).
+"""
+from __future__ import annotations
+
+import math
+import os
+import threading
+from typing import Any, Iterator, Optional
+
+from sbloader.core.stats import StallStats
+from sbloader.loaders import local_start
+from sbloader.loaders.epoch import Delivery, EpochIterator
+
+SPLIT_LOCAL_ENV = "SBLOADER_SPLIT_LOCAL_BATCHES"  # each rank's locally made batches (0: none)
+BATCHES_PER_WORKER = 8
+
+
+def local_count(s: Any, per_rank: int) -> int:
+    """``k``: how many of its first batches each rank makes locally (the same on every rank)."""
+    value = os.environ.get(SPLIT_LOCAL_ENV)
+    k = int(value) if value not in (None, "") else BATCHES_PER_WORKER * s.num_workers * s.batches_per_partition
+    return max(0, min(k, per_rank))
+
+
+def enabled(s: Any, carry: Any) -> bool:
+    """Whether this split epoch starts locally: the loader's first (no coordinator yet), in order,
+    with workers, and local starts allowed (:func:`~sbloader.loaders.local_start.enabled`)."""
+    return s.num_workers > 0 and s.in_order and carry.coordinator is None and local_start.enabled(s)
+
+
+class _Phases:
+    """The epoch's run across its two phases (a :class:`~sbloader.loaders.epoch.Run`).
+
+    Records are ``(0, b)``: batch ``b`` of ``first``, made locally; then ``(1, j)``: batch ``j``
+    of ``rest``, from the coordinator. Once the loop took the ``k``-th local batch the
+    loader's run becomes ``rest``, whose consumed ledger starts where ``first``'s ends.
+    """
+
+    def __init__(self, loader: Any, first: Any, rest: Optional[Any], k: int) -> None:
+        self.loader, self.first, self.rest, self.k = loader, first, rest, k
+
+    def took(self, record: tuple) -> None:
+        phase, index = record
+        if phase == 0:
+            self.first.took(index)
+            if len(self.first.taken) == self.k and self.rest is not None:
+                self.loader._run = self.rest
+        else:
+            self.rest.took(index)
+
+    def finished(self) -> None:
+        (self.rest if self.rest is not None else self.first).finished()
+
+
+def _find_coordinator(loader: Any, box: dict) -> None:
+    """In the background: Ray up, the coordinator found or created (rank 0 has it start the pool)."""
+    try:
+        loader._coordinator()
+    except Exception as exc:  # the main thread asks again at the handover, and raises it there
+        box["error"] = exc
+
+
+def split_start_epoch(loader: Any, s: Any, run: Any, rank: int) -> EpochIterator:
+    """This rank's share of a split epoch: its first ``k`` batches locally, then the coordinator's."""
+    from sbloader.loaders.failed_batch import translate
+
+    carry, ws = loader._carry, loader.world.world_size
+    k = local_count(s, run.per_rank)
+    rest = run.after(k, ws) if k < run.per_rank else None
+    mine = list(range(rank, len(run.ranks), ws))[:k]  # batch b is rank b % world_size's
+    every = s.epoch_items(run, None)
+    items = [_padded(every[b], run.pads[b]) if run.pads[b] and s.auto_collation else every[b] for b in mine]
+    bpp = s.batches_per_partition
+    local = local_start.torch_workers(s, items, [run.ids[b] for b in mine], run.epoch, run.epoch_seed,
+                                      range(math.ceil(len(items) / bpp)))
+    box: dict = {}
+    finder = threading.Thread(target=_find_coordinator, args=(loader, box), daemon=True,
+                              name="sbloader-coordinator-start")
+    finder.start()
+    stalls = StallStats()
+    phase: dict = {}
+
+    def produce() -> Iterator[Delivery]:
+        yield from local_start.deliveries(s, local, phase, lambda j: (0, mine[j]))
+        if rest is None or phase.get("failed"):
+            return
+        finder.join()
+        loader._coordinator()  # the background's error, if any, raised here
+        from sbloader.loaders.dropin_epoch import open_split
+
+        batches, phase["closed"] = open_split(s, carry, rest, rank, loader._reconnect, stalls)
+        for d in batches:
+            yield Delivery(d.batch, (1, d.record), d.release)
+
+    def closed() -> None:
+        if "closed" in phase:
+            phase["closed"]()
+        else:
+            s.reporter(f"rank {rank} epoch {run.epoch}", stalls)()
+
+    return EpochIterator(produce(), _Phases(loader, run, rest, k), ahead=s.ahead, stalls=stalls,
+                         to_device=s.device_copy(), translate=translate, on_close=closed,
+                         started=lambda: bool(phase.get("up")), start_timeout=s.start_timeout)
+
+
+def _padded(item: Any, pad: int) -> Any:
+    from sbloader.sources.batches import PaddedBatch
+
+    return PaddedBatch(tuple(item), pad)

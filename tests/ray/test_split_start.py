@@ -1,0 +1,131 @@
+"""The local start of a split epoch (issue #44, torchrun): each rank's first ``k`` batches from its own
+local worker processes by the plan alone, then the coordinator's epoch resumed after every rank's first
+``k``; the same batches, draws and states as a split epoch without it, whatever ``k``.
+
+Ranks run in threads of this process (``rank``/``world_size`` given to the loader), on the session's Ray.
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+from torch.utils.data import Dataset, get_worker_info
+
+import sbloader
+from harness import IdsLoader, check_resume_everywhere
+from sbloader.loaders import split_start
+from sbloader.loaders.dropin_state import plan_run
+
+
+class Tagged(Dataset):
+    """``dataset[i]`` -> (i, a draw of torch's RNG, the worker's pid, its worker id, its parent's pid: this
+    process for a local worker, a raylet for a pool actor)."""
+
+    def __init__(self, n=30):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        info = get_worker_info()
+        assert info is None or info.dataset is self  # torch's worker info names the user's dataset
+        return torch.tensor([i, int(torch.randint(0, 2**30, ())), os.getpid(), info.id if info else -1,
+                             os.getppid()])
+
+
+def both_ranks(name, world_size=2, **kw):
+    """Every rank's batches of one epoch (threads), and each rank's loader."""
+    out, loaders, errors = [None] * world_size, [None] * world_size, []
+
+    def rank_loop(rank):
+        try:
+            loaders[rank] = sbloader.DataLoader(Tagged(), batch_size=4, shuffle=True, seed=7, num_workers=2, rank=rank,
+                                                world_size=world_size, name=name, job_id="split-start", **kw)
+            out[rank] = list(loaders[rank])
+        except BaseException as e:  # noqa: BLE001 - raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank_loop, args=(r,), daemon=True) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    if errors:
+        raise errors[0]
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return out, loaders
+
+
+def test_the_plans_rest_after_every_ranks_first_k_is_the_resumed_plan():
+    """``EpochRun.after(k)`` is exactly the plan a state taken after every rank's first ``k`` batches
+    resumes: the same batches, ranks, pads and ledger (pure arithmetic, every size and tail)."""
+    import numpy as np
+
+    for n in (0, 1, 5, 23, 24, 25, 31):
+        for ws in (1, 2, 3):
+            for drop_last in (False, True):
+                run = plan_run(0, 9, np.random.default_rng(n).permutation(n), None, [], 4, ws, drop_last)
+                for k in range(run.per_rank + 1):
+                    rest = run.after(k, ws)
+                    resumed = plan_run(0, 9, run.order, None, run.local_cut(k, ws), 4, ws, drop_last)
+                    assert rest.prior == resumed.prior, (n, ws, k)
+                    assert (rest.batches, rest.pads, rest.ranks, rest.per_rank, rest.batch_ranges) == \
+                        (resumed.batches, resumed.pads, resumed.ranks, resumed.per_rank, resumed.batch_ranges), \
+                        (n, ws, k)
+                    # the seeds: the uninterrupted run's (a padding-only batch's id is past the order, by its index)
+                    assert rest.ids == run.ids[k * ws:]
+                    assert [i for i in rest.ids if i < n] == [i for i in resumed.ids if i < n]
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_each_ranks_first_k_batches_are_local_and_the_epoch_is_the_split_one(ray_session, monkeypatch, k):
+    monkeypatch.setenv(split_start.SPLIT_LOCAL_ENV, "0")
+    reference, _ = both_ranks(f"ref{k}")  # the coordinator's workers alone
+    ray_pids = {int(p) for batches in reference for b in batches for p in b[:, 2]}
+    assert len(reference[0]) == len(reference[1]) == 4  # 30 rows, batch 4, 2 ranks: 3 full rounds and a tail
+    monkeypatch.setenv(split_start.SPLIT_LOCAL_ENV, str(k))
+    got, loaders = both_ranks(f"local{k}")
+    for rank in range(2):
+        # every rank's batches, draws and padding as without the local start
+        assert [b[:, :2].tolist() for b in got[rank]] == [b[:, :2].tolist() for b in reference[rank]], (rank, k)
+        made_here = [{int(p) for p in b[:, 4]} == {os.getpid()} for b in got[rank]]  # by a worker forked here
+        assert made_here == [True] * k + [False] * (4 - k), (rank, k)
+        local = {int(p) for b in got[rank][:k] for p in b[:, 2]}
+        assert os.getpid() not in local and not (local & ray_pids), (rank, k)
+        assert {int(w) for b in got[rank][:k] for w in b[:, 3]} <= {0, 1}
+
+
+def test_off_with_local_start_false_and_out_of_order(ray_session, monkeypatch):
+    monkeypatch.setenv(split_start.SPLIT_LOCAL_ENV, "4")
+    for i, kw in enumerate(({"local_start": False}, {"in_order": False})):
+        got, _ = both_ranks(f"off{i}", **kw)
+        assert sorted(int(x) for batches in got for b in batches for x in b[:, 0]) == list(range(30)), kw
+        assert not any(int(p) == os.getpid() for batches in got for b in batches for p in b[:, 4]), kw
+
+
+@pytest.mark.parametrize("k", [2])
+def test_states_at_every_step_resume_exactly_once_on_one_two_and_three_ranks(ray_session, monkeypatch, k):
+    """A state at every step (before, at and after each rank's ``k``-th batch) of a 2-rank epoch that
+    started locally, resumed onto 1, 2 and 3 ranks (each resumed run starting locally again)."""
+    monkeypatch.setenv(split_start.SPLIT_LOCAL_ENV, str(k))
+
+    def make(rank, world_size, name):
+        return IdsLoader(sbloader.DataLoader(list(range(24)), batch_size=4, shuffle=True, num_workers=2, seed=3,
+                                             rank=rank, world_size=world_size, name=name, job_id="split-start"))
+
+    check_resume_everywhere(make, list(range(24)), key="id", world_size=2, resume_world_sizes=(1, 3),
+                            same_order=True, steps=[0, 1, 2, 3], end_state="empty")
+
+
+def bad_init(worker_id):
+    raise KeyError("no such thing")
+
+
+def test_worker_init_fn_error_in_the_local_phase_is_torchs(ray_session, monkeypatch):
+    monkeypatch.setenv(split_start.SPLIT_LOCAL_ENV, "2")
+    with pytest.raises(KeyError, match="Caught KeyError in DataLoader worker process") as info:
+        both_ranks("badinit", worker_init_fn=bad_init)
+    assert "worker_init_fn" in str(info.value)
