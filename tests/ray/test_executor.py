@@ -401,6 +401,10 @@ def test_pipeline_waiting_for_resources_nobody_has_warns_then_stops_cleanly(ray_
         with pytest.raises(TimeoutError):
             executor.get_next(timeout=0.2)
     finally:
+        import ray
+
+        for ref in list(executor._loop.inflight):  # never schedulable: cancelled, not left pending for the session
+            ray.cancel(ref)
         executor.shutdown()
 
 

@@ -321,7 +321,9 @@ def test_local_cut_matches_the_coordinator(ray_session):
     from sbloader.core import ledger
 
     loaders = [sbloader.DataLoader(list(range(60)), batch_size=4, shuffle=True, num_workers=1, rank=r,
-                                   world_size=2, job_id="test-local-cut", name="local-cut") for r in range(2)]
+                                   world_size=2, job_id="test-local-cut", name="local-cut",
+                                   local_start=False)  # the coordinator's logs from the first batch
+               for r in range(2)]
     its = [iter(lo) for lo in loaders]
     for k in range(1, 7):
         for it in its:
