@@ -146,6 +146,7 @@ class DropinCarry:
     warm_cache: dict = field(default_factory=dict)  # persistent_workers=False: actors kept warm (warm_workers)
     warm_timer: Any = None
     warm_key: Any = None  # what its warm actors were started with (warm_workers.pool_key)
+    starts: int = 0  # local-start epochs begun: only the latest one's background start takes the actors
 
     def drop(self) -> None:
         """The loader is gone: kill its kept actors (an epoch still running hands its actors back

@@ -219,9 +219,14 @@ class Handover:
             yield p
 
 
-def _prestart(s: Any, carry: Any, epoch_seed: int, handover: Handover) -> None:
+_PRESTART_LOCK = threading.Lock()
+
+
+def _prestart(s: Any, carry: Any, epoch_seed: int, handover: Handover, start: int) -> None:
     """In the background: Ray up (started at the loader's construction), then the pool's actors
-    started ahead (the loader's warm ones rebuilt, or new ones) for the handover."""
+    started ahead (the loader's warm ones rebuilt, or new ones) for the handover. An epoch that
+    ended first (shorter than Ray's start) leaves them warm for the next one; a newer epoch's
+    start (``carry.starts`` past ``start``) takes over instead."""
     try:
         from sbloader.loaders import warm_workers
         from sbloader.loaders.dropin_epoch import pool_options
@@ -231,7 +236,7 @@ def _prestart(s: Any, carry: Any, epoch_seed: int, handover: Handover) -> None:
         from sbloader.sources.batches import ReadyBatchSource
 
         ensure_initialized()
-        if handover.closed:
+        if carry.dropped or carry.starts != start:
             return
         try:
             op = s.worker_op(epoch_seed)
@@ -241,16 +246,21 @@ def _prestart(s: Any, carry: Any, epoch_seed: int, handover: Handover) -> None:
                           "picklable to load on the cluster", RuntimeWarning, stacklevel=1)
             handover.gave_up = True
             return
-        if s.persistent_workers:
-            cache = carry.actor_cache
-        elif warm_workers.enabled():
-            cache = warm_workers.take(carry, op, s.num_workers, s.warm_key())
-        else:
-            cache = {}
-        carry.held_cpus = s.num_workers * s.worker_num_cpus  # held from now on: other loaders' shares leave them
-        _CARRIES.add(carry)
-        prestart_pools(ReadyBatchSource.name, (op,), pool_options(s), cache)
-        handover.prestarted(cache)
+        with _PRESTART_LOCK:
+            if carry.dropped or carry.starts != start:
+                return
+            if s.persistent_workers:
+                cache = carry.actor_cache
+            elif warm_workers.enabled():
+                cache = warm_workers.take(carry, op, s.num_workers, s.warm_key())
+            else:
+                cache = {}
+            carry.held_cpus = s.num_workers * s.worker_num_cpus  # held from now on: other loaders' shares leave them
+            _CARRIES.add(carry)
+            prestart_pools(ReadyBatchSource.name, (op,), pool_options(s), cache)
+            handover.prestarted(cache)
+        if handover.closed:  # the epoch ended before Ray was up: the actors wait for the next one
+            _keep_prestarted(s, carry, handover)
     except Exception as exc:  # the local phase goes on alone; the pool's own start raises it if it recurs
         import logging
 
@@ -270,7 +280,8 @@ def local_start_epoch(s: Any, carry: Any, run: Any, epoch: int, epoch_seed: int,
     ids = run.ids if run is not None else [j // bpp for j in range(len(items))]
     handover = Handover(math.ceil(len(items) / bpp), forced_handover())
     local = torch_workers(s, items, ids, epoch, epoch_seed, handover)
-    threading.Thread(target=_prestart, args=(s, carry, epoch_seed, handover), daemon=True,
+    carry.starts += 1
+    threading.Thread(target=_prestart, args=(s, carry, epoch_seed, handover, carry.starts), daemon=True,
                      name="sbloader-pool-prestart").start()
     phase: dict = {}
 

@@ -218,3 +218,32 @@ def test_a_script_exits_at_once_and_prints_nothing(tmp_path, when):
             break
         time.sleep(0.5)
     assert not left, f"processes left behind: {left}"
+
+
+SHORT_EPOCHS_SCRIPT = """
+import time
+import sbloader
+from sbloader.loaders import local_start
+loader = sbloader.DataLoader(list(range(16)), batch_size=4, num_workers=2)
+assert len(list(loader)) == 4 and loader.stats() is None  # epoch 0 ends on the local workers, Ray not up yet
+deadline = time.monotonic() + 200
+while not local_start.pool_is_up(loader._settings(), loader._carry) and time.monotonic() < deadline:
+    time.sleep(0.2)  # the actors its background start made wait for the next epoch
+assert local_start.pool_is_up(loader._settings(), loader._carry), "the actors were not kept for the next epoch"
+assert len(list(loader)) == 4 and loader.stats() is not None  # epoch 1 on the pool from its first batch
+print("ok", flush=True)
+"""
+
+
+def test_an_epoch_shorter_than_rays_start_leaves_the_actors_for_the_next():
+    """A fresh process whose first epoch ends before Ray is up: the background start goes on and its
+    actors stay warm, so the next epoch starts on the pool."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", local_start.HANDOVER_AT_ENV)}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
+        __file__)))), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-c", SHORT_EPOCHS_SCRIPT], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
