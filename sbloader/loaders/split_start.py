@@ -15,6 +15,10 @@ The ranks agree on it without a word: ``k`` comes from the loader's arguments al
   ``SBLOADER_SPLIT_LOCAL_BATCHES`` sets another count (0: no local start).
 - Only with ``in_order=True`` (the default): with ``in_order=False`` the coordinator hands
   a batch to whichever rank asks first, so the plan does not say which are a rank's own.
+- Only where every rank draws the epoch's order alike by itself (:func:`same_everywhere`): a
+  loaded state, ``shuffle=False``, a ``DistributedSampler``, or ``shuffle=True`` with the
+  loader's ``seed``. An unseeded shuffle is drawn on each rank's own RNG; the coordinator uses
+  rank 0's draw, so those ranks wait for it (a ``seed`` is the way to a local start there).
 - Order, batch boundaries, padding and seeds are the plan's: the loop receives what a run
   without the local start receives, and ``state_dict()`` before, at and after the ``k``-th
   batch is the same arithmetic (the plan's cut after every rank's first ``j`` batches).
@@ -41,10 +45,21 @@ def local_count(s: Any, per_rank: int) -> int:
     return max(0, min(k, per_rank))
 
 
-def enabled(s: Any, carry: Any) -> bool:
+def same_everywhere(run: Any, seeded: bool, resumed: bool) -> bool:
+    """Whether every rank drew this epoch's order alike, each by itself: a loaded state's order, a
+    sequential or ``DistributedSampler`` one (its ``seed``), or a shuffle under the loader's ``seed``.
+    An unseeded shuffle draws on each rank's own RNG: only the coordinator (rank 0's draw) knows it."""
+    kind = (run.order_state or {}).get("kind")
+    return resumed or kind in ("sequential", "distributed") or (kind == "rng" and seeded)
+
+
+def enabled(s: Any, carry: Any, run: Any, seeded: bool, resumed: bool) -> bool:
     """Whether this split epoch starts locally: the loader's first (no coordinator yet), in order,
-    with workers, and local starts allowed (:func:`~sbloader.loaders.local_start.enabled`)."""
-    return s.num_workers > 0 and s.in_order and carry.coordinator is None and local_start.enabled(s)
+    with workers, an order every rank knows alike (:func:`same_everywhere`; ``seeded``: the loader's
+    ``seed`` shuffles its own sampler; ``resumed``: the order is a loaded state's), and local starts
+    allowed (:func:`~sbloader.loaders.local_start.enabled`)."""
+    return (s.num_workers > 0 and s.in_order and carry.coordinator is None and local_start.enabled(s)
+            and same_everywhere(run, seeded, resumed) and local_count(s, run.per_rank) > 0)
 
 
 class _Phases:

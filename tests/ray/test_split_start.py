@@ -42,8 +42,9 @@ def both_ranks(name, world_size=2, **kw):
 
     def rank_loop(rank):
         try:
-            loaders[rank] = sbloader.DataLoader(Tagged(), batch_size=4, shuffle=True, seed=7, num_workers=2, rank=rank,
-                                                world_size=world_size, name=name, job_id="split-start", **kw)
+            args = {"batch_size": 4, "shuffle": True, "seed": 7, "num_workers": 2, **kw}
+            loaders[rank] = sbloader.DataLoader(Tagged(), rank=rank, world_size=world_size, name=name,
+                                                job_id="split-start", **args)
             out[rank] = list(loaders[rank])
         except BaseException as e:  # noqa: BLE001 - raised below
             errors.append(e)
@@ -104,6 +105,18 @@ def test_off_with_local_start_false_and_out_of_order(ray_session, monkeypatch):
         got, _ = both_ranks(f"off{i}", **kw)
         assert sorted(int(x) for batches in got for b in batches for x in b[:, 0]) == list(range(30)), kw
         assert not any(int(p) == os.getpid() for batches in got for b in batches for p in b[:, 4]), kw
+
+
+@pytest.mark.parametrize("order, local", [({"shuffle": True, "seed": None}, False), ({"shuffle": False}, True)])
+def test_only_an_order_every_rank_draws_alike_starts_locally(ray_session, monkeypatch, order, local):
+    """An unseeded shuffle is drawn on each rank's own RNG: its ranks wait for the coordinator (rank 0's
+    draw); a sequential order (or a seeded one, above) starts locally."""
+    monkeypatch.setenv(split_start.SPLIT_LOCAL_ENV, "2")
+    got, _ = both_ranks(f"order{local}", **order)
+    assert sorted(int(x) for batches in got for b in batches for x in b[:, 0]) == list(range(30))
+    for rank in range(2):
+        made_here = [{int(p) for p in b[:, 4]} == {os.getpid()} for b in got[rank]]
+        assert made_here == ([True] * 2 + [False] * 2 if local else [False] * 4), (rank, order)
 
 
 @pytest.mark.parametrize("k", [2])
