@@ -1,9 +1,11 @@
 """A torchrun job's first batch: ``torchrun --standalone --nproc-per-node=2`` (fresh processes),
 each rank importing the loader and taking the first batches of ``DataLoader(list(range(rows)),
 batch_size=32, shuffle=True, num_workers=2)``. sbloader's drop-in (the split coordinator; its
-embedded Ray starts in the job) with the split's local start (each rank's first batches from its
-own forked workers, issue #44) and without it (``SBLOADER_SPLIT_LOCAL_BATCHES=0``: the coordinator's
-from the first batch), against torch's DataLoader over a ``DistributedSampler``. The figure: the
+embedded Ray starts in the job) with ``seed=0`` and the split's local start (each rank's first
+batches from its own forked workers, issue #44), the same without it
+(``SBLOADER_SPLIT_LOCAL_BATCHES=0``: the coordinator's from the first batch), and unseeded (each
+rank's shuffle is its own draw, so the ranks wait for rank 0's at the coordinator), against
+torch's DataLoader over a ``DistributedSampler``. The figure: the
 job's first step, the slowest rank's seconds from its import to its first batch (DDP's first
 step waits for every rank); the whole epoch's seconds beside it."""
 from __future__ import annotations
@@ -35,7 +37,8 @@ if kind == "torch":
     loader = DataLoader(data, batch_size=32, sampler=DistributedSampler(data, shuffle=True), num_workers=2)
 else:
     import sbloader
-    loader = sbloader.DataLoader(list(range({rows})), batch_size=32, shuffle=True, num_workers=2)
+    seed = 0 if kind == "sbloader_seed" else None
+    loader = sbloader.DataLoader(list(range({rows})), batch_size=32, shuffle=True, num_workers=2, seed=seed)
 first, n = None, 0
 for batch in loader:
     if first is None:
@@ -45,12 +48,13 @@ rank = int(os.environ["RANK"])
 with open(os.path.join(out, f"rank{{rank}}.json"), "w") as f:
     json.dump({{"first_batch_s": first, "epoch_s": time.perf_counter() - t0, "rows": n}}, f)
 """
-CONTENDERS = {"sbloader": ("sbloader", {}), "sbloader, no local start": ("sbloader", {"SBLOADER_SPLIT_LOCAL_BATCHES": "0"}),
-              "torch": ("torch", {})}
+CONTENDERS = {"sbloader seed=0": ("sbloader_seed", {}),
+              "sbloader seed=0, no local start": ("sbloader_seed", {"SBLOADER_SPLIT_LOCAL_BATCHES": "0"}),
+              "sbloader unseeded": ("sbloader", {}), "torch": ("torch", {})}
 
 
 def plan(**p: Any) -> Plan:
-    """Three contenders, a fresh torchrun job per run."""
+    """Four contenders, a fresh torchrun job per run."""
     return Plan(list(CONTENDERS), p["rounds"], notes=f"2 ranks, {p['rows']} rows, batch 32, 2 workers per rank; "
                                                      "no RAY_ADDRESS: the job's embedded Ray starts")
 
