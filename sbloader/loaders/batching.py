@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
-import numpy as np
 
 from sbloader.core.block import ROW_COLUMN, Batch, Block, BlockMeta, Provenance, make_batch, slice_block
 from sbloader.executor.executor import StreamingExecutor

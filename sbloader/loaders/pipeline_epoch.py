@@ -188,7 +188,7 @@ def split_epoch(pipeline: Pipeline, settings: PipelineSettings, run: SplitRun, c
                                                        settings.shuffle)
         try:
             pipeline_client.join(link.coord, run, link.spec)
-        except ray_actor_error() as e:
+        except ray_actor_error():
             # The coordinator died after this rank had cut all of its previous epoch: say so to
             # the new one (ranks still in that epoch wait for every rank's report), then join.
             last = carry.last_split
