@@ -10,8 +10,9 @@ partition at once and names the next partitions' objects to fetch ahead
 budget of requests in flight and of bytes (:mod:`sbloader.sources.inflight`), while
 the task decodes the ones already back, in order.
 
-Counters (``objects_read`` and ``bytes_read`` from the store, ``cache_hits``,
-``cache_misses``, ``cache_bytes`` read from the cache, ``retries``, ``not_admitted``,
+Counters (``objects_read`` and ``bytes_read`` from the store, ``cache_hits`` and
+``cache_misses`` (with the cache on: both shown, zeros included, with ``cache_hit_ratio``),
+``cache_bytes`` read from the cache, ``retries``, ``not_admitted``,
 ``prefetched``, ``peak_in_flight`` (requests in flight in the process, the largest
 seen), ``store_wait_ms`` (time readers waited for bytes)) are reported to the task's
 context and reach ``stats()``.
@@ -200,8 +201,8 @@ class RemoteFiles:
         if got.error is None:
             if got.hit:
                 counts.update(cache_hits=1, cache_bytes=n)
-            else:
-                counts.update(cache_misses=1, not_admitted=0 if got.admitted else 1,
+            else:  # a miss only where there is a cache to miss (cache=False: no hit ratio)
+                counts.update(cache_misses=1 if self.cache.enabled else 0, not_admitted=0 if got.admitted else 1,
                               objects_read=counts.get("objects_read", 0) + 1,
                               bytes_read=counts.get("bytes_read", 0) + n)
         report_counters(counts)
@@ -356,6 +357,14 @@ def files_ahead(shared: Any, partition_id: int, count: int = 2) -> list[str]:
     return out
 
 
+def check_max_in_flight(max_in_flight: Any) -> int:
+    """``max_in_flight`` unchanged; ``ValueError`` naming it unless it is a positive integer."""
+    if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
+        raise ValueError(f"max_in_flight must be a positive integer (requests a process keeps in flight), "
+                         f"found {max_in_flight!r}")
+    return max_in_flight
+
+
 def remote_files(versions: dict, filesystem: Any, cache: bool, cache_dir: Any, cache_max_bytes: Optional[int],
                  max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> Optional[RemoteFiles]:
     """The :class:`RemoteFiles` of a source whose listing found remote objects (``versions``)
@@ -367,9 +376,7 @@ def remote_files(versions: dict, filesystem: Any, cache: bool, cache_dir: Any, c
     from sbloader.sources.cache import cache_config
 
     config = cache_config(cache, cache_dir, cache_max_bytes)
-    if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
-        raise ValueError(f"max_in_flight must be a positive integer (requests a process keeps in flight), "
-                         f"found {max_in_flight!r}")
+    check_max_in_flight(max_in_flight)
     if not versions and filesystem is None:
         return None
     return RemoteFiles(filesystem, config, dict(versions), max_in_flight)

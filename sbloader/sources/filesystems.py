@@ -218,11 +218,14 @@ def list_prefixes(uris: Sequence[str], filesystem: Any = None) -> list[list[_Lis
 _list_task = ray.remote(num_cpus=0.25, max_retries=3)(list_prefixes)
 
 
-def _list_prefix(fs: Any, path: str, uri: str, filesystem: Any) -> list[_Listed]:
-    """Every file under ``path``: one recursive listing in the driver, or, when the
-    prefix has many sub-prefixes, one Ray task per group of them (the order is restored
-    by the caller's sort)."""
+def _list_prefix(fs: Any, path: str, uri: str, filesystem: Any, on_page: Any = None) -> list[_Listed]:
+    """Every file under ``path``: one recursive listing in the driver (with ``on_page``,
+    page by page where the store allows, each page handed to it as it comes:
+    :mod:`sbloader.sources.listing_pages`), or, when the prefix has many sub-prefixes,
+    one Ray task per group of them (the order is restored by the caller's sort)."""
     import pyarrow.fs as pafs
+
+    from sbloader.sources.listing_pages import stream_pages
 
     try:
         top = fs.get_file_info(pafs.FileSelector(path, recursive=False, allow_not_found=True))
@@ -230,7 +233,15 @@ def _list_prefix(fs: Any, path: str, uri: str, filesystem: Any) -> list[_Listed]
         return []
     dirs = sorted(f.path for f in top if f.type == pafs.FileType.Directory)
     if len(dirs) < PARALLEL_LISTING_MIN_PREFIXES:
-        return _list_recursive(fs, path)
+        pages = stream_pages(uri, path, filesystem) if on_page is not None else None
+        if pages is None:
+            return _list_recursive(fs, path)
+        files: list[_Listed] = []
+        for page in pages:
+            listed = [_Listed(*f) for f in page]
+            files.extend(listed)
+            on_page(listed)
+        return files
     from sbloader.runtime.session import ensure_initialized
 
     ensure_initialized()
@@ -254,10 +265,14 @@ class ListingStats:
     Attributes:
         objects: objects listed (before filtering by extension).
         seconds: wall seconds spent listing.
+        fetched: the :class:`~sbloader.sources.listing_pages.ListingPrefetch` that fetched the
+            first pages' objects into the cache while listing (its ``wait()`` gives their
+            counts, which the read stage's ``stats()`` does not hold), or None.
     """
 
     objects: int = 0
     seconds: float = 0.0
+    fetched: Any = None
 
     @property
     def seconds_per_1000(self) -> float:
@@ -270,7 +285,8 @@ LAST_LISTING = ListingStats()
 
 
 def list_uris(entries: Sequence[str], extensions: Optional[tuple[str, ...]], what: str,
-              skip_prefixes: tuple[str, ...] = (".",), filesystem: Any = None) -> list[ObjectInfo]:
+              skip_prefixes: tuple[str, ...] = (".",), filesystem: Any = None,
+              on_page: Any = None) -> list[ObjectInfo]:
     """List URIs (prefixes, globs, objects) into objects sorted by URI within each entry.
 
     A prefix (``s3://bucket/dir/``, or ``s3://bucket/dir`` naming no object) is listed
@@ -285,6 +301,9 @@ def list_uris(entries: Sequence[str], extensions: Optional[tuple[str, ...]], wha
         what: what the caller reads, for error messages (``"image"``).
         skip_prefixes: name prefixes a listing leaves out.
         filesystem: the user's filesystem, or None to resolve from the scheme.
+        on_page: called with each listing page's kept objects (a list of
+            :class:`ObjectInfo`, in key order) as the page comes, where the store is listed
+            page by page (:mod:`sbloader.sources.listing_pages`); the result is the same.
 
     Returns:
         One :class:`ObjectInfo` per object.
@@ -316,14 +335,15 @@ def list_uris(entries: Sequence[str], extensions: Optional[tuple[str, ...]], wha
             out.append(ObjectInfo(uri, int(info.size or 0), _mtime_ns(info)))
             listed += 1
             continue
-        files = _list_prefix(fs, path.rstrip("/") or "/", uri, filesystem)
+        def accept(files: list[_Listed], uri: str = uri, path: str = path, pattern: Any = pattern) -> list[ObjectInfo]:
+            return [ObjectInfo(_join(uri, path, f.path), f.size, f.mtime_ns) for f in files
+                    if keep(f.path) and (pattern is None or fnmatch.fnmatchcase(f.path, pattern))
+                    and not any(part.startswith(skip_prefixes) for part in _rel(path, f.path).split("/"))]
+
+        files = _list_prefix(fs, path.rstrip("/") or "/", uri, filesystem,
+                             (lambda page: on_page(accept(page))) if on_page is not None else None)
         listed += len(files)
-        rel_ok = [f for f in files if not any(part.startswith(skip_prefixes)
-                                              for part in _rel(path, f.path).split("/"))]
-        if pattern is not None:
-            rel_ok = [f for f in rel_ok if fnmatch.fnmatchcase(f.path, pattern)]
-        kept = sorted((ObjectInfo(_join(uri, path, f.path), f.size, f.mtime_ns)
-                       for f in rel_ok if keep(f.path)), key=lambda o: o.uri)
+        kept = sorted(accept(files), key=lambda o: o.uri)
         if not kept:
             if not files and pattern is None:
                 raise FileNotFoundError(f"no such object or prefix: {uri!r} (check the bucket, the key and the "
@@ -333,4 +353,5 @@ def list_uris(entries: Sequence[str], extensions: Optional[tuple[str, ...]], wha
                              f"or pass extensions=...")
         out.extend(kept)
     LAST_LISTING.objects, LAST_LISTING.seconds = listed, time.perf_counter() - t0
+    LAST_LISTING.fetched = on_page
     return out

@@ -148,12 +148,37 @@ def test_throttled_reads_are_retried_and_counted_then_served_from_the_cache(tmp_
     assert [b for _, b in got] == [bytes([i]) * (i + 1) for i in range(5)]
     c = dict(ctx.counters)
     assert 1 <= c.pop("peak_in_flight") <= 5 and c.pop("store_wait_ms", 0) >= 0
-    assert c == {"retries": 10, "cache_misses": 5, "objects_read": 5, "bytes_read": 15}
+    assert c == {"retries": 10, "cache_hits": 0, "cache_misses": 5, "cache_hit_ratio": 0.0, "objects_read": 5,
+                 "bytes_read": 15}
     with task_context(0, 0, 0, "read", -1) as ctx:
         assert rf.read("flaky://4.bin") == b"\x04" * 5
     c = dict(ctx.counters)
     c.pop("store_wait_ms", None)
-    assert c == {"cache_hits": 1, "cache_bytes": 5} and handler.opens["4.bin"] == 3
+    assert c == {"cache_hits": 1, "cache_misses": 0, "cache_hit_ratio": 1.0, "cache_bytes": 5}
+    assert handler.opens["4.bin"] == 3
+
+
+def test_a_cached_source_always_shows_hits_misses_and_their_ratio():
+    from sbloader.core.context import merge_counters
+    from sbloader.core.stats import ExecutionStats, OperatorStats
+
+    op = OperatorStats("ReadImages")
+    for task in ({"cache_hits": 3, "cache_bytes": 30}, {"cache_hits": 1, "cache_hit_ratio": 1.0}):
+        merge_counters(op.counters, tuple(sorted(task.items())))  # as blocks' metadata carry them
+    assert op.counters == {"cache_hits": 4, "cache_misses": 0, "cache_hit_ratio": 1.0, "cache_bytes": 30}
+    merge_counters(op.counters, {"cache_misses": 4, "objects_read": 4, "cache_hit_ratio": 0.25})
+    assert op.counters["cache_hit_ratio"] == 0.5  # derived from the sums, never summed itself
+    assert "cache_hit_ratio 0.50, cache_hits 4, cache_misses 4" in str(ExecutionStats([op]))
+    plain = {}
+    merge_counters(plain, {"objects_read": 2, "bytes_read": 9})  # no cache (cache=False): no ratio
+    assert plain == {"objects_read": 2, "bytes_read": 9}
+
+
+def test_without_a_cache_no_hit_or_miss_is_counted(tmp_path):
+    rf, _ = _flaky_files(tmp_path, 0, OSError("unused"), cache=False)
+    with task_context(0, 0, 0, "read", -1) as ctx:
+        assert [b for _, b in rf.read_many(sorted(rf.versions))][0] == b"\x00"
+    assert ctx.counters["objects_read"] == 5 and not any(k.startswith("cache_") for k in ctx.counters)
 
 
 def test_a_missing_object_or_too_many_failures_name_the_uri(tmp_path):
