@@ -115,6 +115,42 @@ def test_images_over_s3_equal_local_and_a_later_epoch_reads_no_object_bytes(ray_
     assert "cache_hit_ratio 1.00, cache_hits 24, cache_misses 0" in str(ds.stats())
 
 
+def test_the_first_pages_objects_are_fetched_before_the_listing_ends_and_each_once(ray_session, bucket, tmp_path,
+                                                                                  monkeypatch):
+    """2,100 keys list in 3 pages (1,000 a page), one in 14 an image: GETs reach the store before
+    the last page is answered; over the listing and the epoch, every image is read once, and the
+    rows are the listing's (the plan is cut from the whole listing, whatever the pages' speed)."""
+    monkeypatch.delenv("SBLOADER_LISTING_PREFETCH_BYTES")
+    s3 = _server()
+    every = {f"many/{i:05d}.{'png' if i % 14 == 0 else 'txt'}": b"%05d" % i for i in range(2100)}
+    s3.put_many(BUCKET, every)
+    keys = {k: v for k, v in every.items() if k.endswith(".png")}
+    s3.proxy.reset_counts()
+    s3.proxy.latency_s = 0.02
+    s3.proxy.record()
+    try:
+        ds = sbloader.read_images(f"s3://{BUCKET}/many/", decode=False, files_per_partition=10,
+                                  cache_dir=str(tmp_path / "cache"))
+        fetched = LAST_LISTING.fetched.wait()
+        order = list(s3.proxy.order)
+    finally:
+        s3.proxy.latency_s, s3.proxy.order = 0.0, None
+    pages = [i for i, e in enumerate(order) if e == ("list", "out")]
+    gets = [i for i, e in enumerate(order) if e == ("get", "in")]
+    assert len(pages) >= 3 and gets and gets[0] < pages[-1], order[:5]
+    assert fetched["objects_read"] == s3.proxy.object_gets >= 1
+    rows = {}
+    for b in ds.iter_batches(32, shuffle=True, seed=3):
+        for p, data in zip(b["path"], b["image"]):
+            assert str(p) not in rows
+            rows[str(p)] = bytes(data)
+    assert rows == {f"s3://{BUCKET}/{k}": v for k, v in keys.items()}
+    assert s3.proxy.object_gets == 150  # each image once: fetched while listing or by a read task
+    assert [p.payload for p in ds._source.partitions(0, 5, shuffle=True)] == \
+        [p.payload for p in sbloader.read_images(f"s3://{BUCKET}/many/", decode=False, files_per_partition=10,
+                                                 cache=False)._source.partitions(0, 5, shuffle=True)]
+
+
 def test_cache_off_reads_every_object_every_epoch(ray_session, images):
     root, uri = images
     ds = sbloader.read_images(uri, files_per_partition=6, cache=False)
