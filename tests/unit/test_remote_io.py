@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 import time
 
 import pyarrow.fs as pafs
@@ -179,6 +180,45 @@ def test_without_a_cache_no_hit_or_miss_is_counted(tmp_path):
     with task_context(0, 0, 0, "read", -1) as ctx:
         assert [b for _, b in rf.read_many(sorted(rf.versions))][0] == b"\x00"
     assert ctx.counters["objects_read"] == 5 and not any(k.startswith("cache_") for k in ctx.counters)
+
+
+class _Gated(_Flaky):
+    """Holds the GET of ``4.bin`` until ``gate`` is set (``timed_out`` if it never was)."""
+
+    def __init__(self, root):
+        super().__init__(root, 0, None)
+        self.gate, self.timed_out = threading.Event(), False
+
+    def open_input_stream(self, path):
+        if path == "4.bin":
+            self.timed_out = not self.gate.wait(10)
+        return super().open_input_stream(path)
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_a_read_task_decodes_its_first_objects_while_its_last_is_still_in_flight(tmp_path, monkeypatch, cache):
+    import numpy as np
+
+    from sbloader.sources import images
+    from sbloader.sources.base import Partition
+
+    for i in range(5):
+        (tmp_path / f"{i}.bin").write_bytes(bytes([i]) * (i + 1))
+    handler = _Gated(str(tmp_path))
+    versions = {f"flaky://{i}.bin": (i + 1, 7) for i in range(5)}
+    rf = RemoteFiles(pafs.PyFileSystem(handler), CacheConfig(cache, str(tmp_path / "cache")), versions, 5)
+    decoded = []
+
+    def decode(data, size, mode, name=None):  # the last object cannot be in before the first decode lets it
+        decoded.append((name, handler.gate.is_set()))
+        handler.gate.set()
+        return np.full((1, 1, 1), data[0], np.uint8)
+
+    monkeypatch.setattr(images, "_decode_bytes", decode)
+    block = images._read_image_files(None, Partition(0, 5, tuple(sorted(versions))), size=None, mode=None,
+                                     on_error="raise", remote=rf)
+    assert not handler.timed_out and decoded[0] == ("flaky://0.bin", False)
+    assert [n for n, _ in decoded] == sorted(versions) and block["image"][:, 0, 0, 0].tolist() == [0, 1, 2, 3, 4]
 
 
 def test_a_missing_object_or_too_many_failures_name_the_uri(tmp_path):
