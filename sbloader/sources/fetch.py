@@ -165,7 +165,10 @@ class RemoteFiles:
         report_counters({"range_reads": 1, "bytes_read": len(data)})
         return data
 
-    def _get(self, uri: str, want_path: bool) -> _Got:
+    def _get(self, uri: str, want_path: bool, known_miss: bool = False) -> _Got:
+        """The object from the cache or the store (then cached). ``known_miss``: the caller
+        just found no entry, so only the check under the entry's lock is made. The entry's
+        path (a hash) is computed once for the checks, the lock and the write."""
         got = _Got()
         try:
             size, version = self._version(uri)
@@ -173,13 +176,14 @@ class RemoteFiles:
             if cache is None:
                 got.data = self._download(uri, size, got)
                 return got
-            p = cache.get(uri, version, size)
+            entry = cache.path_for(uri, version)
+            p = None if known_miss else cache.hit(entry, size)
             if p is None:
-                with cache.lock(uri, version):  # another process may be fetching it: wait, then hit
-                    p = cache.get(uri, version, size)
+                with cache.lock_at(entry):  # another process may be fetching it: wait, then hit
+                    p = cache.hit(entry, size)
                     if p is None:
                         got.data = self._download(uri, size, got)
-                        p = cache.put(uri, version, got.data)
+                        p = cache.put_at(entry, got.data)
                         got.admitted = p is not None
                         got.path = p
                         return got
@@ -190,6 +194,15 @@ class RemoteFiles:
         except Exception as e:
             got.error = e
         return got
+
+    def _read_hit(self, uri: str, path: str) -> _Got:
+        """An entry :meth:`_submit` found, read where it is consumed (the full path if it
+        went meanwhile: evicted by another process)."""
+        try:
+            with open(path, "rb") as f:
+                return _Got(data=f.read(), path=path, hit=True)
+        except OSError:
+            return self._get(uri, False)
 
     def _report(self, got: _Got, waited_s: float = 0.0) -> None:
         n = len(got.data) if got.data is not None else 0
@@ -225,7 +238,8 @@ class RemoteFiles:
                                 collect=True)
         waited = Waited()
         for i, uri in enumerate(uris):
-            got = waited.block(futures[i].result) if futures[i] is not None else self._get(uri, False)
+            f = futures[i]
+            got = self._read_hit(uri, f) if isinstance(f, str) else waited.block(f.result)
             futures[i] = None  # drop the bytes once handed on
             outstanding = sum(int(s or 0) for s in sizes[i + 1:nxt])
             while nxt < len(uris) and (nxt == i + 1 or outstanding + int(sizes[nxt] or 0) <= self.max_bytes):
@@ -244,15 +258,17 @@ class RemoteFiles:
         counts.update(peak_in_flight=GAUGE.take_peak(), store_wait_ms=1000 * waited.seconds)
         report_counters(counts)
 
-    def _cached(self, uri: str) -> bool:
+    def _cached(self, uri: str) -> Optional[str]:
+        """The object's cache entry (its read time updated), or None."""
         size, version = self._version(uri)
         cache = cache_here(self.cache) if size is not None else None
-        return cache is not None and cache.get(uri, version, size) is not None
+        return None if cache is None else cache.get(uri, version, size)
 
     def _submit(self, ex: Any, uri: str) -> Any:
-        """A future of the object from the pool, or None when the cache holds it: a hit is read
+        """A future of the object from the pool, or the path of its cache entry: a hit is read
         where it is consumed (a thread hop costs more CPU than reading a cached file)."""
-        return None if self._cached(uri) else ex.submit(self._get, uri, False)
+        hit = self._cached(uri)
+        return hit if hit is not None else ex.submit(self._get, uri, False, True)
 
     def read(self, uri: str) -> bytes:
         """One object's bytes (from the cache when it holds them)."""

@@ -122,14 +122,14 @@ def test_the_first_pages_objects_are_fetched_before_the_listing_ends_and_each_on
     rows are the listing's (the plan is cut from the whole listing, whatever the pages' speed)."""
     monkeypatch.delenv("SBLOADER_LISTING_PREFETCH_BYTES")
     s3 = _server()
-    every = {f"many/{i:05d}.{'png' if i % 14 == 0 else 'txt'}": b"%05d" % i for i in range(2100)}
+    every = {f"paged/{i:05d}.{'png' if i % 14 == 0 else 'txt'}": b"%05d" % i for i in range(2100)}
     s3.put_many(BUCKET, every)
     keys = {k: v for k, v in every.items() if k.endswith(".png")}
     s3.proxy.reset_counts()
     s3.proxy.latency_s = 0.02
     s3.proxy.record()
     try:
-        ds = sbloader.read_images(f"s3://{BUCKET}/many/", decode=False, files_per_partition=10,
+        ds = sbloader.read_images(f"s3://{BUCKET}/paged/", decode=False, files_per_partition=10,
                                   cache_dir=str(tmp_path / "cache"))
         fetched = LAST_LISTING.fetched.wait()
         order = list(s3.proxy.order)
@@ -147,7 +147,7 @@ def test_the_first_pages_objects_are_fetched_before_the_listing_ends_and_each_on
     assert rows == {f"s3://{BUCKET}/{k}": v for k, v in keys.items()}
     assert s3.proxy.object_gets == 150  # each image once: fetched while listing or by a read task
     assert [p.payload for p in ds._source.partitions(0, 5, shuffle=True)] == \
-        [p.payload for p in sbloader.read_images(f"s3://{BUCKET}/many/", decode=False, files_per_partition=10,
+        [p.payload for p in sbloader.read_images(f"s3://{BUCKET}/paged/", decode=False, files_per_partition=10,
                                                  cache=False)._source.partitions(0, 5, shuffle=True)]
 
 
