@@ -164,7 +164,11 @@ def read_images(
     # is still cut from the whole listing: sbloader/sources/listing_pages.py).
     ahead = listing_prefetch(filesystem, cache_config(cache, cache_dir, cache_max_bytes),
                              check_max_in_flight(max_in_flight))
-    files, versions = list_inputs(paths_or_dir, extensions, "image", filesystem=filesystem, on_page=ahead)
+    try:
+        files, versions = list_inputs(paths_or_dir, extensions, "image", filesystem=filesystem, on_page=ahead)
+    finally:
+        if ahead is not None:
+            ahead.stop()  # fetch while listing only: the epoch's reads get the pool and the cores
     remote = remote_files(versions, filesystem, cache, cache_dir, cache_max_bytes, max_in_flight)
     fpp = files_per_partition_for(len(files), files_per_partition, num_partitions, DEFAULT_FILES_PER_PARTITION)
     return Dataset(ImageSource(files, fpp, size, mode, on_error, decode, remote))

@@ -69,7 +69,8 @@ def _ns(when: Any) -> int:
 class ListingPrefetch:
     """Fetches objects into the node's cache as listing pages come (a callable on a page of
     :class:`~sbloader.sources.filesystems.ObjectInfo`), up to ``max_bytes`` in all and
-    only while the cache has room, in the process's fetch pool.
+    only while the cache has room, in the process's fetch pool, until :meth:`stop` (the
+    listing's end: what is not in flight then is left to the read tasks).
 
     Args:
         cache: the read's :class:`~sbloader.sources.cache.CacheConfig` (on).
@@ -107,12 +108,21 @@ class ListingPrefetch:
             ex = pool(self._remote.max_in_flight)
             self._futures.extend(ex.submit(self._remote._prefetch_one, u) for u in take)
 
+    def stop(self) -> None:
+        """The listing ended: drop the fetches not started yet (those in flight finish), so the
+        fetch uses the listing's time only and leaves the pool and the cores to the epoch."""
+        with self._lock:
+            self._left = 0
+        for f in self._futures:
+            f.cancel()
+
     def wait(self) -> dict:
-        """Wait for the fetches started so far; their counts (``prefetched``, ``objects_read``,
-        ``bytes_read``, ``retries``) summed. A fetch that failed is left to the read task."""
+        """Wait for the fetches started; their counts (``prefetched``, ``objects_read``,
+        ``bytes_read``, ``retries``) summed. A fetch that failed or was dropped is left to the
+        read task."""
         counts: dict = {}
         for f in self._futures:
-            if f.exception() is None:
+            if not f.cancelled() and f.exception() is None:
                 for k, v in f.result().items():
                     counts[k] = counts.get(k, 0) + v
         return counts
