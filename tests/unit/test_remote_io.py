@@ -287,3 +287,22 @@ def test_the_read_stage_s_bar_shows_the_bytes_from_the_store_and_the_cache(monke
     bars.show_bytes(0, {"bytes_read": 3 * 2 ** 20, "cache_bytes": 2 ** 19})
     assert made[0].postfix == "store 3.0 MiB, cache 0.5 MiB"
     bars.close()
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_a_read_task_fetches_ahead_the_partitions_its_epoch_runs_next(shuffle):
+    from sbloader.core.plan import make_epoch_plan
+    from sbloader.sources.images import ImageSource
+
+    uris = [f"s3://b/{i:03d}.jpg" for i in range(40)]
+    rf = remote_files({u: (1, 0) for u in uris}, None, True, None, None)
+    src = ImageSource(uris, 4, None, "RGB", "raise", remote=rf)
+    parts = src.partitions(0, 11, shuffle=shuffle)
+    order = make_epoch_plan([p.id for p in parts], 0, 11, shuffle).order  # as the executor runs them
+    ahead = src.shared()
+    for i, pid in enumerate(order):
+        assert ahead.after(pid, 2) == list(order[i + 1:i + 3])
+        assert ahead.members[pid] == parts[pid].payload
+    assert (list(order) != sorted(order)) == shuffle  # shuffled, the next ids are not what runs next
+    assert ImageSource(uris, 4, None, "RGB", "raise", remote=remote_files({u: (1, 0) for u in uris}, None, False,
+                                                                           None, None)).shared() is None
