@@ -289,9 +289,9 @@ def list_uris(entries: Sequence[str], extensions: Optional[tuple[str, ...]], wha
               on_page: Any = None) -> list[ObjectInfo]:
     """List URIs (prefixes, globs, objects) into objects sorted by URI within each entry.
 
-    A prefix (``s3://bucket/dir/``, or ``s3://bucket/dir`` naming no object) is listed
-    recursively, leaving out names (and folders) starting with one of
-    ``skip_prefixes``; a glob (``*``, ``?``, ``[`` after the last ``/`` before them)
+    A prefix (``s3://bucket/dir/``, or ``s3://bucket/dir`` naming no object: one request
+    more, asking whether it is an object) is listed recursively, leaving out names (and
+    folders) starting with one of ``skip_prefixes``; a glob (``*``, ``?``, ``[`` after the last ``/`` before them)
     lists its folder and keeps the matches. Both keep only names ending with one of
     ``extensions`` (lower case, with the dot). An object named explicitly is kept.
 
@@ -330,7 +330,9 @@ def list_uris(entries: Sequence[str], extensions: Optional[tuple[str, ...]], wha
             base_uri = head[:head.rfind("/") + 1] if "/" in head.split("://", 1)[-1] else head
             pattern, uri = path, base_uri
             fs, path = resolve(base_uri, filesystem)
-        info = fs.get_file_info(path) if pattern is None else None
+        # A URI ending in "/" names a prefix: no request asks whether it is an object (one
+        # round trip less before the first GET; an S3 key ending in "/" is a folder marker).
+        info = fs.get_file_info(path) if pattern is None and not uri.endswith("/") else None
         if info is not None and info.type == pafs.FileType.File:
             out.append(ObjectInfo(uri, int(info.size or 0), _mtime_ns(info)))
             listed += 1
