@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Protocol, Sequence
 from urllib.parse import urlsplit
 
 import ray
@@ -218,14 +218,13 @@ def list_prefixes(uris: Sequence[str], filesystem: Any = None) -> list[list[_Lis
 _list_task = ray.remote(num_cpus=0.25, max_retries=3)(list_prefixes)
 
 
-def _list_prefix(fs: Any, path: str, uri: str, filesystem: Any, on_page: Any = None) -> list[_Listed]:
-    """Every file under ``path``: one recursive listing in the driver (with ``on_page``,
-    page by page where the store allows, each page handed to it as it comes:
-    :mod:`sbloader.sources.listing_pages`), or, when the prefix has many sub-prefixes,
+def _list_prefix(fs: Any, path: str, uri: str, filesystem: Any, on_page: Optional[PageSink] = None,
+                 accept: Any = None) -> list[_Listed]:
+    """Every file under ``path``: one recursive listing in the driver (with ``on_page``, a
+    :class:`PageSink`, page by page where it can list the store so, each page handed to it
+    as it comes, filtered by ``accept``), or, when the prefix has many sub-prefixes,
     one Ray task per group of them (the order is restored by the caller's sort)."""
     import pyarrow.fs as pafs
-
-    from sbloader.sources.listing_pages import stream_pages
 
     try:
         top = fs.get_file_info(pafs.FileSelector(path, recursive=False, allow_not_found=True))
@@ -233,14 +232,14 @@ def _list_prefix(fs: Any, path: str, uri: str, filesystem: Any, on_page: Any = N
         return []
     dirs = sorted(f.path for f in top if f.type == pafs.FileType.Directory)
     if len(dirs) < PARALLEL_LISTING_MIN_PREFIXES:
-        pages = stream_pages(uri, path, filesystem) if on_page is not None else None
+        pages = on_page.pages(uri, path, filesystem) if on_page is not None else None
         if pages is None:
             return _list_recursive(fs, path)
         files: list[_Listed] = []
         for page in pages:
             listed = [_Listed(*f) for f in page]
             files.extend(listed)
-            on_page(listed)
+            on_page(accept(listed))
         return files
     from sbloader.runtime.session import ensure_initialized
 
@@ -256,6 +255,17 @@ def _list_prefix(fs: Any, path: str, uri: str, filesystem: Any, on_page: Any = N
             _, sub_path = resolve(sub_uri, filesystem)
             files.extend(_Listed(d.rstrip("/") + "/" + _rel(sub_path, f.path), f.size, f.mtime_ns) for f in listed)
     return files
+
+
+class PageSink(Protocol):
+    """What takes a listing page by page (:class:`~sbloader.sources.listing_pages.ListingPrefetch`)."""
+
+    def pages(self, uri: str, path: str, filesystem: Any) -> Optional[Iterator[list]]:
+        """The prefix's objects as pages of ``(path, size, mtime_ns)`` in key order, or None
+        where the store cannot be listed so (then the listing is the usual one)."""
+
+    def __call__(self, page: list) -> None:
+        """Take one page's kept objects (:class:`ObjectInfo`)."""
 
 
 @dataclass
@@ -286,7 +296,7 @@ LAST_LISTING = ListingStats()
 
 def list_uris(entries: Sequence[str], extensions: Optional[tuple[str, ...]], what: str,
               skip_prefixes: tuple[str, ...] = (".",), filesystem: Any = None,
-              on_page: Any = None) -> list[ObjectInfo]:
+              on_page: Optional["PageSink"] = None) -> list[ObjectInfo]:
     """List URIs (prefixes, globs, objects) into objects sorted by URI within each entry.
 
     A prefix (``s3://bucket/dir/``, or ``s3://bucket/dir`` naming no object: one request
@@ -301,9 +311,9 @@ def list_uris(entries: Sequence[str], extensions: Optional[tuple[str, ...]], wha
         what: what the caller reads, for error messages (``"image"``).
         skip_prefixes: name prefixes a listing leaves out.
         filesystem: the user's filesystem, or None to resolve from the scheme.
-        on_page: called with each listing page's kept objects (a list of
-            :class:`ObjectInfo`, in key order) as the page comes, where the store is listed
-            page by page (:mod:`sbloader.sources.listing_pages`); the result is the same.
+        on_page: a :class:`PageSink`, called with each listing page's kept objects (a list
+            of :class:`ObjectInfo`, in key order) as the page comes, where it lists the
+            store page by page; the result is the same.
 
     Returns:
         One :class:`ObjectInfo` per object.
@@ -342,8 +352,7 @@ def list_uris(entries: Sequence[str], extensions: Optional[tuple[str, ...]], wha
                     if keep(f.path) and (pattern is None or fnmatch.fnmatchcase(f.path, pattern))
                     and not any(part.startswith(skip_prefixes) for part in _rel(path, f.path).split("/"))]
 
-        files = _list_prefix(fs, path.rstrip("/") or "/", uri, filesystem,
-                             (lambda page: on_page(accept(page))) if on_page is not None else None)
+        files = _list_prefix(fs, path.rstrip("/") or "/", uri, filesystem, on_page, accept)
         listed += len(files)
         kept = sorted(accept(files), key=lambda o: o.uri)
         if not kept:

@@ -88,6 +88,10 @@ class ListingPrefetch:
         self._lock = threading.Lock()
         self._checked = False
 
+    def pages(self, uri: str, path: str, filesystem: Any) -> Optional[Iterator[list]]:
+        """:func:`stream_pages` (what :func:`~sbloader.sources.filesystems.list_uris` lists with)."""
+        return stream_pages(uri, path, filesystem)
+
     def __call__(self, page: Sequence[Any]) -> None:
         """Start fetching the page's objects that fit what is left of the byte budget."""
         from sbloader.sources.inflight import pool
