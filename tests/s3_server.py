@@ -55,6 +55,9 @@ class FaultProxy:
         counts: requests by ``(method, kind)``, kind ``"object"`` or ``"list"``.
         object_get_bytes: body bytes of object GETs passed back.
         faults_done: faults injected so far.
+        order: while recording (:meth:`record`), the requests in the order the proxy saw
+            them: ``("get", "in")`` when an object GET arrives, ``("list", "out")`` when a
+            listing page has been answered.
     """
 
     upstream_port: int
@@ -64,6 +67,17 @@ class FaultProxy:
     object_get_bytes: int = 0
     faults_done: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    order: Optional[list] = field(default=None, repr=False)
+
+    def record(self) -> None:
+        """Start (again) recording the order of object GETs and listing pages in ``order``."""
+        with self.lock:
+            self.order = []
+
+    def _note(self, event: tuple) -> None:
+        with self.lock:
+            if self.order is not None:
+                self.order.append(event)
 
     def inject(self, kind: str, times: int = 1) -> None:
         """Make the next ``times`` object GETs fail with ``kind`` (``"503"``, ``"403"`` or ``"drop"``)."""
@@ -115,6 +129,8 @@ def _handler(proxy: FaultProxy) -> type:
             bucket_and_key = path.split("?", 1)[0].strip("/")
             kind = "object" if "/" in bucket_and_key else "list"
             fault = None
+            if kind == "object" and self.command == "GET":
+                proxy._note(("get", "in"))
             with proxy.lock:
                 if kind == "object" and self.command == "GET" and proxy.faults:
                     fault = proxy.faults.popleft()
@@ -164,6 +180,9 @@ def _handler(proxy: FaultProxy) -> type:
             self.end_headers()
             if self.command != "HEAD":
                 self.wfile.write(data)
+                if kind == "list" and self.command == "GET":
+                    self.wfile.flush()
+                    proxy._note(("list", "out"))
                 if kind == "object" and self.command == "GET":
                     with proxy.lock:
                         proxy.object_get_bytes += len(data)

@@ -139,16 +139,32 @@ def report_counters(counts: dict) -> None:
     merge_counters(ctx.counters, counts)
 
 
+#: Counts a cached read always shows together, zeros included, with their ratio
+#: (``cache_hit_ratio``, derived: never summed).
+CACHE_COUNTS = ("cache_hits", "cache_misses")
+
+
+def hit_ratio(hits: int, misses: int) -> float:
+    """``hits / (hits + misses)`` rounded to 4 places; 0.0 when nothing was read."""
+    total = hits + misses
+    return round(hits / total, 4) if total else 0.0
+
+
 def merge_counters(into: dict, counts: Any) -> None:
     """Add ``counts`` (a dict or ``(name, count)`` pairs) into ``into``: a count named
-    ``peak_*`` keeps the largest value (a peak), every other one is summed; zeros are left out."""
+    ``peak_*`` keeps the largest value (a peak), every other one is summed; zeros are left
+    out, except that once a cache hit or miss is counted both show (a zero included) with
+    ``cache_hit_ratio``, derived from the sums."""
     for k, v in (counts.items() if isinstance(counts, dict) else counts):
-        if not v:
+        if not v or k == "cache_hit_ratio":
             continue
         if k.startswith("peak_"):
             into[k] = max(into.get(k, 0), int(v))
         else:
             into[k] = into.get(k, 0) + int(v)
+    if any(k in into for k in CACHE_COUNTS):
+        hits, misses = into.setdefault("cache_hits", 0), into.setdefault("cache_misses", 0)
+        into["cache_hit_ratio"] = hit_ratio(hits, misses)
 
 
 _ACTOR_INFO: dict[str, int] = {}

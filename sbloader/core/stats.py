@@ -32,8 +32,9 @@ class OperatorStats:
         pool_limit: (actor stages) the most actors the pool may have: its maximum, or
             the room the other stages' reservations leave.
         counters: named counts the stage's reads reported (remote sources:
-            ``cache_hits``, ``cache_misses``, ``bytes_read`` from the store,
-            ``cache_bytes`` read from the node-local cache, ``retries``, ``not_admitted``).
+            ``cache_hits``, ``cache_misses`` (both shown, zeros included, for a cached source)
+            and ``cache_hit_ratio``, ``bytes_read`` from the store, ``cache_bytes`` read from
+            the node-local cache, ``retries``, ``not_admitted``).
     """
 
     name: str
@@ -144,7 +145,8 @@ class ExecutionStats:
                 lines.append(f"  pool: {o.actors_created} constructed (limit {o.pool_limit}), {o.actors_retired} "
                              f"retired, {o.actors_lost} lost{built}")
             if o.counters:
-                lines.append("  reads: " + ", ".join(f"{k} {v}" for k, v in sorted(o.counters.items())))
+                lines.append("  reads: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+                                                     for k, v in sorted(o.counters.items())))
         first = f"{self.first_block_s:.3f}s" if self.first_block_s is not None else "n/a"
         lines.append(
             f"wall {self.wall_s:.2f}s, first block {first}, peak held {self.peak_held_bytes / 2**20:.1f} MiB "

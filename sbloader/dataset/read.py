@@ -13,8 +13,10 @@ import numpy as np
 
 from sbloader.core.plan import resolve_rows_per_partition
 from sbloader.dataset.dataset import Dataset
-from sbloader.sources.fetch import DEFAULT_MAX_IN_FLIGHT, remote_files
+from sbloader.sources.cache import cache_config
+from sbloader.sources.fetch import DEFAULT_MAX_IN_FLIGHT, check_max_in_flight, remote_files
 from sbloader.sources.files import PathLike, check_on_error, check_size, files_per_partition_for, list_inputs
+from sbloader.sources.listing_pages import listing_prefetch
 from sbloader.sources.images import DEFAULT_FILES_PER_PARTITION, IMAGE_EXTENSIONS, ImageSource, check_mode
 from sbloader.sources.memory import ItemsSource, RangeSource, TorchSource, _parallelism
 from sbloader.sources.parquet import PARQUET_EXTENSIONS, ParquetSource, _check_columns, gather_footers
@@ -158,7 +160,15 @@ def read_images(
     size = check_size(size)
     if isinstance(extensions, str):
         extensions = (extensions,)
-    files, versions = list_inputs(paths_or_dir, extensions, "image", filesystem=filesystem)
+    # The first pages' objects go into the node's cache while the listing goes on (the plan
+    # is still cut from the whole listing: sbloader/sources/listing_pages.py).
+    ahead = listing_prefetch(filesystem, cache_config(cache, cache_dir, cache_max_bytes),
+                             check_max_in_flight(max_in_flight))
+    try:
+        files, versions = list_inputs(paths_or_dir, extensions, "image", filesystem=filesystem, on_page=ahead)
+    finally:
+        if ahead is not None:
+            ahead.stop()  # fetch while listing only: the epoch's reads get the pool and the cores
     remote = remote_files(versions, filesystem, cache, cache_dir, cache_max_bytes, max_in_flight)
     fpp = files_per_partition_for(len(files), files_per_partition, num_partitions, DEFAULT_FILES_PER_PARTITION)
     return Dataset(ImageSource(files, fpp, size, mode, on_error, decode, remote))

@@ -103,7 +103,11 @@ class DiskCache:
 
     def get(self, uri: str, version: str, size: int) -> Optional[str]:
         """The entry's path if it is cached with ``size`` bytes (its read time is updated), else None."""
-        p = self.path_for(uri, version)
+        return self.hit(self.path_for(uri, version), size)
+
+    def hit(self, p: str, size: int) -> Optional[str]:
+        """:meth:`get` of the entry at ``p`` (:meth:`path_for`): a reader that computed the
+        path once (a hash of the URI) uses it for the check, the lock and the write."""
         try:
             if os.stat(p).st_size != size:
                 return None
@@ -119,22 +123,34 @@ class DiskCache:
 
     def lock(self, uri: str, version: str) -> "_FileLock":
         """An exclusive lock on the entry across processes (hold it while downloading)."""
-        p = self.path_for(uri, version)
+        return self.lock_at(self.path_for(uri, version))
+
+    def lock_at(self, p: str) -> "_FileLock":
+        """:meth:`lock` of the entry at ``p``."""
         self._makedirs(os.path.dirname(p))
         return _FileLock(p + ".lock")
 
     def put(self, uri: str, version: str, data: bytes) -> Optional[str]:
         """Store ``data`` (atomically: a temporary file renamed into place) and return its path,
         or None when the cache is full of entries read too recently to evict."""
+        return self.put_at(self.path_for(uri, version), data)
+
+    def put_at(self, p: str, data: bytes) -> Optional[str]:
+        """:meth:`put` into the entry at ``p``."""
         if not self.make_room(len(data)):
             return None
-        p = self.path_for(uri, version)
-        self._makedirs(os.path.dirname(p))
+        d = os.path.dirname(p)
+        self._makedirs(d)
         # Unique to this process and thread (the entry's lock is held): no random name to draw.
-        tmp = os.path.join(os.path.dirname(p), f".tmp-{os.getpid()}-{threading.get_ident()}")
+        tmp = f"{d}/.tmp-{os.getpid()}-{threading.get_ident()}"
         try:
-            with open(tmp, "wb") as f:
-                f.write(data)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                view = memoryview(data)
+                while view:  # one write for a file; a loop for the rare short write
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
             os.replace(tmp, p)
         except BaseException:
             try:

@@ -10,8 +10,9 @@ partition at once and names the next partitions' objects to fetch ahead
 budget of requests in flight and of bytes (:mod:`sbloader.sources.inflight`), while
 the task decodes the ones already back, in order.
 
-Counters (``objects_read`` and ``bytes_read`` from the store, ``cache_hits``,
-``cache_misses``, ``cache_bytes`` read from the cache, ``retries``, ``not_admitted``,
+Counters (``objects_read`` and ``bytes_read`` from the store, ``cache_hits`` and
+``cache_misses`` (with the cache on: both shown, zeros included, with ``cache_hit_ratio``),
+``cache_bytes`` read from the cache, ``retries``, ``not_admitted``,
 ``prefetched``, ``peak_in_flight`` (requests in flight in the process, the largest
 seen), ``store_wait_ms`` (time readers waited for bytes)) are reported to the task's
 context and reach ``stats()``.
@@ -164,7 +165,10 @@ class RemoteFiles:
         report_counters({"range_reads": 1, "bytes_read": len(data)})
         return data
 
-    def _get(self, uri: str, want_path: bool) -> _Got:
+    def _get(self, uri: str, want_path: bool, known_miss: bool = False) -> _Got:
+        """The object from the cache or the store (then cached). ``known_miss``: the caller
+        just found no entry, so only the check under the entry's lock is made. The entry's
+        path (a hash) is computed once for the checks, the lock and the write."""
         got = _Got()
         try:
             size, version = self._version(uri)
@@ -172,13 +176,14 @@ class RemoteFiles:
             if cache is None:
                 got.data = self._download(uri, size, got)
                 return got
-            p = cache.get(uri, version, size)
+            entry = cache.path_for(uri, version)
+            p = None if known_miss else cache.hit(entry, size)
             if p is None:
-                with cache.lock(uri, version):  # another process may be fetching it: wait, then hit
-                    p = cache.get(uri, version, size)
+                with cache.lock_at(entry):  # another process may be fetching it: wait, then hit
+                    p = cache.hit(entry, size)
                     if p is None:
                         got.data = self._download(uri, size, got)
-                        p = cache.put(uri, version, got.data)
+                        p = cache.put_at(entry, got.data)
                         got.admitted = p is not None
                         got.path = p
                         return got
@@ -190,6 +195,15 @@ class RemoteFiles:
             got.error = e
         return got
 
+    def _read_hit(self, uri: str, path: str) -> _Got:
+        """An entry :meth:`_submit` found, read where it is consumed (the full path if it
+        went meanwhile: evicted by another process)."""
+        try:
+            with open(path, "rb") as f:
+                return _Got(data=f.read(), path=path, hit=True)
+        except OSError:
+            return self._get(uri, False)
+
     def _report(self, got: _Got, waited_s: float = 0.0) -> None:
         n = len(got.data) if got.data is not None else 0
         with _BACKGROUND_LOCK:
@@ -200,8 +214,8 @@ class RemoteFiles:
         if got.error is None:
             if got.hit:
                 counts.update(cache_hits=1, cache_bytes=n)
-            else:
-                counts.update(cache_misses=1, not_admitted=0 if got.admitted else 1,
+            else:  # a miss only where there is a cache to miss (cache=False: no hit ratio)
+                counts.update(cache_misses=1 if self.cache.enabled else 0, not_admitted=0 if got.admitted else 1,
                               objects_read=counts.get("objects_read", 0) + 1,
                               bytes_read=counts.get("bytes_read", 0) + n)
         report_counters(counts)
@@ -224,7 +238,8 @@ class RemoteFiles:
                                 collect=True)
         waited = Waited()
         for i, uri in enumerate(uris):
-            got = waited.block(futures[i].result) if futures[i] is not None else self._get(uri, False)
+            f = futures[i]
+            got = self._read_hit(uri, f) if isinstance(f, str) else waited.block(f.result)
             futures[i] = None  # drop the bytes once handed on
             outstanding = sum(int(s or 0) for s in sizes[i + 1:nxt])
             while nxt < len(uris) and (nxt == i + 1 or outstanding + int(sizes[nxt] or 0) <= self.max_bytes):
@@ -243,15 +258,17 @@ class RemoteFiles:
         counts.update(peak_in_flight=GAUGE.take_peak(), store_wait_ms=1000 * waited.seconds)
         report_counters(counts)
 
-    def _cached(self, uri: str) -> bool:
+    def _cached(self, uri: str) -> Optional[str]:
+        """The object's cache entry (its read time updated), or None."""
         size, version = self._version(uri)
         cache = cache_here(self.cache) if size is not None else None
-        return cache is not None and cache.get(uri, version, size) is not None
+        return None if cache is None else cache.get(uri, version, size)
 
     def _submit(self, ex: Any, uri: str) -> Any:
-        """A future of the object from the pool, or None when the cache holds it: a hit is read
+        """A future of the object from the pool, or the path of its cache entry: a hit is read
         where it is consumed (a thread hop costs more CPU than reading a cached file)."""
-        return None if self._cached(uri) else ex.submit(self._get, uri, False)
+        hit = self._cached(uri)
+        return hit if hit is not None else ex.submit(self._get, uri, False, True)
 
     def read(self, uri: str) -> bytes:
         """One object's bytes (from the cache when it holds them)."""
@@ -356,6 +373,14 @@ def files_ahead(shared: Any, partition_id: int, count: int = 2) -> list[str]:
     return out
 
 
+def check_max_in_flight(max_in_flight: Any) -> int:
+    """``max_in_flight`` unchanged; ``ValueError`` naming it unless it is a positive integer."""
+    if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
+        raise ValueError(f"max_in_flight must be a positive integer (requests a process keeps in flight), "
+                         f"found {max_in_flight!r}")
+    return max_in_flight
+
+
 def remote_files(versions: dict, filesystem: Any, cache: bool, cache_dir: Any, cache_max_bytes: Optional[int],
                  max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> Optional[RemoteFiles]:
     """The :class:`RemoteFiles` of a source whose listing found remote objects (``versions``)
@@ -367,9 +392,7 @@ def remote_files(versions: dict, filesystem: Any, cache: bool, cache_dir: Any, c
     from sbloader.sources.cache import cache_config
 
     config = cache_config(cache, cache_dir, cache_max_bytes)
-    if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
-        raise ValueError(f"max_in_flight must be a positive integer (requests a process keeps in flight), "
-                         f"found {max_in_flight!r}")
+    check_max_in_flight(max_in_flight)
     if not versions and filesystem is None:
         return None
     return RemoteFiles(filesystem, config, dict(versions), max_in_flight)

@@ -113,7 +113,8 @@ def list_files(paths: Union[PathLike, Sequence[PathLike]], extensions: Optional[
 
 
 def list_inputs(paths: Union[PathLike, Sequence[PathLike]], extensions: Optional[Sequence[str]], what: str,
-                skip_prefixes: tuple[str, ...] = (".",), filesystem: Any = None) -> tuple[list[str], dict]:
+                skip_prefixes: tuple[str, ...] = (".",), filesystem: Any = None,
+                on_page: Any = None) -> tuple[list[str], dict]:
     """List local paths (as :func:`list_files`) and remote URIs (``s3://``, ``gs://``,
     ``https://``...: :func:`~sbloader.sources.filesystems.list_uris`), entry by entry in
     the order given.
@@ -125,6 +126,8 @@ def list_inputs(paths: Union[PathLike, Sequence[PathLike]], extensions: Optional
         skip_prefixes: name prefixes a listing leaves out.
         filesystem: a ``pyarrow.fs.FileSystem`` or fsspec filesystem that every entry
             is read through (None: local paths from the OS, URIs by their scheme).
+        on_page: called with each remote listing page's objects as it comes
+            (:func:`~sbloader.sources.filesystems.list_uris`).
 
     Returns:
         The paths and URIs, and ``{uri: (size, mtime_ns)}`` for the remote ones (what
@@ -155,7 +158,7 @@ def list_inputs(paths: Union[PathLike, Sequence[PathLike]], extensions: Optional
         if filesystem is None and not is_remote(e):
             out.extend(list_files(e, extensions, what, skip_prefixes))
             continue
-        for obj in list_uris([e], exts, what, skip_prefixes, filesystem):
+        for obj in list_uris([e], exts, what, skip_prefixes, filesystem, on_page):
             out.append(obj.uri)
             versions[obj.uri] = (obj.size, obj.mtime_ns)
     return out, versions

@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Protocol, Sequence
 from urllib.parse import urlsplit
 
 import ray
@@ -218,10 +218,12 @@ def list_prefixes(uris: Sequence[str], filesystem: Any = None) -> list[list[_Lis
 _list_task = ray.remote(num_cpus=0.25, max_retries=3)(list_prefixes)
 
 
-def _list_prefix(fs: Any, path: str, uri: str, filesystem: Any) -> list[_Listed]:
-    """Every file under ``path``: one recursive listing in the driver, or, when the
-    prefix has many sub-prefixes, one Ray task per group of them (the order is restored
-    by the caller's sort)."""
+def _list_prefix(fs: Any, path: str, uri: str, filesystem: Any, on_page: Optional[PageSink] = None,
+                 accept: Any = None) -> list[_Listed]:
+    """Every file under ``path``: one recursive listing in the driver (with ``on_page``, a
+    :class:`PageSink`, page by page where it can list the store so, each page handed to it
+    as it comes, filtered by ``accept``), or, when the prefix has many sub-prefixes,
+    one Ray task per group of them (the order is restored by the caller's sort)."""
     import pyarrow.fs as pafs
 
     try:
@@ -230,7 +232,15 @@ def _list_prefix(fs: Any, path: str, uri: str, filesystem: Any) -> list[_Listed]
         return []
     dirs = sorted(f.path for f in top if f.type == pafs.FileType.Directory)
     if len(dirs) < PARALLEL_LISTING_MIN_PREFIXES:
-        return _list_recursive(fs, path)
+        pages = on_page.pages(uri, path, filesystem) if on_page is not None else None
+        if pages is None:
+            return _list_recursive(fs, path)
+        files: list[_Listed] = []
+        for page in pages:
+            listed = [_Listed(*f) for f in page]
+            files.extend(listed)
+            on_page(accept(listed))
+        return files
     from sbloader.runtime.session import ensure_initialized
 
     ensure_initialized()
@@ -247,6 +257,17 @@ def _list_prefix(fs: Any, path: str, uri: str, filesystem: Any) -> list[_Listed]
     return files
 
 
+class PageSink(Protocol):
+    """What takes a listing page by page (:class:`~sbloader.sources.listing_pages.ListingPrefetch`)."""
+
+    def pages(self, uri: str, path: str, filesystem: Any) -> Optional[Iterator[list]]:
+        """The prefix's objects as pages of ``(path, size, mtime_ns)`` in key order, or None
+        where the store cannot be listed so (then the listing is the usual one)."""
+
+    def __call__(self, page: list) -> None:
+        """Take one page's kept objects (:class:`ObjectInfo`)."""
+
+
 @dataclass
 class ListingStats:
     """How long listing took.
@@ -254,10 +275,14 @@ class ListingStats:
     Attributes:
         objects: objects listed (before filtering by extension).
         seconds: wall seconds spent listing.
+        fetched: the :class:`~sbloader.sources.listing_pages.ListingPrefetch` that fetched the
+            first pages' objects into the cache while listing (its ``wait()`` gives their
+            counts, which the read stage's ``stats()`` does not hold), or None.
     """
 
     objects: int = 0
     seconds: float = 0.0
+    fetched: Any = None
 
     @property
     def seconds_per_1000(self) -> float:
@@ -270,12 +295,13 @@ LAST_LISTING = ListingStats()
 
 
 def list_uris(entries: Sequence[str], extensions: Optional[tuple[str, ...]], what: str,
-              skip_prefixes: tuple[str, ...] = (".",), filesystem: Any = None) -> list[ObjectInfo]:
+              skip_prefixes: tuple[str, ...] = (".",), filesystem: Any = None,
+              on_page: Optional["PageSink"] = None) -> list[ObjectInfo]:
     """List URIs (prefixes, globs, objects) into objects sorted by URI within each entry.
 
-    A prefix (``s3://bucket/dir/``, or ``s3://bucket/dir`` naming no object) is listed
-    recursively, leaving out names (and folders) starting with one of
-    ``skip_prefixes``; a glob (``*``, ``?``, ``[`` after the last ``/`` before them)
+    A prefix (``s3://bucket/dir/``, or ``s3://bucket/dir`` naming no object: one request
+    more, asking whether it is an object) is listed recursively, leaving out names (and
+    folders) starting with one of ``skip_prefixes``; a glob (``*``, ``?``, ``[`` after the last ``/`` before them)
     lists its folder and keeps the matches. Both keep only names ending with one of
     ``extensions`` (lower case, with the dot). An object named explicitly is kept.
 
@@ -285,6 +311,9 @@ def list_uris(entries: Sequence[str], extensions: Optional[tuple[str, ...]], wha
         what: what the caller reads, for error messages (``"image"``).
         skip_prefixes: name prefixes a listing leaves out.
         filesystem: the user's filesystem, or None to resolve from the scheme.
+        on_page: a :class:`PageSink`, called with each listing page's kept objects (a list
+            of :class:`ObjectInfo`, in key order) as the page comes, where it lists the
+            store page by page; the result is the same.
 
     Returns:
         One :class:`ObjectInfo` per object.
@@ -311,19 +340,21 @@ def list_uris(entries: Sequence[str], extensions: Optional[tuple[str, ...]], wha
             base_uri = head[:head.rfind("/") + 1] if "/" in head.split("://", 1)[-1] else head
             pattern, uri = path, base_uri
             fs, path = resolve(base_uri, filesystem)
-        info = fs.get_file_info(path) if pattern is None else None
+        # A URI ending in "/" names a prefix: no request asks whether it is an object (one
+        # round trip less before the first GET; an S3 key ending in "/" is a folder marker).
+        info = fs.get_file_info(path) if pattern is None and not uri.endswith("/") else None
         if info is not None and info.type == pafs.FileType.File:
             out.append(ObjectInfo(uri, int(info.size or 0), _mtime_ns(info)))
             listed += 1
             continue
-        files = _list_prefix(fs, path.rstrip("/") or "/", uri, filesystem)
+        def accept(files: list[_Listed], uri: str = uri, path: str = path, pattern: Any = pattern) -> list[ObjectInfo]:
+            return [ObjectInfo(_join(uri, path, f.path), f.size, f.mtime_ns) for f in files
+                    if keep(f.path) and (pattern is None or fnmatch.fnmatchcase(f.path, pattern))
+                    and not any(part.startswith(skip_prefixes) for part in _rel(path, f.path).split("/"))]
+
+        files = _list_prefix(fs, path.rstrip("/") or "/", uri, filesystem, on_page, accept)
         listed += len(files)
-        rel_ok = [f for f in files if not any(part.startswith(skip_prefixes)
-                                              for part in _rel(path, f.path).split("/"))]
-        if pattern is not None:
-            rel_ok = [f for f in rel_ok if fnmatch.fnmatchcase(f.path, pattern)]
-        kept = sorted((ObjectInfo(_join(uri, path, f.path), f.size, f.mtime_ns)
-                       for f in rel_ok if keep(f.path)), key=lambda o: o.uri)
+        kept = sorted(accept(files), key=lambda o: o.uri)
         if not kept:
             if not files and pattern is None:
                 raise FileNotFoundError(f"no such object or prefix: {uri!r} (check the bucket, the key and the "
@@ -333,4 +364,5 @@ def list_uris(entries: Sequence[str], extensions: Optional[tuple[str, ...]], wha
                              f"or pass extensions=...")
         out.extend(kept)
     LAST_LISTING.objects, LAST_LISTING.seconds = listed, time.perf_counter() - t0
+    LAST_LISTING.fetched = on_page
     return out

@@ -14,6 +14,7 @@ import functools
 import hashlib
 import io
 import math
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -21,7 +22,7 @@ import numpy as np
 from sbloader.sources import jpeg as _jpeg
 from sbloader.core.block import ROW_COLUMN, Block, to_column
 from sbloader.core.context import report_skipped
-from sbloader.core.plan import cut_members, member_positions
+from sbloader.core.plan import cut_members, make_epoch_plan, member_positions
 from sbloader.sources.base import Partition
 from sbloader.sources.fetch import RemoteFiles
 from sbloader.sources.files import read_error
@@ -38,8 +39,9 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
 
 _MODES = ("RGB", "RGBA", "L", None)
 
-#: Partitions after its own (by id) whose remote objects a read task fetches into the
-#: node's cache while it decodes (within the byte budget, :mod:`sbloader.sources.inflight`).
+#: Partitions after its own (in the epoch plan's order) whose remote objects a read task
+#: fetches into the node's cache while it decodes (within the byte budget,
+#: :mod:`sbloader.sources.inflight`).
 PREFETCH_PARTITIONS = 2
 
 
@@ -150,9 +152,10 @@ def _read_image_files(shared: Any, partition: Partition, *, size: Optional[tuple
     kept: list[str] = []
     rows: list[int] = []
     if remote is not None:
-        # The next partitions' objects go into the node's cache behind this one's requests.
-        nxt = [u for k in range(1, PREFETCH_PARTITIONS + 1) if shared is not None and partition.id + k < len(shared)
-               for u in shared[partition.id + k]]
+        # The partitions after this one in the epoch's order go into the node's cache behind
+        # this one's requests.
+        nxt = [u for pid in shared.after(partition.id, PREFETCH_PARTITIONS) for u in shared.members[pid]] \
+            if shared is not None else []
         fetched = remote.read_many(paths, ahead=nxt)
     else:
         fetched = ((p, None) for p in paths)
@@ -185,6 +188,40 @@ def _read_image_files(shared: Any, partition: Partition, *, size: Optional[tuple
 
 
 # ----- the source -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EpochAhead:
+    """Each partition's members by id and the order the epoch's plan runs them in
+    (:func:`~sbloader.core.plan.make_epoch_plan`: under ``shuffle`` a permutation drawn from
+    the epoch seed), so a read task fetches ahead the partitions that run next, not the
+    next ids (which a shuffled plan runs anywhere in the epoch).
+
+    Attributes:
+        members: each partition's members (URIs), by id.
+        order: partition ids in the plan's order.
+        position: each id's place in ``order``.
+    """
+
+    members: tuple
+    order: tuple
+    position: tuple
+
+    @classmethod
+    def of(cls, members: tuple, epoch_seed: int, shuffle: bool) -> "EpochAhead":
+        """The members and the order :func:`~sbloader.core.plan.make_epoch_plan` gives them."""
+        order = make_epoch_plan(range(len(members)), 0, epoch_seed, shuffle).order
+        position = [0] * len(order)
+        for i, pid in enumerate(order):
+            position[pid] = i
+        return cls(members, tuple(order), tuple(position))
+
+    def after(self, partition_id: int, count: int) -> list[int]:
+        """The ids of the (at most) ``count`` partitions the plan runs after ``partition_id``."""
+        if not 0 <= partition_id < len(self.position):
+            return []
+        i = self.position[partition_id]
+        return list(self.order[i + 1:i + 1 + count])
 
 
 class ImageSource:
@@ -222,11 +259,13 @@ class ImageSource:
         return list(self._paths)
 
     def shared(self) -> Any:
-        """Remote objects cached: the epoch's partitions' URIs by id (a read task prefetches the
-        next ones into the node's cache); otherwise nothing (each partition carries its files)."""
+        """Remote objects cached: the epoch's partitions' URIs by id and the epoch's order of
+        them (:class:`EpochAhead`: a read task fetches the next ones in that order into the
+        node's cache); otherwise nothing (each partition carries its files)."""
         if self._remote is None or not self._remote.cache.enabled or self._parts is None:
             return None
-        return tuple(p.payload for p in self._parts[1])
+        (seed, shuffle), parts = self._parts
+        return EpochAhead.of(tuple(p.payload for p in parts), 0 if seed is None else seed, shuffle)
 
     def partitions(self, epoch: int, epoch_seed: int, shuffle: bool = False) -> list[Partition]:
         """Runs of ``files_per_partition`` files of the listing: in its order (the same every

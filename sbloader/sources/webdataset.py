@@ -87,19 +87,23 @@ def expand_braces(pattern: str) -> list[str]:
 def list_shards(paths: Union[PathLike, Sequence[PathLike]], filesystem: Any = None) -> tuple[list[str], dict]:
     """A directory or prefix (``.tar`` files, recursively, sorted), a glob, a brace pattern, a
     file or object, or a list of those (order kept): the shards' absolute paths or URIs, and
-    ``{uri: (size, mtime_ns)}`` for the remote ones. A remote brace pattern is one listing
-    of the folder before its first brace (a request per 1,000 keys), not a request per shard.
+    ``{uri: (size, mtime_ns)}`` for the remote ones. A brace pattern in an object store is one
+    listing of the folder before its first brace (a request per 1,000 keys), not a request per
+    shard; over an fsspec scheme (``http://``...) each shard is asked for its size.
 
     Raises:
         FileNotFoundError: a path, an object or a shard of a pattern does not exist.
     """
-    from sbloader.sources.filesystems import is_remote, list_uris
+    from sbloader.sources.filesystems import PYARROW_SCHEMES, is_remote, list_uris, scheme_of
 
     entries = [paths] if isinstance(paths, (str, bytes)) or not hasattr(paths, "__iter__") else list(paths)
     out: list[str] = []
     versions: dict = {}
     for e in entries:
-        if isinstance(e, str) and (filesystem is not None or is_remote(e)) and _BRACE_RE.search(e):
+        # An object store's listing gives every shard's size: one listing of the folder. An
+        # fsspec scheme's (http://: a page of links, no sizes) does not: each name is asked for.
+        listable = filesystem is not None or scheme_of(e) in PYARROW_SCHEMES
+        if isinstance(e, str) and listable and (filesystem is not None or is_remote(e)) and _BRACE_RE.search(e):
             names = expand_braces(e)
             folder = e[:e.index("{")].rsplit("/", 1)[0] + "/"
             listed = {o.uri: o for o in list_uris([folder], None, "webdataset", filesystem=filesystem)}

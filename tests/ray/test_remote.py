@@ -57,6 +57,13 @@ _SERVER: list = []
 
 
 @pytest.fixture(autouse=True)
+def _reads_in_the_read_tasks(monkeypatch):
+    """Nothing fetched while listing (tests of the read tasks' faults and counts); a test
+    of the listing's fetch turns it back on (``monkeypatch.delenv``)."""
+    monkeypatch.setenv("SBLOADER_LISTING_PREFETCH_BYTES", "0")
+
+
+@pytest.fixture(autouse=True)
 def _remember_server(s3_server):
     _SERVER[:] = [s3_server]
 
@@ -81,24 +88,67 @@ def _same(local: dict, remote: dict, root: str, uri: str) -> None:
         assert np.array_equal(remote[uri + "/" + os.path.relpath(p, root)], arr)
 
 
-def test_images_over_s3_equal_local_and_a_later_epoch_reads_no_object_bytes(ray_session, images, tmp_path):
+def test_images_over_s3_equal_local_and_a_later_epoch_reads_no_object_bytes(ray_session, images, tmp_path,
+                                                                           monkeypatch):
+    monkeypatch.delenv("SBLOADER_LISTING_PREFETCH_BYTES")
     root, uri = images
     local = _rows(sbloader.read_images(root, files_per_partition=5))
-    ds = sbloader.read_images(uri + "/", files_per_partition=5, cache_dir=str(tmp_path / "cache"))
     s3 = _server()
     s3.proxy.reset_counts()
+    ds = sbloader.read_images(uri + "/", files_per_partition=5, cache_dir=str(tmp_path / "cache"))
+    while_listing = LAST_LISTING.fetched.wait()  # the first pages' objects, fetched into the cache while listing
     _same(local, _rows(ds), root, uri)
-    assert s3.proxy.object_gets == 24  # each object once, whether read or fetched ahead
-    assert s3.proxy.counts[("HEAD", "object")] == 0  # its size came from the listing: no HEAD before the GET
+    assert s3.proxy.object_gets == 24  # each object once, whether read, fetched ahead or fetched while listing
+    # No HEAD: the size is listed, and a URI ending in "/" is a prefix (not asked whether it is an object).
+    assert s3.proxy.counts[("HEAD", "object")] == 0
     st = ds.stats().operators[0].counters
-    assert st["cache_misses"] + st.get("cache_hits", 0) == 24 and st["cache_misses"] >= 5
-    assert st["objects_read"] == 24 and st["bytes_read"] == s3.proxy.object_get_bytes
-    assert 1 <= st["peak_in_flight"] <= 64 and st["store_wait_ms"] >= 1
+    assert st["cache_misses"] + st["cache_hits"] == 24
+    assert st.get("objects_read", 0) + while_listing.get("objects_read", 0) == 24
+    assert st.get("bytes_read", 0) + while_listing.get("bytes_read", 0) == s3.proxy.object_get_bytes
+    # (24 small objects: fetched while listing, if not all, then by the read tasks, at most 64 in flight)
+    assert st.get("peak_in_flight", 0) <= 64 and st.get("store_wait_ms", 0) >= 0
     s3.proxy.reset_counts()
     _same(local, _rows(ds, shuffle=True, seed=1), root, uri)
     assert s3.proxy.object_gets == 0 and s3.proxy.object_get_bytes == 0
     st = ds.stats().operators[0].counters
-    assert st["cache_hits"] == 24 and "cache_misses" not in st
+    assert st["cache_hits"] == 24 and st["cache_misses"] == 0 and st["cache_hit_ratio"] == 1.0
+    assert "cache_hit_ratio 1.00, cache_hits 24, cache_misses 0" in str(ds.stats())
+
+
+def test_the_first_pages_objects_are_fetched_before_the_listing_ends_and_each_once(ray_session, bucket, tmp_path,
+                                                                                  monkeypatch):
+    """2,100 keys list in 3 pages (1,000 a page), one in 14 an image: GETs reach the store before
+    the last page is answered; over the listing and the epoch, every image is read once, and the
+    rows are the listing's (the plan is cut from the whole listing, whatever the pages' speed)."""
+    monkeypatch.delenv("SBLOADER_LISTING_PREFETCH_BYTES")
+    s3 = _server()
+    every = {f"paged/{i:05d}.{'png' if i % 14 == 0 else 'txt'}": b"%05d" % i for i in range(2100)}
+    s3.put_many(BUCKET, every)
+    keys = {k: v for k, v in every.items() if k.endswith(".png")}
+    s3.proxy.reset_counts()
+    s3.proxy.latency_s = 0.02
+    s3.proxy.record()
+    try:
+        ds = sbloader.read_images(f"s3://{BUCKET}/paged/", decode=False, files_per_partition=10,
+                                  cache_dir=str(tmp_path / "cache"))
+        fetched = LAST_LISTING.fetched.wait()
+        order = list(s3.proxy.order)
+    finally:
+        s3.proxy.latency_s, s3.proxy.order = 0.0, None
+    pages = [i for i, e in enumerate(order) if e == ("list", "out")]
+    gets = [i for i, e in enumerate(order) if e == ("get", "in")]
+    assert len(pages) >= 3 and gets and gets[0] < pages[-1], order[:5]
+    assert fetched["objects_read"] == s3.proxy.object_gets >= 1
+    rows = {}
+    for b in ds.iter_batches(32, shuffle=True, seed=3):
+        for p, data in zip(b["path"], b["image"]):
+            assert str(p) not in rows
+            rows[str(p)] = bytes(data)
+    assert rows == {f"s3://{BUCKET}/{k}": v for k, v in keys.items()}
+    assert s3.proxy.object_gets == 150  # each image once: fetched while listing or by a read task
+    assert [p.payload for p in ds._source.partitions(0, 5, shuffle=True)] == \
+        [p.payload for p in sbloader.read_images(f"s3://{BUCKET}/paged/", decode=False, files_per_partition=10,
+                                                 cache=False)._source.partitions(0, 5, shuffle=True)]
 
 
 def test_cache_off_reads_every_object_every_epoch(ray_session, images):
@@ -108,6 +158,7 @@ def test_cache_off_reads_every_object_every_epoch(ray_session, images):
         _server().proxy.reset_counts()
         assert len(_rows(ds)) == 24
         assert _server().proxy.object_gets == 24
+        assert "cache_misses" not in ds.stats().operators[0].counters  # no cache: no hit ratio to show
 
 
 def test_injected_503s_and_dropped_connections_are_survived_exactly_once(ray_session, images, tmp_path):
@@ -307,7 +358,7 @@ def test_webdataset_shards_by_brace_pattern_equal_local_with_one_request_per_ran
         assert proxy.counts[("HEAD", "object")] == 0
         st = ds.stats().operators[0].counters
         if cache:  # the reads take nothing from the store
-            assert proxy.object_gets == 0 and st["cache_hits"] == 9 and "cache_misses" not in st
+            assert proxy.object_gets == 0 and st["cache_hits"] == 9 and st["cache_misses"] == 0
         else:  # one ranged GET per partition (3 shards of 7 samples, 3 per partition)
             assert proxy.object_gets == 9 and st["range_reads"] == 9
             assert st["bytes_read"] == proxy.object_get_bytes

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 import time
 
 import pyarrow.fs as pafs
@@ -148,12 +149,76 @@ def test_throttled_reads_are_retried_and_counted_then_served_from_the_cache(tmp_
     assert [b for _, b in got] == [bytes([i]) * (i + 1) for i in range(5)]
     c = dict(ctx.counters)
     assert 1 <= c.pop("peak_in_flight") <= 5 and c.pop("store_wait_ms", 0) >= 0
-    assert c == {"retries": 10, "cache_misses": 5, "objects_read": 5, "bytes_read": 15}
+    assert c == {"retries": 10, "cache_hits": 0, "cache_misses": 5, "cache_hit_ratio": 0.0, "objects_read": 5,
+                 "bytes_read": 15}
     with task_context(0, 0, 0, "read", -1) as ctx:
         assert rf.read("flaky://4.bin") == b"\x04" * 5
     c = dict(ctx.counters)
     c.pop("store_wait_ms", None)
-    assert c == {"cache_hits": 1, "cache_bytes": 5} and handler.opens["4.bin"] == 3
+    assert c == {"cache_hits": 1, "cache_misses": 0, "cache_hit_ratio": 1.0, "cache_bytes": 5}
+    assert handler.opens["4.bin"] == 3
+
+
+def test_a_cached_source_always_shows_hits_misses_and_their_ratio():
+    from sbloader.core.context import merge_counters
+    from sbloader.core.stats import ExecutionStats, OperatorStats
+
+    op = OperatorStats("ReadImages")
+    for task in ({"cache_hits": 3, "cache_bytes": 30}, {"cache_hits": 1, "cache_hit_ratio": 1.0}):
+        merge_counters(op.counters, tuple(sorted(task.items())))  # as blocks' metadata carry them
+    assert op.counters == {"cache_hits": 4, "cache_misses": 0, "cache_hit_ratio": 1.0, "cache_bytes": 30}
+    merge_counters(op.counters, {"cache_misses": 4, "objects_read": 4, "cache_hit_ratio": 0.25})
+    assert op.counters["cache_hit_ratio"] == 0.5  # derived from the sums, never summed itself
+    assert "cache_hit_ratio 0.50, cache_hits 4, cache_misses 4" in str(ExecutionStats([op]))
+    plain = {}
+    merge_counters(plain, {"objects_read": 2, "bytes_read": 9})  # no cache (cache=False): no ratio
+    assert plain == {"objects_read": 2, "bytes_read": 9}
+
+
+def test_without_a_cache_no_hit_or_miss_is_counted(tmp_path):
+    rf, _ = _flaky_files(tmp_path, 0, OSError("unused"), cache=False)
+    with task_context(0, 0, 0, "read", -1) as ctx:
+        assert [b for _, b in rf.read_many(sorted(rf.versions))][0] == b"\x00"
+    assert ctx.counters["objects_read"] == 5 and not any(k.startswith("cache_") for k in ctx.counters)
+
+
+class _Gated(_Flaky):
+    """Holds the GET of ``4.bin`` until ``gate`` is set (``timed_out`` if it never was)."""
+
+    def __init__(self, root):
+        super().__init__(root, 0, None)
+        self.gate, self.timed_out = threading.Event(), False
+
+    def open_input_stream(self, path):
+        if path == "4.bin":
+            self.timed_out = not self.gate.wait(10)
+        return super().open_input_stream(path)
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_a_read_task_decodes_its_first_objects_while_its_last_is_still_in_flight(tmp_path, monkeypatch, cache):
+    import numpy as np
+
+    from sbloader.sources import images
+    from sbloader.sources.base import Partition
+
+    for i in range(5):
+        (tmp_path / f"{i}.bin").write_bytes(bytes([i]) * (i + 1))
+    handler = _Gated(str(tmp_path))
+    versions = {f"flaky://{i}.bin": (i + 1, 7) for i in range(5)}
+    rf = RemoteFiles(pafs.PyFileSystem(handler), CacheConfig(cache, str(tmp_path / "cache")), versions, 5)
+    decoded = []
+
+    def decode(data, size, mode, name=None):  # the last object cannot be in before the first decode lets it
+        decoded.append((name, handler.gate.is_set()))
+        handler.gate.set()
+        return np.full((1, 1, 1), data[0], np.uint8)
+
+    monkeypatch.setattr(images, "_decode_bytes", decode)
+    block = images._read_image_files(None, Partition(0, 5, tuple(sorted(versions))), size=None, mode=None,
+                                     on_error="raise", remote=rf)
+    assert not handler.timed_out and decoded[0] == ("flaky://0.bin", False)
+    assert [n for n, _ in decoded] == sorted(versions) and block["image"][:, 0, 0, 0].tolist() == [0, 1, 2, 3, 4]
 
 
 def test_a_missing_object_or_too_many_failures_name_the_uri(tmp_path):
@@ -222,3 +287,22 @@ def test_the_read_stage_s_bar_shows_the_bytes_from_the_store_and_the_cache(monke
     bars.show_bytes(0, {"bytes_read": 3 * 2 ** 20, "cache_bytes": 2 ** 19})
     assert made[0].postfix == "store 3.0 MiB, cache 0.5 MiB"
     bars.close()
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_a_read_task_fetches_ahead_the_partitions_its_epoch_runs_next(shuffle):
+    from sbloader.core.plan import make_epoch_plan
+    from sbloader.sources.images import ImageSource
+
+    uris = [f"s3://b/{i:03d}.jpg" for i in range(40)]
+    rf = remote_files({u: (1, 0) for u in uris}, None, True, None, None)
+    src = ImageSource(uris, 4, None, "RGB", "raise", remote=rf)
+    parts = src.partitions(0, 11, shuffle=shuffle)
+    order = make_epoch_plan([p.id for p in parts], 0, 11, shuffle).order  # as the executor runs them
+    ahead = src.shared()
+    for i, pid in enumerate(order):
+        assert ahead.after(pid, 2) == list(order[i + 1:i + 3])
+        assert ahead.members[pid] == parts[pid].payload
+    assert (list(order) != sorted(order)) == shuffle  # shuffled, the next ids are not what runs next
+    assert ImageSource(uris, 4, None, "RGB", "raise", remote=remote_files({u: (1, 0) for u in uris}, None, False,
+                                                                           None, None)).shared() is None

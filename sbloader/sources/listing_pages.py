@@ -1,0 +1,155 @@
+"""The listing, page by page, and the objects of its first pages fetched into the node's
+cache while the later pages are still being listed.
+
+A flat prefix of an object store is listed one page (1,000 keys on S3) per request, in
+key order. Through ``obstore`` (:func:`stream_pages`) each page is handed on as soon as
+it is parsed, so a :class:`ListingPrefetch` starts GETs of the first pages' objects while
+the listing goes on: a folder of 100,000 keys starts reading after its first page
+instead of after its last.
+
+What this does not change is the plan: a dataset's partitions are cut from the whole,
+sorted listing, exactly as before (partition ids, their members and the shuffle derive
+from the listing and the epoch seed only, never from how fast pages came), so a resumed
+epoch replays exactly the same partitions. The objects fetched while listing only sit in
+the node-local cache, where the read tasks find them (one GET per object: a read that
+wants an object being fetched waits on the cache entry's lock, then hits).
+"""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+#: Bytes of objects a listing fetches into the cache while it goes on, at most (the
+#: first pages' objects in key order: an unshuffled epoch's first partitions; any epoch
+#: reads them all once). ``$SBLOADER_LISTING_PREFETCH_BYTES`` replaces it (0: none).
+LISTING_PREFETCH_BYTES = 256 * 2 ** 20
+
+#: Environment variable replacing :data:`LISTING_PREFETCH_BYTES` (``0`` turns it off).
+LISTING_PREFETCH_ENV = "SBLOADER_LISTING_PREFETCH_BYTES"
+
+_PAGE = 1000  # keys per S3 listing request: one page handed on at a time
+
+
+def stream_pages(uri: str, path: str, filesystem: Any) -> Optional[Iterator[list]]:
+    """The objects under prefix ``uri`` (``path`` in pyarrow's form, ``bucket/key``) as
+    pages of ``(path, size, mtime_ns)`` in key order, each handed on once it is listed;
+    None where no page-wise listing is available (a user's ``filesystem=``, a scheme
+    obstore does not read, obstore missing): the caller lists the pyarrow way."""
+    from sbloader.sources.object_client import ObstoreClient, client_for
+
+    client = client_for(uri, filesystem)
+    if not isinstance(client, ObstoreClient):
+        return None
+    store, key = client._store(uri.rstrip("/") + "/")
+    bucket = path.split("/", 1)[0]
+
+    def pages() -> Iterator[list]:
+        import obstore
+
+        from sbloader.sources.object_client import _obstore_error
+
+        try:
+            for page in obstore.list(store, key.rstrip("/") or None, chunk_size=_PAGE):
+                yield [(f"{bucket}/{m['path']}", int(m["size"]), _ns(m.get("last_modified")))
+                       for m in page]
+        except Exception as e:
+            raise _obstore_error(uri, e) from e
+
+    return pages()
+
+
+def _ns(when: Any) -> int:
+    """Nanoseconds since the epoch of a listing's ``last_modified`` (0 when absent)."""
+    if when is None:
+        return 0
+    return int(when.timestamp()) * 10 ** 9 + when.microsecond * 1000
+
+
+class ListingPrefetch:
+    """Fetches objects into the node's cache as listing pages come (a callable on a page of
+    :class:`~sbloader.sources.filesystems.ObjectInfo`), up to ``max_bytes`` in all and
+    only while the cache has room, in the process's fetch pool, until :meth:`stop` (the
+    listing's end: what is not in flight then is left to the read tasks).
+
+    Args:
+        cache: the read's :class:`~sbloader.sources.cache.CacheConfig` (on).
+        max_in_flight: requests in flight (the fetch pool's threads).
+        max_bytes: bytes fetched while listing, at most.
+    """
+
+    def __init__(self, cache: Any, max_in_flight: int, max_bytes: int = LISTING_PREFETCH_BYTES) -> None:
+        from sbloader.sources.fetch import RemoteFiles
+
+        self._versions: dict = {}
+        self._remote = RemoteFiles(None, cache, self._versions, max_in_flight)
+        self._left = int(max_bytes)
+        self._futures: list = []
+        self._lock = threading.Lock()
+        self._checked = False
+
+    def pages(self, uri: str, path: str, filesystem: Any) -> Optional[Iterator[list]]:
+        """:func:`stream_pages` (what :func:`~sbloader.sources.filesystems.list_uris` lists with)."""
+        return stream_pages(uri, path, filesystem)
+
+    def __call__(self, page: Sequence[Any]) -> None:
+        """Start fetching the page's objects that fit what is left of the byte budget."""
+        from sbloader.sources.inflight import pool
+
+        with self._lock:
+            if not self._checked:  # on a cluster, the driver's cache is not the readers'
+                self._checked = True
+                self._left = self._left if _one_node() else 0
+            take = []
+            for o in page:
+                if o.size > self._left:
+                    self._left = 0
+                    break
+                self._left -= o.size
+                self._versions[o.uri] = (o.size, o.mtime_ns)
+                take.append(o.uri)
+        if take:
+            ex = pool(self._remote.max_in_flight)
+            self._futures.extend(ex.submit(self._remote._prefetch_one, u) for u in take)
+
+    def stop(self) -> None:
+        """The listing ended: drop the fetches not started yet (those in flight finish), so the
+        fetch uses the listing's time only and leaves the pool and the cores to the epoch."""
+        with self._lock:
+            self._left = 0
+        for f in self._futures:
+            f.cancel()
+
+    def wait(self) -> dict:
+        """Wait for the fetches started; their counts (``prefetched``, ``objects_read``,
+        ``bytes_read``, ``retries``) summed. A fetch that failed or was dropped is left to the
+        read task."""
+        counts: dict = {}
+        for f in self._futures:
+            if not f.cancelled() and f.exception() is None:
+                for k, v in f.result().items():
+                    counts[k] = counts.get(k, 0) + v
+        return counts
+
+
+def _one_node() -> bool:
+    """Whether the read tasks run on this node: no Ray yet (the embedded one starts here),
+    or a Ray of one node."""
+    import ray
+
+    return not ray.is_initialized() or len([n for n in ray.nodes() if n.get("Alive")]) <= 1
+
+
+def listing_prefetch(filesystem: Any, cache: Any, max_in_flight: int) -> Optional[Callable[[Sequence[Any]], None]]:
+    """A :class:`ListingPrefetch` for a read whose cache is on; None otherwise (and a user's
+    ``filesystem=`` is listed the pyarrow way, all at once). It fetches nothing on a Ray
+    cluster of several nodes: the driver's cache would not be the readers'."""
+    raw = os.environ.get(LISTING_PREFETCH_ENV, "")
+    try:
+        budget = int(raw) if raw else LISTING_PREFETCH_BYTES
+    except ValueError:
+        raise ValueError(f"{LISTING_PREFETCH_ENV} must be a number of bytes (0: fetch nothing while listing), "
+                         f"found {raw!r}") from None
+    if filesystem is not None or not cache.enabled or budget <= 0:
+        return None
+    return ListingPrefetch(cache, max_in_flight, budget)
