@@ -2,12 +2,14 @@
 
 Images are smooth random gradients with noise, encoded as JPEG, so decode costs
 what real photos of the same size cost. Videos are drifting gradients with a
-moving square, encoded with PyAV, so every frame differs from the last.
+moving square, encoded with PyAV, so every frame differs from the last. Ids tagged
+with the Ray node that made them show where a pipeline ran (node-loss tests).
 """
 from __future__ import annotations
 
 import io
 import os
+import time
 from typing import Any, Iterator, Optional
 
 import numpy as np
@@ -277,3 +279,43 @@ def write_video_folder(root: str, n: int, *, seed: int = 0, **kwargs: Any) -> li
             os.replace(tmp, path)
         paths.append(path)
     return paths
+
+
+def _ray_node() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
+class NodeTaggedIds:
+    """A map-style dataset that tells where each sample was made, for node-loss tests and benchmarks.
+
+    Sample ``i`` is ``{"id": i, "node": the Ray node id of the process that made it, "x": payload}``
+    after ``delay`` seconds. The payload (``payload`` float32 zeros; 4096 by default: 16 KiB) puts a
+    batch of 8 over Ray's 100 KiB inline limit, so it lives in its node's object store and is
+    lost with that node; ``payload=0`` leaves ``x`` out.
+    """
+
+    def __init__(self, n: int, delay: float, payload: int = 4096) -> None:
+        self.n, self.delay, self.payload = n, delay, payload
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        time.sleep(self.delay)
+        out = {"id": i, "node": _ray_node()}
+        if self.payload:
+            out["x"] = np.zeros(self.payload, np.float32)
+        return out
+
+
+def node_tag(batch: dict, delay: float, payload: int = 4096) -> dict:
+    """The same as a pipeline's map over a batch of ``id``: the making node per row, after ``delay``
+    seconds per row, ``payload`` float32 zeros per row as ``x`` (none with ``payload=0``)."""
+    n = len(batch["id"])
+    time.sleep(delay * n)
+    out = {"id": np.asarray(batch["id"]), "node": np.array([_ray_node()] * n)}
+    if payload:
+        out["x"] = np.zeros((n, payload), np.float32)
+    return out

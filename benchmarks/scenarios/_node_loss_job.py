@@ -24,6 +24,8 @@ import time
 
 import numpy as np
 
+from sbloader.datagen import NodeTaggedIds, node_tag
+
 PATHS = ("dropin-map", "dropin-map-np", "dropin-iter", "native-fn", "native-class", "native-files")
 
 
@@ -31,21 +33,6 @@ def _node() -> str:
     import ray
 
     return ray.get_runtime_context().get_node_id()
-
-
-class Tagged:
-    """Map-style: sample ``i`` is ``{"id", "node", "x": 16 KiB}`` after ``delay`` seconds (a batch
-    of 8 is over Ray's inline limit: it lives in its node's object store, lost with it)."""
-
-    def __init__(self, n: int, delay: float) -> None:
-        self.n, self.delay = n, delay
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> dict:
-        time.sleep(self.delay)
-        return {"id": i, "node": _node(), "x": np.zeros(4096, np.float32)}
 
 
 def _iterable(n: int, delay: float):
@@ -64,13 +51,6 @@ def _iterable(n: int, delay: float):
     return TaggedStream()
 
 
-def tag(batch: dict, delay: float) -> dict:
-    """A native map: the producing node per row, after ``delay`` seconds per row."""
-    time.sleep(delay * len(batch["id"]))
-    return {"id": np.asarray(batch["id"]), "node": np.array([_node()] * len(batch["id"])),
-            "x": np.zeros((len(batch["id"]), 4096), np.float32)}
-
-
 class Tagger:
     """The same map as a callable class (a pool of actors)."""
 
@@ -78,7 +58,7 @@ class Tagger:
         self.delay = delay
 
     def __call__(self, batch: dict) -> dict:
-        return tag(batch, self.delay)
+        return node_tag(batch, self.delay)
 
 
 def parquet_dir(rows: int, root: str) -> str:
@@ -108,7 +88,7 @@ def make_loader(path: str, rows: int, delay: float, data_root: str):
         if path == "dropin-iter":
             return sbloader.DataLoader(_iterable(rows, delay), batch_size=8, num_workers=2, split=True,
                                        persistent_workers=True)
-        return sbloader.DataLoader(Tagged(rows, delay), batch_size=8, shuffle=True, num_workers=2, seed=5,
+        return sbloader.DataLoader(NodeTaggedIds(rows, delay), batch_size=8, shuffle=True, num_workers=2, seed=5,
                                    persistent_workers=path == "dropin-map", dataset_id=f"tagged{rows}")
     if path == "native-files":
         ds = sbloader.read_parquet(parquet_dir(rows, data_root))
@@ -117,7 +97,7 @@ def make_loader(path: str, rows: int, delay: float, data_root: str):
     if path == "native-class":
         ds = ds.map_batches(Tagger, fn_constructor_args=(delay,), concurrency=(1, 4))
     else:
-        ds = ds.map_batches(tag, fn_kwargs={"delay": delay})
+        ds = ds.map_batches(node_tag, fn_kwargs={"delay": delay})
     return ds.to_dataloader(batch_size=8, shuffle=True, seed=5)
 
 

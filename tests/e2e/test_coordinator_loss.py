@@ -9,41 +9,18 @@ in use, and the loader's ``stats()`` must say one coordinator was rebuilt.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "tests" / "scripts" / "coordinator_kill_job.py"
+from _jobs import SCRIPTS, run_standalone
+
 ROWS, BATCH, WORLD = 480, 8, 2
-TIMEOUT_S = 240
-
-
-def run_job(out: Path, *args: str, script: Path = SCRIPT) -> tuple[int, str]:
-    """``torchrun --standalone --nproc-per-node=2 script --out OUT *args``: (exit code, output)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env.pop("RAY_ADDRESS", None)  # the job starts its own embedded Ray
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
-           "--max-restarts=0", str(script), "--out", str(out), *args]
-    with open(out / "output.txt", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            rc = -9
-    return rc, (out / "output.txt").read_text(errors="replace")
 
 
 @pytest.mark.parametrize("mode", ["native", "dropin"])
 def test_coordinator_process_killed_mid_epoch_is_rebuilt_exactly_once(tmp_path, mode):
-    rc, output = run_job(tmp_path, "--mode", mode, "--rows", str(ROWS), "--kill-at", "6")
+    rc, output = run_standalone(tmp_path, SCRIPTS / "coordinator_kill_job.py", "--mode", mode, "--rows", str(ROWS),
+                                "--kill-at", "6", world=WORLD)
     assert rc == 0, f"the job failed (exit {rc}) after its coordinator's process was killed:\n{output[-4000:]}"
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     per_rank = ROWS // BATCH // WORLD

@@ -10,15 +10,11 @@ from __future__ import annotations
 
 import json
 
-from test_coordinator_loss import run_job
-
-from pathlib import Path
-
-TINY = Path(__file__).resolve().parents[1] / "scripts" / "tiny_items_job.py"
+from _jobs import SCRIPTS, run_standalone
 
 
 def test_a_tiny_from_items_pipeline_under_two_ranks_prints_no_warning(tmp_path):
-    rc, output = run_job(tmp_path, script=TINY)
+    rc, output = run_standalone(tmp_path, SCRIPTS / "tiny_items_job.py")
     assert rc == 0, f"the job failed (exit {rc}):\n{output[-4000:]}"
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text())["batches"] for r in range(2)]
     assert len(ranks[0]) == len(ranks[1]) == 30

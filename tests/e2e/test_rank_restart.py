@@ -10,16 +10,12 @@ must be every sample exactly once, with equal counts per rank, and the job exits
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPTS = REPO / "tests" / "scripts"
+from _jobs import SCRIPTS, run_standalone
+
 N, BATCH, EVERY, DIE_AT = 160, 4, 3, 10
 TIMEOUT_S = 300
 
@@ -31,24 +27,10 @@ def _steps(out: Path, attempt: int, rank: int) -> list[dict]:
 
 @pytest.mark.parametrize("loader", ["dropin", "native"])
 def test_a_rank_killed_alone_restarts_and_resumes_exactly_once_from_the_last_checkpoint(tmp_path, loader):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS), str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env.pop("RAY_ADDRESS", None)
     ckpt = tmp_path / "ckpt.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
-           str(SCRIPTS / "rank_restart_job.py"), "--out", str(tmp_path), "--ckpt", str(ckpt), "--loader", loader,
-           "--samples", str(N), "--batch-size", str(BATCH), "--ckpt-every", str(EVERY), "--die-rank", "1",
-           "--die-at", str(DIE_AT)]
-    with open(tmp_path / "output.txt", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            rc = proc.wait(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            rc = -9
-    output = (tmp_path / "output.txt").read_text(errors="replace")
+    rc, output = run_standalone(tmp_path, SCRIPTS / "rank_restart_job.py", "--ckpt", str(ckpt), "--loader", loader,
+                                "--samples", str(N), "--batch-size", str(BATCH), "--ckpt-every", str(EVERY),
+                                "--die-rank", "1", "--die-at", str(DIE_AT), max_restarts=1, timeout_s=TIMEOUT_S)
     assert rc == 0, f"the restarted job failed (exit {rc}):\n{output[-4000:]}"
     first = [_steps(tmp_path, 0, r) for r in range(2)]
     second = [_steps(tmp_path, 1, r) for r in range(2)]

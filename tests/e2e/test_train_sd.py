@@ -219,10 +219,15 @@ def test_torchrun_two_ranks_with_sbloader(runs):
     actors = [m["loader_summary"]["actors_created"] for m in run.metrics]
     assert actors[0] == actors[1], f"the ranks report different pools: {actors}"
     assert len(set(pids)) == len(pids), f"an actor constructed its encoders twice: {cons}"
-    assert 1 <= len(cons) <= actors[0] <= 2, f"{len(cons)} constructions for {actors[0]} pool actors: {cons}"
+    # Every actor that encoded a batch was ready, every ready actor constructed (it logs in its
+    # constructor), every construction one launched actor; a second one launched late may still be
+    # constructing when the job ends, so only the chain is exact, not the count.
     used = [set(m["encoder_pids"]) for m in run.metrics]
     assert used[0] and used[1], f"encoder pids per rank: {used}"
     assert used[0] | used[1] <= set(pids), f"batches from unlogged actors: {used} vs {pids}"
+    ready = max(m["loader_summary"]["actors_ready"] for m in run.metrics)
+    assert 1 <= len(used[0] | used[1]) <= ready <= len(cons) <= actors[0] <= 2, \
+        f"{len(used[0] | used[1])} encoding, {ready} ready, {len(cons)} constructed, {actors[0]} launched: {cons}"
     assert len({c["checksum"] for c in cons}) == 1, f"actors built different weights: {cons}"
     # The step-2 checkpoint's loader state gathered both ranks' ledgers: 2 steps x 4 rows x 2 ranks.
     state = torch.load(run.ckpt_dir / "step_00000002.pt", weights_only=False)["loader_state"]["loader"]

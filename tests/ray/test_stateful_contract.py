@@ -314,11 +314,25 @@ class IteratorObjectSampler(Sampler):
         return StatefulIndices(self.n)
 
 
-@pytest.mark.parametrize("num_workers", [0, 2, 4])
+def _raises_getitem_error(num_workers: int) -> None:
+    with pytest.raises(ValueError, match="Iteration error"):
+        next(iter(sbloader.DataLoader(FailingItems(), num_workers=num_workers)))
+
+
+def _own_iterator_once_per_worker_as_torch(num_workers: int) -> None:
+    """A dataset that is its own iterator: every worker iterates all of it (a copy per worker), as under torch."""
+    ints = [int(x) for x in sbloader.DataLoader(OwnIterator(9), num_workers=num_workers)]
+    # torch's reference workers are spawned: a fork of this process (Ray's threads running) can hang
+    # in the child on a lock another thread held (seen: torch's own _try_get_data waiting 120 s)
+    torch_ints = [int(x) for x in torch.utils.data.DataLoader(
+        OwnIterator(9), num_workers=num_workers, multiprocessing_context="spawn" if num_workers else None)]
+    assert sorted(ints) == sorted(torch_ints) == sorted(list(range(9)) * max(1, num_workers))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
 def test_errors_reach_the_loop_as_torch_raises_them_and_never_hang(ray_session, num_workers):
     with bounded():
-        with pytest.raises(ValueError, match="Iteration error"):
-            next(iter(sbloader.DataLoader(FailingItems(), num_workers=num_workers)))
+        _raises_getitem_error(num_workers)
         with pytest.raises(KeyError, match="sampler broke"):
             next(iter(sbloader.DataLoader(FailingItems(), sampler=FailingSampler(), num_workers=num_workers)))
         with pytest.raises(IndexError, match="iter broke"):
@@ -330,9 +344,17 @@ def test_errors_reach_the_loop_as_torch_raises_them_and_never_hang(ray_session, 
         got = list(sbloader.DataLoader(list(range(12)), batch_size=1, sampler=IteratorObjectSampler(12),
                                        num_workers=num_workers))
         assert [int(b) for b in got] == list(range(12))
-        ints = [int(x) for x in sbloader.DataLoader(OwnIterator(9), num_workers=num_workers)]
-        torch_ints = [int(x) for x in torch.utils.data.DataLoader(OwnIterator(9), num_workers=num_workers)]
-        assert sorted(ints) == sorted(torch_ints) == sorted(list(range(9)) * max(1, num_workers))
+        _own_iterator_once_per_worker_as_torch(num_workers)
+
+
+def test_with_four_workers_an_error_still_reaches_the_loop_and_each_worker_iterates_its_own_copy(ray_session):
+    """What the worker count changes, at 4 workers (what was the ``[4]`` case of the test above:
+    the other five shapes run the same code at 2 workers, 5 loaders of 4 worker actors each for
+    nothing new): 4 workers fail at once and the first error still reaches the loop; a dataset
+    that is its own iterator comes 4 times, as under torch."""
+    with bounded():
+        _raises_getitem_error(4)
+        _own_iterator_once_per_worker_as_torch(4)
 
 
 def test_more_workers_than_cpus_share_them():

@@ -15,33 +15,6 @@ import json
 import os
 import time
 
-import numpy as np
-
-
-class Tagged:
-    """Map-style: sample ``i`` is ``{"id": i, "node": the producing node, "x": 16 KiB}`` after ``delay``
-    seconds (a batch of 8 is over Ray's 100 KiB inline limit: it lives in its node's object store,
-    and is lost with it)."""
-
-    def __init__(self, n: int, delay: float) -> None:
-        self.n, self.delay = n, delay
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> dict:
-        import ray
-
-        time.sleep(self.delay)
-        return {"id": i, "node": ray.get_runtime_context().get_node_id(), "x": np.zeros(4096, np.float32)}
-
-
-def tag(batch: dict, delay: float) -> dict:
-    import ray
-
-    time.sleep(delay * len(batch["id"]))
-    node = ray.get_runtime_context().get_node_id()
-    return {"id": batch["id"], "node": np.array([node] * len(batch["id"]))}
 
 
 def main() -> None:
@@ -54,14 +27,15 @@ def main() -> None:
     p.add_argument("--cpus", type=float, default=2.0, help="CPUs per worker actor / read task")
     args = p.parse_args()
     import sbloader
+    from sbloader.datagen import NodeTaggedIds, node_tag
 
     rank = int(os.environ.get("RANK", "0"))
     if args.mode == "dropin":
-        loader = sbloader.DataLoader(Tagged(args.rows, args.delay), batch_size=8, shuffle=True, num_workers=2,
+        loader = sbloader.DataLoader(NodeTaggedIds(args.rows, args.delay), batch_size=8, shuffle=True, num_workers=2,
                                      worker_num_cpus=args.cpus, persistent_workers=True)
     else:
         ds = sbloader.range(args.rows, num_partitions=args.rows // 8).map_batches(
-            tag, num_cpus=args.cpus, fn_kwargs={"delay": args.delay})
+            node_tag, num_cpus=args.cpus, fn_kwargs={"delay": args.delay, "payload": 0})
         loader = ds.to_dataloader(batch_size=8, shuffle=True, seed=0)
     log: dict = {"epochs": []}
     progress = open(os.path.join(args.out, f"progress{rank}.jsonl"), "a", buffering=1)

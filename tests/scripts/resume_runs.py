@@ -105,7 +105,9 @@ def run_leg(out: Path, ckpt: Path, nproc: int, attempt: int, kill_at: int = -1, 
             **flags) -> Leg:
     """One torchrun job of ``resume_job.py``; raises JobError unless it finished or killed itself."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    # tests/scripts on the path: the loader's workers import the job's dataset and map (_job_common.py)
+    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parent), str(REPO)] +
+                                        ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.pop("RAY_ADDRESS", None)  # every job starts its own embedded Ray
     env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",

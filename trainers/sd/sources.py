@@ -83,6 +83,7 @@ class PipelineSource(BatchSource):
             return
         pool = [o for o in st.operators if "SDEncoders" in o.name]
         self.epoch_stats.append({"epoch": self.epoch, "actors_created": pool[0].actors_created if pool else 0,
+                                 "actors_ready": pool[0].actors_ready if pool else 0,
                                  "encoder_tasks": pool[0].tasks if pool else 0})
 
     def batches(self) -> Iterator[dict]:
@@ -110,7 +111,8 @@ class PipelineSource(BatchSource):
         self.epoch = int(state["loader"]["epoch"])
 
     def summary(self) -> dict:
-        return {"actors_created": sum(e["actors_created"] for e in self.epoch_stats), "epochs": self.epoch_stats}
+        return {"actors_created": sum(e["actors_created"] for e in self.epoch_stats),
+                "actors_ready": sum(e["actors_ready"] for e in self.epoch_stats), "epochs": self.epoch_stats}
 
     def describe_stalls(self) -> Optional[str]:
         s = self.loader.stall_stats()

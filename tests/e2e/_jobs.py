@@ -1,0 +1,102 @@
+"""torchrun jobs of the e2e tests: one standalone job on its own embedded Ray, or two
+torchrun agents (two machines of one GPU in docs/multinode.md) joining a ``ray start``
+cluster; what their ranks log per batch and per epoch; the kill of the node that ran
+most of a job's batches.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from _cluster import Cluster, free_port
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = REPO / "tests" / "scripts"
+
+
+def run_standalone(out: Path, script: Path, *args: str, max_restarts: int = 0, world: int = 2,
+                   timeout_s: float = 240) -> tuple[int, str]:
+    """``torchrun --standalone --nproc-per-node=WORLD --max-restarts=N script --out OUT *args`` in its
+    own session, on its own embedded Ray (``tests/scripts`` importable): (exit code, output). A job
+    past ``timeout_s`` is killed (its whole process group) and reads as exit -9."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS), str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.pop("RAY_ADDRESS", None)  # the job starts its own embedded Ray
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           f"--max-restarts={max_restarts}", str(script), "--out", str(out), *args]
+    with open(out / "output.txt", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = -9
+    return rc, (out / "output.txt").read_text(errors="replace")
+
+
+def torchrun_agents(cluster: Cluster, out: Path, script: Path, *args: str, env: dict | None = None) -> list:
+    """Two torchrun agents of one rank each (two machines of one GPU in docs/multinode.md), one job
+    joined to ``cluster`` with ``RAY_ADDRESS``: their processes."""
+    rdzv = free_port()
+    procs = []
+    for node_rank in range(2):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+               f"--node-rank={node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{rdzv}",
+               f"--rdzv-id=job-{out.name}", "--max-restarts=0", str(script), "--out", str(out), *args]
+        procs.append(subprocess.Popen(cmd, env=dict(cluster.env, RAY_ADDRESS=cluster.address, **(env or {})),
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def wait_ranks(procs: list, timeout: float = 300) -> str:
+    """The agents' output once all exited 0; fails (killing them all) past ``timeout`` or on a failure."""
+    deadline = time.monotonic() + timeout
+    out = ""
+    for p in procs:
+        try:
+            out += p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] or ""
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError(f"the job hung for {timeout:.0f} s")
+        assert p.returncode == 0, f"a rank failed (rc {p.returncode}):\n{out[-4000:]}"
+    return out
+
+
+def progress(out: Path) -> list[dict]:
+    """Every batch the 2 ranks logged so far (``progress{R}.jsonl``; a line being written is left out)."""
+    lines = []
+    for r in range(2):
+        path = out / f"progress{r}.jsonl"
+        if path.exists():
+            lines += [json.loads(x) for x in path.read_text().splitlines() if x.strip().endswith("}")]
+    return lines
+
+
+def epochs_of(out: Path) -> list[list[dict]]:
+    """Per epoch, each of the 2 ranks' entry of its ``rank{R}.json``."""
+    logs = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return [[log["epochs"][e] for log in logs] for e in range(len(logs[0]["epochs"]))]
+
+
+def kill_busiest_node_after(cluster: Cluster, out: Path, procs: list, batches: int) -> tuple[str, dict]:
+    """Wait for ``batches`` batches of epoch 0, then SIGKILL the CPU node that made most of them:
+    (its id, the batches each node had made by then)."""
+    deadline = time.monotonic() + 240
+    while sum(1 for b in progress(out) if b["epoch"] == 0) < batches:
+        assert time.monotonic() < deadline, "the job made no progress"
+        assert all(p.poll() is None for p in procs), "a rank exited early"
+        time.sleep(0.2)
+    ran: dict[str, int] = {}
+    for b in progress(out):
+        for n in b["nodes"]:
+            ran[n] = ran.get(n, 0) + 1
+    victim = max((n for n in ran if n in cluster.node_raylets), key=lambda n: ran[n])
+    cluster.kill_node(victim)
+    return victim, ran
