@@ -230,7 +230,6 @@ def _prestart(s: Any, carry: Any, epoch_seed: int, handover: Handover, start: in
     try:
         from sbloader.loaders import warm_workers
         from sbloader.loaders.dropin_epoch import pool_options
-        from sbloader.loaders.dropin_settings import _CARRIES
         from sbloader.executor.pools import prestart_pools
         from sbloader.runtime.session import ensure_initialized
         from sbloader.sources.batches import ReadyBatchSource
@@ -245,6 +244,8 @@ def _prestart(s: Any, carry: Any, epoch_seed: int, handover: Handover, start: in
                           f"worker_init_fn cannot be pickled for the cluster's workers ({exc!r}); make them "
                           "picklable to load on the cluster", RuntimeWarning, stacklevel=1)
             handover.gave_up = True
+            if not any(carry.warm_cache.values()) and not carry.actor_cache:
+                carry.held_cpus = 0.0  # no actor will be started: nothing is held
             return
         with _PRESTART_LOCK:
             if carry.dropped or carry.starts != start:
@@ -255,8 +256,7 @@ def _prestart(s: Any, carry: Any, epoch_seed: int, handover: Handover, start: in
                 cache = warm_workers.take(carry, op, s.num_workers, s.warm_key())
             else:
                 cache = {}
-            carry.held_cpus = s.num_workers * s.worker_num_cpus  # held from now on: other loaders' shares leave them
-            _CARRIES.add(carry)
+            _hold(s, carry)
             prestart_pools(ReadyBatchSource.name, (op,), pool_options(s), cache)
             handover.prestarted(cache)
         if handover.closed:  # the epoch ended before Ray was up: the actors wait for the next one
@@ -266,6 +266,14 @@ def _prestart(s: Any, carry: Any, epoch_seed: int, handover: Handover, start: in
 
         handover.gave_up = True
         logging.getLogger(__name__).debug("sbloader: pool prestart failed: %r", exc)
+
+
+def _hold(s: Any, carry: Any) -> None:
+    """The pool's CPUs count as held by this loader (other loaders' worker shares leave them)."""
+    from sbloader.loaders.dropin_settings import _CARRIES
+
+    carry.held_cpus = s.num_workers * s.worker_num_cpus
+    _CARRIES.add(carry)
 
 
 def local_start_epoch(s: Any, carry: Any, run: Any, epoch: int, epoch_seed: int,
@@ -281,6 +289,7 @@ def local_start_epoch(s: Any, carry: Any, run: Any, epoch: int, epoch_seed: int,
     handover = Handover(math.ceil(len(items) / bpp), forced_handover())
     local = torch_workers(s, items, ids, epoch, epoch_seed, handover)
     carry.starts += 1
+    _hold(s, carry)  # counted now, not once the background start gets there: a loader built meanwhile leaves them
     threading.Thread(target=_prestart, args=(s, carry, epoch_seed, handover, carry.starts), daemon=True,
                      name="sbloader-pool-prestart").start()
     phase: dict = {}

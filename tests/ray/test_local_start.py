@@ -247,3 +247,17 @@ def test_an_epoch_shorter_than_rays_start_leaves_the_actors_for_the_next():
     r = subprocess.run([sys.executable, "-c", SHORT_EPOCHS_SCRIPT], env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+def test_a_local_start_counts_its_pools_cpus_at_once(ray_session):
+    """The CPUs of the pool a local start starts in the background are held from ``iter()`` on: a loader
+    built the next moment fits its workers into what is left (8 CPUs, 6 held: 4 workers of 0.5), never
+    asks for CPUs the background start is about to take (and then waits for them for good)."""
+    first = sbloader.DataLoader(Tagged(), batch_size=4, num_workers=6)
+    it = iter(first)
+    try:
+        second = sbloader.DataLoader(Tagged(), batch_size=4, num_workers=4)
+        assert second._settings().worker_num_cpus == 0.5
+        assert len(list(second)) == 10
+    finally:
+        it.close()
