@@ -166,3 +166,25 @@ def check_resume_everywhere(make: MakeLoader, epoch_ids: list, *, key: str = "id
                 for r in range(ws):
                     assert head[r].batches + rest[r].batches == whole[r].batches, \
                         f"rank {r} resumed at step {k} did not repeat the uninterrupted run"
+
+
+class Tagged:
+    """A map-style dataset: ``dataset[i]`` -> a tensor (i, a draw of torch's RNG, the worker's pid, its
+    worker id, its parent's pid: the trainer's for a local worker, a raylet's for a pool actor)."""
+
+    def __init__(self, n: int = 40) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        import os
+
+        import torch
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        assert info is None or info.dataset is self  # torch's worker info names the user's dataset
+        return torch.tensor([i, int(torch.randint(0, 2**30, ())), os.getpid(), info.id if info else -1,
+                             os.getppid()])

@@ -72,3 +72,14 @@ def assert_rows_equal(ours: list[dict], theirs: list[dict]) -> None:
                 # an int column is int64: its values are NumPy integers
                 same_type = isinstance(a[k], type(b[k])) or (type(b[k]) is int and isinstance(a[k], np.integer))
                 assert a[k] == b[k] and same_type, f"{a['__key__']}.{k}: {a[k]!r} != {b[k]!r}"
+
+
+def rows_by_key(ds: Any) -> dict:
+    """A WebDataset dataset's rows by ``__key__`` (deterministic order; a key delivered twice fails):
+    (shard file name, txt, cls, image bytes)."""
+    out = {}
+    for r in ds.iter_rows(deterministic=True):
+        assert r["__key__"] not in out, f"{r['__key__']} delivered twice"
+        out[r["__key__"]] = (os.path.basename(str(r["__url__"])), bytes(r["txt"]), bytes(r["cls"]),
+                             bytes(r.get("jpg") or r.get("png")))
+    return out

@@ -14,6 +14,7 @@ are adopted from that cache while they may still be constructing.
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -76,13 +77,20 @@ def kill_cached(actor_cache: Optional[dict]) -> None:
         for handles in (actor_cache or {}).values():
             handles.clear()
         return
+    doomed = []
     for handles in (actor_cache or {}).values():
-        for h in handles:
-            try:
-                ray.kill(h.handle if isinstance(h, PrestartedActor) else h)
-            except Exception:  # already dead, or Ray is shutting down
-                pass
+        doomed += [h.handle if isinstance(h, PrestartedActor) else h for h in handles]
         handles.clear()
+    if doomed:  # on a thread of their own: Ray 2.60's kill_actor can wait for good (seen in a loop's epoch end)
+        threading.Thread(target=_kill, args=(doomed,), name="sbloader-actor-kill", daemon=True).start()
+
+
+def _kill(handles: list) -> None:
+    for h in handles:
+        try:
+            ray.kill(h)
+        except Exception:  # already dead, or Ray is shutting down
+            pass
 
 
 def new_pool_actor(stage: Stage, index: int, pool_size: int, opts: ExecutionOptions) -> Any:

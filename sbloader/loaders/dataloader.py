@@ -16,7 +16,7 @@ from typing import Any, Callable, Generic, Optional, TypeVar
 from sbloader.core.plan import draw_epoch_seed, epoch_seed_from
 from sbloader.core.split import split_epoch as split_positions
 from sbloader.core.stats import ExecutionStats, StallStats
-from sbloader.loaders import dropin_args, dropin_checkpoint, dropin_state
+from sbloader.loaders import closer, dropin_args, dropin_checkpoint, dropin_state
 from sbloader.loaders.dropin_args import check_torch_args, decide_split, is_iterable_dataset
 from sbloader.loaders.dropin_settings import DropinCarry, DropinSettings, cpus_held_by_loaders, safe_len
 from sbloader.loaders.epoch import EpochIterator
@@ -219,8 +219,12 @@ class DataLoader(Generic[T_co]):
 
     def __del__(self) -> None:
         carry = getattr(self, "_carry", None)
-        if carry is not None:
-            carry.drop()
+        if carry is not None:  # its actors go on the closer thread: the GC may run this anywhere
+            carry.dropped = True
+            try:
+                closer.call_later(carry.drop)
+            except Exception:  # the interpreter is tearing down (module globals gone): Ray went before
+                pass
 
     # ----- torch-compatible surface -------------------------------------------
 

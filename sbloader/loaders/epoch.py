@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Protocol
 
 from sbloader.core.stats import StallStats
+from sbloader.loaders import closer
 from sbloader.loaders.failed_batch import FailedBatch
 from sbloader.loaders.fetch_ahead import FetchAhead
 
@@ -36,6 +37,7 @@ _LIVE: "weakref.WeakSet[EpochIterator]" = weakref.WeakSet()  # epochs not yet ga
 
 def close_live_epochs() -> None:
     """End every epoch still open in this process (called before the embedded Ray stops)."""
+    closer.drain()
     for it in list(_LIVE):
         try:
             it.close()
@@ -117,6 +119,7 @@ class EpochIterator:
         self._held: deque = deque()
         self._primed: Any = None  # the first delivery, fetched by prime()
         _LIVE.add(self)
+        closer.start()
         self._yielded_at: Optional[float] = None
         self._closed = False
 
@@ -235,7 +238,8 @@ class EpochIterator:
                 self._on_close()
 
     def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
+        if not getattr(self, "_closed", True):  # closed on the closer thread: the GC may run this anywhere
+            try:
+                closer.close_later(self)
+            except Exception:  # the interpreter is tearing down (module globals gone)
+                pass

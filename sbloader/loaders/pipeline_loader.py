@@ -20,7 +20,7 @@ from sbloader.core.plan import draw_epoch_seed
 from sbloader.core.split import split_epoch
 from sbloader.core.stats import ExecutionStats, StallStats
 from sbloader.executor.pools import kill_cached
-from sbloader.loaders import pipeline_state
+from sbloader.loaders import closer, pipeline_state
 from sbloader.core.window import WindowSpec
 from sbloader.loaders import shuffle_window
 from sbloader.loaders.batching import window_of
@@ -139,7 +139,11 @@ class PipelineLoader:
 
     def __del__(self) -> None:
         carry = getattr(self, "_carry", None)
-        kill_cached(carry.actor_cache if carry is not None else None)
+        if carry is not None and carry.actor_cache:  # killed on the closer thread: the GC may run this anywhere
+            try:
+                closer.call_later(lambda cache=carry.actor_cache: kill_cached(cache))
+            except Exception:  # the interpreter is tearing down (module globals gone): Ray went before
+                pass
 
     def __len__(self) -> int:
         # One rule, with or without torchrun: without filter/flat_map, operators are

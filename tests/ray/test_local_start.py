@@ -7,25 +7,11 @@ import os
 
 import pytest
 import torch
-from torch.utils.data import Dataset, get_worker_info
+from torch.utils.data import get_worker_info
 
 import sbloader
+from harness import Tagged
 from sbloader.loaders import local_start
-
-
-class Tagged(Dataset):
-    """``dataset[i]`` -> (i, a draw of torch's RNG, the worker's pid, its worker id)."""
-
-    def __init__(self, n=40):
-        self.n = n
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        info = get_worker_info()
-        assert info is None or info.dataset is self  # torch's worker info names the user's dataset
-        return torch.tensor([i, int(torch.randint(0, 2**30, ())), os.getpid(), info.id if info else -1])
 
 
 def epoch_rows(loader, epoch=0):
@@ -223,6 +209,7 @@ def test_a_script_exits_at_once_and_prints_nothing(tmp_path, when):
 SHORT_EPOCHS_SCRIPT = """
 import time
 import sbloader
+from harness import Tagged
 from sbloader.loaders import local_start
 loader = sbloader.DataLoader(list(range(16)), batch_size=4, num_workers=2)
 assert len(list(loader)) == 4 and loader.stats() is None  # epoch 0 ends on the local workers, Ray not up yet

@@ -17,6 +17,7 @@ from sbloader.core.errors import SourceReadError
 from sbloader.datagen import write_image_parquet, write_video
 from sbloader.sources import filesystems, tar_index
 from sbloader.sources.filesystems import LAST_LISTING, list_uris
+from wds_shards import rows_by_key
 
 BUCKET = "sbloader-tests"
 
@@ -325,15 +326,6 @@ def test_two_processes_share_a_cache_directory_and_fetch_each_object_once(images
     assert _server().proxy.object_gets == len(objs)  # the lock: one download per object
 
 
-def _wds_rows(ds) -> dict:
-    out = {}
-    for r in ds.iter_rows(deterministic=True):
-        assert r["__key__"] not in out, f"{r['__key__']} delivered twice"
-        out[r["__key__"]] = (os.path.basename(str(r["__url__"])), bytes(r["txt"]), bytes(r["cls"]),
-                             bytes(r.get("jpg") or r.get("png")))
-    return out
-
-
 def test_webdataset_shards_by_brace_pattern_equal_local_with_one_request_per_range(ray_session, bucket, tmp_path):
     pytest.importorskip("webdataset")
     from wds_shards import write_shards
@@ -343,7 +335,7 @@ def test_webdataset_shards_by_brace_pattern_equal_local_with_one_request_per_ran
     (tmp_path / "wds" / "bad").mkdir()
     (tmp_path / "wds" / "bad" / "train-000001.tar").write_bytes(data[:int(len(data) * 0.6) + 100])
     _upload(bucket, str(tmp_path / "wds"), "wds")
-    want = _wds_rows(sbloader.read_webdataset(local, decode=False, samples_per_partition=3))
+    want = rows_by_key(sbloader.read_webdataset(local, decode=False, samples_per_partition=3))
     proxy = _server().proxy
     pattern = f"s3://{BUCKET}/wds/train-{{000000..000002}}.tar"
     for cache in (True, False):
@@ -355,7 +347,7 @@ def test_webdataset_shards_by_brace_pattern_equal_local_with_one_request_per_ran
         # object): no request per shard before its GET.
         assert proxy.object_gets == (3 if cache else 0) and proxy.counts[("HEAD", "object")] <= 1
         proxy.reset_counts()
-        assert _wds_rows(ds) == want
+        assert rows_by_key(ds) == want
         assert proxy.counts[("HEAD", "object")] == 0
         st = ds.stats().operators[0].counters
         if cache:  # the reads take nothing from the store
@@ -370,14 +362,14 @@ def test_webdataset_shards_by_brace_pattern_equal_local_with_one_request_per_ran
     # A truncated shard in the bucket: the samples before the damage, as for a local one.
     files = [f"s3://{BUCKET}/wds/train-000000.tar", f"s3://{BUCKET}/wds/bad/train-000001.tar"]
     skip = sbloader.read_webdataset(files, decode=False, samples_per_partition=3, on_error="skip", cache=False)
-    got = _wds_rows(skip)
+    got = rows_by_key(skip)
     good = skip.source.files[1].keys
     assert 0 < len(good) < 7 and sorted(got) == sorted([f"s0_{i:03d}" for i in range(7)] + list(good))
     assert skip.stats().skipped == 1
     with pytest.raises(FileNotFoundError, match="1 of the 3 shards"):
         sbloader.read_webdataset(f"s3://{BUCKET}/wds/train-{{000001..000003}}.tar")
     with pytest.raises(SourceReadError, match="bad/train-000001.tar"):
-        _wds_rows(sbloader.read_webdataset(files, decode=False, samples_per_partition=3, cache=False))
+        rows_by_key(sbloader.read_webdataset(files, decode=False, samples_per_partition=3, cache=False))
 
 
 def test_resumed_mid_epoch_from_a_bucket_every_sample_once(ray_session, bucket, tmp_path):

@@ -13,6 +13,7 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 import sbloader
+from wds_shards import rows_by_key
 
 
 class _Counting(SimpleHTTPRequestHandler):
@@ -64,33 +65,24 @@ def http_shards(tmp_path):
     httpd.server_close()
 
 
-def _rows(ds) -> dict:
-    out = {}
-    for r in ds.iter_rows(deterministic=True):
-        assert r["__key__"] not in out, f"{r['__key__']} delivered twice"
-        out[r["__key__"]] = (os.path.basename(str(r["__url__"])), bytes(r["txt"]), bytes(r["cls"]),
-                             bytes(r.get("jpg") or r.get("png")))
-    return out
-
-
 @pytest.mark.parametrize("cache", [True, False])
 def test_webdataset_shards_by_http_brace_pattern_equal_local(ray_session, http_shards, tmp_path, cache):
     from sbloader.sources import tar_index
 
     local, base = http_shards
-    want = _rows(sbloader.read_webdataset(local, decode=False, samples_per_partition=3))
+    want = rows_by_key(sbloader.read_webdataset(local, decode=False, samples_per_partition=3))
     tar_index._INDEXES.clear()
     ds = sbloader.read_webdataset(f"{base}/train-{{000000..000002}}.tar", decode=False, samples_per_partition=3,
                                   cache=cache, cache_dir=str(tmp_path / "c"))
     assert ds.num_rows() == 21
-    got = _rows(ds)
+    got = rows_by_key(ds)
     assert got == want and len(got) == 21
     assert all(str(p).startswith("http://127.0.0.1:") for p in {r["__url__"] for r in ds.iter_rows()})
     gets = sum(n for (m, _), n in _Counting.counts.items() if m == "GET")
     assert gets >= 3  # every shard was read over HTTP (fsspec's client may range-read a shard in parts)
     if cache:  # a later epoch reads the shards from the node-local cache: nothing over HTTP
         _Counting.counts.clear()
-        assert _rows(ds) == want
+        assert rows_by_key(ds) == want
         assert sum(n for (m, _), n in _Counting.counts.items() if m == "GET") == 0
         assert ds.stats().operators[0].counters["cache_misses"] == 0
 

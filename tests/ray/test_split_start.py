@@ -10,30 +10,11 @@ import os
 import threading
 
 import pytest
-import torch
-from torch.utils.data import Dataset, get_worker_info
 
 import sbloader
-from harness import IdsLoader, check_resume_everywhere
+from harness import IdsLoader, Tagged, check_resume_everywhere
 from sbloader.loaders import split_start
 from sbloader.loaders.dropin_state import plan_run
-
-
-class Tagged(Dataset):
-    """``dataset[i]`` -> (i, a draw of torch's RNG, the worker's pid, its worker id, its parent's pid: this
-    process for a local worker, a raylet for a pool actor)."""
-
-    def __init__(self, n=30):
-        self.n = n
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        info = get_worker_info()
-        assert info is None or info.dataset is self  # torch's worker info names the user's dataset
-        return torch.tensor([i, int(torch.randint(0, 2**30, ())), os.getpid(), info.id if info else -1,
-                             os.getppid()])
 
 
 def both_ranks(name, world_size=2, **kw):
@@ -43,7 +24,7 @@ def both_ranks(name, world_size=2, **kw):
     def rank_loop(rank):
         try:
             args = {"batch_size": 4, "shuffle": True, "seed": 7, "num_workers": 2, **kw}
-            loaders[rank] = sbloader.DataLoader(Tagged(), rank=rank, world_size=world_size, name=name,
+            loaders[rank] = sbloader.DataLoader(Tagged(30), rank=rank, world_size=world_size, name=name,
                                                 job_id="split-start", **args)
             out[rank] = list(loaders[rank])
         except BaseException as e:  # noqa: BLE001 - raised below

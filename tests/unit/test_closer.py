@@ -1,0 +1,47 @@
+"""An epoch dropped without ``close()`` is closed on the closer thread, never inside ``__del__`` (where the
+GC may run it under a lock another thread needs: a hang seen inside torch's ``Thread.start``)."""
+from __future__ import annotations
+
+import gc
+import threading
+import time
+
+from sbloader.loaders import closer
+from sbloader.loaders.epoch import Delivery, EpochIterator, close_live_epochs
+
+
+def _epoch(closed_on: list) -> EpochIterator:
+    def produce():
+        for i in range(100):
+            yield Delivery(i)
+
+    return EpochIterator(produce(), ahead=2, on_close=lambda: closed_on.append(threading.current_thread().name))
+
+
+def test_a_dropped_epoch_is_closed_on_the_closer_thread():
+    closed_on: list = []
+    it = _epoch(closed_on)
+    assert next(it) == 0
+    del it
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while not closed_on and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert closed_on == ["sbloader-epoch-closer"]
+
+
+def test_an_explicit_close_stays_on_the_callers_thread_and_what_is_queued_drains_at_shutdown():
+    closed_on: list = []
+    it = _epoch(closed_on)
+    next(it)
+    it.close()
+    assert closed_on == [threading.current_thread().name]
+    done: list = []
+    gate = threading.Event()
+    closer.call_later(lambda: gate.wait(5))  # the closer thread is busy: what follows waits in the queue
+    closer.call_later(lambda: done.append(threading.current_thread().name))
+    time.sleep(0.1)
+    assert done == []
+    close_live_epochs()  # before the embedded Ray stops: the queue is run here
+    gate.set()
+    assert done == [threading.current_thread().name]
