@@ -225,8 +225,8 @@ _PRESTART_LOCK = threading.Lock()
 def _prestart(s: Any, carry: Any, epoch_seed: int, handover: Handover, start: int) -> None:
     """In the background: Ray up (started at the loader's construction), then the pool's actors
     started ahead (the loader's warm ones rebuilt, or new ones) for the handover. An epoch that
-    ended first (shorter than Ray's start) leaves them warm for the next one; a newer epoch's
-    start (``carry.starts`` past ``start``) takes over instead."""
+    ended first (shorter than Ray's start) starts none; a newer epoch's start (``carry.starts``
+    past ``start``) takes over instead."""
     try:
         from sbloader.loaders import warm_workers
         from sbloader.loaders.dropin_epoch import pool_options
@@ -235,7 +235,11 @@ def _prestart(s: Any, carry: Any, epoch_seed: int, handover: Handover, start: in
         from sbloader.sources.batches import ReadyBatchSource
 
         ensure_initialized()
-        if carry.dropped or carry.starts != start:
+        if handover.closed or carry.dropped or carry.starts != start:
+            # The epoch ended first: no actors for it (started late, they outlived a loader dropped meanwhile
+            # and held the CPUs a new loader's pool waited for: CI, test_a_script_prints_nothing_at_exit).
+            if not any(carry.warm_cache.values()) and not carry.actor_cache:
+                carry.held_cpus = 0.0
             return
         try:
             op = s.worker_op(epoch_seed)
@@ -259,8 +263,6 @@ def _prestart(s: Any, carry: Any, epoch_seed: int, handover: Handover, start: in
             _hold(s, carry)
             prestart_pools(ReadyBatchSource.name, (op,), pool_options(s), cache)
             handover.prestarted(cache)
-        if handover.closed:  # the epoch ended before Ray was up: the actors wait for the next one
-            _keep_prestarted(s, carry, handover)
     except Exception as exc:  # the local phase goes on alone; the pool's own start raises it if it recurs
         import logging
 

@@ -213,7 +213,7 @@ from harness import Tagged
 from sbloader.loaders import local_start
 loader = sbloader.DataLoader(list(range(16)), batch_size=4, num_workers=2)
 assert len(list(loader)) == 4 and loader.stats() is None  # epoch 0 ends on the local workers, Ray not up yet
-deadline = time.monotonic() + 200
+deadline = time.monotonic() + 45
 while not local_start.pool_is_up(loader._settings(), loader._carry) and time.monotonic() < deadline:
     time.sleep(0.2)  # the actors its background start made wait for the next epoch
 assert local_start.pool_is_up(loader._settings(), loader._carry), "the actors were not kept for the next epoch"
@@ -222,6 +222,9 @@ print("ok", flush=True)
 """
 
 
+@pytest.mark.xfail(strict=True, reason="#44: a background start that goes on after its epoch ended left actors "
+                   "that a new loader's pool then waited for (CI: test_a_script_prints_nothing_at_exit, 'CPU 0 of "
+                   "2'); the epoch's start stops at its end again until the handoff across loaders is safe")
 def test_an_epoch_shorter_than_rays_start_leaves_the_actors_for_the_next():
     """A fresh process whose first epoch ends before Ray is up: the background start goes on and its
     actors stay warm, so the next epoch starts on the pool."""
