@@ -143,15 +143,19 @@ def _flaky_files(tmp_path, fail, error, cache, delay_s=0.0):
     return rf, handler
 
 
-def test_throttled_reads_are_retried_and_counted_then_served_from_the_cache(tmp_path):
-    rf, handler = _flaky_files(tmp_path, 2, OSError("HTTP response code: 503 SlowDown"), cache=True, delay_s=0.02)
+def test_throttled_reads_are_retried_and_counted_then_served_from_the_cache(tmp_path, monkeypatch):
+    from sbloader.sources import inflight
+
+    monkeypatch.setattr(inflight, "_POOL", [])  # this process's fetch pool: max_in_flight=3 threads, no more
+    rf, handler = _flaky_files(tmp_path, 2, OSError("HTTP response code: 503 SlowDown"), cache=True, delay_s=0.05)
     with task_context(0, 0, 0, "read", -1) as ctx:
         got = list(rf.read_many(sorted(rf.versions)))
     assert [b for _, b in got] == [bytes([i]) * (i + 1) for i in range(5)]
     c = dict(ctx.counters)
-    # The first object needs two throttled opens of 20 ms each (backoff apart) before its bytes
-    # come, and the reader asks for it at once: it waits for them (counted in whole ms).
-    assert 1 <= c.pop("peak_in_flight") <= 5 and c.pop("store_wait_ms") >= 20
+    # All 5 objects are asked for at once; the pool's 3 threads each hold a throttled open of
+    # 50 ms, so 3 requests are in flight together. The first object needs two such opens before
+    # its bytes come, and the reader waits for it at once (counted in whole ms).
+    assert c.pop("peak_in_flight") == 3 and c.pop("store_wait_ms") >= 100
     assert c == {"retries": 10, "cache_hits": 0, "cache_misses": 5, "cache_hit_ratio": 0.0, "objects_read": 5,
                  "bytes_read": 15}
     with task_context(0, 0, 0, "read", -1) as ctx:
