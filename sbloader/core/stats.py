@@ -82,6 +82,8 @@ class ExecutionStats:
             node or a pool actor gone; :mod:`sbloader.executor.failures`).
         lost_nodes: the nodes whose loss made partitions run again ("?" where Ray did not say).
         rebuilt_coordinators: times the split coordinator was lost and rebuilt in this epoch.
+        local_partitions: partitions made on this machine's local worker processes while
+            Ray started (:mod:`sbloader.loaders.native_start`); counted in each operator too.
     """
 
     operators: list[OperatorStats] = field(default_factory=list)
@@ -99,6 +101,7 @@ class ExecutionStats:
     rerun_partitions: int = 0
     lost_nodes: list = field(default_factory=list)
     rebuilt_coordinators: int = 0
+    local_partitions: int = 0
 
     @property
     def skipped(self) -> int:

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import ray
 
+from sbloader.core.block import BlockMeta
 from sbloader.core.errors import ExecutorShutdownError
 from sbloader.core.plan import EpochPlan
 from sbloader.core.stats import ExecutionStats
@@ -130,6 +131,10 @@ class StreamingExecutor:
         with self._lock:
             self._loop.budget.release(nbytes)
             self._lock.notify_all()
+
+    def release_block(self, meta: BlockMeta) -> None:
+        """The consumer is done with the block of ``meta`` (:meth:`release` of its bytes)."""
+        self.release(meta.nbytes)
 
     def shutdown(self) -> None:
         """Stop the loop, drop the running tasks and kill the pool actors (or keep them in

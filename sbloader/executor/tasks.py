@@ -131,8 +131,10 @@ def _node_id() -> str:
     return _NODE_ID[0]
 
 
-def _make_meta(block: Block, info: EpochInfo, partition_id: int, seq: int, t0: float, counts: TaskCounts,
-               counters: Optional[dict] = None) -> BlockMeta:
+def make_meta(block: Block, info: EpochInfo, partition_id: int, seq: int, t0: float, counts: TaskCounts,
+              counters: Optional[dict] = None, node_id: Optional[str] = None) -> BlockMeta:
+    """The metadata of ``block``, made for partition ``partition_id`` (``seq``: its place in the plan)
+    by a task that began at ``t0``; ``node_id``: where (default: this Ray node)."""
     rows = block.get(ROW_COLUMN)
     rr = (int(rows.min()), int(rows.max()) + 1) if rows is not None and len(rows) else (0, 0)
     return BlockMeta(
@@ -143,7 +145,7 @@ def _make_meta(block: Block, info: EpochInfo, partition_id: int, seq: int, t0: f
         nbytes=block_nbytes(block),
         row_range=rr,
         task_s=time.perf_counter() - t0,
-        node_id=_node_id(),
+        node_id=_node_id() if node_id is None else node_id,
         skipped=counts.skipped,
         full_decodes=counts.full_decodes,
         pid=os.getpid(),
@@ -214,7 +216,7 @@ def read_partitions(reader_and_shared: tuple, partitions: Sequence[Partition], s
         counters: dict = {}
         block, counts = read_partition(rs, part, info, name, counters)
         block, counts2 = apply_ops(ops, block, info, part.id, fns=fns)
-        meta = _make_meta(block, info, part.id, seq, t0, counts + counts2, counters)
+        meta = make_meta(block, info, part.id, seq, t0, counts + counts2, counters)
         out += [store_here(block, leases[j] if leases else None, _node_id()), meta]
     return tuple(out)
 
@@ -233,7 +235,7 @@ def block_stage_task(block: Block, meta: BlockMeta, ops: tuple, info: EpochInfo,
     """Apply a task stage's operators to one block."""
     t0 = time.perf_counter()
     out, counts = apply_ops(unpack(ops), dict(block), info, meta.partition_id)
-    meta_out = _make_meta(out, info, meta.partition_id, meta.seq, t0, counts)
+    meta_out = make_meta(out, info, meta.partition_id, meta.seq, t0, counts)
     return store_here(out, lease, _node_id()), meta_out
 
 
@@ -289,5 +291,5 @@ class MapActor:
         """Apply the callable to one block."""
         t0 = time.perf_counter()
         out, counts = apply_ops((self._op,), dict(block), info, meta.partition_id, fns=(self._instance,))
-        meta_out = _make_meta(out, info, meta.partition_id, meta.seq, t0, counts)
+        meta_out = make_meta(out, info, meta.partition_id, meta.seq, t0, counts)
         return store_here(out, lease, _node_id()), meta_out

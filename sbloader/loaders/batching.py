@@ -49,7 +49,7 @@ class BlockFeed:
         """The consumer is done with the block of ``meta`` (idempotent)."""
         held = self._held.pop(meta.partition_id, None)
         if held is not None:
-            self._executor.release(held.nbytes)
+            self._executor.release_block(held)
 
     def __iter__(self) -> Iterator[tuple[Block, BlockMeta]]:
         executor = self._executor

@@ -20,7 +20,7 @@ from sbloader.core.stats import ExecutionStats, StallStats
 from sbloader.distributed import pipeline_client
 from sbloader.executor.launch import arena_here, options_here, start_execution
 from sbloader.core.window import FIRST_PARTITIONS, WindowSpec, drawn_share, narrow_message
-from sbloader.loaders import shuffle_window, warm_workers
+from sbloader.loaders import native_start, shuffle_window, warm_workers
 from sbloader.loaders.batching import BlockFeed, ShuffleWindow, iter_batches
 from sbloader.loaders.shuffle_window import prefetch_hint
 from sbloader.loaders.epoch import Delivery, EpochIterator
@@ -54,6 +54,8 @@ class PipelineSettings:
         allow_trainer_node: let tasks run on this process's node on a cluster.
         tensors: how batches become tensors.
         device: the loop's device (None: the CPU).
+        local_start: a fresh process's epoch may start on local worker processes while Ray
+            starts (:mod:`~sbloader.loaders.native_start`).
     """
 
     batch_size: int
@@ -66,6 +68,7 @@ class PipelineSettings:
     allow_trainer_node: bool
     tensors: TensorOptions
     device: Any = None
+    local_start: bool = True
 
     def prefetch_for(self, source: Source, plan: EpochPlan) -> int:
         """Ready blocks to keep ahead: ``prefetch_blocks``, raised to the shuffle window's
@@ -114,23 +117,39 @@ def _device_copy(settings: PipelineSettings) -> Optional[DeviceCopy]:
 
 
 def local_epoch(pipeline: Pipeline, settings: PipelineSettings, run: PipelineRun, carry: Carry) -> EpochIterator:
-    """One consumer's epoch: the pipeline in this process's executor, its blocks cut here."""
+    """One consumer's epoch: the pipeline in this process's executor (its first partitions on local
+    worker processes while Ray starts: :mod:`~sbloader.loaders.native_start`), its blocks cut here."""
     source = pipeline.source
     plan = EpochPlan(run.epoch, run.epoch_seed, run.unfinished(), settings.shuffle)
-    options = options_here(memory_budget=settings.memory_budget, deterministic=settings.deterministic,
-                           prefetch_blocks=settings.prefetch_for(source, plan), progress=False,
-                           allow_trainer_node=settings.allow_trainer_node)
     warm_key = None if carry.actor_cache is not None or not warm_workers.enabled() else \
         warm_workers.pipeline_key(source.name, pipeline.ops, settings.allow_trainer_node)
     # callable-class actors: the loader's own (persistent_workers), or warm ones this process kept from an
     # earlier pipeline with the same classes, arguments and resources (handed back when the epoch ends)
-    cache = carry.actor_cache if warm_key is None else warm_workers.unpark(warm_key)
-    executor = start_execution(source, pipeline.ops, plan, options, actor_cache=cache,
+    cache = carry.actor_cache if warm_key is None else None
+
+    def start(rest: EpochPlan) -> Any:
+        nonlocal cache
+        options = options_here(memory_budget=settings.memory_budget, deterministic=settings.deterministic,
+                               prefetch_blocks=settings.prefetch_for(source, plan), progress=False,
+                               allow_trainer_node=settings.allow_trainer_node)
+        if warm_key is not None:
+            cache = warm_workers.unpark(warm_key)
+        return start_execution(source, pipeline.ops, rest, options, actor_cache=cache,
                                estimates=carry.estimates, arena=arena_here())
+
+    budget = native_start.budget_before_ray(settings.memory_budget) if native_start.enabled(
+        pipeline, settings.local_start, carry.actor_cache is not None) else None
+    report_box: list = []
+    if budget is not None:
+        executor: Any = native_start.PhasedExecution(pipeline, plan, start, budget, lambda stats: (
+            setattr(carry, "stats", stats), [r.into(stats) for r in report_box]))
+    else:
+        executor = start(plan)
     carry.stats = executor.stats()
     stalls = StallStats()
     window = shuffle_window.local_window(settings.window, run, carry.stats.memory_budget)
     report = shuffle_window.Report(pipeline, settings.window, len(run.order), carry.stats)
+    report_box.append(report)
     feed = BlockFeed(executor, hold=1 if window.in_turn else None)
     cut = ShuffleWindow(window, run.epoch_seed, run.batches, None if window.in_turn else feed.release,
                         shuffle_window.block_weight(window, run), report.observe)
@@ -154,8 +173,8 @@ def local_epoch(pipeline: Pipeline, settings: PipelineSettings, run: PipelineRun
     pace.external = True
 
     def closed() -> None:
-        carry.estimates = executor.estimates()
-        if warm_key is not None:
+        carry.estimates = executor.estimates() or carry.estimates
+        if warm_key is not None and cache is not None:
             warm_workers.park(warm_key, cache)
         if run.complete:
             carry.counted_rows = carry.stats.operators[-1].rows

@@ -90,6 +90,11 @@ class PipelineLoader:
             process); split across ranks, the ranks find its coordinator by job id and name.
         job_id: the job's id, the same on every rank and unique per job (default: taken from
             the launcher, see docs/launchers.md; needed only where the launcher gives nothing).
+        local_start: in a process whose Ray is not up yet, start the epoch on local worker
+            processes forked here (the plan's first partitions, made as Ray's tasks make them)
+            while Ray starts in the background from the loader's construction; Ray's workers
+            take the rest (``sbloader/loaders/native_start.py``). Function stages only; False
+            (or ``SBLOADER_LOCAL_START=0``) waits for Ray, for a node whose CPUs are the trainer's.
     """
 
     def __init__(self, dataset: Pipeline, batch_size: int = 256, *, shuffle: bool = False,
@@ -100,7 +105,7 @@ class PipelineLoader:
                  rank: Optional[int] = None, world_size: Optional[int] = None,
                  persistent_workers: bool = False, allow_trainer_node: bool = False,
                  shuffle_window: Any = None, name: Optional[str] = None,
-                 job_id: Optional[str] = None) -> None:
+                 job_id: Optional[str] = None, local_start: bool = True) -> None:
         if batch_size is None or batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, found {batch_size}")
         self.dataset = dataset
@@ -120,7 +125,7 @@ class PipelineLoader:
             memory_budget=memory_budget, prefetch_blocks=prefetch_blocks,
             window=self.shuffle_window if shuffle else WindowSpec(partitions=1), allow_trainer_node=allow_trainer_node,
             tensors=TensorOptions(pin=pin, zero_copy=zero_copy, dtypes=dtypes, collate_fn=collate_fn),
-            device=device)
+            device=device, local_start=local_start)
         self._carry = Carry(actor_cache={} if persistent_workers else None)
         self._epoch = 0
         # The current epoch's run and stall instrument; its iterator only weakly: a loop that
@@ -130,6 +135,10 @@ class PipelineLoader:
         self._iterator: Optional[weakref.ref] = None
         self._resume: Optional[dict] = None
         self._coordinator: Any = None
+        if local_start and self.world.world_size == 1:  # Ray starts (or is joined) now, in the background
+            from sbloader.runtime import background
+
+            background.start()
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch of the next iteration."""

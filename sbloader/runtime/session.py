@@ -163,7 +163,9 @@ def init(
             otherwise starts an embedded local Ray bound to loopback.
         num_cpus: logical CPUs of the embedded Ray (default: the machine's).
         num_gpus: GPUs of the embedded Ray (default: detected).
-        object_store_memory: object store size in bytes of the embedded Ray.
+        object_store_memory: object store size in bytes of the embedded Ray (default:
+            :func:`~sbloader.runtime.store_size.embedded_store_bytes`, Ray's rule on the
+            process's whole memory, so that it is known before Ray starts).
         **ray_init_kwargs: passed to ``ray.init`` unchanged.
 
     Returns:
@@ -198,6 +200,10 @@ def init(
 
                 ray_constants.ENABLE_RAY_CLUSTER = False
             kwargs["_system_config"] = {**_EMBEDDED_SYSTEM_CONFIG, **(kwargs.get("_system_config") or {})}
+            if object_store_memory is None:
+                from sbloader.runtime.store_size import embedded_store_bytes
+
+                object_store_memory = embedded_store_bytes()
 
             def start() -> str:
                 with _Quiet():

@@ -1,0 +1,145 @@
+"""The local start of a native pipeline's epoch (issue #44): the plan's first partitions from local
+worker processes while Ray starts, then the executor; the Ray-only order, rows, draws and states kept
+wherever the handover falls (``SBLOADER_HANDOVER_AT`` forces it at a partition of the plan)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import sbloader
+from sbloader.core.errors import UserFunctionError
+from sbloader.loaders import local_start
+
+ROWS, PARTS, BATCH = 60, 6, 8
+
+
+def noisy(batch: dict) -> dict:
+    """A seeded draw per row (the task context seeds NumPy per partition) and the maker's pid and parent."""
+    out = dict(batch)
+    out["draw"] = np.random.randint(0, 10**6, len(batch["x"]))
+    out["pid"] = np.full(len(batch["x"]), os.getpid())
+    out["ppid"] = np.full(len(batch["x"]), os.getppid())
+    return out
+
+
+def failing(batch: dict) -> dict:
+    if 15 in set(batch["x"].tolist()):
+        raise ValueError("row 15 is bad")
+    return batch
+
+
+class Doubler:
+    """A callable class: its stage waits for its pool."""
+
+    def __call__(self, batch: dict) -> dict:
+        return {**batch, "x2": batch["x"] * 2}
+
+
+def epoch(monkeypatch, at, fn=noisy, window=None, state=None, stop=None):
+    """One epoch's batches (as lists) and the loader; ``at``: the forced handover (None: Ray only)."""
+    if at is None:
+        monkeypatch.delenv(local_start.HANDOVER_AT_ENV, raising=False)
+        monkeypatch.setenv(local_start.LOCAL_START_ENV, "0")
+    else:
+        monkeypatch.setenv(local_start.HANDOVER_AT_ENV, str(at))
+        monkeypatch.delenv(local_start.LOCAL_START_ENV, raising=False)
+    ds = sbloader.from_items([{"x": i} for i in range(ROWS)], num_partitions=PARTS).map_batches(fn)
+    loader = ds.to_dataloader(BATCH, shuffle=True, seed=5, deterministic=True, shuffle_window=window)
+    if state is not None:
+        loader.load_state_dict(state)
+    out = []
+    for b in loader:
+        out.append({k: v.tolist() for k, v in b.items()})
+        if stop is not None and len(out) == stop:
+            break
+    return out, loader
+
+
+def _cols(batches, *names):
+    return [[b[n] for n in names] for b in batches]
+
+
+@pytest.mark.filterwarnings("ignore:shuffle window")
+@pytest.mark.parametrize("window", [None, "25 rows"])
+def test_handover_at_every_partition_keeps_rows_order_and_draws(ray_session, monkeypatch, window):
+    reference, ref_loader = epoch(monkeypatch, None, window=window)
+    assert ref_loader.stats().local_partitions == 0
+    assert sorted(x for b in reference for x in b["x"]) == list(range(ROWS))
+    assert os.getpid() not in {p for b in reference for p in b["ppid"]}
+    for at in range(PARTS + 1):
+        got, loader = epoch(monkeypatch, at, window=window)
+        # every row once, in the Ray-only order and batch boundaries, with the same seeded draws
+        assert _cols(got, "x", "draw") == _cols(reference, "x", "draw"), at
+        assert loader.stats().local_partitions == at
+        assert loader.stats().operators[-1].rows == ROWS
+        # the first ``at`` partitions (10 rows each) from processes forked here, none in this one
+        assert os.getpid() not in {p for b in got for p in b["pid"]}
+        assert sum(p == os.getpid() for b in got for p in b["ppid"]) == 10 * at, at
+
+
+def test_state_before_at_and_after_the_handover_resumes_exactly_once(ray_session, monkeypatch):
+    reference, _ = epoch(monkeypatch, None)
+    xs = [b["x"] for b in reference]
+    for stop in (1, 2, 3, 5, len(reference) - 1):
+        _, first = epoch(monkeypatch, 2, stop=stop)  # handover after the plan's 2nd partition
+        state = first.state_dict()
+        rest, _ = epoch(monkeypatch, 1, state=state)  # resumed with its own handover elsewhere
+        assert xs[:stop] + [b["x"] for b in rest] == xs, stop
+
+
+def test_an_error_in_a_local_partition_is_the_ray_runs_error(ray_session, monkeypatch):
+    errors = []
+    for at in (None, PARTS):
+        with pytest.raises(UserFunctionError) as info:
+            epoch(monkeypatch, at, fn=failing)
+        errors.append(info.value)
+    assert all("row 15 is bad" in str(e) for e in errors)
+    assert isinstance(errors[1].original, ValueError)
+
+
+def test_a_class_stage_waits_for_its_pool(ray_session, monkeypatch):
+    monkeypatch.setenv(local_start.HANDOVER_AT_ENV, "3")
+    ds = sbloader.from_items([{"x": i} for i in range(ROWS)], num_partitions=PARTS).map_batches(Doubler)
+    loader = ds.to_dataloader(BATCH, shuffle=True, seed=5)
+    assert sorted(x for b in loader for x in b["x2"].tolist()) == [2 * i for i in range(ROWS)]
+    assert loader.stats().local_partitions == 0
+
+
+def test_local_start_false_waits_for_ray(ray_session, monkeypatch):
+    monkeypatch.setenv(local_start.HANDOVER_AT_ENV, "3")
+    ds = sbloader.from_items([{"x": i} for i in range(ROWS)], num_partitions=PARTS).map_batches(noisy)
+    loader = ds.to_dataloader(BATCH, shuffle=True, seed=5, local_start=False)
+    assert sorted(x for b in loader for x in b["x"].tolist()) == list(range(ROWS))
+    assert loader.stats().local_partitions == 0
+
+
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts", "native_start_job.py")
+
+
+def test_a_fresh_process_starts_before_ray_and_cuts_the_ray_only_batches(tmp_path):
+    """A fresh process, Ray not started: the first batch comes from local processes before Ray is up;
+    Parquet's default window (half the default budget, from the embedded Ray's store size known before
+    its start) cuts the batches a Ray-only run cuts; nothing printed, at exit too."""
+    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    for key in ("RAY_ADDRESS", local_start.HANDOVER_AT_ENV, local_start.LOCAL_START_ENV):
+        env.pop(key, None)
+    runs = {}
+    for mode, extra in (("local", {}), ("ray", {local_start.LOCAL_START_ENV: "0"})):
+        proc = subprocess.run([sys.executable, SCRIPT, str(tmp_path / mode)], capture_output=True, text=True,
+                              timeout=240, env={**env, **extra})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stderr == "", proc.stderr[-3000:]
+        lines = proc.stdout.splitlines()
+        assert len(lines) == 1, proc.stdout[-3000:]
+        runs[mode] = json.loads(lines[0])
+    local, ray_only = runs["local"], runs["ray"]
+    assert local["batches"] == ray_only["batches"]
+    assert sorted(x for b in local["batches"] for x in b) == list(range(local["rows"]))
+    assert local["predicted_budget"] == local["budget"] == ray_only["budget"]
+    assert local["ray_up_at_first_batch"] is False and local["local_partitions"] >= 1
+    assert ray_only["ray_up_at_first_batch"] is True and ray_only["local_partitions"] == 0
