@@ -24,6 +24,7 @@ import os
 import random
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence, Union
 
@@ -110,6 +111,10 @@ class RemoteFiles:
         retry: retries of each request.
         max_bytes: bytes one read task asks for ahead of its reader (own objects and
             fetch-ahead together).
+        budget_key: the dataset's name in the process's count of requests in flight (every
+            copy of it, in every task, counts as the same dataset: at most ``max_in_flight``
+            of its requests in flight in a process, and all datasets together at most the
+            process's limit, :class:`~sbloader.sources.inflight.Gauge`).
     """
 
     filesystem: Any = None
@@ -118,6 +123,7 @@ class RemoteFiles:
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
     retry: RetryPolicy = RetryPolicy()
     max_bytes: int = DEFAULT_MAX_BYTES
+    budget_key: str = field(default_factory=lambda: uuid.uuid4().hex, compare=False)
 
     def _version(self, uri: str) -> tuple[Optional[int], str]:
         v = self.versions.get(uri)
@@ -128,7 +134,7 @@ class RemoteFiles:
         rng = random.Random()
         for attempt in range(self.retry.attempts):
             try:
-                with GAUGE:
+                with GAUGE.slot(self.budget_key, self.max_in_flight):
                     return fetch()
             except FileNotFoundError as e:
                 raise FileNotFoundError(f"no such object: {uri!r} ({e}); check the bucket and key, or pass "

@@ -11,10 +11,13 @@ readers spent waiting for bytes, for ``stats()``.
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator, Optional
 
 #: Requests one process keeps in flight at most (its connections to the store).
 DEFAULT_MAX_REQUESTS = 64
@@ -38,32 +41,78 @@ class RequestBudget:
     max_bytes: int = DEFAULT_MAX_BYTES
 
 
-class Gauge:
-    """Requests in flight in this process, the peak since the last :meth:`take_peak`."""
+#: Environment variable capping the requests in flight of each process, all its datasets
+#: together (unset: the largest ``max_in_flight`` of the datasets the process reads).
+MAX_IN_FLIGHT_ENV = "SBLOADER_MAX_IN_FLIGHT"
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
+
+def env_cap() -> Optional[int]:
+    """``$SBLOADER_MAX_IN_FLIGHT`` as a positive integer, or None when unset.
+
+    Raises:
+        ValueError: it is set to something else.
+    """
+    raw = os.environ.get(MAX_IN_FLIGHT_ENV, "")
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{MAX_IN_FLIGHT_ENV} must be a positive integer (requests one process keeps in flight, "
+                         f"all its datasets together), found {raw!r}")
+    return int(raw)
+
+
+class Gauge:
+    """Requests in flight in this process, bounded per dataset and for the process, counted
+    (now and the peak since the last :meth:`take_peak`).
+
+    Every request to a store takes a slot (:meth:`slot`): a dataset (``key``) keeps at most its
+    own ``max_in_flight``, and all datasets of the process together at most :attr:`cap`, or
+    when it is None the largest ``max_in_flight`` asked for in the process so far. A request
+    that would pass either waits for one to end.
+    """
+
+    def __init__(self, cap: Optional[int] = None) -> None:
+        self._cond = threading.Condition()
+        self.cap = cap
         self.now = 0
         self.peak = 0
+        self._largest = 0
+        self._by_key: dict[str, int] = {}
 
-    def __enter__(self) -> "Gauge":
-        with self._lock:
+    def limit(self) -> int:
+        """Requests all datasets of this process may keep in flight together now."""
+        return self.cap if self.cap is not None else max(1, self._largest)
+
+    @contextmanager
+    def slot(self, key: str, max_in_flight: int) -> Iterator[None]:
+        """Hold one request's slot of dataset ``key`` (at most ``max_in_flight`` of its own)."""
+        with self._cond:
+            self._largest = max(self._largest, max_in_flight)
+            while self.now >= self.limit() or self._by_key.get(key, 0) >= max_in_flight:
+                self._cond.wait()
             self.now += 1
+            self._by_key[key] = self._by_key.get(key, 0) + 1
             self.peak = max(self.peak, self.now)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        with self._lock:
-            self.now -= 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self.now -= 1
+                left = self._by_key[key] - 1
+                if left:
+                    self._by_key[key] = left
+                else:
+                    del self._by_key[key]
+                self._cond.notify_all()
 
     def take_peak(self) -> int:
         """The peak since the last call (then reset to the requests in flight now)."""
-        with self._lock:
+        with self._cond:
             p, self.peak = self.peak, self.now
             return p
 
 
-GAUGE = Gauge()
+GAUGE = Gauge(env_cap())
 _POOL: list[ThreadPoolExecutor] = []
 _POOL_LOCK = threading.Lock()
 

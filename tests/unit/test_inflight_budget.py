@@ -1,0 +1,109 @@
+"""Requests in flight are bounded per dataset and per process: two datasets read in one
+process share the process's limit, each keeps its own ``max_in_flight`` (counted at the
+store: a filesystem that counts the requests it is serving at once)."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from fsspec.implementations.local import LocalFileSystem
+
+from sbloader.sources import inflight
+from sbloader.sources.cache import CacheConfig
+from sbloader.sources.fetch import RemoteFiles
+from sbloader.sources.inflight import Gauge, env_cap
+
+N = 24  # objects per dataset
+
+
+class _Counting(LocalFileSystem):
+    """A local filesystem whose every open is a request taking 20 ms, counted while it runs,
+    per folder (dataset) and in all; the peaks are kept."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.lock = threading.Lock()
+        self.now: dict = {}
+        self.peak: dict = {}
+
+    def _count(self, key: str, d: int) -> None:
+        with self.lock:
+            self.now[key] = self.now.get(key, 0) + d
+            self.peak[key] = max(self.peak.get(key, 0), self.now[key])
+
+    def _open(self, path, mode="rb", **kw):
+        ds = path.rstrip("/").split("/")[-2]
+        self._count(ds, 1)
+        self._count("all", 1)
+        try:
+            time.sleep(0.02)
+            return super()._open(path, mode=mode, **kw)
+        finally:
+            self._count(ds, -1)
+            self._count("all", -1)
+
+
+def _dataset(root, fs, name: str, max_in_flight: int) -> RemoteFiles:
+    d = root / name
+    d.mkdir()
+    versions = {}
+    for i in range(N):
+        (d / f"{i:03d}.bin").write_bytes(bytes([i]) * 100)
+        versions[str(d / f"{i:03d}.bin")] = (100, 1)
+    return RemoteFiles(fs, CacheConfig(False), versions, max_in_flight)
+
+
+def _read_both(a: RemoteFiles, b: RemoteFiles) -> list:
+    out: list = [None, None]
+
+    def read(i: int, rf: RemoteFiles) -> None:
+        out[i] = [data for _, data in rf.read_many(sorted(rf.versions))]
+
+    threads = [threading.Thread(target=read, args=(i, rf)) for i, rf in enumerate((a, b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+@pytest.fixture
+def gauge(monkeypatch):
+    """A fresh gauge and fetch pool for this process (no limit left from earlier tests)."""
+    g = Gauge()
+    monkeypatch.setattr(inflight, "_POOL", [])
+    monkeypatch.setattr("sbloader.sources.fetch.GAUGE", g)
+    return g
+
+
+def test_two_datasets_in_one_process_each_keep_their_limit_and_share_the_largest(tmp_path, gauge):
+    fs = _Counting(skip_instance_cache=True)  # fsspec would hand back the last test's, peaks and all
+    a, b = _dataset(tmp_path, fs, "a", 2), _dataset(tmp_path, fs, "b", 6)
+    got = _read_both(a, b)
+    assert got == [[bytes([i]) * 100 for i in range(N)]] * 2
+    # The fetch pool has 6 threads (b's max_in_flight); a never has more than its 2 requests
+    # at the store, and the two together never more than 6.
+    assert fs.peak["a"] == 2
+    assert fs.peak["all"] == 6 and fs.peak["b"] >= 4
+    assert gauge.now == 0
+
+
+def test_the_process_limit_caps_every_dataset_together(tmp_path, gauge):
+    gauge.cap = 3  # $SBLOADER_MAX_IN_FLIGHT=3
+    fs = _Counting(skip_instance_cache=True)  # fsspec would hand back the last test's, peaks and all
+    a, b = _dataset(tmp_path, fs, "a", 4), _dataset(tmp_path, fs, "b", 4)
+    got = _read_both(a, b)
+    assert got == [[bytes([i]) * 100 for i in range(N)]] * 2
+    assert fs.peak["all"] == 3
+    assert gauge.now == 0
+
+
+def test_the_process_limit_is_read_from_the_environment(monkeypatch):
+    monkeypatch.delenv(inflight.MAX_IN_FLIGHT_ENV, raising=False)
+    assert env_cap() is None
+    monkeypatch.setenv(inflight.MAX_IN_FLIGHT_ENV, "16")
+    assert env_cap() == 16
+    monkeypatch.setenv(inflight.MAX_IN_FLIGHT_ENV, "0")
+    with pytest.raises(ValueError, match="SBLOADER_MAX_IN_FLIGHT must be a positive integer"):
+        env_cap()
