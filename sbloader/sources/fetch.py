@@ -31,7 +31,8 @@ from typing import Any, Iterator, Optional, Sequence, Union
 from sbloader.core.context import report_counters
 from sbloader.sources.cache import CacheConfig, cache_here
 from sbloader.sources.filesystems import resolve
-from sbloader.sources.inflight import DEFAULT_MAX_BYTES, DEFAULT_MAX_REQUESTS, GAUGE, Waited, pool, take_while_within
+from sbloader.sources.inflight import (DEFAULT_MAX_BYTES, DEFAULT_MAX_REQUESTS, GAUGE, Waited, check_max_in_flight,
+                                       pool, take_while_within)
 from sbloader.sources.object_client import client_for
 
 #: Requests a process keeps in flight by default (``max_in_flight=``).
@@ -111,10 +112,8 @@ class RemoteFiles:
         retry: retries of each request.
         max_bytes: bytes one read task asks for ahead of its reader (own objects and
             fetch-ahead together).
-        budget_key: the dataset's name in the process's count of requests in flight (every
-            copy of it, in every task, counts as the same dataset: at most ``max_in_flight``
-            of its requests in flight in a process, and all datasets together at most the
-            process's limit, :class:`~sbloader.sources.inflight.Gauge`).
+        budget_key: the dataset's name in its process's count of requests in flight (every
+            copy counts as the one dataset: :class:`~sbloader.sources.inflight.Gauge`).
     """
 
     filesystem: Any = None
@@ -377,14 +376,6 @@ def files_ahead(shared: Any, partition_id: int, count: int = 2) -> list[str]:
             if len(out) == count:
                 break
     return out
-
-
-def check_max_in_flight(max_in_flight: Any) -> int:
-    """``max_in_flight`` unchanged; ``ValueError`` naming it unless it is a positive integer."""
-    if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
-        raise ValueError(f"max_in_flight must be a positive integer (requests a process keeps in flight), "
-                         f"found {max_in_flight!r}")
-    return max_in_flight
 
 
 def remote_files(versions: dict, filesystem: Any, cache: bool, cache_dir: Any, cache_max_bytes: Optional[int],

@@ -17,7 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 #: Requests one process keeps in flight at most (its connections to the store).
 DEFAULT_MAX_REQUESTS = 64
@@ -59,6 +59,14 @@ def env_cap() -> Optional[int]:
         raise ValueError(f"{MAX_IN_FLIGHT_ENV} must be a positive integer (requests one process keeps in flight, "
                          f"all its datasets together), found {raw!r}")
     return int(raw)
+
+
+def check_max_in_flight(max_in_flight: Any) -> int:
+    """``max_in_flight`` unchanged; ``ValueError`` naming it unless it is a positive integer."""
+    if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
+        raise ValueError(f"max_in_flight must be a positive integer (requests a process keeps in flight for "
+                         f"the dataset), found {max_in_flight!r}")
+    return max_in_flight
 
 
 class Gauge:
