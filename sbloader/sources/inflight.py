@@ -1,13 +1,19 @@
-"""What bounds the requests to an object store in one process: a budget of connections
-(requests in flight) and of bytes (fetched or being fetched, not yet handed to the
-reader), shared by every read task and every fetch-ahead of the process.
+"""What bounds the requests to object stores in one process: a budget of requests in flight
+(:class:`Gauge`) and of bytes fetched ahead of the readers (:class:`ByteBudget`), each shared
+by every read task, every fetch-ahead and every dataset of the process.
 
 A read task submits all its objects at once (up to the byte budget) and then the
-next partitions' objects to fetch ahead, to one pool of ``max_requests`` threads per
-process: the requests of every task and of the fetch-ahead overlap, so a store's
-latency is paid about once per ``max_requests`` objects across the whole pipeline, not
-per read task. The gauge counts requests in flight (now and the peak) and the time
-readers spent waiting for bytes, for ``stats()``.
+next partitions' objects to fetch ahead, to one pool of threads per process: the
+requests of every task and of the fetch-ahead overlap, so a store's latency is paid
+about once per ``max_in_flight`` objects across the whole pipeline, not per read task.
+Each request holds a slot of the gauge while it runs: a dataset keeps at most its own
+``max_in_flight`` in flight, and the datasets of a process together at most the
+largest ``max_in_flight`` among them, or ``$SBLOADER_MAX_IN_FLIGHT`` where it is set.
+The gauge also counts requests in flight (now and the peak) for ``stats()``.
+
+These are budgets of one process; the node's processes (Ray workers, ranks) each have
+their own, so a node keeps at most (its reading processes) x (the budget) requests in
+flight. The node-local cache's byte budget is the node's (:mod:`sbloader.sources.cache`).
 """
 from __future__ import annotations
 
@@ -121,6 +127,40 @@ class Gauge:
 
 
 GAUGE = Gauge(env_cap())
+
+
+class ByteBudget:
+    """Bytes asked for ahead of the readers in this process (fetched or being fetched, not yet
+    handed to a reader; fetch-ahead until it is in the cache): every read task of every dataset
+    together at most the largest ``max_bytes`` asked for in the process. It never blocks: a read
+    task that finds no room fetches nothing more until it has consumed what it has, and one
+    with nothing outstanding may always take one object, so every task goes on (the only way
+    past the budget: one object per read task running).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.held = 0
+        self.peak = 0
+        self._largest = 0
+
+    def take(self, nbytes: int, max_bytes: int, alone: bool = False) -> bool:
+        """Hold ``nbytes`` if they fit (or ``alone``: the task has nothing outstanding); whether held."""
+        with self._lock:
+            self._largest = max(self._largest, max_bytes)
+            if not alone and self.held + nbytes > self._largest:
+                return False
+            self.held += nbytes
+            self.peak = max(self.peak, self.held)
+            return True
+
+    def give(self, nbytes: int) -> None:
+        """Hand back ``nbytes`` taken (consumed, dropped, or written to the cache)."""
+        with self._lock:
+            self.held -= nbytes
+
+
+BYTES = ByteBudget()
 _POOL: list[ThreadPoolExecutor] = []
 _POOL_LOCK = threading.Lock()
 

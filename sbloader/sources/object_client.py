@@ -39,7 +39,7 @@ _STORES_LOCK = threading.Lock()
 
 class ObjectClient(Protocol):
     """Reads whole objects and byte ranges; raises ``FileNotFoundError``, ``PermissionError``
-    or ``OSError`` (retryable ones: see :func:`sbloader.sources.fetch.is_retryable`)."""
+    or ``OSError`` (retryable ones: see :func:`sbloader.sources.retries.is_retryable`)."""
 
     name: str
 

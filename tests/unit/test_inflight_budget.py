@@ -3,8 +3,10 @@ process share the process's limit, each keeps its own ``max_in_flight`` (counted
 store: a filesystem that counts the requests it is serving at once)."""
 from __future__ import annotations
 
+import os
 import threading
 import time
+from typing import Optional
 
 import pytest
 from fsspec.implementations.local import LocalFileSystem
@@ -20,6 +22,8 @@ N = 24  # objects per dataset
 class _Counting(LocalFileSystem):
     """A local filesystem whose every open is a request taking 20 ms, counted while it runs,
     per folder (dataset) and in all; the peaks are kept."""
+
+    latency_s = 0.02
 
     def __init__(self, *a, **kw) -> None:
         super().__init__(*a, **kw)
@@ -37,28 +41,37 @@ class _Counting(LocalFileSystem):
         self._count(ds, 1)
         self._count("all", 1)
         try:
-            time.sleep(0.02)
-            return super()._open(path, mode=mode, **kw)
+            time.sleep(self.latency_s)
+            f = super()._open(path, mode=mode, **kw)
+            self._count("bytes ahead", os.path.getsize(path))  # served, not yet consumed
+            return f
         finally:
             self._count(ds, -1)
             self._count("all", -1)
 
 
-def _dataset(root, fs, name: str, max_in_flight: int) -> RemoteFiles:
+def _dataset(root, fs, name: str, max_in_flight: int, size: int = 100, max_bytes: int = 2 ** 20) -> RemoteFiles:
     d = root / name
     d.mkdir()
     versions = {}
     for i in range(N):
-        (d / f"{i:03d}.bin").write_bytes(bytes([i]) * 100)
-        versions[str(d / f"{i:03d}.bin")] = (100, 1)
-    return RemoteFiles(fs, CacheConfig(False), versions, max_in_flight)
+        (d / f"{i:03d}.bin").write_bytes(bytes([i]) * size)
+        versions[str(d / f"{i:03d}.bin")] = (size, 1)
+    return RemoteFiles(fs, CacheConfig(False), versions, max_in_flight, max_bytes=max_bytes)
 
 
-def _read_both(a: RemoteFiles, b: RemoteFiles) -> list:
+def _read_both(a: RemoteFiles, b: RemoteFiles, fs: Optional[_Counting] = None) -> list:
+    """Both datasets read at once by two threads; with ``fs``, each object's bytes are counted
+    as consumed once handed on, and the reader takes 10 ms over each (slower than the store)."""
     out: list = [None, None]
 
     def read(i: int, rf: RemoteFiles) -> None:
-        out[i] = [data for _, data in rf.read_many(sorted(rf.versions))]
+        out[i] = []
+        for _, data in rf.read_many(sorted(rf.versions)):
+            out[i].append(data)
+            if fs is not None:
+                fs._count("bytes ahead", -len(data))
+                time.sleep(0.01)
 
     threads = [threading.Thread(target=read, args=(i, rf)) for i, rf in enumerate((a, b))]
     for t in threads:
@@ -97,6 +110,21 @@ def test_the_process_limit_caps_every_dataset_together(tmp_path, gauge):
     assert got == [[bytes([i]) * 100 for i in range(N)]] * 2
     assert fs.peak["all"] == 3
     assert gauge.now == 0
+
+
+def test_two_datasets_in_one_process_share_the_bytes_fetched_ahead_of_their_readers(tmp_path, gauge, monkeypatch):
+    monkeypatch.setattr(inflight, "BYTES", inflight.ByteBudget())
+    monkeypatch.setattr("sbloader.sources.fetch.BYTES", inflight.BYTES)
+    fs = _Counting(skip_instance_cache=True)
+    fs.latency_s = 0.002  # a store faster than the readers: the bytes pile up to the budget
+    # 24 objects of 10 KB each; each dataset alone may ask for 60 KB ahead of its reader.
+    a, b = _dataset(tmp_path, fs, "a", 16, 10_000, 60_000), _dataset(tmp_path, fs, "b", 16, 10_000, 60_000)
+    got = _read_both(a, b, fs)
+    assert got == [[bytes([i]) * 10_000 for i in range(N)]] * 2
+    # Served by the store and not yet handed to a reader, both datasets together: at most the
+    # process's 60 KB, plus one object per reader (a reader with nothing outstanding takes one).
+    assert 50_000 <= fs.peak["bytes ahead"] <= 60_000 + 2 * 10_000
+    assert inflight.BYTES.held == 0 and fs.now["bytes ahead"] == 0
 
 
 def test_the_process_limit_is_read_from_the_environment(monkeypatch):
