@@ -157,6 +157,7 @@ class DiskCache:
                 old = os.stat(p).st_size
                 os.unlink(p)
                 used -= old
+                self._ledger.write(used)
             except OSError:
                 pass
             room = self._fit(used, n)

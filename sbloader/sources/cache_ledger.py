@@ -124,14 +124,16 @@ class Ledger:
 
     def read(self) -> Optional[int]:
         """The bytes counted (hold :meth:`held`); None for a ledger not counted yet."""
-        raw = os.pread(self._open(), 32, 0).strip()
+        fd = self._open()
+        os.lseek(fd, 0, os.SEEK_SET)
+        raw = os.read(fd, 32).strip()
         return int(raw) if raw.isdigit() else None
 
     def write(self, used: int) -> None:
         """Set the bytes counted (hold :meth:`held`)."""
         fd = self._open()
-        raw = str(max(0, int(used))).encode().ljust(20)
-        os.pwrite(fd, raw, 0)
+        os.lseek(fd, 0, os.SEEK_SET)
+        os.write(fd, str(max(0, int(used))).encode().ljust(20))  # always 20 bytes: no old digits left
 
     def used(self) -> int:
         """The bytes counted (hold :meth:`held`), recounted when the ledger is new."""

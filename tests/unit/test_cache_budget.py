@@ -140,3 +140,15 @@ def test_a_replaced_entry_frees_its_old_bytes(tmp_path):
     assert c.put_at(p, bytes(40_000)) == p  # the old 30 KB are not counted twice
     with Ledger(str(tmp_path)).held() as ledger:
         assert ledger.read() == 40_000 == os.path.getsize(p)
+
+
+def test_a_replaced_entry_that_no_longer_fits_is_not_counted(tmp_path, monkeypatch):
+    monkeypatch.setattr(cache_mod, "PROTECT_S", 3600.0)
+    c = DiskCache(str(tmp_path), 50_000)
+    keep = c.put("s3://b/keep", "v", bytes(30_000))
+    p = c.path_for("s3://b/x", "v")
+    assert keep and c.put_at(p, bytes(20_000)) == p
+    assert c.put_at(p, bytes(60_000)) is None  # the old 20 KB went; the new version is larger than the cache
+    assert not os.path.exists(p)
+    with Ledger(str(tmp_path)).held() as ledger:
+        assert ledger.read() == 30_000 == c.used_bytes()
