@@ -135,3 +135,28 @@ def test_the_process_limit_is_read_from_the_environment(monkeypatch):
     monkeypatch.setenv(inflight.MAX_IN_FLIGHT_ENV, "0")
     with pytest.raises(ValueError, match="SBLOADER_MAX_IN_FLIGHT must be a positive integer"):
         env_cap()
+
+
+def test_two_s3_datasets_in_one_process_counted_at_the_lean_s3_server(s3_server, gauge):
+    """The same, through obstore against the lean S3 server (20 ms a request), whose proxy
+    counts the object GETs it serves at once, by prefix."""
+    pytest.importorskip("obstore")
+    client = s3_server.client()
+    try:
+        client.create_bucket(Bucket="inflight47")
+    except client.exceptions.BucketAlreadyOwnedByYou:
+        pass
+    s3_server.put_many("inflight47", {f"{d}/{i:03d}.bin": bytes([i]) * 500 for d in "ab" for i in range(N)})
+    a, b = (RemoteFiles(None, CacheConfig(False), {f"s3://inflight47/{d}/{i:03d}.bin": (500, 1) for i in range(N)}, m)
+            for d, m in (("a", 2), ("b", 5)))
+    proxy = s3_server.proxy
+    latency, proxy.latency_s = proxy.latency_s, 0.02
+    try:
+        proxy.reset_counts()
+        got = _read_both(a, b)
+    finally:
+        proxy.latency_s = latency
+    assert got == [[bytes([i]) * 500 for i in range(N)]] * 2
+    peak = proxy.peak_in_flight
+    assert (peak["inflight47/a"], peak["all"]) == (2, 5) and peak["inflight47/b"] >= 3
+    assert proxy.counts[("GET", "object")] == 2 * N  # one GET per object
