@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 from sbloader.sources import cache as cache_mod
 from sbloader.sources.cache import DiskCache
@@ -77,6 +78,7 @@ def test_two_processes_on_one_cache_dir_never_hold_more_than_its_budget(tmp_path
         while not done.is_set():
             with ledger.held():
                 seen[0] = max(seen[0], _bytes_on_disk(root))
+            time.sleep(0.001)  # let the writers have the lock
 
     watcher = threading.Thread(target=watch)
     watcher.start()
