@@ -24,6 +24,9 @@ from s3_server import S3Server, free_port, s3_environment
 # variables: every S3 client in the tests (pyarrow, boto3) talks to 127.0.0.1 only.
 _S3_PROXY_PORT = free_port()
 os.environ.update(s3_environment(f"http://127.0.0.1:{_S3_PROXY_PORT}"))
+# Likewise every gs:// client (obstore's, pyarrow's) goes to the GCS emulator's port.
+_GCS_PORT = free_port()
+os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{_GCS_PORT}"
 
 # More logical CPUs than the 2 cores, so a pipeline never waits on its own bookkeeping.
 TEST_CPUS = 8
@@ -50,6 +53,18 @@ def s3_server():
     """moto's S3 server on a free port of 127.0.0.1 with the fault proxy in front (on the
     port the AWS variables name), started on first use and stopped at the end."""
     server = S3Server.start(_S3_PROXY_PORT)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def gcs_server():
+    """A GCS emulator (in memory) on the port ``STORAGE_EMULATOR_HOST`` names, with a bucket
+    ``bkt``, started on first use and stopped at the end."""
+    pytest.importorskip("gcp_storage_emulator")
+    from gcs_server import GcsServer
+
+    server = GcsServer.start(_GCS_PORT)
     yield server
     server.stop()
 

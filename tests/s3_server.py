@@ -58,6 +58,8 @@ class FaultProxy:
         order: while recording (:meth:`record`), the requests in the order the proxy saw
             them: ``("get", "in")`` when an object GET arrives, ``("list", "out")`` when a
             listing page has been answered.
+        in_flight, peak_in_flight: object GETs the proxy is serving now, and the most at once
+            since the last :meth:`reset_counts`, by ``"bucket/first-folder"`` and in all (``"all"``).
     """
 
     upstream_port: int
@@ -68,6 +70,8 @@ class FaultProxy:
     faults_done: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     order: Optional[list] = field(default=None, repr=False)
+    in_flight: Counter = field(default_factory=Counter)
+    peak_in_flight: Counter = field(default_factory=Counter)
 
     def record(self) -> None:
         """Start (again) recording the order of object GETs and listing pages in ``order``."""
@@ -91,6 +95,13 @@ class FaultProxy:
         with self.lock:
             self.counts.clear()
             self.object_get_bytes = 0
+            self.peak_in_flight = Counter(self.in_flight)
+
+    def _serving(self, group: str, delta: int) -> None:
+        with self.lock:
+            for g in (group, "all"):
+                self.in_flight[g] += delta
+                self.peak_in_flight[g] = max(self.peak_in_flight[g], self.in_flight[g])
 
     @property
     def object_gets(self) -> int:
@@ -114,6 +125,17 @@ def _handler(proxy: FaultProxy) -> type:
             return conn
 
         def _forward(self) -> None:
+            bucket_and_key = self.path.split("?", 1)[0].strip("/")
+            if self.command != "GET" or "/" not in bucket_and_key:
+                return self._serve()
+            group = "/".join(bucket_and_key.split("/")[:2])
+            proxy._serving(group, 1)
+            try:
+                self._serve()
+            finally:
+                proxy._serving(group, -1)
+
+        def _serve(self) -> None:
             if self.path == STATS_PATH:  # the counts, for a benchmark running the proxy in another process
                 with proxy.lock:
                     body = json.dumps({"object_gets": proxy.object_gets, "object_get_bytes": proxy.object_get_bytes,

@@ -8,6 +8,13 @@ exclusive ``flock`` on the entry's lock file, so several processes on one node
 (read tasks, ranks) share one directory and download an object once. A hit is
 checked against the listed size.
 
+**The budget is the node's.** ``max_bytes`` bounds the bytes in the directory, all
+the processes writing there together (read tasks of several datasets, ranks, the
+driver's fetch while listing): every write reserves its bytes in the directory's
+ledger first (:mod:`sbloader.sources.cache_ledger`), so the bytes on disk never pass
+the budget however many processes share the directory. Processes that give different
+budgets each keep their own below it (the smallest then holds for the directory).
+
 **Eviction never throttles a read.** With ``max_bytes`` set, the writer evicts,
 oldest last read first, only entries not read in the last :data:`PROTECT_S`
 seconds (left over from other datasets or long ago); when no entry may go, the new
@@ -26,6 +33,8 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Optional
+
+from sbloader.sources.cache_ledger import Ledger, scan, tmp_name
 
 #: Entries read within this many seconds are never evicted to make room.
 PROTECT_S = 600.0
@@ -92,8 +101,7 @@ class DiskCache:
         self.root = root
         self.max_bytes = max_bytes
         os.makedirs(root, exist_ok=True)
-        self._lock = threading.Lock()
-        self._used: Optional[int] = None  # bytes cached, as this process last counted
+        self._ledger = Ledger(root)  # the directory's bytes, counted across the node's processes
         self._dirs: set = set()  # sub-folders this process made (or found)
 
     def path_for(self, uri: str, version: str) -> str:
@@ -136,75 +144,80 @@ class DiskCache:
         return self.put_at(self.path_for(uri, version), data)
 
     def put_at(self, p: str, data: bytes) -> Optional[str]:
-        """:meth:`put` into the entry at ``p``."""
-        if not self.make_room(len(data)):
-            return None
+        """:meth:`put` into the entry at ``p``. The bytes are reserved in the directory's
+        ledger before the first is written (:mod:`sbloader.sources.cache_ledger`), so the
+        processes sharing the directory never hold more than ``max_bytes`` on disk together."""
+        n = len(data)
         d = os.path.dirname(p)
         self._makedirs(d)
-        # Unique to this process and thread (the entry's lock is held): no random name to draw.
-        tmp = f"{d}/.tmp-{os.getpid()}-{threading.get_ident()}"
+        tmp = f"{d}/{tmp_name(n)}"  # unique to this process and thread (the entry's lock is held)
+        with self._ledger.held():
+            used = self._ledger.used()
+            try:  # an entry of another version of the object (another size): replaced, its bytes freed
+                old = os.stat(p).st_size
+                os.unlink(p)
+                used -= old
+                self._ledger.write(used)
+            except OSError:
+                pass
+            room = self._fit(used, n)
+            if room is None:
+                return None
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)  # the reservation, on disk
+            self._ledger.write(room + n)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 view = memoryview(data)
                 while view:  # one write for a file; a loop for the rare short write
                     view = view[os.write(fd, view):]
             finally:
                 os.close(fd)
-            os.replace(tmp, p)
+            with self._ledger.held():  # a recount sees the temporary file or the entry, never neither
+                os.replace(tmp, p)
         except BaseException:
             try:
                 os.unlink(tmp)
             except OSError:
                 pass
+            self._ledger.add(-n)
             raise
-        with self._lock:
-            if self._used is not None:
-                self._used += len(data)
         return p
 
-    def _entries(self) -> list[tuple[float, int, str]]:
-        out = []
-        for sub in os.scandir(self.root):
-            if not sub.is_dir():
-                continue
-            for e in os.scandir(sub.path):
-                if e.name.endswith(".lock") or e.name.startswith(".tmp-"):
-                    continue
-                try:
-                    st = e.stat()
-                except OSError:
-                    continue
-                out.append((st.st_mtime, st.st_size, e.path))
-        return out
-
     def used_bytes(self) -> int:
-        """Bytes cached in the directory (counted now)."""
-        return sum(s for _, s, _ in self._entries())
+        """Bytes of the entries in the directory (counted now)."""
+        return sum(s for _, s, _ in scan(self.root)[0])
+
+    def _fit(self, used: int, need: int) -> Optional[int]:
+        """The bytes counted once ``need`` more fit (hold the ledger), evicting entries not read
+        in the last :data:`PROTECT_S` seconds, oldest first, if they must; None when they cannot."""
+        if self.max_bytes is None or used + need <= self.max_bytes:
+            return used
+        if need > self.max_bytes:
+            return None
+        entries, reserved = scan(self.root)  # the ledger may count too much (entries deleted by hand)
+        used = sum(s for _, s, _ in entries) + reserved
+        now = time.time()
+        for mtime, size, path in sorted(entries):
+            if used + need <= self.max_bytes or now - mtime < PROTECT_S:
+                break
+            try:
+                os.unlink(path)
+                used -= size
+            except OSError:
+                pass
+        self._ledger.write(used)
+        return used if used + need <= self.max_bytes else None
 
     def make_room(self, need: int) -> bool:
-        """Whether ``need`` more bytes fit, after evicting entries not read in the last
-        :data:`PROTECT_S` seconds (oldest first) if they must."""
+        """Whether ``need`` more bytes fit in the directory's budget now, after evicting entries
+        not read in the last :data:`PROTECT_S` seconds (oldest first) if they must. Nothing is
+        reserved: :meth:`put_at` reserves."""
         if self.max_bytes is None:
             return True
         if need > self.max_bytes:
             return False
-        with self._lock:
-            if self._used is not None and self._used + need <= self.max_bytes:
-                return True
-            entries = self._entries()  # other processes write too: count again before evicting
-            used = sum(s for _, s, _ in entries)
-            now = time.time()
-            for mtime, size, path in sorted(entries):
-                if used + need <= self.max_bytes or now - mtime < PROTECT_S:
-                    break
-                try:
-                    os.unlink(path)
-                    used -= size
-                except OSError:
-                    pass
-            self._used = used
-            return used + need <= self.max_bytes
+        with self._ledger.held():
+            return self._fit(self._ledger.used(), need) is not None
 
 
 class _FileLock:

@@ -24,54 +24,20 @@ import os
 import random
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence, Union
 
 from sbloader.core.context import report_counters
 from sbloader.sources.cache import CacheConfig, cache_here
 from sbloader.sources.filesystems import resolve
-from sbloader.sources.inflight import DEFAULT_MAX_BYTES, DEFAULT_MAX_REQUESTS, GAUGE, Waited, pool, take_while_within
+from sbloader.sources.inflight import (BYTES, DEFAULT_MAX_BYTES, DEFAULT_MAX_REQUESTS, GAUGE, Waited,
+                                       check_max_in_flight, pool)
 from sbloader.sources.object_client import client_for
+from sbloader.sources.retries import RetryPolicy, is_retryable
 
 #: Requests a process keeps in flight by default (``max_in_flight=``).
 DEFAULT_MAX_IN_FLIGHT = DEFAULT_MAX_REQUESTS
-
-_NOT_RETRYABLE_WORDS = ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "NoSuchBucket",
-                        "NoSuchKey", "response code: 400", "response code: 401", "response code: 403",
-                        "response code: 404")
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """Retries of one request, with exponential backoff and full jitter.
-
-    Attributes:
-        attempts: tries in all (>= 1).
-        base_s: the first backoff's upper bound; it doubles each retry.
-        max_s: the largest backoff.
-    """
-
-    attempts: int = 6
-    base_s: float = 0.05
-    max_s: float = 2.0
-
-    def backoff(self, retry: int, rng: random.Random) -> float:
-        """Seconds to wait before retry number ``retry`` (0-based): uniform in ``[0, min(max, base * 2**retry)]``."""
-        return rng.uniform(0.0, min(self.max_s, self.base_s * (2 ** retry)))
-
-
-def is_retryable(exc: BaseException) -> bool:
-    """Whether a failed request may succeed when tried again: throttling (503, SlowDown),
-    5xx, timeouts and dropped connections are; a missing object, a missing bucket and
-    refused credentials are not."""
-    if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
-        return False
-    if isinstance(exc, (ConnectionError, TimeoutError)):
-        return True
-    if isinstance(exc, OSError):
-        msg = str(exc)
-        return not any(w in msg for w in _NOT_RETRYABLE_WORDS)
-    return False
 
 
 class ObjectChangedError(OSError):
@@ -110,6 +76,8 @@ class RemoteFiles:
         retry: retries of each request.
         max_bytes: bytes one read task asks for ahead of its reader (own objects and
             fetch-ahead together).
+        budget_key: the dataset's name in its process's count of requests in flight (every
+            copy counts as the one dataset: :class:`~sbloader.sources.inflight.Gauge`).
     """
 
     filesystem: Any = None
@@ -118,6 +86,7 @@ class RemoteFiles:
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
     retry: RetryPolicy = RetryPolicy()
     max_bytes: int = DEFAULT_MAX_BYTES
+    budget_key: str = field(default_factory=lambda: uuid.uuid4().hex, compare=False)
 
     def _version(self, uri: str) -> tuple[Optional[int], str]:
         v = self.versions.get(uri)
@@ -128,7 +97,7 @@ class RemoteFiles:
         rng = random.Random()
         for attempt in range(self.retry.attempts):
             try:
-                with GAUGE:
+                with GAUGE.slot(self.budget_key, self.max_in_flight):
                     return fetch()
             except FileNotFoundError as e:
                 raise FileNotFoundError(f"no such object: {uri!r} ({e}); check the bucket and key, or pass "
@@ -220,35 +189,47 @@ class RemoteFiles:
                               bytes_read=counts.get("bytes_read", 0) + n)
         report_counters(counts)
 
-    def read_many(self, uris: Sequence[str], ahead: Sequence[str] = ()) -> Iterator[tuple[str, Union[bytes, BaseException]]]:
+    def read_many(self, uris: Sequence[str],
+                  ahead: Sequence[str] = ()) -> Iterator[tuple[str, Union[bytes, BaseException]]]:
         """Each object's bytes (or the exception that read raised), in the order given.
 
-        All of ``uris`` are asked for at once (up to ``max_bytes``; the rest as the first
-        are consumed), then ``ahead`` (the next partitions' objects) is fetched into the
-        cache behind them (:meth:`prefetch`), in the process's fetch pool.
+        All of ``uris`` are asked for at once (up to ``max_bytes`` of this task, and of the
+        process's :data:`~sbloader.sources.inflight.BYTES` budget; the rest as the first are
+        consumed), then ``ahead`` (the next partitions' objects) is fetched into the cache
+        behind them (:meth:`prefetch`), in the process's fetch pool.
         """
         if not uris:
             return
         ex = pool(self.max_in_flight)
-        sizes = [self._version(u)[0] for u in uris]
-        first = take_while_within(sizes, self.max_bytes)
-        futures = [self._submit(ex, u) for u in uris[:first]]
-        nxt = len(futures)
-        pending = self.prefetch(ahead, budget=self.max_bytes - sum(int(s or 0) for s in sizes[:first]),
-                                collect=True)
+        sizes = [int(self._version(u)[0] or 0) for u in uris]
+        futures: list = []
+        held = [0, 0]  # bytes submitted and not yet consumed, objects submitted
+
+        def submit_more() -> None:
+            while held[1] < len(uris) and (held[0] == 0 or held[0] + sizes[held[1]] <= self.max_bytes) \
+                    and BYTES.take(sizes[held[1]], self.max_bytes, alone=held[0] == 0):
+                futures.append(self._submit(ex, uris[held[1]]))
+                held[0] += sizes[held[1]]
+                held[1] += 1
+
+        submit_more()
+        pending = self.prefetch(ahead, budget=self.max_bytes - held[0], collect=True)
         waited = Waited()
-        for i, uri in enumerate(uris):
-            f = futures[i]
-            got = self._read_hit(uri, f) if isinstance(f, str) else waited.block(f.result)
-            futures[i] = None  # drop the bytes once handed on
-            outstanding = sum(int(s or 0) for s in sizes[i + 1:nxt])
-            while nxt < len(uris) and (nxt == i + 1 or outstanding + int(sizes[nxt] or 0) <= self.max_bytes):
-                futures.append(self._submit(ex, uris[nxt]))
-                outstanding += int(sizes[nxt] or 0)
-                nxt += 1
-            self._report(got, waited.seconds)
-            waited.seconds = 0.0
-            yield uri, got.error if got.error is not None else got.data
+        try:
+            for i, uri in enumerate(uris):
+                if i == held[1]:  # the process's budget was spent by others: this one goes alone
+                    submit_more()
+                f = futures[i]
+                got = self._read_hit(uri, f) if isinstance(f, str) else waited.block(f.result)
+                futures[i] = None  # drop the bytes once handed on
+                held[0] -= sizes[i]
+                BYTES.give(sizes[i])
+                submit_more()
+                self._report(got, waited.seconds)
+                waited.seconds = 0.0
+                yield uri, got.error if got.error is not None else got.data
+        finally:  # a reader that stops early hands back what it had asked for
+            BYTES.give(held[0])
         # The fetch-ahead this read started is counted here, in its task (not lost when no
         # later read runs in this process): it ran while the objects above were decoded.
         counts: dict = {}
@@ -334,13 +315,16 @@ class RemoteFiles:
         budget = self.max_bytes if budget is None else budget
         total, n = 0, 0
         for s in sizes:
-            if total + s > budget:
+            if total + s > budget or not BYTES.take(s, self.max_bytes):
                 break
             total, n = total + s, n + 1
         if not n or not cache.make_room(total):
+            BYTES.give(total)
             return []
         ex = pool(self.max_in_flight)
         futures = [ex.submit(self._prefetch_one, u) for u in uris[:n]]
+        for f, s in zip(futures, sizes):  # the bytes are the process's until they are in the cache
+            f.add_done_callback(lambda f, s=s: BYTES.give(s))
         if collect:
             return futures
         for f in futures:
@@ -371,14 +355,6 @@ def files_ahead(shared: Any, partition_id: int, count: int = 2) -> list[str]:
             if len(out) == count:
                 break
     return out
-
-
-def check_max_in_flight(max_in_flight: Any) -> int:
-    """``max_in_flight`` unchanged; ``ValueError`` naming it unless it is a positive integer."""
-    if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
-        raise ValueError(f"max_in_flight must be a positive integer (requests a process keeps in flight), "
-                         f"found {max_in_flight!r}")
-    return max_in_flight
 
 
 def remote_files(versions: dict, filesystem: Any, cache: bool, cache_dir: Any, cache_max_bytes: Optional[int],

@@ -5,7 +5,8 @@ filesystems, resolved into a ``pyarrow.fs.FileSystem`` and a path inside it.
 ``viewfs://`` go through ``pyarrow.fs`` (credentials, region and endpoint from the
 standard environment: for S3 ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
 ``AWS_SECRET_ACCESS_KEY``, ``AWS_DEFAULT_REGION``, ``AWS_PROFILE`` and the AWS
-config files). Any other scheme (``http://``, ``https://``...) goes through fsspec
+config files; for GCS Application Default Credentials, or ``STORAGE_EMULATOR_HOST``
+for an emulator, anonymous). Any other scheme (``http://``, ``https://``...) goes through fsspec
 when it is installed, wrapped as a pyarrow filesystem, so the rest of sbloader
 sees one interface. A user's ``filesystem=`` (a ``pyarrow.fs.FileSystem`` or an
 fsspec filesystem) replaces the resolution for every URI.
@@ -129,7 +130,9 @@ def resolve(uri: str, filesystem: Any = None) -> tuple[Any, str]:
     with _FS_LOCK:
         hit = _FS_CACHE.get(key)
     if hit is None:
-        if scheme in PYARROW_SCHEMES:
+        if scheme in ("gs", "gcs") and gcs_emulator():
+            fs, root = _gcs_at(gcs_emulator()), parts.netloc
+        elif scheme in PYARROW_SCHEMES:
             fs, root = pafs.FileSystem.from_uri(f"{scheme}://{parts.netloc}/")
         else:
             fs, root = _fsspec_resolve(uri), None
@@ -141,6 +144,25 @@ def resolve(uri: str, filesystem: Any = None) -> tuple[Any, str]:
         return fs, fs.handler.fs._strip_protocol(uri)
     rest = uri.split("://", 1)[1][len(parts.netloc):].lstrip("/")
     return fs, (root.rstrip("/") + "/" + rest) if rest else root
+
+
+#: The environment variable Google's client libraries read for a GCS emulator's address
+#: (``http://127.0.0.1:9023``): ``gs://`` then goes there, with anonymous credentials.
+GCS_EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
+
+
+def gcs_emulator() -> str:
+    """``$STORAGE_EMULATOR_HOST`` as a URL (``http://`` added when no scheme is given), or ``""``."""
+    host = os.environ.get(GCS_EMULATOR_ENV, "").rstrip("/")
+    return host if not host or "://" in host else f"http://{host}"
+
+
+def _gcs_at(url: str) -> Any:
+    """pyarrow's GCS filesystem on the emulator at ``url``, anonymous."""
+    import pyarrow.fs as pafs
+
+    parts = urlsplit(url)
+    return pafs.GcsFileSystem(anonymous=True, endpoint_override=parts.netloc, scheme=parts.scheme)
 
 
 def _fsspec_resolve(uri: str) -> Any:

@@ -1,20 +1,29 @@
-"""What bounds the requests to an object store in one process: a budget of connections
-(requests in flight) and of bytes (fetched or being fetched, not yet handed to the
-reader), shared by every read task and every fetch-ahead of the process.
+"""What bounds the requests to object stores in one process: a budget of requests in flight
+(:class:`Gauge`) and of bytes fetched ahead of the readers (:class:`ByteBudget`), each shared
+by every read task, every fetch-ahead and every dataset of the process.
 
 A read task submits all its objects at once (up to the byte budget) and then the
-next partitions' objects to fetch ahead, to one pool of ``max_requests`` threads per
-process: the requests of every task and of the fetch-ahead overlap, so a store's
-latency is paid about once per ``max_requests`` objects across the whole pipeline, not
-per read task. The gauge counts requests in flight (now and the peak) and the time
-readers spent waiting for bytes, for ``stats()``.
+next partitions' objects to fetch ahead, to one pool of threads per process: the
+requests of every task and of the fetch-ahead overlap, so a store's latency is paid
+about once per ``max_in_flight`` objects across the whole pipeline, not per read task.
+Each request holds a slot of the gauge while it runs: a dataset keeps at most its own
+``max_in_flight`` in flight, and the datasets of a process together at most the
+largest ``max_in_flight`` among them, or ``$SBLOADER_MAX_IN_FLIGHT`` where it is set.
+The gauge also counts requests in flight (now and the peak) for ``stats()``.
+
+These are budgets of one process; the node's processes (Ray workers, ranks) each have
+their own, so a node keeps at most (its reading processes) x (the budget) requests in
+flight. The node-local cache's byte budget is the node's (:mod:`sbloader.sources.cache`).
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, Iterator, Optional
 
 #: Requests one process keeps in flight at most (its connections to the store).
 DEFAULT_MAX_REQUESTS = 64
@@ -38,32 +47,120 @@ class RequestBudget:
     max_bytes: int = DEFAULT_MAX_BYTES
 
 
-class Gauge:
-    """Requests in flight in this process, the peak since the last :meth:`take_peak`."""
+#: Environment variable capping the requests in flight of each process, all its datasets
+#: together (unset: the largest ``max_in_flight`` of the datasets the process reads).
+MAX_IN_FLIGHT_ENV = "SBLOADER_MAX_IN_FLIGHT"
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
+
+def env_cap() -> Optional[int]:
+    """``$SBLOADER_MAX_IN_FLIGHT`` as a positive integer, or None when unset.
+
+    Raises:
+        ValueError: it is set to something else.
+    """
+    raw = os.environ.get(MAX_IN_FLIGHT_ENV, "")
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{MAX_IN_FLIGHT_ENV} must be a positive integer (requests one process keeps in flight, "
+                         f"all its datasets together), found {raw!r}")
+    return int(raw)
+
+
+def check_max_in_flight(max_in_flight: Any) -> int:
+    """``max_in_flight`` unchanged; ``ValueError`` naming it unless it is a positive integer."""
+    if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
+        raise ValueError(f"max_in_flight must be a positive integer (requests a process keeps in flight for "
+                         f"the dataset), found {max_in_flight!r}")
+    return max_in_flight
+
+
+class Gauge:
+    """Requests in flight in this process, bounded per dataset and for the process, counted
+    (now and the peak since the last :meth:`take_peak`).
+
+    Every request to a store takes a slot (:meth:`slot`): a dataset (``key``) keeps at most its
+    own ``max_in_flight``, and all datasets of the process together at most :attr:`cap`, or
+    when it is None the largest ``max_in_flight`` asked for in the process so far. A request
+    that would pass either waits for one to end.
+    """
+
+    def __init__(self, cap: Optional[int] = None) -> None:
+        self._cond = threading.Condition()
+        self.cap = cap
         self.now = 0
         self.peak = 0
+        self._largest = 0
+        self._by_key: dict[str, int] = {}
 
-    def __enter__(self) -> "Gauge":
-        with self._lock:
+    def limit(self) -> int:
+        """Requests all datasets of this process may keep in flight together now."""
+        return self.cap if self.cap is not None else max(1, self._largest)
+
+    @contextmanager
+    def slot(self, key: str, max_in_flight: int) -> Iterator[None]:
+        """Hold one request's slot of dataset ``key`` (at most ``max_in_flight`` of its own)."""
+        with self._cond:
+            self._largest = max(self._largest, max_in_flight)
+            while self.now >= self.limit() or self._by_key.get(key, 0) >= max_in_flight:
+                self._cond.wait()
             self.now += 1
+            self._by_key[key] = self._by_key.get(key, 0) + 1
             self.peak = max(self.peak, self.now)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        with self._lock:
-            self.now -= 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self.now -= 1
+                left = self._by_key[key] - 1
+                if left:
+                    self._by_key[key] = left
+                else:
+                    del self._by_key[key]
+                self._cond.notify_all()
 
     def take_peak(self) -> int:
         """The peak since the last call (then reset to the requests in flight now)."""
-        with self._lock:
+        with self._cond:
             p, self.peak = self.peak, self.now
             return p
 
 
-GAUGE = Gauge()
+GAUGE = Gauge(env_cap())
+
+
+class ByteBudget:
+    """Bytes asked for ahead of the readers in this process (fetched or being fetched, not yet
+    handed to a reader; fetch-ahead until it is in the cache): every read task of every dataset
+    together at most the largest ``max_bytes`` asked for in the process. It never blocks: a read
+    task that finds no room fetches nothing more until it has consumed what it has, and one
+    with nothing outstanding may always take one object, so every task goes on (the only way
+    past the budget: one object per read task running).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.held = 0
+        self.peak = 0
+        self._largest = 0
+
+    def take(self, nbytes: int, max_bytes: int, alone: bool = False) -> bool:
+        """Hold ``nbytes`` if they fit (or ``alone``: the task has nothing outstanding); whether held."""
+        with self._lock:
+            self._largest = max(self._largest, max_bytes)
+            if not alone and self.held + nbytes > self._largest:
+                return False
+            self.held += nbytes
+            self.peak = max(self.peak, self.held)
+            return True
+
+    def give(self, nbytes: int) -> None:
+        """Hand back ``nbytes`` taken (consumed, dropped, or written to the cache)."""
+        with self._lock:
+            self.held -= nbytes
+
+
+BYTES = ByteBudget()
 _POOL: list[ThreadPoolExecutor] = []
 _POOL_LOCK = threading.Lock()
 

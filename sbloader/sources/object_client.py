@@ -9,7 +9,8 @@ Two clients, picked per URI by :func:`client_for`:
   GIL, about a third of pyarrow's CPU per object (``benchmarks/results/remote.md``,
   table of clients). Credentials, region and endpoint come from the same environment
   as pyarrow's (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``... ; Application Default
-  Credentials for GCS). Its own retries are off: :mod:`sbloader.sources.fetch`
+  Credentials for GCS, or ``STORAGE_EMULATOR_HOST`` for a GCS emulator: its address as
+  the service's base URL, plain ``http`` allowed, no OAuth). Its own retries are off: :mod:`sbloader.sources.fetch`
   retries with backoff and counts every retry.
 - :class:`ArrowClient` (``pyarrow.fs`` or the user's ``filesystem=``, fsspec included)
   for everything else, and when obstore is missing. pyarrow's S3 client sends a HEAD
@@ -19,13 +20,14 @@ Two clients, picked per URI by :func:`client_for`:
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import threading
 from typing import Any, Optional, Protocol
 from urllib.parse import urlsplit
 
-from sbloader.sources.filesystems import resolve, scheme_of
+from sbloader.sources.filesystems import gcs_emulator, resolve, scheme_of
 
 #: Environment variable forcing the client: ``"obstore"`` or ``"pyarrow"``.
 CLIENT_ENV = "SBLOADER_OBJECT_CLIENT"
@@ -37,7 +39,7 @@ _STORES_LOCK = threading.Lock()
 
 class ObjectClient(Protocol):
     """Reads whole objects and byte ranges; raises ``FileNotFoundError``, ``PermissionError``
-    or ``OSError`` (retryable ones: see :func:`sbloader.sources.fetch.is_retryable`)."""
+    or ``OSError`` (retryable ones: see :func:`sbloader.sources.retries.is_retryable`)."""
 
     name: str
 
@@ -120,6 +122,13 @@ def _make_store(scheme: str, bucket: str) -> Any:
         if not (os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION")):
             config["region"] = "us-east-1"
         return S3Store(bucket, config=config or None, client_options=client_options, retry_config=retry)
+    emulator = gcs_emulator()
+    if emulator:  # an emulator (tests): its address as the service's base URL, no OAuth
+        if emulator.startswith("http://"):
+            client_options["allow_http"] = True
+        key = json.dumps({"gcs_base_url": emulator, "disable_oauth": True, "client_email": "", "private_key": "",
+                          "private_key_id": ""})
+        return GCSStore(bucket, service_account_key=key, client_options=client_options, retry_config=retry)
     return GCSStore(bucket, client_options=client_options, retry_config=retry)
 
 
