@@ -2,7 +2,10 @@
 the first batch of a ``DataLoader(list(range(1000)), batch_size=32, shuffle=True,
 num_workers=2)`` (the README's first-run figure): sbloader (its embedded Ray starts
 here) against torch's DataLoader, same arguments. Seconds from the import to the
-first batch, measured inside the process; the process's whole life beside it."""
+first batch, measured inside the process; the process's whole life beside it. Beside
+them, the native pipeline of the same rows (``from_items(...).to_dataloader(32,
+shuffle=True)``), with its local start and without it (``local_start=False``: the
+first batch waits for Ray)."""
 from __future__ import annotations
 
 import json
@@ -23,24 +26,35 @@ import json, time
 t0 = time.perf_counter()
 import {mod} as m
 t1 = time.perf_counter()
-loader = m.DataLoader(list(range(1000)), batch_size=32, shuffle=True, num_workers=2)
+loader = {make}
 next(iter(loader))
 t2 = time.perf_counter()
 print(json.dumps({{"import_s": t1 - t0, "first_batch_s": t2 - t0}}), flush=True)
 """
 
 
+DROPIN = "m.DataLoader(list(range(1000)), batch_size=32, shuffle=True, num_workers=2)"
+NATIVE = "m.from_items([{{'x': i}} for i in range(1000)]).to_dataloader(32, shuffle=True{extra})"
+CONTENDERS = {
+    "sbloader": ("sbloader", DROPIN),
+    "torch": ("torch.utils.data", DROPIN),
+    "sbloader native": ("sbloader", NATIVE.format(extra="")),
+    "sbloader native, local_start=False": ("sbloader", NATIVE.format(extra=", local_start=False")),
+}
+
+
 def plan(**p: Any) -> Plan:
-    """sbloader and torch, a fresh process per run."""
-    return Plan(["sbloader", "torch"], p["rounds"], notes="no RAY_ADDRESS: the embedded Ray starts")
+    """sbloader and torch, and sbloader's native pipeline with and without its local start, a fresh process per run."""
+    return Plan(list(CONTENDERS), p["rounds"], notes="no RAY_ADDRESS: the embedded Ray starts")
 
 
-def fresh(mod: str) -> dict[str, float]:
-    """Run the snippet in a new interpreter; its figures and the process's life."""
+def fresh(mod: str, make: str = DROPIN) -> dict[str, float]:
+    """Run the snippet (import ``mod``, build ``make``, take a batch) in a new interpreter; its figures and the
+    process's life."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-c", SNIPPET.format(mod=mod)], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", SNIPPET.format(mod=mod, make=make)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
     if r.returncode != 0:
         raise RuntimeError(f"{mod}: exit status {r.returncode}: {r.stderr.strip()[-300:]}")
     lines = [x for x in r.stdout.splitlines() if x.startswith('{"import_s"')]
@@ -53,8 +67,8 @@ def fresh(mod: str) -> dict[str, float]:
 
 def run(**p: Any) -> Outcome:
     """``rounds`` fresh processes each, interleaved."""
-    trials = run_interleaved({"sbloader": lambda: fresh("sbloader"),
-                              "torch": lambda: fresh("torch.utils.data")}, p["rounds"])
+    trials = run_interleaved({name: (lambda mod=mod, make=make: fresh(mod, make))
+                              for name, (mod, make) in CONTENDERS.items()}, p["rounds"])
     return Outcome(trials, "first_batch_s", "s", higher_is_better=False, baseline="torch",
                    extra=("import_s", "process_s"),
                    notes=["the README's first-run snippet; process_s includes the interpreter's start "
