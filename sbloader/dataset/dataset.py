@@ -198,12 +198,40 @@ class Dataset:
                 batches on its own.
             **execute_kwargs: :meth:`execute`'s arguments (epoch, seed, shuffle,
                 deterministic, memory_budget, prefetch_blocks, progress).
+
+        In a process whose Ray is not up yet, a pipeline of functions starts on local worker
+        processes while Ray starts (``sbloader/loaders/native_start.py``; ``SBLOADER_LOCAL_START=0``
+        waits for Ray).
         """
-        execute_kwargs.setdefault("arena", self._slot_arena())
         spec = window_of(self._source, shuffle_window) if execute_kwargs.get("shuffle") else WindowSpec(partitions=1)
         if prefetch_hint(spec):
             execute_kwargs["prefetch_blocks"] = max(execute_kwargs.get("prefetch_blocks", 2), prefetch_hint(spec))
-        return window_batches(self, self.execute(**execute_kwargs), spec, batch_size, drop_last)
+        executor = self._local_start(execute_kwargs)
+        if executor is None:
+            execute_kwargs.setdefault("arena", self._slot_arena())
+            executor = self.execute(**execute_kwargs)
+        return window_batches(self, executor, spec, batch_size, drop_last)
+
+    def _local_start(self, kwargs: dict) -> Any:
+        """The execution started on local processes while Ray starts, or None where it does not apply."""
+        from sbloader.loaders import native_start
+        from sbloader.runtime import background
+
+        if not native_start.enabled(self, True, kwargs.get("actor_cache") is not None):
+            return None
+        budget = native_start.budget_before_ray(kwargs.get("memory_budget"))
+        if budget is None:
+            return None
+        background.start()
+        plan = kwargs.get("plan") or self.plan(epoch=kwargs.get("epoch", 0), seed=kwargs.get("seed"),
+                                               shuffle=kwargs.get("shuffle", False))
+
+        def start(rest: EpochPlan) -> StreamingExecutor:
+            return self.execute(**{**kwargs, "plan": rest, "arena": kwargs.get("arena") or self._slot_arena()})
+
+        phased = native_start.PhasedExecution(self, plan, start, budget, lambda stats: self._last.__setitem__(0, stats))
+        self._last[0] = phased.stats()
+        return phased
 
     def iter_torch_batches(self, batch_size: Optional[int] = 256, *, drop_last: bool = False,
                            dtypes: Optional[Mapping[str, Any]] = None, device: Optional[str] = None,

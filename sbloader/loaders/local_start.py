@@ -40,6 +40,7 @@ from sbloader.core.context import task_context
 from sbloader.core.stats import StallStats
 from sbloader.loaders.epoch import Delivery, EpochIterator
 from sbloader.loaders.failed_batch import WORKER_INIT_FN, FailedBatch
+from sbloader.loaders.fork_safe import import_for_children
 from sbloader.loaders.tensors import pin_batch
 
 LOCAL_START_ENV = "SBLOADER_LOCAL_START"  # 0: never start an epoch on local processes
@@ -332,6 +333,7 @@ def torch_workers(s: Any, items: list, ids: list, epoch: int, epoch_seed: int, s
     import torch
     from torch.utils.data import DataLoader as TorchLoader
 
+    import_for_children()
     parts = _Partitions(s.dataset, s.collate_fn, s.auto_collation, items, ids, s.batches_per_partition, epoch,
                         epoch_seed)
     with warnings.catch_warnings():  # torch's too-many-workers warning was given at the loader's creation

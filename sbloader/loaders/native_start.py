@@ -30,7 +30,6 @@ show in ``stats()`` as ``local_partitions`` and in each operator's rows and bloc
 """
 from __future__ import annotations
 
-import importlib
 import multiprocessing
 import os
 import time
@@ -41,6 +40,7 @@ from sbloader.core.block import Block, BlockMeta
 from sbloader.core.plan import EpochPlan
 from sbloader.core.stats import ExecutionStats, OperatorStats
 from sbloader.loaders import local_start
+from sbloader.loaders.fork_safe import import_for_children
 
 LOCAL_NODE = "local"  # BlockMeta.node_id of a block made on a local worker process
 MAX_LOCAL_WORKERS = 4
@@ -188,7 +188,7 @@ class PhasedExecution:
         from sbloader.executor.stages import build_stages
 
         self.plan, self._start, self._on_started = plan, start_rest, on_started
-        importlib.import_module("sbloader.executor.tasks")  # Ray imported before the fork, never half-way in a worker
+        import_for_children(("sbloader.core.errors", "sbloader.executor.tasks"))
         self.consumer_pace = _Pace()
         self._stats = ExecutionStats(operators=[OperatorStats(s.name) for s in build_stages(
             pipeline.source.name, list(pipeline.ops))], memory_budget=budget)
@@ -257,6 +257,11 @@ class PhasedExecution:
         self._end_local()
         if self._executor is not None:
             self._executor.shutdown()
+
+    @property
+    def epoch_seed(self) -> int:
+        """The seed of the epoch this execution runs."""
+        return self.plan.epoch_seed
 
     def stats(self) -> ExecutionStats:
         """Statistics so far: the local partitions', then the executor's with them."""

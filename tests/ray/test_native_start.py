@@ -143,3 +143,24 @@ def test_a_fresh_process_starts_before_ray_and_cuts_the_ray_only_batches(tmp_pat
     assert local["predicted_budget"] == local["budget"] == ray_only["budget"]
     assert local["ray_up_at_first_batch"] is False and local["local_partitions"] >= 1
     assert ray_only["ray_up_at_first_batch"] is True and ray_only["local_partitions"] == 0
+
+
+def test_iter_batches_hands_over_as_the_loader_does(ray_session, monkeypatch):
+    def batches(at):
+        if at is None:
+            monkeypatch.delenv(local_start.HANDOVER_AT_ENV, raising=False)
+            monkeypatch.setenv(local_start.LOCAL_START_ENV, "0")
+        else:
+            monkeypatch.setenv(local_start.HANDOVER_AT_ENV, str(at))
+            monkeypatch.delenv(local_start.LOCAL_START_ENV, raising=False)
+        ds = sbloader.from_items([{"x": i} for i in range(ROWS)], num_partitions=PARTS).map_batches(noisy)
+        out = [[b["x"].tolist(), b["draw"].tolist()] for b in ds.iter_batches(BATCH, shuffle=True, seed=5,
+                                                                             deterministic=True)]
+        return out, ds.stats()
+
+    reference, ref_stats = batches(None)
+    assert ref_stats.local_partitions == 0
+    for at in (0, 3, PARTS):
+        got, stats = batches(at)
+        assert got == reference, at
+        assert stats.local_partitions == at and stats.operators[-1].rows == ROWS
