@@ -132,10 +132,9 @@ def open_pool(s: DropinSettings, carry: DropinCarry, run: Optional[Union[EpochRu
     options = pool_options(s)
     op = s.worker_op(epoch_seed)
     warm = not s.persistent_workers and warm_workers.enabled()
-    if cache is None and s.persistent_workers:
-        cache = carry.actor_cache
-    elif cache is None and warm:
-        cache = warm_workers.take(carry, op, s.num_workers, s.warm_key(), s.worker_num_cpus)
+    if cache is None:
+        cache = carry.actor_cache if s.persistent_workers else warm_workers.take(carry, op, s.num_workers, s.warm_key()) \
+            if warm else None
     executor = start_execution(source, (op,), plan, options, actor_cache=cache, estimates=carry.estimates,
                                arena=arena_here())
     carry.stats = executor.stats()

@@ -258,7 +258,7 @@ def _prestart(s: Any, carry: Any, epoch_seed: int, handover: Handover, start: in
             if s.persistent_workers:
                 cache = carry.actor_cache
             elif warm_workers.enabled():
-                cache = warm_workers.take(carry, op, s.num_workers, s.warm_key(), s.worker_num_cpus)
+                cache = warm_workers.take(carry, op, s.num_workers, s.warm_key())
             else:
                 cache = {}
             _hold(s, carry)

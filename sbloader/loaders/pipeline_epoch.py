@@ -134,8 +134,6 @@ def local_epoch(pipeline: Pipeline, settings: PipelineSettings, run: PipelineRun
                                allow_trainer_node=settings.allow_trainer_node)
         if warm_key is not None:
             cache = warm_workers.unpark(warm_key)
-            if not cache:  # new actors: the process's idle ones of other pipelines make room if need be
-                warm_workers.make_room(1.0)
         return start_execution(source, pipeline.ops, rest, options, actor_cache=cache,
                                estimates=carry.estimates, arena=arena_here())
 

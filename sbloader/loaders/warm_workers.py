@@ -101,11 +101,10 @@ def available(carry: Any, key: Tuple, num_workers: int) -> bool:
     return sum(len(hs) for hs in carry.warm_cache.values()) == num_workers
 
 
-def take(carry: Any, op: Any, num_workers: int, key: Optional[Tuple] = None, worker_cpus: float = 1.0) -> dict:
+def take(carry: Any, op: Any, num_workers: int, key: Optional[Tuple] = None) -> dict:
     """The actor cache this epoch's pool starts from: the loader's warm actors (or the process's idle
     ones of the same ``key``), each rebuilding its worker from ``op`` (fresh dataset, ``worker_init_fn``
-    again), or empty (none, or another count: new actors of ``worker_cpus`` each, for which the
-    process's idle actors of other keys make room, :func:`make_room`)."""
+    again), or empty (none, or another count)."""
     cancel(carry)
     if key is not None:
         carry.warm_key = key
@@ -115,7 +114,6 @@ def take(carry: Any, op: Any, num_workers: int, key: Optional[Tuple] = None, wor
     if len(handles) != num_workers or not ray.is_initialized() or len(cache) != 1:
         kill_cached(cache)
         cache.clear()
-        make_room(num_workers * worker_cpus)
         return cache
     key = next(iter(cache))
     cache[key] = [PrestartedActor(h, h.rebuild.remote(op), counted=True) for h in handles]
@@ -185,21 +183,6 @@ def pipeline_key(source_name: str, ops: Any, allow_trainer_node: bool) -> Option
     except Exception:  # an operator that does not pickle alike twice: no reuse
         return None
     return ("pipeline", digest, bool(allow_trainer_node))
-
-
-def make_room(cpus: float) -> None:
-    """Idle actors are a cache, never in a new pool's way: when fewer than ``cpus`` CPUs are free for
-    the actors about to start, the process's idle ones are killed now, not at their idle timeout
-    (they hold CPUs the process's count of live loaders' does not see)."""
-    with _IDLE_LOCK:
-        if not _IDLE:
-            return
-    try:
-        free = float(ray.available_resources().get("CPU", 0.0))
-    except Exception:  # Ray is shutting down
-        return
-    if free < cpus:
-        release_idle()
 
 
 def release_idle() -> None:

@@ -173,26 +173,3 @@ def test_a_new_pipelines_class_stage_takes_warm_actors(ray_session, tmp_path):
     assert created == 0 and constructions("a") == 1 and second == first
     third, created = epoch("b")  # another constructor argument: a new actor
     assert created == 1 and constructions("b") == 1 and not (third & first)
-
-
-def test_idle_actors_of_other_arguments_make_room_for_a_new_pool(ray_session, monkeypatch):
-    """The process's idle actors are a cache: a new pool that would not find its CPUs free has them
-    killed at once, instead of waiting for their idle timeout (they hold CPUs no live loader counts)."""
-    from sbloader.loaders import warm_workers
-
-    monkeypatch.setenv("SBLOADER_WARM_IDLE_S", "600")
-    dl = sbloader.DataLoader(Mutating(), batch_size=2, num_workers=2, local_start=False)
-    assert len(list(dl)) == 4
-    idle = [getattr(h, "handle", h) for hs in dl._carry.warm_cache.values() for h in hs]
-    del dl  # its 2 actors (1 CPU each) wait in the process's idle pool
-    assert len(idle) == 2 and all(_answers(h) for h in idle) and warm_workers._IDLE
-    total = ray.cluster_resources()["CPU"]
-    # 7 workers of 1 CPU: they fit the cluster's CPUs and no live loader holds any, but the idle pair does
-    wide = sbloader.DataLoader(Mutating(14), batch_size=2, num_workers=int(total) - 1, local_start=False)
-    assert len(torch.cat(list(wide))) == 14
-    assert not warm_workers._IDLE, "the idle actors were not taken out of the way"
-    deadline = time.monotonic() + 30
-    while any(_answers(h) for h in idle) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(_answers(h) for h in idle), "the idle actors still hold their CPUs"
-    del wide
