@@ -68,8 +68,15 @@ def _free_split_coordinators():
 
     if not ray.is_initialized():
         return
-    from sbloader.loaders import warm_workers
+    import gc
 
+    from sbloader.loaders import closer, warm_workers
+
+    # The loaders and epochs the test dropped are closed on the closer thread, which puts their warm
+    # actors into the process's idle pool: close them here, or their actors would hold the session's
+    # CPUs for the idle timeout (60 s) while the next test's pool waits for them.
+    gc.collect()
+    closer.drain()
     warm_workers.release_idle()  # the warm actors dropped loaders and pipelines left in the process's idle pool
     from sbloader.distributed.naming import NAMESPACE
 
