@@ -45,14 +45,23 @@ def test_lightning_two_ranks_every_sample_once_per_epoch(tmp_path, strategy):
     assert ranks[0]["0"] != ranks[0]["1"], "shuffle=True: another order each epoch"
 
 
+@pytest.fixture(scope="module")
+def stopped_at_step_2(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """One ddp run on 2 devices stopped at step 2 of epoch 0 (a checkpoint, then a hard exit), shared by
+    the resumes below (each resumes into a folder of its own): its folder and what each rank saw."""
+    out = tmp_path_factory.mktemp("lightning_stopped")
+    _lightning(out, "ddp", 2, "--stop-at", "2")
+    return out, _seen(out, 2)
+
+
 @pytest.mark.parametrize("resume_devices", [2, 1])
-def test_lightning_mid_epoch_resume_through_its_checkpoint_is_exactly_once(tmp_path, resume_devices):
+def test_lightning_mid_epoch_resume_through_its_checkpoint_is_exactly_once(tmp_path, stopped_at_step_2,
+                                                                           resume_devices):
     """Stop at step 2 of epoch 0 on 2 devices (a checkpoint, then a hard exit); ``fit(ckpt_path=...)``
     on ``resume_devices``: Lightning restores the loader's state, the rest of epoch 0 comes exactly
     once, then a whole epoch 1."""
-    _lightning(tmp_path, "ddp", 2, "--stop-at", "2")
-    before = _seen(tmp_path, 2)
-    _lightning(tmp_path, "ddp", resume_devices, "--resume", str(tmp_path / "mid.ckpt"))
+    stopped, before = stopped_at_step_2
+    _lightning(tmp_path, "ddp", resume_devices, "--resume", str(stopped / "mid.ckpt"))
     after = _seen(tmp_path, resume_devices, "-resumed")
     epoch0 = [i for r in before + after for i in r.get("0", [])]
     assert sorted(epoch0) == list(range(N)), "epoch 0 across the preemption: every sample exactly once"

@@ -1,5 +1,6 @@
-"""Actor pools on Rays of their own (``tests/scripts/pools_job.py``): a fresh 2-CPU Ray, one
-node with a logical GPU, and a two-node cluster with the GPU on the other node.
+"""Actor pools on Rays of their own (``tests/scripts/pools_job.py``): a fresh one-node Ray of
+2 CPUs and a logical GPU (the CPU-only pools and the GPU pool, one after the other), and a
+two-node cluster with the GPU on the other node.
 
 The allocation rule itself: ``tests/unit/test_reservations.py``; the pools driven step by
 step: ``tests/ray/test_executor.py::test_pool_never_retires_while_input_is_coming``.
@@ -28,12 +29,13 @@ def _run(scenario: str, tmp_path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def two_cpu_runs(tmp_path_factory):
-    """``starve`` and ``cold``: both on a fresh 2-CPU Ray, one process for the two."""
-    return _run("starve,cold", tmp_path_factory.mktemp("pools"))
+def one_ray_runs(tmp_path_factory):
+    """``starve``, ``cold`` and ``gpu1``: one process, one fresh Ray of 2 CPUs and 1 logical GPU
+    (only ``gpu1``'s pool asks for the GPU)."""
+    return _run("starve,cold,gpu1", tmp_path_factory.mktemp("pools"))
 
 
-def test_pools_on_two_cpus_never_starve_their_reads(two_cpu_runs):
+def test_pools_on_two_cpus_never_starve_their_reads(one_ray_runs):
     """The issue's case on a fresh 2-CPU Ray: a JPEG read feeding a callable class.
 
     With default concurrency the pool takes the read in (its actors read their
@@ -41,7 +43,7 @@ def test_pools_on_two_cpus_never_starve_their_reads(two_cpu_runs):
     ``concurrency=(1, 2)`` a read stage of its own feeds the pool, which stops at one
     actor so that the read stage keeps the other CPU. Either way no actor is retired,
     none is built twice, and every image comes once per epoch."""
-    out = two_cpu_runs["starve"]
+    out = one_ray_runs["starve"]
     for name, limit in (("default", 2), ("bounded", 1)):
         run = out[name]
         first, second = run["epochs"]
@@ -58,11 +60,11 @@ def test_pools_on_two_cpus_never_starve_their_reads(two_cpu_runs):
     assert out["bounded"]["epochs"][0]["stages"] == ["ReadImages", "MapBatches(Crop)"]
 
 
-def test_cold_pool_of_one_to_two_constructs_at_most_two(two_cpu_runs):
+def test_cold_pool_of_one_to_two_constructs_at_most_two(one_ray_runs):
     """``concurrency=(1, 2)`` on 2 CPUs beside a read stage that reserves one: the pool's limit is
     exactly 1 (``reservations.pool_limit``: the room the read stage leaves), so its one actor is
     built once (counted by the class itself), never rebuilt nor lost, and is the only one."""
-    out = two_cpu_runs["cold"]
+    out = one_ray_runs["cold"]
     assert out["ids"]
     assert out["built"] == out["pool"]["created"] == out["pool"]["limit"] == 1, out
     assert out["pool"]["lost"] == 0, out
@@ -70,10 +72,10 @@ def test_cold_pool_of_one_to_two_constructs_at_most_two(two_cpu_runs):
     assert out["pool"]["construction_s"] >= 0.5 * out["built"] - 0.05  # Tagger sleeps 0.5 s to build
 
 
-def test_gpu_pool_holds_no_cpu_on_a_logical_gpu(tmp_path):
+def test_gpu_pool_holds_no_cpu_on_a_logical_gpu(one_ray_runs):
     """``ray.init(num_gpus=1)`` without a GPU: the GPU actor holds the GPU and no CPU, so the
     read stage keeps both CPUs; every row once."""
-    out = _run("gpu1", tmp_path)["gpu1"]
+    out = one_ray_runs["gpu1"]
     assert out["ids"]
     assert out["gpu_actor_cpus"] == [0.0]
     assert out["pool"]["created"] == 1 and out["pool"]["limit"] == 1 and out["built"] == 1

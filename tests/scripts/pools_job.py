@@ -8,7 +8,7 @@ Scenarios (each prints one JSON line):
   ``persistent_workers=True``).
 - ``cold``: a fresh 2-CPU Ray, 400 rows through ``map_batches(Tagger, concurrency=(1, 2))``.
 - ``gpu1``: one node with 2 CPUs and 1 logical GPU; a GPU pool (``num_gpus=1``) behind a
-  CPU read stage.
+  CPU read stage (run after ``starve`` and ``cold``, their Ray has the GPU too).
 - ``gpu2``: a ``ray.cluster_utils.Cluster`` with a CPU-only head node (the trainer's) and a
   node with 2 CPUs and 1 logical GPU.
 
@@ -191,8 +191,13 @@ def gpu2(work: str) -> dict:
 
 def main() -> None:
     """``SCENARIO[,SCENARIO...] WORKDIR``: scenarios that share a Ray's shape run in one process
-    (``starve,cold``: one fresh 2-CPU Ray instead of two), each printing its line."""
+    (``starve,cold,gpu1``: one fresh Ray of 2 CPUs and 1 logical GPU instead of three; no CPU
+    stage asks for the GPU), each printing its line."""
     scenarios, work = sys.argv[1].split(","), sys.argv[2]
+    if "gpu1" in scenarios:  # before the first scenario's init, which then finds this Ray
+        import sbloader
+
+        sbloader.init(num_cpus=2, num_gpus=1)
     for scenario in scenarios:
         sub = os.path.join(work, scenario)
         os.makedirs(sub, exist_ok=True)
