@@ -40,14 +40,19 @@ class Doubler:
         return {**batch, "x2": batch["x"] * 2}
 
 
-def epoch(monkeypatch, at, fn=noisy, window=None, state=None, stop=None):
-    """One epoch's batches (as lists) and the loader; ``at``: the forced handover (None: Ray only)."""
+def force_handover(monkeypatch, at):
+    """Every local start hands over at partition ``at`` of the plan (None: no local start, Ray only)."""
     if at is None:
         monkeypatch.delenv(local_start.HANDOVER_AT_ENV, raising=False)
         monkeypatch.setenv(local_start.LOCAL_START_ENV, "0")
     else:
         monkeypatch.setenv(local_start.HANDOVER_AT_ENV, str(at))
         monkeypatch.delenv(local_start.LOCAL_START_ENV, raising=False)
+
+
+def epoch(monkeypatch, at, fn=noisy, window=None, state=None, stop=None):
+    """One epoch's batches (as lists) and the loader; ``at``: the forced handover (None: Ray only)."""
+    force_handover(monkeypatch, at)
     ds = sbloader.from_items([{"x": i} for i in range(ROWS)], num_partitions=PARTS).map_batches(fn)
     loader = ds.to_dataloader(BATCH, shuffle=True, seed=5, deterministic=True, shuffle_window=window)
     if state is not None:
@@ -147,12 +152,7 @@ def test_a_fresh_process_starts_before_ray_and_cuts_the_ray_only_batches(tmp_pat
 
 def test_iter_batches_hands_over_as_the_loader_does(ray_session, monkeypatch):
     def batches(at):
-        if at is None:
-            monkeypatch.delenv(local_start.HANDOVER_AT_ENV, raising=False)
-            monkeypatch.setenv(local_start.LOCAL_START_ENV, "0")
-        else:
-            monkeypatch.setenv(local_start.HANDOVER_AT_ENV, str(at))
-            monkeypatch.delenv(local_start.LOCAL_START_ENV, raising=False)
+        force_handover(monkeypatch, at)
         ds = sbloader.from_items([{"x": i} for i in range(ROWS)], num_partitions=PARTS).map_batches(noisy)
         out = [[b["x"].tolist(), b["draw"].tolist()] for b in ds.iter_batches(BATCH, shuffle=True, seed=5,
                                                                              deterministic=True)]
