@@ -7,10 +7,22 @@ loader starts (the background Ray start, the pool's start ahead), so the local s
 (:mod:`~sbloader.loaders.local_start`, :mod:`~sbloader.loaders.native_start`) import
 what their workers will import before they fork them: the import then waits for that
 thread instead, and the child finds the module whole.
+
+Locks below Python are the same: a lock a thread holds at the fork (torch's, the C library's)
+stays held in the child. A worker forked while the pool's start ahead pickled the dataset (its
+tensors) waited forever in ``torch.set_num_threads(1)`` (CI, ``test_nested_tensors_go_through_the_workers``).
+:data:`FORK_LOCK` keeps this process's own forks of local workers and its background pickling of
+the dataset apart (:class:`ForkGate`).
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
+import threading
+from typing import Any, Iterator
+
+#: Held while local workers are forked, and while a background thread pickles the dataset for the pool.
+FORK_LOCK = threading.Lock()
 
 #: What a forked local worker imports: imported here before the fork (:func:`import_for_children`).
 CHILD_MODULES = ("torch.utils.data._utils.worker", "sbloader.core.batch_slice", "sbloader.core.context",
@@ -27,3 +39,48 @@ def import_for_children(extra: tuple = ()) -> None:
     """
     for name in CHILD_MODULES + tuple(extra):
         importlib.import_module(name)
+
+
+class ForkGate:
+    """Holds :data:`FORK_LOCK` from just before torch's iterator forks the local workers until it first
+    asks the sampler for an index (by then every worker is forked): the sampler may then wait for the
+    pool (a forced handover), whose start takes the lock, without a deadlock.
+
+    Wrap the workers' sampler with :meth:`wrap` and create their iterator inside :meth:`forking`.
+    """
+
+    def __init__(self) -> None:
+        self._held = False
+
+    def wrap(self, sampler: Any) -> "_Gated":
+        """``sampler``, opening the gate at its first use."""
+        return _Gated(sampler, self)
+
+    def open(self) -> None:
+        """Let background pickling go on (idempotent)."""
+        if self._held:
+            self._held = False
+            FORK_LOCK.release()
+
+    @contextlib.contextmanager
+    def forking(self, extra: tuple = ()) -> Iterator[None]:
+        """Fork the local workers inside this: the modules they import imported first, no background
+        pickling of the dataset under way until the sampler is first asked."""
+        import_for_children(extra)
+        FORK_LOCK.acquire()
+        self._held = True
+        try:
+            yield
+        finally:
+            self.open()
+
+
+class _Gated:
+    """A sampler that opens its :class:`ForkGate` when its iteration begins."""
+
+    def __init__(self, sampler: Any, gate: ForkGate) -> None:
+        self.sampler, self.gate = sampler, gate
+
+    def __iter__(self) -> Iterator[Any]:
+        self.gate.open()
+        yield from self.sampler

@@ -40,7 +40,7 @@ from sbloader.core.context import task_context
 from sbloader.core.stats import StallStats
 from sbloader.loaders.epoch import Delivery, EpochIterator
 from sbloader.loaders.failed_batch import WORKER_INIT_FN, FailedBatch
-from sbloader.loaders.fork_safe import import_for_children
+from sbloader.loaders.fork_safe import FORK_LOCK, ForkGate
 from sbloader.loaders.tensors import pin_batch
 
 LOCAL_START_ENV = "SBLOADER_LOCAL_START"  # 0: never start an epoch on local processes
@@ -243,7 +243,8 @@ def _prestart(s: Any, carry: Any, epoch_seed: int, handover: Handover, start: in
                 carry.held_cpus = 0.0
             return
         try:
-            op = s.worker_op(epoch_seed)
+            with FORK_LOCK:  # no local worker forked while the dataset is pickled here
+                op = s.worker_op(epoch_seed)
         except Exception as exc:  # the dataset (or collate_fn, worker_init_fn) cannot travel to the pool
             warnings.warn(f"sbloader: the epoch stays on local worker processes: the dataset, collate_fn or "
                           f"worker_init_fn cannot be pickled for the cluster's workers ({exc!r}); make them "
@@ -252,7 +253,7 @@ def _prestart(s: Any, carry: Any, epoch_seed: int, handover: Handover, start: in
             if not any(carry.warm_cache.values()) and not carry.actor_cache:
                 carry.held_cpus = 0.0  # no actor will be started: nothing is held
             return
-        with _PRESTART_LOCK:
+        with _PRESTART_LOCK, FORK_LOCK:
             if carry.dropped or carry.starts != start:
                 return
             if s.persistent_workers:
@@ -333,12 +334,11 @@ def torch_workers(s: Any, items: list, ids: list, epoch: int, epoch_seed: int, s
     import torch
     from torch.utils.data import DataLoader as TorchLoader
 
-    import_for_children()
     parts = _Partitions(s.dataset, s.collate_fn, s.auto_collation, items, ids, s.batches_per_partition, epoch,
                         epoch_seed)
     with warnings.catch_warnings():  # torch's too-many-workers warning was given at the loader's creation
         warnings.simplefilter("ignore", UserWarning)
-        return TorchLoader(parts, batch_size=None, sampler=sampler, num_workers=s.num_workers,
+        return TorchLoader(parts, batch_size=None, sampler=ForkGate().wrap(sampler), num_workers=s.num_workers,
                            collate_fn=_identity,  # ``timeout``: the epoch's, counted once the workers are up
                            worker_init_fn=_WorkerInit(s.dataset, epoch_seed, s.worker_init_fn),
                            multiprocessing_context=s.multiprocessing_context,
@@ -350,9 +350,9 @@ def deliveries(s: Any, local: Any, phase: dict, record: Any) -> Iterator[Deliver
     """The batches of :func:`torch_workers`' loader ``local``, in order, each with ``record(j)`` (``j``: its
     position among ``items``); ``phase["up"]`` is set once the workers made their first partition."""
     bpp = s.batches_per_partition
-    with warnings.catch_warnings():  # torch's too-many-workers warning was given at the loader's creation
+    with warnings.catch_warnings(), local.sampler.gate.forking():  # torch's too-many-workers warning: given
         warnings.simplefilter("ignore", UserWarning)
-        it = iter(local)
+        it = iter(local)  # forks the workers
     while True:
         try:
             p, batches = next(it)

@@ -40,7 +40,7 @@ from sbloader.core.block import Block, BlockMeta
 from sbloader.core.plan import EpochPlan
 from sbloader.core.stats import ExecutionStats, OperatorStats
 from sbloader.loaders import local_start
-from sbloader.loaders.fork_safe import import_for_children
+from sbloader.loaders.fork_safe import ForkGate
 
 LOCAL_NODE = "local"  # BlockMeta.node_id of a block made on a local worker process
 MAX_LOCAL_WORKERS = 4
@@ -188,17 +188,17 @@ class PhasedExecution:
         from sbloader.executor.stages import build_stages
 
         self.plan, self._start, self._on_started = plan, start_rest, on_started
-        import_for_children(("sbloader.core.errors", "sbloader.executor.tasks"))
         self.consumer_pace = _Pace()
         self._stats = ExecutionStats(operators=[OperatorStats(s.name) for s in build_stages(
             pipeline.source.name, list(pipeline.ops))], memory_budget=budget)
         self._executor: Any = None
         self._handout = _Handout(list(plan.order), local_start.forced_handover())
         loader = DataLoader(_Partitions(pipeline.source, tuple(pipeline.ops), plan), batch_size=None,
-                            sampler=self._handout, num_workers=local_workers(), collate_fn=_identity,
+                            sampler=ForkGate().wrap(self._handout), num_workers=local_workers(), collate_fn=_identity,
                             multiprocessing_context="fork",
                             generator=torch.Generator().manual_seed(plan.epoch_seed % 2**63))  # the trainer's RNG untouched
-        self._local: Any = iter(loader)  # forks the workers and hands out the first partitions
+        with loader.sampler.gate.forking(("sbloader.core.errors", "sbloader.executor.tasks")):
+            self._local: Any = iter(loader)  # forks the workers and hands out the first partitions
 
     def _start_rest(self) -> None:
         at = self._handout.stopped_at
