@@ -9,6 +9,11 @@ import os as _os
 # given: a driver joining a real cluster must find its own address).
 if not _os.environ.get("RAY_ADDRESS"):
     _os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# A child forked from this process (a torch worker, a local worker) lets go of Ray: the Ray
+# objects it inherited must not call into the parent's core worker (see fork_child).
+from sbloader.runtime import fork_child as _fork_child  # noqa: E402
+
+_fork_child.install()
 # Public names resolve on first use (PEP 562): ``import sbloader`` imports none of Ray,
 # pyarrow or the executor, so it costs about what ``import torch`` does; ``DataLoader``
 # imports Ray only when an epoch needs it (in the background, see ``docs/architecture.md``).

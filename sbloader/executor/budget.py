@@ -23,9 +23,9 @@ DEFAULT_STORE_SHARE = 0.25
 
 def default_budget() -> int:
     """The default memory budget: :data:`DEFAULT_STORE_SHARE` of the cluster's object store."""
-    import ray
+    from sbloader.runtime import cluster_state
 
-    return int(ray.cluster_resources().get("object_store_memory", 2 * 2**30) * DEFAULT_STORE_SHARE)
+    return int(cluster_state.total_resources().get("object_store_memory", 2 * 2**30) * DEFAULT_STORE_SHARE)
 
 
 class MemoryBudget:

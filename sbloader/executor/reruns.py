@@ -85,7 +85,7 @@ class Reruns:
         joined: the caller may launch more work.
 
         Args:
-            nodes: ``ray.nodes()`` (asked here when None).
+            nodes: the cluster's nodes as ``ray.nodes()`` gives them (asked of :mod:`~sbloader.runtime.cluster_state` when None).
         """
         now = time.monotonic() if now is None else now
         if now - self._polled < NODE_POLL_S:
@@ -93,9 +93,9 @@ class Reruns:
         self._polled = now
         try:
             if nodes is None:
-                import ray
+                from sbloader.runtime import cluster_state
 
-                nodes = ray.nodes()
+                nodes = [{"NodeID": n.node_id, "Alive": n.alive} for n in cluster_state.nodes()]
         except Exception:  # the GCS is busy: next time
             return False
         alive = {n["NodeID"] for n in nodes if n.get("Alive")}

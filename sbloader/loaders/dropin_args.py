@@ -195,9 +195,9 @@ def available_cpus() -> Optional[float]:
     import os
 
     if ray_is_up():
-        import ray
+        from sbloader.runtime import cluster_state
 
-        return float(ray.cluster_resources().get("CPU", 0.0))
+        return cluster_state.cpus()
     if os.environ.get("RAY_ADDRESS"):
         return None
     try:
@@ -242,9 +242,9 @@ def free_cpus(held_here: float = 0.0) -> Optional[float]:
     (anywhere, the trainer's node included)."""
     if not ray_is_up():
         return None
-    import ray
+    from sbloader.runtime import cluster_state
 
-    return max(0.0, float(ray.cluster_resources().get("CPU", 0.0)) - held_here)
+    return max(0.0, cluster_state.cpus() - held_here)
 
 
 def warn_excess_workers(num_workers: int, worker_num_cpus: float) -> None:

@@ -7,7 +7,6 @@ node rather than not run at all.
 """
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence
 
@@ -50,10 +49,9 @@ def excluded_nodes(nodes: Iterable[NodeInfo], trainer_nodes: Iterable[str], allo
 
 def cluster_nodes() -> list[NodeInfo]:
     """The live cluster's nodes (needs Ray)."""
-    import ray
+    from sbloader.runtime import cluster_state
 
-    return [NodeInfo(n["NodeID"], float(n.get("Resources", {}).get("CPU", 0.0)), bool(n.get("Alive")))
-            for n in ray.nodes()]
+    return [NodeInfo(n.node_id, float(n.resources.get("CPU", 0.0)), n.alive) for n in cluster_state.nodes()]
 
 
 def scheduling_strategy(exclude: Iterable[str]) -> Optional[Any]:
@@ -74,26 +72,8 @@ def exclusions_here(allow_trainer_nodes: bool) -> tuple:
     return tuple(sorted(excluded_nodes(cluster_nodes(), [here], allow_trainer_nodes)))
 
 
-def sum_resources(per_node: dict, exclude: Sequence[str] = ()) -> dict:
-    """Resources summed over the nodes of ``per_node`` (node id -> resources) not in ``exclude``."""
-    out: dict = defaultdict(float)
-    for node, res in per_node.items():
-        if node not in exclude:
-            for k, v in res.items():
-                out[k] += float(v)
-    return dict(out)
-
-
 def usable_resources(exclude: Sequence[str]) -> tuple[dict, dict]:
     """(free, total) resources of the nodes the pipeline may use (all but ``exclude``)."""
-    if exclude:
-        try:
-            from ray._private import state
+    from sbloader.runtime import cluster_state
 
-            return (sum_resources(state.available_resources_per_node(), exclude),
-                    sum_resources(state.total_resources_per_node(), exclude))
-        except Exception:  # an internal API moved: count the whole cluster
-            pass
-    import ray
-
-    return ray.available_resources(), ray.cluster_resources()
+    return cluster_state.available_resources(exclude), cluster_state.total_resources(exclude)

@@ -312,6 +312,6 @@ def ensure_initialized() -> RuntimeInfo:
 
 def cluster_cpus() -> float:
     """Logical CPUs of the whole cluster (at least 1)."""
-    import ray
+    from sbloader.runtime import cluster_state
 
-    return max(1.0, float(ray.cluster_resources().get("CPU", 1.0)))
+    return max(1.0, cluster_state.cpus())

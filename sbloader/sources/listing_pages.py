@@ -137,7 +137,9 @@ def _one_node() -> bool:
     or a Ray of one node."""
     import ray
 
-    return not ray.is_initialized() or len([n for n in ray.nodes() if n.get("Alive")]) <= 1
+    from sbloader.runtime import cluster_state
+
+    return not ray.is_initialized() or len(cluster_state.alive_nodes()) <= 1
 
 
 def listing_prefetch(filesystem: Any, cache: Any, max_in_flight: int) -> Optional[Callable[[Sequence[Any]], None]]:

@@ -309,7 +309,9 @@ def test_pool_never_retires_while_input_is_coming(ray_session, tmp_path, monkeyp
 
 
 def test_pool_that_cannot_fit_says_so_before_it_starts(ray_session):
-    gpus = ray.cluster_resources().get("GPU", 0)
+    from sbloader.runtime import cluster_state
+
+    gpus = cluster_state.total_resources().get("GPU", 0)
     ds = sbloader.range(10).map_batches(_Tagger, num_gpus=gpus + 1, fn_constructor_kwargs={"log": "/dev/null",
                                                                                          "delay": 0})
     with pytest.raises(sbloader.ResourceError, match=r"MapBatches\(_Tagger\) needs GPU=.*its pool's minimum"):
@@ -365,7 +367,7 @@ def test_stuck_message_names_the_stage_and_the_missing_resource():
 
 def test_stuck_message_counts_only_the_nodes_the_pipeline_may_use():
     from sbloader.executor.diagnostics import stuck_message
-    from sbloader.runtime.placement import sum_resources
+    from sbloader.runtime.cluster_state import sum_resources
 
     per_node = {"trainer": {"CPU": 6.0, "GPU": 1.0}, "cpu-a": {"CPU": 0.0}, "cpu-b": {"CPU": 0.0}}
     totals = {"trainer": {"CPU": 8.0, "GPU": 1.0}, "cpu-a": {"CPU": 4.0}, "cpu-b": {"CPU": 4.0}}
@@ -765,3 +767,5 @@ def test_usable_resources_leave_out_the_excluded_nodes(ray_session):
     _, without_here = usable_resources((here,))
     assert everything["CPU"] == others["CPU"] == ray.cluster_resources()["CPU"] > 0
     assert without_here.get("CPU", 0.0) == 0.0  # the session's only node left out
+    free, _ = usable_resources(())
+    assert set(free) <= set(everything) and 0 <= free["CPU"] <= everything["CPU"]

@@ -1,0 +1,52 @@
+"""The cluster's state asked with a deadline: the last answer stands when the GCS is slow,
+and with none the error says what to check."""
+import pytest
+
+from sbloader.runtime import cluster_state
+
+
+class _Info:
+    def __init__(self, node: bytes, state: int, cpus: float) -> None:
+        self.node_id, self.state = node, state
+        self.node_manager_address = "127.0.0.1"
+        self.resources_total = {"CPU": cpus, "memory": 10.0}
+
+
+class _Client:
+    def __init__(self) -> None:
+        self.fail = False
+        self.timeouts: list = []
+
+    def get_all_node_info(self, timeout=None):
+        self.timeouts.append(timeout)
+        if self.fail:
+            raise TimeoutError("deadline exceeded")
+        return {1: _Info(b"\x01", 0, 2.0), 2: _Info(b"\x02", 0, 4.0), 3: _Info(b"\x03", 1, 8.0)}
+
+
+@pytest.fixture
+def client(monkeypatch):
+    fake = _Client()
+    monkeypatch.setattr(cluster_state, "_client", lambda: fake)
+    monkeypatch.setattr(cluster_state, "_LAST", {})
+    return fake
+
+
+def test_live_nodes_only_and_every_call_has_a_deadline(client):
+    assert [(n.node_id, n.alive) for n in cluster_state.nodes()] == [("01", True), ("02", True), ("03", False)]
+    assert cluster_state.cpus() == 6.0  # the dead node's 8 are not counted
+    assert cluster_state.total_resources(exclude=("01",)) == {"CPU": 4.0, "memory": 10.0}
+    assert client.timeouts and all(t == cluster_state.CALL_TIMEOUT_S for t in client.timeouts)
+
+
+def test_a_gcs_that_does_not_answer_leaves_the_last_answer(client):
+    assert cluster_state.cpus() == 6.0
+    client.fail, client.timeouts = True, []
+    assert cluster_state.cpus() == 6.0
+    assert len(client.timeouts) == 2  # asked twice, then the last answer
+
+
+def test_no_answer_ever_is_a_clear_error(client):
+    client.fail = True
+    with pytest.raises(cluster_state.ClusterStateError, match=r"did not answer 'nodes'.*ray status"):
+        cluster_state.cpus()
