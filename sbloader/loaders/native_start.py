@@ -90,7 +90,8 @@ def enabled(pipeline: Any, allowed: bool, keeps_actors: bool) -> bool:
 
 
 class _Partitions:
-    """What the local workers index: partition id -> ``(block, meta)``, or the exception that made it fail."""
+    """What the local workers index: partition id -> ``(block, meta, sizes)`` (``sizes``: each stage's
+    output rows and bytes, as the executor counts them), or ``(None, the exception that made it fail, ())``."""
 
     def __init__(self, source: Any, ops: tuple, plan: EpochPlan) -> None:
         from sbloader.executor.stages import build_stages
@@ -98,14 +99,16 @@ class _Partitions:
         self.reader, self.shared = source.reader(), source.shared()
         self.parts = {p.id: p for p in source.partitions(plan.epoch, plan.epoch_seed, shuffle=plan.shuffle)}
         self.seq = {pid: j for j, pid in enumerate(plan.order)}
-        self.ops, self.plan = ops, plan
-        self.name = build_stages(source.name, list(ops))[0].name
+        self.plan = plan
+        stages = build_stages(source.name, list(ops))
+        self.stage_ops, self.name = [s.ops for s in stages], stages[0].name
 
     def __len__(self) -> int:
         return len(self.plan.order)
 
     def __getitem__(self, pid: int) -> tuple:
         from sbloader.core.errors import SbloaderError, picklable
+        from sbloader.core.block import block_nbytes, num_rows
         from sbloader.executor.tasks import EpochInfo, apply_ops, make_meta, read_partition
 
         try:
@@ -113,10 +116,15 @@ class _Partitions:
             info = EpochInfo(self.plan.epoch, self.plan.epoch_seed, self.plan.shuffle)
             counters: dict = {}
             block, counts = read_partition((self.reader, self.shared), self.parts[pid], info, self.name, counters)
-            block, counts2 = apply_ops(self.ops, block, info, pid)
-            return block, make_meta(block, info, pid, self.seq[pid], t0, counts + counts2, counters, LOCAL_NODE)
+            sizes = []
+            for ops in self.stage_ops:  # stage by stage: what each stage put out is counted for it
+                block, more = apply_ops(ops, block, info, pid)
+                counts = counts + more
+                sizes.append((num_rows(block), block_nbytes(block)))
+            meta = make_meta(block, info, pid, self.seq[pid], t0, counts, counters, LOCAL_NODE)
+            return block, meta, tuple(sizes)
         except Exception as e:  # raised in the loop as a Ray task's error is (the same type)
-            return None, e if picklable(e) is e else SbloaderError(f"{type(e).__name__}: {e}")
+            return None, e if picklable(e) is e else SbloaderError(f"{type(e).__name__}: {e}"), ()
 
 
 class _Handout:
@@ -217,7 +225,7 @@ class PhasedExecution:
         """The next block: a local one while any is left, then the executor's; None at the end."""
         while self._local is not None:
             try:
-                block, got = next(self._local)
+                block, got, sizes = next(self._local)
             except StopIteration:
                 self._end_local()
                 break
@@ -225,7 +233,7 @@ class PhasedExecution:
                 self._start_rest()
             if block is None:
                 raise got
-            self._count(got)
+            self._count(sizes)
             return _LocalItem(block, got)
         if self._executor is None:
             if self._handout.stopped_at is None:
@@ -233,10 +241,10 @@ class PhasedExecution:
             self._start_rest()
         return self._executor.get_next()
 
-    def _count(self, meta: BlockMeta) -> None:
+    def _count(self, sizes: tuple) -> None:
         self._stats.local_partitions += 1
-        for op in self._stats.operators:
-            op.rows, op.blocks, op.bytes = op.rows + meta.num_rows, op.blocks + 1, op.bytes + meta.nbytes
+        for op, (rows, nbytes) in zip(self._stats.operators, sizes):
+            op.rows, op.blocks, op.bytes = op.rows + rows, op.blocks + 1, op.bytes + nbytes
 
     def fetch(self, item: Any) -> Block:
         """The block of an item from :meth:`get_next`."""

@@ -164,3 +164,32 @@ def test_iter_batches_hands_over_as_the_loader_does(ray_session, monkeypatch):
         got, stats = batches(at)
         assert got == reference, at
         assert stats.local_partitions == at and stats.operators[-1].rows == ROWS
+
+
+def evens(batch: dict) -> dict:
+    keep = batch["x"] % 2 == 0
+    return {k: v[keep] for k, v in batch.items()}
+
+
+def first_half(batch: dict) -> dict:
+    keep = batch["x"] < ROWS // 2
+    return {k: v[keep] for k, v in noisy(batch).items()}
+
+
+def test_each_stage_counts_its_own_output_rows_on_local_workers(ray_session, monkeypatch):
+    """A stage that drops rows before another stage: the local start counts each stage's output
+    as the executor does (its rows, not the last stage's)."""
+    def run(at):
+        force_handover(monkeypatch, at)
+        ds = sbloader.from_items([{"x": i} for i in range(ROWS)], num_partitions=PARTS).map_batches(evens) \
+            .map_batches(first_half, num_cpus=0.5)  # other resources: a stage of its own
+        loader = ds.to_dataloader(BATCH, shuffle=True, seed=5, deterministic=True)
+        xs = sorted(x for b in loader for x in b["x"].tolist())
+        return xs, loader.stats()
+
+    ref_xs, ref = run(None)
+    got_xs, got = run(3)
+    assert ref_xs == got_xs == list(range(0, ROWS // 2, 2))
+    assert len(ref.operators) == len(got.operators) == 2 and got.local_partitions == 3
+    assert [op.rows for op in got.operators] == [op.rows for op in ref.operators] == [ROWS // 2, ROWS // 4]
+    assert [op.blocks for op in got.operators] == [op.blocks for op in ref.operators] == [PARTS, PARTS]
