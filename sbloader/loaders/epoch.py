@@ -209,9 +209,13 @@ class EpochIterator:
                 if not self._started():
                     waited = now - self._t0_mono
                     if self._start_timeout is not None and waited > self._start_timeout:
+                        from sbloader.runtime.cluster_state import cpu_summary
+
+                        now_free = cpu_summary()
                         raise WorkerStartError(
                             f"the DataLoader's workers did not start within {self._start_timeout:g} s (start_timeout): "
-                            "their actors are still being placed or constructed. Check that the cluster has the "
+                            f"their actors are still being placed or constructed{' (' + now_free + ')' if now_free else ''}"
+                            ". Check that the cluster has the "
                             "CPUs (and resources) num_workers * worker_num_cpus asks for and that "
                             "worker_init_fn and the dataset's unpickling finish; raise start_timeout if start-up "
                             "is just slow") from None

@@ -110,3 +110,16 @@ def available_resources(exclude: Sequence[str] = ()) -> dict:
 def cpus(exclude: Sequence[str] = ()) -> float:
     """The live nodes' CPUs (all but ``exclude``)."""
     return float(total_resources(exclude).get("CPU", 0.0))
+
+
+def cpu_summary() -> str:
+    """``"the cluster has N CPUs, M free now"`` for an error message; empty when Ray is not up or the
+    GCS does not answer (never raises)."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return ""
+        return f"the cluster has {cpus():g} CPUs, {available_resources().get('CPU', 0.0):g} free now"
+    except Exception:
+        return ""

@@ -12,10 +12,24 @@ class _Info:
         self.resources_total = {"CPU": cpus, "memory": 10.0}
 
 
+class _Usage:
+    def __init__(self, node: bytes, cpus: float) -> None:
+        self.node_id, self.resources_available = node, {"CPU": cpus}
+
+
+class _Reply:
+    def __init__(self, batch: list) -> None:
+        self.resource_usage_data = type("Data", (), {"batch": batch})()
+
+
 class _Client:
     def __init__(self) -> None:
         self.fail = False
         self.timeouts: list = []
+
+    def get_all_resource_usage(self, timeout=None):
+        self.timeouts.append(timeout)
+        return _Reply([_Usage(b"\x01", 1.0), _Usage(b"\x02", 0.5), _Usage(b"\x03", 8.0)])
 
     def get_all_node_info(self, timeout=None):
         self.timeouts.append(timeout)
@@ -50,3 +64,15 @@ def test_no_answer_ever_is_a_clear_error(client):
     client.fail = True
     with pytest.raises(cluster_state.ClusterStateError, match=r"did not answer 'nodes'.*ray status"):
         cluster_state.cpus()
+
+
+def test_free_cpus_of_live_nodes_and_the_summary_for_an_error(client, monkeypatch):
+    import ray
+
+    assert cluster_state.available_resources() == {"CPU": 1.5}  # the dead node's 8 free are not counted
+    assert cluster_state.available_resources(exclude=("02",)) == {"CPU": 1.0}
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    assert cluster_state.cpu_summary() == "the cluster has 6 CPUs, 1.5 free now"
+    client.fail = True
+    monkeypatch.setattr(cluster_state, "_LAST", {})
+    assert cluster_state.cpu_summary() == ""  # never raises into the error it explains
