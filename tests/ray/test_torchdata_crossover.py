@@ -15,12 +15,10 @@ import json
 import pytest
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
+from torchdata.stateful_dataloader import StatefulDataLoader  # the test extra (torchdata>=0.11)
 
 import sbloader
 from sbloader.core.errors import StateDictError
-
-td = pytest.importorskip("torchdata.stateful_dataloader", reason="torchdata>=0.11 (the test extra) is not installed")
-StatefulDataLoader = td.StatefulDataLoader
 
 N, BS = 50, 4
 SIZES = [23, 17]  # per worker (an IterableDataset's shards); one shard of 40 with no workers
