@@ -54,7 +54,8 @@ def loader_state(dl: Any) -> dict:
         run = dl._run
         body = run.state() if run is not None else {"epoch": dl._epoch, "epoch_seed": None, "shards": {}}
         return _with_view(dl, {**header, "epoch": body["epoch"], "consumed": [], "iterable": body,
-                               "generator": dropin_state.encode_generator(dl.generator)})
+                               "generator": dropin_state.encode_generator(dl.generator),
+                               "base_seed": dl._base_seed})  # persistent workers' (later epochs' seeds)
     run = dl._run
     consumed: ledger.Ranges = []
     if run is not None and not run.complete:  # every rank's first k batches, k this rank's count
@@ -63,6 +64,8 @@ def loader_state(dl: Any) -> dict:
     header.update(base_seed=dl._base_seed, world_size=dl.world.world_size,
                   # the user's generator after the epoch's draws: a resumed job continues its sequence
                   generator=dropin_state.encode_generator(gen))
+    if _own_generator(dl, gen) is not None:  # the loader's, which draws the epoch seeds: the same
+        header["loader_generator"] = dropin_state.encode_generator(dl.generator)
     if run is not None and not run.complete and ledger.count(consumed) >= len(run.order) - _tail(dl, run):
         # after the epoch's last batch, inside the loop: an empty remainder, then the next epoch
         state = {**header, "epoch": int(run.epoch), "epoch_seed": None, "order": None, "consumed": [],
@@ -79,6 +82,12 @@ def loader_state(dl: Any) -> dict:
 def _with_view(dl: Any, state: dict) -> dict:
     """``state`` with StatefulDataLoader's layout beside sbloader's keys (which win)."""
     return {**torchdata_state.torchdata_view(state, dl.num_workers), **state}
+
+
+def _own_generator(dl: Any, sampler_generator: Any) -> Any:
+    """The loader's ``generator`` where it is not the sampler's (it draws the epoch seeds, so a
+    resumed epoch's batches run under the seeds of the uninterrupted run's); None otherwise."""
+    return dl.generator if dl.generator is not None and dl.generator is not sampler_generator else None
 
 
 def _tail(dl: Any, run: Any) -> int:
@@ -101,9 +110,12 @@ def load_loader_state(dl: Any, state_dict: dict, strict: bool) -> None:
             raise StateDictError(f"the state is not of an IterableDataset's loader: found keys {sorted(state)}, "
                                  "expected 'iterable'")
         dropin_state.restore_generator(dl.generator, state.get("generator"))
+        if state.get("base_seed") is not None:
+            dl._base_seed = int(state["base_seed"])
     else:
         gen = dropin_state.user_generator(dl.sampler, dl._seeded_sampler)
         dropin_state.restore_generator(gen, state.get("generator"))
+        dropin_state.restore_generator(_own_generator(dl, gen), state.get("loader_generator"))
         if state.get("base_seed") is not None:
             dl._base_seed = int(state["base_seed"])
         if state.get("dataset_state") is not None and _user_stateful(dl.dataset):
