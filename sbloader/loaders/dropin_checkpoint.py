@@ -11,7 +11,10 @@ torchdata's ``StatefulDataLoader`` contract, kept by :class:`~sbloader.loaders.d
   trainer holds it: every epoch's workers get a copy of it);
 - a state taken after the last batch of an epoch, inside the loop, resumes an empty
   remainder of that epoch, then the next epoch; one taken after the loop ended
-  resumes the next epoch.
+  resumes the next epoch;
+- checkpoints cross over (:mod:`~sbloader.loaders.torchdata_state`): a state carries
+  StatefulDataLoader's layout beside sbloader's ledger, and a state written by
+  torchdata's ``StatefulDataLoader`` loads here.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from typing import Any
 
 from sbloader.core import ledger
 from sbloader.core.errors import StateDictError
-from sbloader.loaders import dropin_state
+from sbloader.loaders import dropin_state, torchdata_state
 from sbloader.loaders.iterable_resume import IterableRun, is_stateful, run_from_state
 
 _TORCH_SAMPLERS = ("RandomSampler", "SequentialSampler", "DistributedSampler", "SubsetRandomSampler")
@@ -45,13 +48,14 @@ def loader_state(dl: Any) -> dict:
             "(batch_size=... or None); a custom batch_sampler cannot be replayed"
         )
     if dl._resume is not None and dl._run is None:
-        return dict(dl._resume)  # loaded, not iterated yet: the same state again
+        return _with_view(dl, dict(dl._resume))  # loaded, not iterated yet: the same state again
     header = dropin_state.FORMAT.header(fingerprint(dl))
     if dl._iterable:
         run = dl._run
         body = run.state() if run is not None else {"epoch": dl._epoch, "epoch_seed": None, "shards": {}}
-        return {**header, "epoch": body["epoch"], "consumed": [], "iterable": body,
-                "generator": dropin_state.encode_generator(dl.generator)}
+        return _with_view(dl, {**header, "epoch": body["epoch"], "consumed": [], "iterable": body,
+                               "generator": dropin_state.encode_generator(dl.generator),
+                               "base_seed": dl._base_seed})  # persistent workers' (later epochs' seeds)
     run = dl._run
     consumed: ledger.Ranges = []
     if run is not None and not run.complete:  # every rank's first k batches, k this rank's count
@@ -60,6 +64,8 @@ def loader_state(dl: Any) -> dict:
     header.update(base_seed=dl._base_seed, world_size=dl.world.world_size,
                   # the user's generator after the epoch's draws: a resumed job continues its sequence
                   generator=dropin_state.encode_generator(gen))
+    if _own_generator(dl, gen) is not None:  # the loader's, which draws the epoch seeds: the same
+        header["loader_generator"] = dropin_state.encode_generator(dl.generator)
     if run is not None and not run.complete and ledger.count(consumed) >= len(run.order) - _tail(dl, run):
         # after the epoch's last batch, inside the loop: an empty remainder, then the next epoch
         state = {**header, "epoch": int(run.epoch), "epoch_seed": None, "order": None, "consumed": [],
@@ -70,7 +76,18 @@ def loader_state(dl: Any) -> dict:
         state["dataset_state"] = dl.dataset.state_dict()
     if _user_stateful(dl.sampler):
         state["sampler_state"] = run.sampler_state if run is not None else dl.sampler.state_dict()
-    return state
+    return _with_view(dl, state)
+
+
+def _with_view(dl: Any, state: dict) -> dict:
+    """``state`` with StatefulDataLoader's layout beside sbloader's keys (which win)."""
+    return {**torchdata_state.torchdata_view(state, dl.num_workers), **state}
+
+
+def _own_generator(dl: Any, sampler_generator: Any) -> Any:
+    """The loader's ``generator`` where it is not the sampler's (it draws the epoch seeds, so a
+    resumed epoch's batches run under the seeds of the uninterrupted run's); None otherwise."""
+    return dl.generator if dl.generator is not None and dl.generator is not sampler_generator else None
 
 
 def _tail(dl: Any, run: Any) -> int:
@@ -85,15 +102,20 @@ def load_loader_state(dl: Any, state_dict: dict, strict: bool) -> None:
     if not dl._stateful:
         raise StateDictError("load_state_dict() needs an IterableDataset or a map-style dataset batched by the "
                              "loader itself")
+    if torchdata_state.is_torchdata_state(state_dict):
+        state_dict = from_torchdata(dl, state_dict)
     state = dropin_state.FORMAT.check(state_dict, fingerprint(dl), strict)
     if dl._iterable:
         if not isinstance(state.get("iterable"), dict):
             raise StateDictError(f"the state is not of an IterableDataset's loader: found keys {sorted(state)}, "
                                  "expected 'iterable'")
         dropin_state.restore_generator(dl.generator, state.get("generator"))
+        if state.get("base_seed") is not None:
+            dl._base_seed = int(state["base_seed"])
     else:
         gen = dropin_state.user_generator(dl.sampler, dl._seeded_sampler)
         dropin_state.restore_generator(gen, state.get("generator"))
+        dropin_state.restore_generator(_own_generator(dl, gen), state.get("loader_generator"))
         if state.get("base_seed") is not None:
             dl._base_seed = int(state["base_seed"])
         if state.get("dataset_state") is not None and _user_stateful(dl.dataset):
@@ -103,6 +125,39 @@ def load_loader_state(dl: Any, state_dict: dict, strict: bool) -> None:
     dl._resume = dict(state)
     dl._run = None
     dl._epoch = int(state["epoch"])
+
+
+def from_torchdata(dl: Any, td: dict) -> dict:
+    """The sbloader state that resumes ``td``, a state of torchdata's ``StatefulDataLoader``
+    over the same dataset and ``num_workers`` (:mod:`~sbloader.loaders.torchdata_state`)."""
+    shape = torchdata_state.LoaderShape(dl.num_workers, dl.batch_size, None if dl._iterable else len(dl.dataset),
+                                        dl.drop_last, type(dl.sampler).__name__)
+    header = dropin_state.FORMAT.header(fingerprint(dl))
+    if dl._iterable:
+        body = torchdata_state.iterable_body(td, shape, dl._epoch)
+        return {**header, "epoch": body["epoch"], "consumed": [], "iterable": body, "generator": None}
+    epoch = dl._epoch
+    _, seed = dl._next_epoch()
+    dl._epoch = epoch
+    body = torchdata_state.map_body(td, shape, epoch, seed)
+    gen = dropin_state.user_generator(dl.sampler, dl._seeded_sampler)
+    order = torchdata_state.sampler_order(torchdata_state.progress(td).main, shape.sampler) \
+        if gen is not None else None
+    return {**header, **body, "base_seed": dl._base_seed, "world_size": dl.world.world_size,
+            "generator": _generator_after(order, len(dl.dataset)) if order else None}
+
+
+def _generator_after(order: dict, n: int) -> str:
+    """The text of a generator that drew the epoch ``order`` describes (a RandomSampler's), as
+    an uninterrupted epoch of this loader leaves the user's generator."""
+    import torch
+    from torch.utils.data import RandomSampler
+
+    gen = torch.Generator()
+    dropin_state.restore_generator(gen, order["state"])
+    for _ in RandomSampler(range(n), generator=gen):
+        pass
+    return dropin_state.encode_generator(gen)
 
 
 def start_iterable_run(dl: Any) -> IterableRun:
