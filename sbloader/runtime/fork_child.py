@@ -26,10 +26,7 @@ _DROPPED = ("core_worker", "gcs_client")
 
 def forget_ray() -> bool:
     """In a forked child: drop the inherited core worker and GCS client. True when there were some."""
-    ray = sys.modules.get("ray")
-    private = getattr(ray, "_private", None) if ray is not None else None
-    worker_module = getattr(private, "worker", None) if private is not None else None
-    worker = getattr(worker_module, "global_worker", None) if worker_module is not None else None
+    worker = getattr(sys.modules.get("ray._private.worker"), "global_worker", None)  # Ray not imported: None
     if worker is None:
         return False
     dropped = False
