@@ -10,7 +10,7 @@ Two pure translations, so a run can switch loaders mid-training:
   looks into the state); the sampler's own iterator state is not in it
   (``_sampler_iter_state`` is None: the order is in sbloader's ``order``), so the
   state stays JSON-serialisable.
-- :func:`sbloader_state`: a state written by torchdata's ``StatefulDataLoader`` as
+- :func:`map_body` / :func:`iterable_body`: a state written by torchdata's ``StatefulDataLoader`` as
   the body of an sbloader state (the caller adds the header): map-style, the batches
   the loop took become consumed positions of the order, the order recomputed from the
   ``RandomSampler``'s generator state; an ``IterableDataset``, each ``worker_N``'s
