@@ -235,16 +235,17 @@ def fitted_worker_cpus(num_workers: int, worker_num_cpus: float, cpus: Optional[
 
 def free_cpus(held_here: float = 0.0) -> Optional[float]:
     """CPUs of the Ray cluster less ``held_here`` (what this process's other live loaders' workers
-    asked for: a loader kept alive by a traceback keeps its actors); None before Ray is up.
+    asked for: a loader kept alive by a traceback keeps its actors). Before Ray is up, this machine's
+    CPUs (what the embedded Ray will have) less the same: a loader whose epoch started locally holds
+    its pool's CPUs already, and a second loader built meanwhile must not ask for them too (its pool
+    would wait for good: CI, test_a_script_prints_nothing_at_exit); None when a cluster is named but
+    not joined yet.
 
     Not Ray's momentary ``available_resources()``: the tasks and actors of a pipeline that just
     ended still show there for a moment, and a share of 0 would let the workers run unreserved
     (anywhere, the trainer's node included)."""
-    if not ray_is_up():
-        return None
-    from sbloader.runtime import cluster_state
-
-    return max(0.0, cluster_state.cpus() - held_here)
+    cpus = available_cpus()
+    return None if cpus is None else max(0.0, cpus - held_here)
 
 
 def warn_excess_workers(num_workers: int, worker_num_cpus: float) -> None:

@@ -76,3 +76,20 @@ def test_free_cpus_of_live_nodes_and_the_summary_for_an_error(client, monkeypatc
     client.fail = True
     monkeypatch.setattr(cluster_state, "_LAST", {})
     assert cluster_state.cpu_summary() == ""  # never raises into the error it explains
+
+
+def test_cpus_held_by_a_loader_count_before_ray_is_up(monkeypatch):
+    """A loader whose epoch started on local workers holds its pool's CPUs before Ray is up: a second
+    loader built meanwhile shares what is left (its pool would wait for good for CPUs the first one's
+    actors take), and a named cluster not joined yet is unknown."""
+    import os
+
+    from sbloader.loaders import dropin_args
+
+    monkeypatch.setattr(dropin_args, "ray_is_up", lambda: False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert dropin_args.free_cpus(2.0) == 0.0 and dropin_args.free_cpus(0.5) == 1.5
+    assert dropin_args.fitted_worker_cpus(2, 1.0, dropin_args.available_cpus(), dropin_args.free_cpus(2.0)) == 0.0
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
+    assert dropin_args.free_cpus(2.0) is None
