@@ -226,8 +226,8 @@ _PRESTART_LOCK = threading.Lock()
 def _prestart(s: Any, carry: Any, epoch_seed: int, handover: Handover, start: int) -> None:
     """In the background: Ray up (started at the loader's construction), then the pool's actors
     started ahead (the loader's warm ones rebuilt, or new ones) for the handover. An epoch that
-    ended first (shorter than Ray's start) starts none; a newer epoch's start (``carry.starts``
-    past ``start``) takes over instead."""
+    ended first (shorter than Ray's start) leaves them warm for the next epoch; a newer epoch's
+    start (``carry.starts`` past ``start``) takes over instead."""
     try:
         from sbloader.loaders import warm_workers
         from sbloader.loaders.dropin_epoch import pool_options
@@ -236,12 +236,8 @@ def _prestart(s: Any, carry: Any, epoch_seed: int, handover: Handover, start: in
         from sbloader.sources.batches import ReadyBatchSource
 
         ensure_initialized()
-        if handover.closed or carry.dropped or carry.starts != start:
-            # The epoch ended first: no actors for it (started late, they outlived a loader dropped meanwhile
-            # and held the CPUs a new loader's pool waited for: CI, test_a_script_prints_nothing_at_exit).
-            if not any(carry.warm_cache.values()) and not carry.actor_cache:
-                carry.held_cpus = 0.0
-            return
+        if carry.dropped or carry.starts != start or (handover.closed and not warm_workers.enabled()):
+            return _release_hold(carry)  # nobody would take the actors
         try:
             with FORK_LOCK:  # no local worker forked while the dataset is pickled here
                 op = s.worker_op(epoch_seed)
@@ -250,10 +246,8 @@ def _prestart(s: Any, carry: Any, epoch_seed: int, handover: Handover, start: in
                           f"worker_init_fn cannot be pickled for the cluster's workers ({exc!r}); make them "
                           "picklable to load on the cluster", RuntimeWarning, stacklevel=1)
             handover.gave_up = True
-            if not any(carry.warm_cache.values()) and not carry.actor_cache:
-                carry.held_cpus = 0.0  # no actor will be started: nothing is held
-            return
-        with _PRESTART_LOCK, FORK_LOCK:
+            return _release_hold(carry)
+        with _PRESTART_LOCK, FORK_LOCK:  # the epoch's close (``closed``) sees the actors, or none at all
             if carry.dropped or carry.starts != start:
                 return
             if s.persistent_workers:
@@ -265,11 +259,19 @@ def _prestart(s: Any, carry: Any, epoch_seed: int, handover: Handover, start: in
             _hold(s, carry)
             prestart_pools(ReadyBatchSource.name, (op,), pool_options(s), cache)
             handover.prestarted(cache)
+            if handover.closed:  # the epoch ended before Ray was up: its actors wait for the next one
+                _keep_prestarted(s, carry, handover)
     except Exception as exc:  # the local phase goes on alone; the pool's own start raises it if it recurs
         import logging
 
         handover.gave_up = True
         logging.getLogger(__name__).debug("sbloader: pool prestart failed: %r", exc)
+
+
+def _release_hold(carry: Any) -> None:
+    """No actor will be started for this epoch: the loader holds no CPUs unless it keeps actors."""
+    if not any(carry.warm_cache.values()) and not carry.actor_cache:
+        carry.held_cpus = 0.0
 
 
 def _hold(s: Any, carry: Any) -> None:
@@ -315,11 +317,13 @@ def local_start_epoch(s: Any, carry: Any, run: Any, epoch: int, epoch_seed: int,
             phase["pool"].executor.shutdown()
 
     def closed() -> None:
-        handover.closed = True
         if "pool" in phase:
+            handover.closed = True
             phase["pool"].closed()
         else:  # the pool never ran: its actors started ahead stay warm for the next epoch, as the pool's would
-            _keep_prestarted(s, carry, handover)
+            with _PRESTART_LOCK:  # started now or later (``_prestart``), never lost in between
+                handover.closed = True
+                _keep_prestarted(s, carry, handover)
         s.reporter(f"epoch {epoch}", stalls)()
 
     return EpochIterator(produce(), run, ahead=s.ahead, stalls=stalls, to_device=s.device_copy(), translate=translate,

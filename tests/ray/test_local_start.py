@@ -222,9 +222,6 @@ print("ok", flush=True)
 """
 
 
-@pytest.mark.xfail(strict=True, reason="#44: a background start that goes on after its epoch ended left actors "
-                   "that a new loader's pool then waited for (CI: test_a_script_prints_nothing_at_exit, 'CPU 0 of "
-                   "2'); the epoch's start stops at its end again until the handoff across loaders is safe")
 def test_an_epoch_shorter_than_rays_start_leaves_the_actors_for_the_next():
     """A fresh process whose first epoch ends before Ray is up: the background start goes on and its
     actors stay warm, so the next epoch starts on the pool."""
