@@ -33,7 +33,8 @@ from sbloader.loaders.dropin_settings import _CARRIES, DropinCarry, DropinSettin
 from sbloader.loaders.dropin_state import EpochRun
 from sbloader.loaders.epoch import Delivery, EpochIterator
 from sbloader.loaders.failed_batch import FailedBatch, translate
-from sbloader.loaders.iterable_resume import IterableRun, first_snapshot, iterate_shard, open_shard
+from sbloader.loaders.iterable_resume import IterableRun, batches_before, first_snapshot, iterate_shard, open_shard
+from sbloader.loaders.shard_order import RoundRobin
 from sbloader.loaders import warm_workers
 from sbloader.loaders.tensors import pin_batch, wire_as_tensors
 from sbloader.loaders.worker import SHARD_STATE_COLUMN
@@ -94,7 +95,7 @@ def local_epoch(s: DropinSettings, run: Optional[Union[EpochRun, IterableRun]], 
         # iter(dataset) now, as torch's in-process iterator does (its error is raised by iter(loader))
         opened = open_shard(s.dataset, resume)
         if run is not None:  # a state taken before the first batch holds the iterator's state already
-            run.took((0, first_snapshot(s.dataset, *opened)))
+            run.took((0, first_snapshot(s.dataset, *opened, batches_before(resume))))
     stalls = StallStats()
     return EpochIterator(produce(), run, ahead=0, stalls=stalls, to_device=s.device_copy(),
                          on_close=s.reporter(f"epoch {epoch}", stalls))
@@ -143,7 +144,27 @@ def open_pool(s: DropinSettings, carry: DropinCarry, run: Optional[Union[EpochRu
     tensors = s.tensors()
 
     def produce() -> Iterator[Delivery]:
-        """Each ready batch with its index in the epoch. Copies release a block's bytes as soon
+        """Each ready batch with its record. An ``IterableDataset``'s shards are dealt in torch's
+        round-robin (in order) or as they come."""
+        if not (s.iterable and s.in_order):
+            yield from blocks()
+            return
+        order = RoundRobin(shard_positions(run, s.num_workers))
+        for shard, k, delivery in blocks(shards=True):
+            for w in [w for w in order.positions() if w < shard]:
+                order.end(w)  # blocks come in shard order: an earlier shard's is empty (no block)
+            if delivery is None:
+                order.end(shard)
+            else:
+                order.add(shard, order.positions().get(shard, 0) if k is None else k, delivery)
+            yield from order.pop_ready()
+        for w in order.positions():
+            order.end(w)
+        yield from order.pop_ready()
+
+    def blocks(shards: bool = False) -> Iterator[Any]:
+        """Each ready batch with its index in the epoch (``shards``: as ``(shard, k, delivery)``, then
+        ``(shard, None, None)`` at the end of each shard's block). Copies release a block's bytes as soon
         as its batches are made; zero-copy batches view the block, which is released once the
         loop moved on (a block read from a slot keeps its slot until its batches are gone)."""
         copy = not s.zero_copy
@@ -167,8 +188,15 @@ def open_pool(s: DropinSettings, carry: DropinCarry, run: Optional[Union[EpochRu
                 if run is not None:
                     record = (snaps[i] if snaps is not None else None) if s.iterable else \
                         start + item.meta.seq * s.batches_per_partition + i
-                yield Delivery(batch, record, release)
+                if shards:
+                    snap = snaps[i] if snaps is not None else None
+                    k = snap[1]["batches"] - 1 if snap is not None and "batches" in snap[1] else None
+                    yield item.meta.partition_id, k, Delivery(batch, record, release)
+                else:
+                    yield Delivery(batch, record, release)
             out = []
+            if shards:
+                yield item.meta.partition_id, None, None
 
     def closed() -> None:
         carry.estimates = executor.estimates()
@@ -180,6 +208,12 @@ def open_pool(s: DropinSettings, carry: DropinCarry, run: Optional[Union[EpochRu
             kill_cached(carry.actor_cache)
 
     return PoolPhase(executor, produce(), closed)
+
+
+def shard_positions(run: Optional[IterableRun], num_workers: int) -> dict[int, int]:
+    """Per worker shard of an ``IterableDataset``, the ``k`` of its next batch (where ``run`` resumes it)."""
+    resume = {w: run.shard_resume(w) if run is not None else None for w in range(max(1, num_workers))}
+    return {w: batches_before(r) for w, r in resume.items() if not (r or {}).get("ended")}
 
 
 def pool_options(s: DropinSettings) -> Any:

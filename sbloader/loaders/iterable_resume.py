@@ -15,8 +15,10 @@ An ``IterableDataset`` has no index to replay, so its resume is per worker shard
   again): exactly once where the dataset is deterministic (each shard runs under the
   epoch's seed, saved in the state).
 
-A snapshot is ``{"samples": n, "dataset_state": ..., "iter_state": ..., "ended": bool}``;
-``ended``: the shard has nothing after this batch. ``end_state``: the dataset's state
+A snapshot is ``{"samples": n, "batches": k, "dataset_state": ..., "iter_state": ...,
+"ended": bool}``; ``batches``: the shard's batches so far (its place in torch's
+round-robin, :mod:`~sbloader.loaders.shard_order`); ``ended``: the shard has nothing
+after this batch. ``end_state``: the dataset's state
 once the shard was exhausted (what a resumed *next* epoch starts from).
 """
 from __future__ import annotations
@@ -32,10 +34,16 @@ def is_stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
-def _snapshot(dataset: Any, it: Any, samples: int) -> dict:
+def _snapshot(dataset: Any, it: Any, samples: int, batches: int) -> dict:
     ds_state = copy.deepcopy(dataset.state_dict()) if is_stateful(dataset) and it is not dataset else None
     it_state = copy.deepcopy(it.state_dict()) if is_stateful(it) else None
-    return {"samples": samples, "dataset_state": ds_state, "iter_state": it_state, "ended": False}
+    return {"samples": samples, "batches": batches, "dataset_state": ds_state, "iter_state": it_state,
+            "ended": False}
+
+
+def batches_before(resume: Optional[dict]) -> int:
+    """The batches a shard made before ``resume`` (0 from its start; a state without the count: 0)."""
+    return int((resume or {}).get("batches", 0))
 
 
 def open_shard(dataset: Any, resume: Optional[dict]) -> tuple[Iterator, int]:
@@ -56,9 +64,9 @@ def open_shard(dataset: Any, resume: Optional[dict]) -> tuple[Iterator, int]:
     return it, samples
 
 
-def first_snapshot(dataset: Any, it: Iterator, samples: int) -> dict:
+def first_snapshot(dataset: Any, it: Iterator, samples: int, batches: int = 0) -> dict:
     """The snapshot of a shard just opened (:func:`open_shard`), before its first batch."""
-    return _snapshot(dataset, it, samples)
+    return _snapshot(dataset, it, samples, batches)
 
 
 def iterate_shard(dataset: Any, batch_size: Optional[int], drop_last: bool, collate: Callable[[Any], Any],
@@ -70,6 +78,7 @@ def iterate_shard(dataset: Any, batch_size: Optional[int], drop_last: bool, coll
     if resume and resume.get("ended"):
         return
     it, samples = opened if opened is not None else open_shard(dataset, resume)
+    batches = batches_before(resume)
     pending: Optional[tuple[Any, int, dict]] = None
     while True:
         if batch_size is None:
@@ -84,10 +93,11 @@ def iterate_shard(dataset: Any, batch_size: Optional[int], drop_last: bool, coll
             if not chunk or (drop_last and n < batch_size):
                 break
         samples += n
+        batches += 1
         batch = collate(chunk)
         if pending is not None:
             yield pending
-        pending = (batch, n, _snapshot(dataset, it, samples))
+        pending = (batch, n, _snapshot(dataset, it, samples, batches))
     if pending is not None:
         snap = pending[2]
         snap["ended"] = True

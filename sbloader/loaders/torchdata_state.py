@@ -235,6 +235,6 @@ def iterable_body(td: dict, shape: LoaderShape, epoch: int) -> dict:
                 "snapshot_every_n_steps=1 (the default)")
         made = len(range(w, p.batches, max(p.num_workers, 1)))
         samples = made * shape.batch_size if shape.batch_size else made
-        shards[str(w)] = {"samples": samples, "dataset_state": ds, "iter_state": it,
+        shards[str(w)] = {"samples": samples, "batches": made, "dataset_state": ds, "iter_state": it,
                           "ended": bool(fetcher.get(FETCHER_ENDED, False))}
     return {"epoch": epoch, "epoch_seed": None, "shards": shards}

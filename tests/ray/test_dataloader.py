@@ -497,10 +497,38 @@ def test_iterable_dataset_shards_by_worker_info(ray_session, nw):
     assert sorted(values) == sorted(torch.cat([b["v"] for b in theirs]).tolist())
     assert set(torch.cat([b["wid"] for b in ours]).tolist()) == set(range(nw))
     assert set(torch.cat([b["nw"] for b in ours]).tolist()) == {nw}
-    # each worker batches its own shard, as under torch
-    assert sorted(len(b["v"]) for b in ours) == sorted(len(b["v"]) for b in theirs)
+    # each worker batches its own shard, dealt round-robin as under torch: the same batches in the same order
+    assert [b["v"].tolist() for b in ours] == [b["v"].tolist() for b in theirs]
     for b in ours:
         assert len(set(b["wid"].tolist())) == 1
+
+
+class UnevenShards(IterableDataset):
+    """Worker ``w`` yields ``SIZES[w]`` values: shards run out at different rounds."""
+
+    SIZES = (7, 2, 5)
+
+    def __iter__(self):
+        info = get_worker_info()
+        w = info.id if info is not None else 0
+        return iter(range(100 * w, 100 * w + self.SIZES[w % 3]))
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")  # 3 workers on 2 cores
+def test_uneven_shards_resume_in_torchs_round_robin(ray_session):
+    """An exhausted shard is skipped as torch skips its worker, and a state taken after any batch resumes
+    the rest in the same order (each shard goes on from its own round)."""
+    theirs = [b.tolist() for b in TorchDataLoader(UnevenShards(), batch_size=2, num_workers=3)]
+    assert [b.tolist() for b in sbloader.DataLoader(UnevenShards(), batch_size=2, num_workers=3)] == theirs
+    for k in (1, 4, 6):
+        dl = sbloader.DataLoader(UnevenShards(), batch_size=2, num_workers=3)
+        it = iter(dl)
+        first = [next(it).tolist() for _ in range(k)]
+        state = dl.state_dict()
+        it.close()
+        resumed = sbloader.DataLoader(UnevenShards(), batch_size=2, num_workers=3)
+        resumed.load_state_dict(state)
+        assert first + [b.tolist() for b in resumed] == theirs, k
 
 
 # ----- the collate in the workers stacks in private memory ---------------------------
