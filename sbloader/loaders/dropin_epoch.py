@@ -118,13 +118,17 @@ class PoolPhase:
 
 def open_pool(s: DropinSettings, carry: DropinCarry, run: Optional[Union[EpochRun, IterableRun]], epoch: int,
               epoch_seed: int, items: Optional[list], stalls: StallStats, start: int = 0,
-              cache: Optional[dict] = None) -> PoolPhase:
+              cache: Optional[dict] = None, shard_resume: Optional[dict] = None) -> PoolPhase:
     """Start the pool on the epoch's batches from index ``start`` on (``items``: the map-style epoch's
-    work items; None for an ``IterableDataset``'s shards), on the actors in ``cache`` when given
-    (started ahead of it), else the loader's persistent or warm ones."""
+    work items; None for an ``IterableDataset``'s shards, resumed from ``shard_resume`` when given, else
+    from ``run``), on the actors in ``cache`` when given (started ahead of it), else the loader's
+    persistent or warm ones."""
     fp = s.source_fingerprint()
+    resume = None
     if s.iterable:
-        source: Any = ShardSource(s.num_workers, fp, run.resume if run is not None else None)
+        resume = shard_resume if shard_resume is not None else run.resume if run is not None else {}
+        resume = {w: r for w, r in resume.items() if r is not None}
+        source: Any = ShardSource(s.num_workers, fp, resume)
     else:
         bpp = s.batches_per_partition
         ids = run.ids[start:] if run is not None else [j // bpp for j in range(start, len(items))]
@@ -149,7 +153,7 @@ def open_pool(s: DropinSettings, carry: DropinCarry, run: Optional[Union[EpochRu
         if not (s.iterable and s.in_order):
             yield from blocks()
             return
-        order = RoundRobin(shard_positions(run, s.num_workers))
+        order = RoundRobin(shard_positions(resume, s.num_workers))
         for shard, k, delivery in blocks(shards=True):
             for w in [w for w in order.positions() if w < shard]:
                 order.end(w)  # blocks come in shard order: an earlier shard's is empty (no block)
@@ -210,10 +214,11 @@ def open_pool(s: DropinSettings, carry: DropinCarry, run: Optional[Union[EpochRu
     return PoolPhase(executor, produce(), closed)
 
 
-def shard_positions(run: Optional[IterableRun], num_workers: int) -> dict[int, int]:
-    """Per worker shard of an ``IterableDataset``, the ``k`` of its next batch (where ``run`` resumes it)."""
-    resume = {w: run.shard_resume(w) if run is not None else None for w in range(max(1, num_workers))}
-    return {w: batches_before(r) for w, r in resume.items() if not (r or {}).get("ended")}
+def shard_positions(resume: dict, num_workers: int) -> dict[int, int]:
+    """Per worker shard of an ``IterableDataset`` still to run, the ``k`` of its next batch (``resume``: per
+    shard, the snapshot it resumes from)."""
+    shards = {w: resume.get(w) for w in range(max(1, num_workers))}
+    return {w: batches_before(r) for w, r in shards.items() if not (r or {}).get("ended")}
 
 
 def pool_options(s: DropinSettings) -> Any:

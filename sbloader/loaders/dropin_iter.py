@@ -53,8 +53,13 @@ def start_epoch(loader: Any, s: DropinSettings) -> EpochIterator:
         from sbloader.loaders.dropin_epoch import local_epoch
 
         return local_epoch(s, run, epoch, epoch_seed, sampler)
-    if not s.iterable and local_start.enabled(s) and not local_start.pool_is_up(s, carry):
-        it = local_start.local_start_epoch(s, carry, run, epoch, epoch_seed, sampler)
+    if local_start.enabled(s) and not local_start.pool_is_up(s, carry):
+        if s.iterable:
+            from sbloader.loaders.iterable_start import iterable_start_epoch
+
+            it = iterable_start_epoch(s, carry, run, epoch, epoch_seed)
+        else:
+            it = local_start.local_start_epoch(s, carry, run, epoch, epoch_seed, sampler)
     else:
         from sbloader.loaders.dropin_epoch import pool_epoch
 

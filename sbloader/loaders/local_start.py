@@ -233,7 +233,7 @@ def _prestart(s: Any, carry: Any, epoch_seed: int, handover: Handover, start: in
         from sbloader.loaders.dropin_epoch import pool_options
         from sbloader.executor.pools import prestart_pools
         from sbloader.runtime.session import ensure_initialized
-        from sbloader.sources.batches import ReadyBatchSource
+        from sbloader.sources.batches import ReadyBatchSource, ShardSource
 
         ensure_initialized()
         if carry.dropped or carry.starts != start or (handover.closed and not warm_workers.enabled()):
@@ -257,7 +257,7 @@ def _prestart(s: Any, carry: Any, epoch_seed: int, handover: Handover, start: in
             else:
                 cache = {}
             _hold(s, carry)
-            prestart_pools(ReadyBatchSource.name, (op,), pool_options(s), cache)
+            prestart_pools((ShardSource if s.iterable else ReadyBatchSource).name, (op,), pool_options(s), cache)
             handover.prestarted(cache)
             if handover.closed:  # the epoch ended before Ray was up: its actors wait for the next one
                 _keep_prestarted(s, carry, handover)

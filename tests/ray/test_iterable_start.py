@@ -1,0 +1,124 @@
+"""The local start of an ``IterableDataset`` epoch (issue #44): shards begin on local worker processes,
+then the pool resumes each from the last batch the loop took; every sample once, in the order (and with
+the random draws) of a run on the pool alone, wherever the handover falls."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+import sbloader
+from sbloader.loaders import local_start
+
+SIZES = (7, 3, 5, 0)  # values per worker shard (worker w % 4): shards end at different rounds
+
+
+class Shards(IterableDataset):
+    """Worker ``w`` yields ``SIZES[w % 4]`` rows ``(value, a random draw, pid, worker id)``."""
+
+    def __iter__(self):
+        info = get_worker_info()
+        w = info.id if info is not None else 0
+        for v in range(100 * w, 100 * w + SIZES[w % 4]):
+            yield torch.tensor([v, int(torch.randint(0, 10**6, ())), os.getpid(), w])
+
+
+class Positioned(Shards):
+    """The same rows, with the dataset's own state (where its shard stands): resumed without a replay."""
+
+    def __init__(self):
+        self.pos = 0
+
+    def __iter__(self):
+        info = get_worker_info()
+        w = info.id if info is not None else 0
+        while self.pos < SIZES[w % 4]:
+            v = 100 * w + self.pos
+            self.pos += 1
+            yield torch.tensor([v, 0, os.getpid(), w])
+
+    def state_dict(self):
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state):
+        self.pos = state["pos"]
+
+
+def epoch(monkeypatch, at, workers, dataset=Shards):
+    if at is None:
+        monkeypatch.delenv(local_start.HANDOVER_AT_ENV, raising=False)
+    else:
+        monkeypatch.setenv(local_start.HANDOVER_AT_ENV, str(at))
+    loader = sbloader.DataLoader(dataset(), batch_size=2, num_workers=workers, seed=7, local_start=at is not None)
+    return [b for b in loader], loader
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")  # 4 workers on 2 cores
+@pytest.mark.parametrize("workers", [2, 4])
+def test_handover_at_every_batch_keeps_the_pools_order_and_draws(ray_session, monkeypatch, workers):
+    reference, _ = epoch(monkeypatch, None, workers)  # the pool alone
+    values = [b[:, 0].tolist() for b in reference]
+    assert sorted(v for b in values for v in b) == sorted(100 * w + i for w in range(workers)
+                                                          for i in range(SIZES[w % 4]))
+    pool_pids = {int(p) for b in reference for p in b[:, 2]}
+    for at in range(len(reference) + 1):
+        got, loader = epoch(monkeypatch, at, workers)
+        assert [b[:, 0].tolist() for b in got] == values, at  # every sample once, the Ray-only round-robin
+        assert [b[:, 1].tolist() for b in got] == [b[:, 1].tolist() for b in reference], at  # the same draws
+        local = {int(p) for b in got[:at] for p in b[:, 2]}
+        assert os.getpid() not in local and not (local & pool_pids), at  # local batches from forked workers
+        assert all(int(w) == int(b[0, 0]) // 100 for b in got for w in b[:, 3])  # worker id = shard, as torch's
+        if at < len(reference):  # the pool made the rest
+            assert loader.stats() is not None, at
+
+
+@pytest.mark.parametrize("dataset", [Shards, Positioned])
+@pytest.mark.parametrize("at", [0, 2, 5])
+@pytest.mark.parametrize("taken", [1, 3, 6])
+def test_state_dict_across_the_handover_resumes_exactly_once(ray_session, monkeypatch, dataset, at, taken):
+    whole, _ = epoch(monkeypatch, None, 2, dataset)
+    monkeypatch.setenv(local_start.HANDOVER_AT_ENV, str(at))
+    loader = sbloader.DataLoader(dataset(), batch_size=2, num_workers=2, seed=7)
+    it = iter(loader)
+    first = [next(it)[:, 0].tolist() for _ in range(taken)]
+    state = loader.state_dict()  # before, at or after the handover
+    it.close()
+    resumed = sbloader.DataLoader(dataset(), batch_size=2, num_workers=2, seed=7)
+    resumed.load_state_dict(state)
+    rest = [b[:, 0].tolist() for b in resumed]
+    assert first + rest == [b[:, 0].tolist() for b in whole], (at, taken)  # once each, the same order
+
+
+class Broken(IterableDataset):
+    def __iter__(self):
+        yield torch.zeros(1)
+        raise KeyError("shard broke")
+
+
+def test_an_error_in_the_local_phase_is_torchs(monkeypatch):
+    monkeypatch.setenv(local_start.HANDOVER_AT_ENV, "100")  # all local
+    loader = sbloader.DataLoader(Broken(), batch_size=1, num_workers=2)
+    with pytest.raises(KeyError, match="shard broke"):
+        list(loader)
+
+
+def note_worker(worker_id):
+    info = get_worker_info()
+    info.dataset.seen = (worker_id, info.num_workers, info.seed)
+
+
+class Seen(IterableDataset):
+    seen = None
+
+    def __iter__(self):
+        info = get_worker_info()
+        yield torch.tensor([info.id, self.seen[0], self.seen[1], os.getpid()])
+
+
+def test_worker_init_fn_and_worker_info_in_the_local_phase(monkeypatch):
+    monkeypatch.setenv(local_start.HANDOVER_AT_ENV, "100")  # all local
+    got = torch.stack(list(sbloader.DataLoader(Seen(), batch_size=None, num_workers=2, worker_init_fn=note_worker)))
+    assert sorted(got[:, 0].tolist()) == [0, 1] and (got[:, 0] == got[:, 1]).all() and (got[:, 2] == 2).all()
+    assert os.getpid() not in got[:, 3].tolist()
