@@ -114,6 +114,7 @@ def take(carry: Any, op: Any, num_workers: int, key: Optional[Tuple] = None) -> 
     if len(handles) != num_workers or not ray.is_initialized() or len(cache) != 1:
         kill_cached(cache)
         cache.clear()
+        make_room(carry.warm_key)
         return cache
     key = next(iter(cache))
     cache[key] = [PrestartedActor(h, h.rebuild.remote(op), counted=True) for h in handles]
@@ -183,6 +184,31 @@ def pipeline_key(source_name: str, ops: Any, allow_trainer_node: bool) -> Option
     except Exception:  # an operator that does not pickle alike twice: no reuse
         return None
     return ("pipeline", digest, bool(allow_trainer_node))
+
+
+def make_room(key: Any) -> None:
+    """New actors of ``key`` are about to start: the process's idle actors of other keys (dropped loaders'
+    and pipelines', waiting for a user that may never come) are killed now when the cluster has fewer
+    free CPUs than the new ones ask for, instead of holding them until their idle timeout."""
+    needed = float(key[0]) * float(key[1]) if isinstance(key, tuple) and len(key) == 4 else 0.0
+    with _IDLE_LOCK:
+        others = [k for k in _IDLE if k != key]
+    if not others or needed <= 0:
+        return
+    from sbloader.runtime import cluster_state
+
+    try:
+        free = cluster_state.available_resources().get("CPU", 0.0)
+    except Exception:  # the cluster did not answer: keep them (their idle timeout still runs)
+        return
+    if free >= needed:
+        return
+    for k in others:
+        with _IDLE_LOCK:
+            entry = _IDLE.pop(k, None)
+        if entry is not None:
+            entry[1].cancel()
+            kill_cached(entry[0])
 
 
 def release_idle() -> None:

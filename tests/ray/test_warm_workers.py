@@ -173,3 +173,28 @@ def test_a_new_pipelines_class_stage_takes_warm_actors(ray_session, tmp_path):
     assert created == 0 and constructions("a") == 1 and second == first
     third, created = epoch("b")  # another constructor argument: a new actor
     assert created == 1 and constructions("b") == 1 and not (third & first)
+
+
+OTHER_KEY_SCRIPT = """
+import os, sbloader, torch
+from sbloader.runtime import cluster_state
+sbloader.init(num_cpus=2)
+dl = sbloader.DataLoader(torch.arange(16), batch_size=4, num_workers=2, local_start=False)
+assert sum(len(b) for b in dl) == 16
+del dl  # its 2 actors (1 CPU each) wait in the idle pool for an hour (SBLOADER_WARM_IDLE_S)
+dl3 = sbloader.DataLoader(torch.arange(16), batch_size=4, num_workers=1, local_start=False, start_timeout=120)
+assert sum(len(b) for b in dl3) == 16  # another key: the idle actors give their CPUs way
+print("ok", flush=True)
+"""
+
+
+def test_idle_actors_of_other_resources_give_way_to_a_new_pool(tmp_path):
+    """A dropped loader's idle actors hold every CPU; a new loader with other worker resources starts its
+    pool at once (its start_timeout is far below the idle timeout), not after the idle timeout."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["SBLOADER_WARM_IDLE_S"] = "3600"
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
+        __file__)))), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", OTHER_KEY_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
