@@ -5,6 +5,12 @@ marked by ``sbloader_padding`` flagged), arrival times, the coordinator's actor
 ids and, for the memory test, the coordinator's RSS. Each job runs once per module
 and several tests check it; the jobs whose checks do not depend on timing run two
 at a time, the timed ones (slow rank, straggler) alone.
+
+Every job joins one ``ray start`` cluster of the module with ``RAY_ADDRESS`` (as
+docs/torchrun.md says for several machines): one Ray start instead of one per job.
+Jobs side by side on it each see only their own coordinators (their namespace). A
+job on its own embedded Ray is run by the other torchrun e2e tests
+(``_jobs.run_standalone``: coordinator loss, rank restart, the quiet split, resume).
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from _cluster import Cluster
 from sbloader.core.split import split_epoch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,13 +58,22 @@ class JobFailed(Exception):
     """A job that timed out, failed, or wrote no logs (the message says which)."""
 
 
-def start_job(tmp_path_factory, name: str, nproc: int, *args) -> tuple:
-    """Start ``torchrun --standalone --nproc-per-node=nproc split_job.py --out DIR *args``."""
+@pytest.fixture(scope="module")
+def cluster():
+    """The module's ``ray start`` cluster (one head of 6 CPUs: two jobs' pools side by side, with room)."""
+    c = Cluster(head_cpus=6, nodes=())
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def start_job(cluster: Cluster, tmp_path_factory, name: str, nproc: int, *args) -> tuple:
+    """Start ``torchrun --standalone --nproc-per-node=nproc split_job.py --out DIR *args`` joined to ``cluster``."""
     out = tmp_path_factory.mktemp(name)
-    env = dict(os.environ)
+    env = dict(cluster.env, RAY_ADDRESS=cluster.address)
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(SCRIPTS), str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env.pop("RAY_ADDRESS", None)  # the job starts its own embedded Ray
+        [str(SCRIPTS), str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            str(SCRIPT), "--out", str(out), *[str(a) for a in args]]
     with open(out / "output.txt", "w") as log:  # a file, not a pipe: nothing blocks on a full pipe
@@ -101,15 +117,15 @@ def finish_job(started: tuple) -> Job:
     return Job(name, logs, (out / "output.txt").read_text(errors="replace"), seconds)
 
 
-def run_job(tmp_path_factory, name: str, nproc: int, *args) -> Job:
+def run_job(cluster: Cluster, tmp_path_factory, name: str, nproc: int, *args) -> Job:
     """Run one job to the end (see :func:`start_job`); a failed job fails the test."""
     try:
-        return finish_job(start_job(tmp_path_factory, name, nproc, *args))
+        return finish_job(start_job(cluster, tmp_path_factory, name, nproc, *args))
     except JobFailed as e:
         pytest.fail(str(e))
 
 
-def run_jobs(tmp_path_factory, specs: dict, parallel: int = 2) -> dict:
+def run_jobs(cluster: Cluster, tmp_path_factory, specs: dict, parallel: int = 2) -> dict:
     """Run jobs ``{name: (nproc, *args)}``, ``parallel`` at a time; ``{name: Job or JobFailed}``."""
     pending = list(specs.items())
     running: list = []
@@ -117,7 +133,7 @@ def run_jobs(tmp_path_factory, specs: dict, parallel: int = 2) -> dict:
     while pending or running:
         while pending and len(running) < parallel:
             name, (nproc, *args) = pending.pop(0)
-            running.append(start_job(tmp_path_factory, name, nproc, *args))
+            running.append(start_job(cluster, tmp_path_factory, name, nproc, *args))
         done = [st for st in running if st[4].poll() is not None
                 or time.monotonic() - st[5] > JOB_TIMEOUT_S]
         for st in done:
@@ -207,12 +223,14 @@ UNTIMED_JOBS = {  # name: (ranks, *split_job.py arguments)
     # rank 0 kills the coordinator actor after 4 batches; a new one is rebuilt from the ranks' logs
     "coordinator_killed": (2, "--rows", 200, "--kill-coordinator-at", 4, "--step-s", 0.05,
                            "--after-kill-s", 2.0),
+    # an IterableDataset split by the coordinator (FilteredIds: 88 ids of 103), sequential
+    "iterable_split": (3, "--iterable", 1, "--shuffle", 0, "--epochs", 2),
 }
 
 
 @pytest.fixture(scope="module")
-def untimed_jobs(tmp_path_factory):
-    return run_jobs(tmp_path_factory, UNTIMED_JOBS, parallel=2)
+def untimed_jobs(cluster, tmp_path_factory):
+    return run_jobs(cluster, tmp_path_factory, UNTIMED_JOBS, parallel=2)
 
 
 def _job(jobs: dict, name: str) -> Job:
@@ -332,8 +350,8 @@ def test_fixed_seed_in_order_same_assignment_across_runs(in_order_runs):
 # ----- (b) a rank 10x slower than the other: no deadlock, no starvation (timed: runs alone)
 
 @pytest.fixture(scope="module")
-def slow_rank(tmp_path_factory):
-    return run_job(tmp_path_factory, "slow_rank", 2, "--slow-rank", 1, "--slow-s", 0.4, "--step-s", 0.04)
+def slow_rank(cluster, tmp_path_factory):
+    return run_job(cluster, tmp_path_factory, "slow_rank", 2, "--slow-rank", 1, "--slow-s", 0.4, "--step-s", 0.04)
 
 
 def test_slow_rank_does_not_starve_the_fast_one(slow_rank):
@@ -358,8 +376,8 @@ STRAGGLER = 55  # mid-epoch with shuffle=0: batch 5 of 12, after the block sizes
 
 
 @pytest.fixture(scope="module")
-def straggler(tmp_path_factory):
-    return run_job(tmp_path_factory, "straggler", 2, "--shuffle", 0, "--straggler", STRAGGLER,
+def straggler(cluster, tmp_path_factory):
+    return run_job(cluster, tmp_path_factory, "straggler", 2, "--shuffle", 0, "--straggler", STRAGGLER,
                    "--straggler-s", 5, "--epochs", 1)
 
 
@@ -437,10 +455,10 @@ def test_distributed_sampler_drop_last(dist_sampler_drop_last):
 # ----- an IterableDataset split by the coordinator, a real torchrun job ---------------------------------------------------------------------------
 
 
-def test_torchrun_three_ranks_iterable_split(tmp_path_factory):
+def test_torchrun_three_ranks_iterable_split(untimed_jobs):
     """3 ranks, 88 ids kept of 103 (2 worker shards of 44), batches of 10: 10 batches (8 full, 2 of 4
     rows) per epoch; 3 whole batches per rank, the shortest left over cut as 2 + 1 + 1 rows."""
-    job = run_job(tmp_path_factory, "iterable_split", 3, "--iterable", 1, "--shuffle", 0, "--epochs", 2)
+    job = _job(untimed_jobs, "iterable_split")
     expected = [i for i in range(103) if i % 7]
     for lg in job.ranks:
         assert lg["len"] is None, f"rank {lg['rank']}: len(loader) = {lg['len']}, expected TypeError"

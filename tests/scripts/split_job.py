@@ -55,6 +55,26 @@ def _coordinator_info(loader: sbloader.DataLoader) -> dict:
     return ray.get(loader._carry.coordinator.process_info.remote())
 
 
+def job_coordinators(own_ids: list) -> list:
+    """The names of the named actors in this job's namespace(s): every ``sbloader-*`` namespace that
+    holds one of this job's coordinators (``own_ids``, actor ids). Other jobs on a shared cluster
+    (each a namespace of its own) are left out; an extra coordinator of this job is listed."""
+    import ray
+
+    from sbloader.distributed.naming import NAMESPACE
+
+    entries = [a for a in ray.util.list_named_actors(all_namespaces=True)
+               if str(a.get("namespace")).startswith(NAMESPACE)]
+    ours = set()
+    for a in entries:
+        try:
+            if ray.get_actor(a["name"], namespace=a["namespace"])._actor_id.hex() in own_ids:
+                ours.add(a["namespace"])
+        except ValueError:  # gone meanwhile
+            continue
+    return sorted(a["name"] for a in entries if a["namespace"] in ours)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -152,12 +172,8 @@ def main() -> None:
         log["coordinator_info"] = rss
     import ray
 
-    from sbloader.distributed.naming import NAMESPACE
-
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if str(a.get("namespace")).startswith(NAMESPACE)] if hasattr(ray.util, "list_named_actors") else []
-    log["coordinators"] = sorted(names)
     log["coordinator_ids"] = [ld._carry.coordinator._actor_id.hex() for ld in loaders]
+    log["coordinators"] = job_coordinators(log["coordinator_ids"])
     # Epochs the first loader's coordinator still holds (it drops an epoch once every
     # rank left it); waits a little for the other ranks' last calls to land.
     deadline = time.monotonic() + 10
