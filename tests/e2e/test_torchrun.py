@@ -10,7 +10,7 @@ Every job joins one ``ray start`` cluster of the module with ``RAY_ADDRESS`` (as
 docs/torchrun.md says for several machines): one Ray start instead of one per job.
 Jobs side by side on it each see only their own coordinators (their namespace). A
 job on its own embedded Ray is run by the other torchrun e2e tests
-(``_jobs.run_standalone``: coordinator loss, rank restart, the quiet split, resume).
+(``_jobs.run_standalone``: coordinator loss, rank restart, the quiet split).
 """
 from __future__ import annotations
 
