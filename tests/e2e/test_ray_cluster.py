@@ -40,39 +40,15 @@ def _epochs(out: Path) -> list[list[dict]]:
     return [[log["epochs"][e] for log in logs] for e in range(len(logs[0]["epochs"]))]
 
 
-def _static_torchrun(cluster: Cluster, out: Path, rows: int) -> subprocess.Popen:
-    """``torchrun --nproc-per-node=2`` with the static rendezvous: its run id is "none", as for every such job."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
-           f"--master-port={free_port()}", "--max-restarts=0", str(JOB), "--out", str(out), "--rows", str(rows),
-           "--delay", "0.02"]
-    return subprocess.Popen(cmd, env=dict(cluster.env, RAY_ADDRESS=cluster.address), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-
-
-@pytest.fixture(scope="module")
-def three_jobs(cluster, tmp_path_factory) -> dict:
-    """Three torchrun jobs at once on the cluster, their folders once all ended: ``agents``, two agents of
-    one rank joined with c10d (two machines of one GPU in docs/multinode.md), and ``a`` (240 rows) and
-    ``b`` (160 rows), each ``torchrun --nproc-per-node=2`` with the static rendezvous (issue #27: several
-    jobs on one cluster, each its own coordinator). One round of jobs where there were two."""
-    root = tmp_path_factory.mktemp("three_jobs")
-    outs = {name: root / name for name in ("agents", "a", "b")}
-    for out in outs.values():
-        out.mkdir()
-    procs = torchrun_agents(cluster, outs["agents"], JOB)
-    procs += [_static_torchrun(cluster, outs["a"], 240), _static_torchrun(cluster, outs["b"], 160)]
-    wait_ranks(procs, timeout=420)
-    return outs
-
-
-def test_two_rank_job_joins_with_ray_address_reads_on_both_nodes_and_leaves_nothing(cluster, three_jobs):
-    for ranks in _epochs(three_jobs["agents"]):
+def test_two_rank_job_joins_with_ray_address_reads_on_both_nodes_and_leaves_nothing(cluster, tmp_path):
+    wait_ranks(torchrun_agents(cluster, tmp_path, JOB))
+    for ranks in _epochs(tmp_path):
         ids = [i for r in ranks for i in r["ids"]]
         assert sorted(ids) == list(range(ROWS)), "every sample exactly once per epoch"
         assert len(ranks[0]["ids"]) == len(ranks[1]["ids"])
         assert len({n for r in ranks for n in r["nodes"]}) == 2, "blocks came from one node only"
-    left = wait_no_leftovers(cluster)  # all three jobs ended
-    assert left == {"actors": [], "pgs": 0}, f"the jobs left this on the cluster: {left}"
+    left = wait_no_leftovers(cluster)
+    assert left == {"actors": [], "pgs": 0}, f"the job left this on the cluster: {left}"
 
 
 def _fails_fast(cluster: Cluster, env: dict, expect: str) -> None:
@@ -112,11 +88,23 @@ def test_a_ray_client_address_is_refused_at_once(cluster):
 # ----- several jobs on one cluster (issue #27): each its own coordinator, never shared ------------------------------
 
 
-def test_two_static_torchrun_jobs_at_once_each_get_all_their_data(three_jobs):
-    """Two static-rendezvous jobs (the same run id "none") beside a third job: each its own data."""
-    for name, rows in (("a", 240), ("b", 160)):
-        for ranks in _epochs(three_jobs[name]):
-            assert sorted(i for r in ranks for i in r["ids"]) == list(range(rows)), f"job {name}"
+def _static_torchrun(cluster: Cluster, out: Path, rows: int) -> subprocess.Popen:
+    """``torchrun --nproc-per-node=2`` with the static rendezvous: its run id is "none", as for every such job."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
+           f"--master-port={free_port()}", "--max-restarts=0", str(JOB), "--out", str(out), "--rows", str(rows),
+           "--delay", "0.02"]
+    return subprocess.Popen(cmd, env=dict(cluster.env, RAY_ADDRESS=cluster.address), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def test_two_static_torchrun_jobs_at_once_each_get_all_their_data(cluster, tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    wait_ranks([_static_torchrun(cluster, a, 240), _static_torchrun(cluster, b, 160)])
+    for out, rows in ((a, 240), (b, 160)):
+        for ranks in _epochs(out):
+            assert sorted(i for r in ranks for i in r["ids"]) == list(range(rows))
 
 
 def test_three_ray_train_jobs_at_once_each_get_all_their_data(cluster, tmp_path):
