@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from _cluster import Cluster, free_port
@@ -38,6 +39,15 @@ def run_standalone(out: Path, script: Path, *args: str, max_restarts: int = 0, w
             proc.wait()
             rc = -9
     return rc, (out / "output.txt").read_text(errors="replace")
+
+
+def run_side_by_side(jobs: dict) -> dict:
+    """:func:`run_standalone` for every job of ``jobs`` (``{key: (out, script, args, kwargs)}``) at once,
+    each a job of its own on its own embedded Ray: ``{key: (exit code, output)}``."""
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = {key: pool.submit(run_standalone, out, script, *args, **kwargs)
+                   for key, (out, script, args, kwargs) in jobs.items()}
+        return {key: f.result() for key, f in futures.items()}
 
 
 def torchrun_agents(cluster: Cluster, out: Path, script: Path, *args: str, env: dict | None = None) -> list:

@@ -12,15 +12,25 @@ import json
 
 import pytest
 
-from _jobs import SCRIPTS, run_standalone
+from _jobs import SCRIPTS, run_side_by_side
 
 ROWS, BATCH, WORLD = 480, 8, 2
+MODES = ("native", "dropin")
 
 
-@pytest.mark.parametrize("mode", ["native", "dropin"])
-def test_coordinator_process_killed_mid_epoch_is_rebuilt_exactly_once(tmp_path, mode):
-    rc, output = run_standalone(tmp_path, SCRIPTS / "coordinator_kill_job.py", "--mode", mode, "--rows", str(ROWS),
-                                "--kill-at", "6", world=WORLD)
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory) -> dict:
+    """Both modes' jobs side by side, each on its own embedded Ray: mode -> (its folder, exit code, output)."""
+    outs = {mode: tmp_path_factory.mktemp(mode) for mode in MODES}
+    args = ("--rows", str(ROWS), "--kill-at", "6")
+    done = run_side_by_side({mode: (outs[mode], SCRIPTS / "coordinator_kill_job.py", ("--mode", mode, *args),
+                                    {"world": WORLD}) for mode in MODES})
+    return {mode: (outs[mode], *done[mode]) for mode in MODES}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_coordinator_process_killed_mid_epoch_is_rebuilt_exactly_once(jobs, mode):
+    tmp_path, rc, output = jobs[mode]
     assert rc == 0, f"the job failed (exit {rc}) after its coordinator's process was killed:\n{output[-4000:]}"
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     per_rank = ROWS // BATCH // WORLD

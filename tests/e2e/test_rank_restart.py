@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from _jobs import SCRIPTS, run_standalone
+from _jobs import SCRIPTS, run_side_by_side
 
 N, BATCH, EVERY, DIE_AT = 160, 4, 3, 10
 TIMEOUT_S = 300
@@ -25,12 +25,24 @@ def _steps(out: Path, attempt: int, rank: int) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
 
 
-@pytest.mark.parametrize("loader", ["dropin", "native"])
-def test_a_rank_killed_alone_restarts_and_resumes_exactly_once_from_the_last_checkpoint(tmp_path, loader):
-    ckpt = tmp_path / "ckpt.json"
-    rc, output = run_standalone(tmp_path, SCRIPTS / "rank_restart_job.py", "--ckpt", str(ckpt), "--loader", loader,
-                                "--samples", str(N), "--batch-size", str(BATCH), "--ckpt-every", str(EVERY),
-                                "--die-rank", "1", "--die-at", str(DIE_AT), max_restarts=1, timeout_s=TIMEOUT_S)
+LOADERS = ("dropin", "native")
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory) -> dict:
+    """Both loaders' jobs side by side, each on its own embedded Ray: loader -> (its folder, exit code, output)."""
+    outs = {loader: tmp_path_factory.mktemp(loader) for loader in LOADERS}
+    done = run_side_by_side({
+        loader: (outs[loader], SCRIPTS / "rank_restart_job.py",
+                 ("--ckpt", str(outs[loader] / "ckpt.json"), "--loader", loader, "--samples", str(N), "--batch-size",
+                  str(BATCH), "--ckpt-every", str(EVERY), "--die-rank", "1", "--die-at", str(DIE_AT)),
+                 {"max_restarts": 1, "timeout_s": TIMEOUT_S}) for loader in LOADERS})
+    return {loader: (outs[loader], *done[loader]) for loader in LOADERS}
+
+
+@pytest.mark.parametrize("loader", LOADERS)
+def test_a_rank_killed_alone_restarts_and_resumes_exactly_once_from_the_last_checkpoint(jobs, loader):
+    tmp_path, rc, output = jobs[loader]
     assert rc == 0, f"the restarted job failed (exit {rc}):\n{output[-4000:]}"
     first = [_steps(tmp_path, 0, r) for r in range(2)]
     second = [_steps(tmp_path, 1, r) for r in range(2)]

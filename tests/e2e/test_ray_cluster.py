@@ -107,11 +107,13 @@ def test_two_static_torchrun_jobs_at_once_each_get_all_their_data(cluster, tmp_p
             assert sorted(i for r in ranks for i in r["ids"]) == list(range(rows))
 
 
-@pytest.mark.parametrize("sizes", [(240, 240), (240, 120)])
-def test_two_ray_train_jobs_at_once_each_get_all_their_data(cluster, tmp_path, sizes):
+def test_three_ray_train_jobs_at_once_each_get_all_their_data(cluster, tmp_path):
+    """Three Ray Train jobs side by side: two of the same size (their loaders alike, only each job's
+    identity from its process group tells them apart) and one of another size (what were two runs of
+    two jobs, sizes (240, 240) and (240, 120): one round of jobs instead of two)."""
     pytest.importorskip("ray.train.torch")
     procs, outs = [], []
-    for k, n in enumerate(sizes):
+    for k, n in enumerate((240, 240, 120)):
         out = tmp_path / f"job{k}"
         out.mkdir()
         outs.append((out, n))

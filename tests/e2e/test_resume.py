@@ -8,6 +8,11 @@ checkpoint. The ids the killed jobs committed (logged at steps up to the
 checkpoint they left behind) plus every id of the final job must be the epoch,
 each exactly once; in deterministic mode (``in_order=True``) with the same world
 size, the resumed job must repeat the uninterrupted job's per-rank sequence.
+
+Every job joins one ``ray start`` cluster of the module (``RAY_ADDRESS``): one Ray
+start instead of one per job; a killed job's coordinator sees its ranks' processes
+gone and releases its pool. A rank killed and resumed on the job's own embedded Ray:
+``test_rank_restart.py``; an embedded Ray dying with its process: ``test_threads.py``.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 import resume_runs  # noqa: E402
+from _cluster import Cluster  # noqa: E402
 
 from sbloader.core import ledger  # noqa: E402
 
@@ -54,7 +60,17 @@ def _check_ledgers(chain: resume_runs.Chain, ckpt_states: list) -> None:
 
 
 @pytest.fixture(scope="module")
-def chains(tmp_path_factory):
+def cluster():
+    """The module's ``ray start`` cluster: one head of 12 CPUs (5 chains' pools of 2 side by side, with room)."""
+    c = Cluster(head_cpus=12, nodes=())
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def chains(cluster, tmp_path_factory):
     """Every job of the module, the independent chains side by side (start-up dominates).
 
     - "2-1-3": 2 ranks killed at step 10 (checkpoint 9), 1 rank killed at step 20
@@ -73,9 +89,10 @@ def chains(tmp_path_factory):
         "ref": ([(2, -1)], dict(max_delay=DELAY, in_order=1)),
         "det": ([(2, 11), (2, -1)], dict(max_delay=DELAY, in_order=1)),
     }
+    joined = dict(cluster.env, RAY_ADDRESS=cluster.address)
     with ThreadPoolExecutor(len(plans)) as pool:
         futures = {name: pool.submit(resume_runs.run_chain, tmp_path_factory.mktemp(name), legs, n=N,
-                                     timeout=JOB_TIMEOUT_S, **flags)
+                                     timeout=JOB_TIMEOUT_S, cluster_env=joined, **flags)
                    for name, (legs, flags) in plans.items()}
         return {name: f.result() for name, f in futures.items()}
 

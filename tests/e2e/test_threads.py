@@ -13,8 +13,6 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts", "thread_job.py")
 ENV = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
 ENV.pop("RAY_ADDRESS", None)
@@ -52,34 +50,54 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
-def test_ray_started_from_a_thread_dies_with_its_process(sig):
-    proc = subprocess.Popen([sys.executable, SCRIPT, "hold"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+def _hold_started() -> subprocess.Popen:
+    """A ``hold`` job: its Ray started from a thread that ended, then it sleeps."""
+    return subprocess.Popen([sys.executable, SCRIPT, "hold"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=ENV)
+
+
+def _hold_info(proc: subprocess.Popen) -> dict:
+    """What a ``hold`` job printed once its Ray was up: its pid and descendants."""
+    line = ""
+    deadline = time.monotonic() + 120
+    while not line.startswith("{") and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+    assert line.startswith("{"), f"hold job failed:\n{proc.stderr.read()[-3000:]}"
+    return json.loads(line)
+
+
+def test_ray_started_from_a_thread_dies_with_its_process_on_sigkill_and_sigterm():
+    """One job killed with SIGKILL, one with SIGTERM, side by side (each waits the same up to 60 s for
+    its Ray's agents, so both at once take the time of one): every process of each job's Ray is gone."""
+    procs: list = []
     try:
-        line = ""
-        deadline = time.monotonic() + 120
-        while not line.startswith("{") and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line and proc.poll() is not None:
-                break
-        assert line.startswith("{"), f"hold job failed:\n{proc.stderr.read()[-3000:]}"
-        info = json.loads(line)
-        ray_pids = [int(p) for p, name in info["descendants"].items()
-                    if name.startswith(("gcs_server", "raylet")) or "ray" in name.lower()]
-        assert any(name.startswith("gcs_server") for name in info["descendants"].values()), info
-        assert all(_alive(p) for p in ray_pids), "the Ray died with the thread that started it"
-        os.kill(proc.pid, sig)
-        proc.wait(timeout=30)
+        jobs = {}
+        procs += [_hold_started(), _hold_started()]  # both Rays start at once
+        for sig, proc in zip((signal.SIGKILL, signal.SIGTERM), procs):
+            info = _hold_info(proc)
+            ray_pids = [int(p) for p, name in info["descendants"].items()
+                        if name.startswith(("gcs_server", "raylet")) or "ray" in name.lower()]
+            assert any(name.startswith("gcs_server") for name in info["descendants"].values()), (sig, info)
+            assert all(_alive(p) for p in ray_pids), f"{sig!r}: the Ray died with the thread that started it"
+            jobs[sig] = (proc, info)
+        for sig, (proc, _) in jobs.items():
+            os.kill(proc.pid, sig)
+        for proc, _ in jobs.values():
+            proc.wait(timeout=30)
         # Ray's agents poll for their raylet (5 x 0.4 s), then report its unexpected death to the GCS
         # before they exit: ray/_private/process_watcher.py publishes it with a 60 s timeout, and the
         # GCS died too (CI saw both agents alive after 30 s). They must be gone once that has run out.
         deadline = time.monotonic() + AGENTS_EXIT_S
-        while any(_alive(p) for p in info["descendants"]) and time.monotonic() < deadline:
+        every = [p for _, info in jobs.values() for p in info["descendants"]]
+        while any(_alive(int(p)) for p in every) and time.monotonic() < deadline:
             time.sleep(0.2)
-        left = {p: n for p, n in info["descendants"].items() if _alive(int(p))}
-        assert not left, f"processes of the killed job's Ray survived {AGENTS_EXIT_S} s: {left}"
+        for sig, (_, info) in jobs.items():
+            left = {p: n for p, n in info["descendants"].items() if _alive(int(p))}
+            assert not left, f"{sig!r}: processes of the killed job's Ray survived {AGENTS_EXIT_S} s: {left}"
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

@@ -1,195 +1,46 @@
-"""The split coordinator under real torchrun jobs (tests/scripts/split_job.py).
+"""The split coordinator under real torchrun jobs (tests/scripts/split_job.py, run by ``_split_jobs.py``).
 
 Every test reads the per-rank JSON logs of a job: the ids of every batch (rows
 marked by ``sbloader_padding`` flagged), arrival times, the coordinator's actor
 ids and, for the memory test, the coordinator's RSS. Each job runs once per module
-and several tests check it; the jobs whose checks do not depend on timing run two
-at a time, the timed ones (slow rank, straggler) alone.
+and several tests check it; the jobs run two at a time (no check depends on timing:
+the slow rank and the straggler wait on the other ranks' progress, not on sleeps).
+
+Every job joins one ``ray start`` cluster of the module with ``RAY_ADDRESS`` (as
+docs/torchrun.md says for several machines): one Ray start instead of one per job.
+Jobs side by side on it each see only their own coordinators (their namespace). A
+job on its own embedded Ray is run by the other torchrun e2e tests
+(``_jobs.run_standalone``: coordinator loss, rank restart, the quiet split).
 """
 from __future__ import annotations
 
 import collections
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
+from _cluster import Cluster
+from _split_jobs import (BATCH, Job, JobFailed, check_epoch, check_one_coordinator_per_loader, compositions,
+                         padded_ids, planned_compositions, real_ids, run_jobs)
 from sbloader.core.split import split_epoch
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPTS = REPO / "tests" / "scripts"
-SCRIPT = SCRIPTS / "split_job.py"
-JOB_TIMEOUT_S = 150
-BATCH = 10  # the job's default --batch-size
 
-
-@dataclass
-class Job:
-    name: str
-    ranks: list  # per-rank logs, by rank
-    output: str
-    seconds: float
-
-    @property
-    def world(self) -> int:
-        return len(self.ranks)
-
-    def batches(self, rank: int, epoch: int, loader: int = 0) -> list:
-        return [b for b in self.ranks[rank]["epochs"][epoch] if b["loader"] == loader]
-
-    def all_batches(self, epoch: int, loader: int = 0) -> list:
-        return [b for r in range(self.world) for b in self.batches(r, epoch, loader)]
-
-
-class JobFailed(Exception):
-    """A job that timed out, failed, or wrote no logs (the message says which)."""
-
-
-def start_job(tmp_path_factory, name: str, nproc: int, *args) -> tuple:
-    """Start ``torchrun --standalone --nproc-per-node=nproc split_job.py --out DIR *args``."""
-    out = tmp_path_factory.mktemp(name)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(SCRIPTS), str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env.pop("RAY_ADDRESS", None)  # the job starts its own embedded Ray
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(SCRIPT), "--out", str(out), *[str(a) for a in args]]
-    with open(out / "output.txt", "w") as log:  # a file, not a pipe: nothing blocks on a full pipe
-        proc = subprocess.Popen(cmd, cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    return name, nproc, out, cmd, proc, time.monotonic()
-
-
-def finish_job(started: tuple) -> Job:
-    """Wait (bounded) for a started job; the ranks' logs.
-
-    Raises:
-        JobFailed: the job ran past the timeout (killed), failed, or left no log.
-    """
-    name, nproc, out, cmd, proc, t0 = started
-
-    def tail() -> str:
-        return (out / "output.txt").read_text(errors="replace")[-4000:]
-
+@pytest.fixture(scope="module")
+def cluster():
+    """The module's ``ray start`` cluster (one head of 6 CPUs: two jobs' pools side by side, with room)."""
+    c = Cluster(head_cpus=6, nodes=())
     try:
-        proc.wait(timeout=max(1.0, JOB_TIMEOUT_S - (time.monotonic() - t0)))
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        raise JobFailed(f"job {name} ({' '.join(cmd[3:])}) did not finish within {JOB_TIMEOUT_S} s "
-                        f"(deadlock?); output tail:\n{tail()}") from None
-    seconds = time.monotonic() - t0
-    if proc.returncode != 0:
-        raise JobFailed(f"job {name} failed with exit code {proc.returncode}; output tail:\n{tail()}")
-    logs = []
-    for r in range(nproc):
-        path = out / f"rank{r}.json"
-        if not path.exists():
-            raise JobFailed(f"job {name}: rank {r} wrote no log; output tail:\n{tail()}")
-        logs.append(json.loads(path.read_text()))
-    assert [lg["rank"] for lg in logs] == list(range(nproc)), f"job {name}: ranks {[lg['rank'] for lg in logs]}"
-    return Job(name, logs, (out / "output.txt").read_text(errors="replace"), seconds)
+        yield c
+    finally:
+        c.stop()
 
 
-def run_job(tmp_path_factory, name: str, nproc: int, *args) -> Job:
-    """Run one job to the end (see :func:`start_job`); a failed job fails the test."""
-    try:
-        return finish_job(start_job(tmp_path_factory, name, nproc, *args))
-    except JobFailed as e:
-        pytest.fail(str(e))
+# ----- the jobs run two at a time: none of their checks depends on timing
 
-
-def run_jobs(tmp_path_factory, specs: dict, parallel: int = 2) -> dict:
-    """Run jobs ``{name: (nproc, *args)}``, ``parallel`` at a time; ``{name: Job or JobFailed}``."""
-    pending = list(specs.items())
-    running: list = []
-    results: dict = {}
-    while pending or running:
-        while pending and len(running) < parallel:
-            name, (nproc, *args) = pending.pop(0)
-            running.append(start_job(tmp_path_factory, name, nproc, *args))
-        done = [st for st in running if st[4].poll() is not None
-                or time.monotonic() - st[5] > JOB_TIMEOUT_S]
-        for st in done:
-            running.remove(st)
-            try:
-                results[st[0]] = finish_job(st)
-            except JobFailed as e:
-                results[st[0]] = e
-        time.sleep(0.2)
-    return results
-
-
-def real_ids(batch: dict) -> list:
-    return [i for i, p in zip(batch["ids"], batch["pad"]) if not p]
-
-
-def padded_ids(batch: dict) -> list:
-    return [i for i, p in zip(batch["ids"], batch["pad"]) if p]
-
-
-def check_epoch(job: Job, epoch: int, expected_rows, loader: int = 0, drop_last: bool = False) -> None:
-    """Every expected sample exactly once, equal batch counts (= len(loader)), padding only as planned."""
-    expected = sorted(expected_rows)
-    where = f"job {job.name}, epoch {epoch}, loader {loader}"
-    plan = split_epoch(len(expected), BATCH, job.world, drop_last)
-    counts = [len(job.batches(r, epoch, loader)) for r in range(job.world)]
-    lens = [lg["len"] for lg in job.ranks]
-    assert lens == [plan.per_rank] * job.world, f"{where}: len(loader) per rank {lens}, plan says {plan.per_rank}"
-    assert counts == [plan.per_rank] * job.world, \
-        f"{where}: batches per rank {counts}, expected len(loader) = {plan.per_rank} on every rank"
-    batches = job.all_batches(epoch, loader)
-    real = sorted(i for b in batches for i in real_ids(b))
-    seen = collections.Counter(real)
-    dup = sorted(i for i, c in seen.items() if c > 1)
-    missing = sorted(set(expected) - set(seen))
-    extra = sorted(set(seen) - set(expected))
-    assert real == expected, f"{where}: duplicated {dup[:10]}, missing {missing[:10]}, unexpected {extra[:10]}"
-    pads = [i for b in batches for i in padded_ids(b)]
-    planned = sum(b.pad for b in plan.batches)
-    assert len(pads) == planned, f"{where}: {len(pads)} padded rows, the plan needs {planned}"
-    assert set(pads) <= set(expected), f"{where}: padding repeats {pads}, not rows of the epoch"
-    for b in batches:  # padding rows come last in their batch
-        flags = b["pad"]
-        assert flags == sorted(flags), f"{where}: padding not at the end of batch {b}"
-        assert len(b["ids"]) <= BATCH, f"{where}: batch of {len(b['ids'])} rows > batch size {BATCH}"
-
-
-def compositions(job: Job, epoch: int, loader: int = 0) -> list:
-    """The epoch's batches as sorted id tuples (independent of which rank got which)."""
-    return sorted(tuple(sorted(b["ids"])) for b in job.all_batches(epoch, loader))
-
-
-def planned_compositions(order, world: int) -> list:
-    """The batches the split plan cuts from a global order (padding included)."""
-    plan = split_epoch(len(order), BATCH, world, False)
-    from sbloader.core.split import batch_positions
-
-    return sorted(tuple(sorted(order[p] for p in batch_positions(b, len(order)))) for b in plan.batches)
-
-
-def check_one_coordinator_per_loader(job: Job, loaders: int) -> None:
-    ids = [tuple(lg["coordinator_ids"]) for lg in job.ranks]
-    assert len(set(ids)) == 1, f"job {job.name}: ranks talk to different coordinators: {ids}"
-    assert len(set(ids[0])) == loaders, f"job {job.name}: {len(set(ids[0]))} coordinators for {loaders} loaders"
-    for lg in job.ranks:
-        names = lg["coordinators"]
-        assert len(names) == loaders and len(set(names)) == loaders, \
-            f"job {job.name}: named coordinator actors {names}, expected one per loader ({loaders})"
-
-
-# ----- the jobs whose checks do not depend on timing run two at a time
-
+PACE_WAIT_S = 60  # a wait this long means the fast rank never came: it was waiting for the slow one
+STRAGGLER = 55  # mid-epoch with shuffle=0: batch 5 of 12, after the block sizes are known
+STRAGGLER_RELEASE_AFTER = 8  # of the 11 other batches
+STRAGGLER_HOLD_S = 60
 MEM_ROWS, MEM_PAYLOAD = 200, 5 * 2**20 // 4  # 200 samples of 5 MiB of float32: 1000 MiB per epoch
 # 92 rows, 3 ranks, batch 10: 90 in full batches, 2 rows for 3 ranks -> one padded row.
 IN_ORDER_ARGS = ("--rows", 92, "--seed", 7, "--in-order", 1)
@@ -207,12 +58,19 @@ UNTIMED_JOBS = {  # name: (ranks, *split_job.py arguments)
     # rank 0 kills the coordinator actor after 4 batches; a new one is rebuilt from the ranks' logs
     "coordinator_killed": (2, "--rows", 200, "--kill-coordinator-at", 4, "--step-s", 0.05,
                            "--after-kill-s", 2.0),
+    # an IterableDataset split by the coordinator (FilteredIds: 88 ids of 103), sequential
+    "iterable_split": (3, "--iterable", 1, "--shuffle", 0, "--epochs", 2),
+    # rank 1 paced by rank 0's progress (see test_slow_rank_does_not_starve_the_fast_one)
+    "slow_rank": (2, "--slow-rank", 1, "--pace-slow-rank", 1, "--slow-s", PACE_WAIT_S),
+    # the straggler sample held until 8 other batches arrived (see test_straggler_does_not_block_other_batches)
+    "straggler": (2, "--shuffle", 0, "--straggler", STRAGGLER, "--straggler-s", STRAGGLER_HOLD_S,
+                  "--straggler-release-after", STRAGGLER_RELEASE_AFTER, "--epochs", 1),
 }
 
 
 @pytest.fixture(scope="module")
-def untimed_jobs(tmp_path_factory):
-    return run_jobs(tmp_path_factory, UNTIMED_JOBS, parallel=2)
+def untimed_jobs(cluster, tmp_path_factory):
+    return run_jobs(cluster, tmp_path_factory, UNTIMED_JOBS, parallel=2)
 
 
 def _job(jobs: dict, name: str) -> Job:
@@ -329,58 +187,50 @@ def test_fixed_seed_in_order_same_assignment_across_runs(in_order_runs):
     check_epoch(b, 0, range(92))
 
 
-# ----- (b) a rank 10x slower than the other: no deadlock, no starvation (timed: runs alone)
+# ----- (b) a slow rank starves nobody: it takes its next batch only once the other took two more (paced
+# by the other rank's progress, not by sleeps), so a fast rank that waited for it would hang the job
 
-@pytest.fixture(scope="module")
-def slow_rank(tmp_path_factory):
-    return run_job(tmp_path_factory, "slow_rank", 2, "--slow-rank", 1, "--slow-s", 0.4, "--step-s", 0.04)
+@pytest.fixture
+def slow_rank(untimed_jobs):
+    return _job(untimed_jobs, "slow_rank")
 
 
 def test_slow_rank_does_not_starve_the_fast_one(slow_rank):
+    """Rank 1 takes its batch k+1 only once rank 0 took 2(k+1) batches (its epochs' total at most): each
+    of those waits ended by rank 0's progress, none by the timeout, so rank 0 took both epochs while rank 1
+    was still in epoch 0 (what was measured with a rank 10x slower by sleeps, now an order of events)."""
     job = slow_rank
     for epoch in range(2):
         check_epoch(job, epoch, range(103))
-    times = [[b["t"] for e in lg["epochs"] for b in e] for lg in job.ranks]
-    fast_span = max(times[0]) - min(times[0])
-    slow_span = max(times[1]) - min(times[1])
-    assert slow_span >= 0.4 * (len(times[1]) - 1), f"the slow rank was not slow: {slow_span:.2f} s"
-    assert fast_span < 0.5 * slow_span, \
-        f"the fast rank took {fast_span:.2f} s for its batches, the 10x slower one {slow_span:.2f} s"
+    pace = job.ranks[1]["pace"]
+    assert len(pace) == 2 * len(job.batches(1, 0)), f"the slow rank waited {len(pace)} times"
+    stuck = [w for w in pace if w["released_by"] != "count"]
+    assert not stuck, f"the fast rank stopped while the slow one waited for it (starved): {stuck}"
+    fast_end = max(b["t"] for e in range(2) for b in job.batches(0, e))
     slow_epoch0_end = max(b["t"] for b in job.batches(1, 0))
-    assert max(times[0]) < slow_epoch0_end, (
-        f"the fast rank finished both epochs at {max(times[0]) - min(times[0]):.2f} s, after the slow rank "
-        f"finished epoch 0 ({slow_epoch0_end - min(times[0]):.2f} s): it waited for the slow one")
+    assert fast_end < slow_epoch0_end, "the fast rank did not finish both epochs before the slow rank's epoch 0"
 
 
-# ----- (c) a straggler partition blocks nothing before the end of the epoch (in_order=0; alone)
+# ----- (c) a straggler partition blocks nothing before the end of the epoch (in_order=0): its sample is
+# held until 8 of the epoch's 11 other batches reached the ranks (2/3 of them), or 60 s
 
-STRAGGLER = 55  # mid-epoch with shuffle=0: batch 5 of 12, after the block sizes are known
-
-
-@pytest.fixture(scope="module")
-def straggler(tmp_path_factory):
-    return run_job(tmp_path_factory, "straggler", 2, "--shuffle", 0, "--straggler", STRAGGLER,
-                   "--straggler-s", 5, "--epochs", 1)
+@pytest.fixture
+def straggler(untimed_jobs):
+    return _job(untimed_jobs, "straggler")
 
 
 def test_straggler_does_not_block_other_batches(straggler):
+    """While the straggler's sample is held, 8 of the 11 other batches reach the ranks (the hold ends by
+    that count, not by its 60 s timeout), and they come before the straggler's batch."""
     job = straggler
     check_epoch(job, 0, range(103))
-    [(s_rank, s_batch)] = [(r, b) for r in range(2) for b in job.batches(r, 0) if STRAGGLER in b["ids"]]
-    t_s = s_batch["t"]
-    t_first = min(b["t"] for b in job.all_batches(0))
-    assert t_s - t_first > 3.0, f"the straggler's batch came {t_s - t_first:.2f} s after the first: no delay?"
+    hold = json.loads((job.out / "straggler.json").read_text())
+    assert hold["released_by"] == "count", f"the other batches waited for the straggler: {hold}"
+    [(_, s_batch)] = [(r, b) for r in range(2) for b in job.batches(r, 0) if STRAGGLER in b["ids"]]
     others = [b for b in job.all_batches(0) if b is not s_batch]
-    before = sum(1 for b in others if b["t"] < t_s)
-    assert before >= 2 / 3 * len(others), \
+    before = sum(1 for b in others if b["t"] < s_batch["t"])
+    assert before >= STRAGGLER_RELEASE_AFTER, \
         f"only {before} of {len(others)} batches arrived before the straggler's: it blocked the others"
-    for r in range(2):
-        if r == s_rank:
-            continue
-        ts = [b["t"] for b in job.batches(r, 0)]
-        gaps = [round(b - a, 2) for a, b in zip(ts, ts[1:])]
-        assert all(g <= 2.5 for g in gaps[:-1]), \
-            f"rank {r} (without the straggler) waited between batches: gaps {gaps} s"
 
 
 # ----- (d) the coordinator's memory stays flat while > 1 GB of batches flows
@@ -437,10 +287,10 @@ def test_distributed_sampler_drop_last(dist_sampler_drop_last):
 # ----- an IterableDataset split by the coordinator, a real torchrun job ---------------------------------------------------------------------------
 
 
-def test_torchrun_three_ranks_iterable_split(tmp_path_factory):
+def test_torchrun_three_ranks_iterable_split(untimed_jobs):
     """3 ranks, 88 ids kept of 103 (2 worker shards of 44), batches of 10: 10 batches (8 full, 2 of 4
     rows) per epoch; 3 whole batches per rank, the shortest left over cut as 2 + 1 + 1 rows."""
-    job = run_job(tmp_path_factory, "iterable_split", 3, "--iterable", 1, "--shuffle", 0, "--epochs", 2)
+    job = _job(untimed_jobs, "iterable_split")
     expected = [i for i in range(103) if i % 7]
     for lg in job.ranks:
         assert lg["len"] is None, f"rank {lg['rank']}: len(loader) = {lg['len']}, expected TypeError"

@@ -574,13 +574,17 @@ def _eager(executor):
     return executor
 
 
-def _drain(executor) -> dict:
-    """partition id -> (seconds from the start to its delivery, its ids)."""
+def _drain(executor, delivered: Path = None) -> dict:
+    """partition id -> (seconds from the start to its delivery, its ids). ``delivered``: a file that
+    gets one line per partition as it is delivered (what a held map function waits on)."""
     t0, out = time.monotonic(), {}
     try:
         while (item := executor.get_next(timeout=60)) is not None:
             assert item.meta.partition_id not in out, f"partition {item.meta.partition_id} delivered twice"
             out[item.meta.partition_id] = (time.monotonic() - t0, ray.get(item.ref)["id"])
+            if delivered is not None:
+                with open(delivered, "a") as f:
+                    f.write(f"{item.meta.partition_id}\n")
             executor.release(item.meta.nbytes)
     finally:
         executor.shutdown()
@@ -609,20 +613,41 @@ def _straggle(batch):
     return batch
 
 
-def test_a_straggling_partition_does_not_hold_back_the_others_of_its_task(ray_session):
+def _held_straggler(batch, marker_dir):
+    """The straggler partition (every copy of it) is held until the 59 others were delivered (the
+    consumer's ``delivered`` file), 60 s at most; each hold's end goes to ``held-<pid>.txt``."""
+    if 8 * _STRAGGLER_PARTITION in batch["id"]:
+        delivered = os.path.join(marker_dir, "delivered")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if os.path.exists(delivered) and len(Path(delivered).read_text().split()) >= 59:
+                break
+            time.sleep(0.05)
+        ended = "count" if time.monotonic() < deadline else "timeout"
+        with open(os.path.join(marker_dir, f"held-{os.getpid()}.txt"), "a") as f:
+            f.write(ended + "\n")
+    else:
+        time.sleep(0.02)
+    return batch
+
+
+def test_a_straggling_partition_does_not_hold_back_the_others_of_its_task(ray_session, tmp_path):
     """A read task of several partitions returns their blocks together; when it runs
     far longer than expected, its partitions are launched again one per task and the
-    first copy back is delivered: the others arrive long before the straggler."""
-    executor = _eager(sbloader.range(480, num_partitions=60).map_batches(_straggle).execute())
-    got = _drain(executor)
+    first copy back is delivered: the others all arrive while the straggler is held (its
+    hold ends by their count, not by its timeout), before it."""
+    executor = _eager(sbloader.range(480, num_partitions=60).map_batches(
+        _held_straggler, fn_kwargs={"marker_dir": str(tmp_path)}).execute())
+    got = _drain(executor, delivered=tmp_path / "delivered")
     assert sorted(got) == list(range(60))
     assert sorted(np.concatenate([ids for _, ids in got.values()]).tolist()) == list(range(480))
     st = executor.stats()
     assert st.operators[0].tasks < 60
     assert st.speculative_partitions >= 1, "the straggler's task was not launched again"
-    slow = got.pop(_STRAGGLER_PARTITION)[0]
-    latest = max(t for t, _ in got.values())
-    assert latest < slow - 2.0, f"the other partitions came at up to {latest:.2f} s, the straggler at {slow:.2f} s"
+    order = (tmp_path / "delivered").read_text().split()
+    assert order[-1] == str(_STRAGGLER_PARTITION), f"the straggler was not the last delivered: {order}"
+    ends = [x for f in tmp_path.glob("held-*.txt") for x in f.read_text().split()]
+    assert "count" in ends, f"the straggler's hold never ended by the others' delivery: {ends}"
 
 
 _FAILING_PARTITION = 40

@@ -20,6 +20,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).resolve().parent / "resume_job.py"
@@ -102,14 +103,21 @@ def checkpoints(ckpt: Path) -> list:
 
 
 def run_leg(out: Path, ckpt: Path, nproc: int, attempt: int, kill_at: int = -1, timeout: float = 180.0,
-            **flags) -> Leg:
-    """One torchrun job of ``resume_job.py``; raises JobError unless it finished or killed itself."""
-    env = dict(os.environ)
+            cluster_env: Optional[dict] = None, **flags) -> Leg:
+    """One torchrun job of ``resume_job.py``; raises JobError unless it finished or killed itself.
+
+    ``cluster_env``: the environment of a ``ray start`` cluster to join (``RAY_ADDRESS`` in it);
+    None: the job starts its own embedded Ray."""
+    if cluster_env is not None:
+        env = dict(cluster_env)
+        assert env.get("RAY_ADDRESS"), "cluster_env names no RAY_ADDRESS"
+    else:
+        env = dict(os.environ)
+        env.pop("RAY_ADDRESS", None)  # the job starts its own embedded Ray
+        env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     # tests/scripts on the path: the loader's workers import the job's dataset and map (_job_common.py)
-    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parent), str(REPO)] +
-                                        ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env.pop("RAY_ADDRESS", None)  # every job starts its own embedded Ray
-    env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    path = os.environ.get("PYTHONPATH")
+    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parent), str(REPO)] + ([path] if path else []))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            str(SCRIPT), "--out", str(out), "--ckpt", str(ckpt), "--attempt", str(attempt),
            "--kill-at", str(kill_at)]
@@ -139,12 +147,15 @@ def run_leg(out: Path, ckpt: Path, nproc: int, attempt: int, kill_at: int = -1, 
                read_steps(out, attempt, nproc), output)
 
 
-def run_chain(out: Path, legs: list, n: int = 240, timeout: float = 180.0, **flags) -> Chain:
-    """Run legs ``[(nproc, kill_at), ...]`` in ``out`` (one checkpoint file); stop once one finishes."""
+def run_chain(out: Path, legs: list, n: int = 240, timeout: float = 180.0, cluster_env: Optional[dict] = None,
+              **flags) -> Chain:
+    """Run legs ``[(nproc, kill_at), ...]`` in ``out`` (one checkpoint file); stop once one finishes.
+    ``cluster_env``: as :func:`run_leg`'s."""
     out.mkdir(parents=True, exist_ok=True)
     chain = Chain(out, n=n)
     for attempt, (nproc, kill_at) in enumerate(legs):
-        chain.legs.append(run_leg(out, chain.ckpt, nproc, attempt, kill_at, timeout, samples=n, **flags))
+        chain.legs.append(run_leg(out, chain.ckpt, nproc, attempt, kill_at, timeout, cluster_env, samples=n,
+                                  **flags))
         if not chain.legs[-1].killed:
             break
     return chain

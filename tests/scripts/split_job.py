@@ -15,12 +15,38 @@ from torch.utils.data import Dataset, DistributedSampler, IterableDataset, get_w
 import sbloader
 
 
+def arrived(out: str, ranks: list) -> int:
+    """Batches the training loops of ``ranks`` have taken so far (the whole lines of ``OUT/arrived{R}.txt``)."""
+    n = 0
+    for r in ranks:
+        path = os.path.join(out, f"arrived{r}.txt")
+        if os.path.exists(path):
+            with open(path) as f:
+                n += sum(1 for line in f if line.endswith("\n"))
+    return n
+
+
+def wait_for_arrivals(out: str, ranks: list, count: int, timeout_s: float) -> dict:
+    """Wait until ``ranks`` took ``count`` batches (or ``timeout_s`` passed): how it ended and the count then."""
+    deadline = time.monotonic() + timeout_s
+    while (n := arrived(out, ranks)) < count:
+        if time.monotonic() > deadline:
+            return {"released_by": "timeout", "arrived": n, "wanted": count}
+        time.sleep(0.05)
+    return {"released_by": "count", "arrived": n, "wanted": count}
+
+
 class Ids(Dataset):
-    """Sample ``i`` is ``{"id": i, "x": a small tensor}``; optional per-sample delay."""
+    """Sample ``i`` is ``{"id": i, "x": a small tensor}``; optional per-sample delay.
+
+    The ``straggler`` sample sleeps ``straggler_s``; with ``hold_dir`` it is held instead until the
+    ranks' training loops took ``hold_count`` batches (``OUT/arrived{R}.txt``), ``straggler_s`` at
+    most, and says which ended the hold in ``hold_dir/straggler.json``."""
 
     def __init__(self, n: int, delay: float = 0.0, straggler: int = -1, straggler_s: float = 0.0,
-                 payload: int = 16) -> None:
+                 payload: int = 16, hold_dir: str = "", hold_count: int = 0, world: int = 1) -> None:
         self.n, self.delay, self.straggler, self.straggler_s, self.payload = n, delay, straggler, straggler_s, payload
+        self.hold_dir, self.hold_count, self.world = hold_dir, hold_count, world
 
     def __len__(self) -> int:
         return self.n
@@ -28,7 +54,14 @@ class Ids(Dataset):
     def __getitem__(self, i: int) -> dict:
         if self.delay:
             time.sleep(self.delay)
-        if i == self.straggler:
+        if i == self.straggler and self.hold_dir:
+            hold = wait_for_arrivals(self.hold_dir, list(range(self.world)), self.hold_count, self.straggler_s)
+            path = os.path.join(self.hold_dir, "straggler.json")
+            if not os.path.exists(path):  # the first hold only (a retried read is not held again)
+                with open(path + ".tmp", "w") as f:
+                    json.dump(hold, f)
+                os.replace(path + ".tmp", path)
+        elif i == self.straggler:
             time.sleep(self.straggler_s)
         return {"id": i, "x": torch.full((self.payload,), float(i))}
 
@@ -55,6 +88,26 @@ def _coordinator_info(loader: sbloader.DataLoader) -> dict:
     return ray.get(loader._carry.coordinator.process_info.remote())
 
 
+def job_coordinators(own_ids: list) -> list:
+    """The names of the named actors in this job's namespace(s): every ``sbloader-*`` namespace that
+    holds one of this job's coordinators (``own_ids``, actor ids). Other jobs on a shared cluster
+    (each a namespace of its own) are left out; an extra coordinator of this job is listed."""
+    import ray
+
+    from sbloader.distributed.naming import NAMESPACE
+
+    entries = [a for a in ray.util.list_named_actors(all_namespaces=True)
+               if str(a.get("namespace")).startswith(NAMESPACE)]
+    ours = set()
+    for a in entries:
+        try:
+            if ray.get_actor(a["name"], namespace=a["namespace"])._actor_id.hex() in own_ids:
+                ours.add(a["namespace"])
+        except ValueError:  # gone meanwhile
+            continue
+    return sorted(a["name"] for a in entries if a["namespace"] in ours)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -73,6 +126,11 @@ def main() -> None:
     p.add_argument("--step-s", type=float, default=0.0, help="seconds each other rank spends per batch")
     p.add_argument("--straggler", type=int, default=-1)
     p.add_argument("--straggler-s", type=float, default=0.0)
+    p.add_argument("--straggler-release-after", type=int, default=0,
+                   help="hold the straggler sample until the ranks took this many batches (straggler-s at most)")
+    p.add_argument("--pace-slow-rank", type=int, default=0,
+                   help="the slow rank takes its batch k+1 once the other ranks took 2(k+1) batches of their "
+                        "epochs (slow-s at most per wait; each wait's end logged as 'pace'), instead of sleeping")
     p.add_argument("--payload", type=int, default=16)
     p.add_argument("--sample-s", type=float, default=0.0, help="seconds a worker spends per sample")
     p.add_argument("--two-loaders", type=int, default=0)
@@ -91,7 +149,10 @@ def main() -> None:
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     ds = Ids(args.n, delay=args.sample_s, straggler=args.straggler, straggler_s=args.straggler_s,
-             payload=args.payload)
+             payload=args.payload, hold_dir=args.out if args.straggler_release_after > 0 else "",
+             hold_count=args.straggler_release_after, world=world)
+    count_arrivals = args.straggler_release_after > 0 or args.pace_slow_rank
+    others = [r for r in range(world) if r != args.slow_rank]
     kwargs = dict(batch_size=args.batch_size, num_workers=args.workers, drop_last=bool(args.drop_last),
                   in_order=bool(args.in_order), seed=args.seed, persistent_workers=True,
                   worker_num_cpus=args.worker_cpus)
@@ -115,7 +176,8 @@ def main() -> None:
     except TypeError:  # an IterableDataset split by the coordinator: unknown until the end
         length = None
     log = {"rank": rank, "world": world, "len": length, "epochs": [], "pid": os.getpid(),
-           "t_start": time.time()}
+           "t_start": time.time(), "pace": []}
+    taken = 0  # batches of loader 0 this rank took, every epoch
     rss = []
     for epoch in range(args.epochs):
         if sampler is not None:
@@ -138,7 +200,15 @@ def main() -> None:
                     # let the other ranks notice first: the rebuild must not depend on
                     # which rank reports first (their unseeded samplers drew other orders)
                     time.sleep(args.after_kill_s)
-                if rank == args.slow_rank:
+                if li == 0:
+                    taken += 1
+                if count_arrivals and li == 0:
+                    with open(os.path.join(args.out, f"arrived{rank}.txt"), "a") as f:
+                        f.write(f"{ids[0]}\n")
+                if rank == args.slow_rank and args.pace_slow_rank:
+                    total = length * args.epochs * len(others)  # every batch the other ranks take
+                    log["pace"].append(wait_for_arrivals(args.out, others, min(2 * (taken + 1), total), args.slow_s))
+                elif rank == args.slow_rank:
                     time.sleep(args.slow_s)
                 elif args.step_s:
                     time.sleep(args.step_s)
@@ -152,12 +222,8 @@ def main() -> None:
         log["coordinator_info"] = rss
     import ray
 
-    from sbloader.distributed.naming import NAMESPACE
-
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if str(a.get("namespace")).startswith(NAMESPACE)] if hasattr(ray.util, "list_named_actors") else []
-    log["coordinators"] = sorted(names)
     log["coordinator_ids"] = [ld._carry.coordinator._actor_id.hex() for ld in loaders]
+    log["coordinators"] = job_coordinators(log["coordinator_ids"])
     # Epochs the first loader's coordinator still holds (it drops an epoch once every
     # rank left it); waits a little for the other ranks' last calls to land.
     deadline = time.monotonic() + 10
