@@ -11,7 +11,7 @@ the handover is per shard and at a batch:
    receives them in torch's round-robin (:class:`~sbloader.loaders.shard_order.RoundRobin`,
    also across a resume whose shards stand at different rounds);
 2. **handover**: once the pool's actors (started ahead by
-   :func:`~sbloader.loaders.local_start._prestart`) are up, between two batches, the local
+   :func:`~sbloader.loaders.local_start.prestart`) are up, between two batches, the local
    workers are shut down and the pool resumes every shard from the snapshot of the last batch
    the loop received from it (what the local workers made beyond it is made again). The pool's
    batches go on in the same round-robin, so the epoch is the same batches, in the same order,
@@ -33,8 +33,8 @@ from sbloader.loaders.epoch import Delivery, EpochIterator
 from sbloader.loaders.failed_batch import FailedBatch
 from sbloader.loaders.fork_safe import ForkGate
 from sbloader.loaders.iterable_resume import IterableRun, iterate_shard
-from sbloader.loaders.local_start import (_LOCAL, _PRESTART_LOCK, Handover, _hold, _identity, _keep_prestarted,
-                                          _prestart, _unwrap, _WorkerInit, forced_handover)
+from sbloader.loaders.local_start import (LOCAL_WORKER, PRESTART_LOCK, Handover, hold, identity, keep_prestarted,
+                                          prestart, unwrap, WorkerInit, forced_handover)
 from sbloader.loaders.shard_order import RoundRobin
 
 _END = "end"  # a local worker's last item: its shard has no more batches
@@ -55,12 +55,12 @@ class _LocalShards(IterableDataset):
         from sbloader.loaders.worker import _rng_states, _set_rng_states, _set_torch_worker_info
 
         shard = get_worker_info().id
-        if _LOCAL["init_error"] is not None:  # worker_init_fn failed: raised at this shard's first batch
-            yield "batch", shard, _LOCAL["init_error"], None
+        if LOCAL_WORKER["init_error"] is not None:  # worker_init_fn failed: raised at this shard's first batch
+            yield "batch", shard, LOCAL_WORKER["init_error"], None
             yield _END, shard
             return
         with task_context(self.epoch, self.epoch_seed, shard, "LoaderWorker", 0) as ctx:  # the pool's shard seed
-            own = _LOCAL["own_states"]
+            own = LOCAL_WORKER["own_states"]
             seed = ctx.seed
             if own is not None:  # worker_init_fn's seed stands: the worker's streams go on
                 _set_rng_states(own)
@@ -70,7 +70,7 @@ class _LocalShards(IterableDataset):
                                                 self.resume.get(shard)):
                 yield "batch", shard, batch, snap
             if own is not None:
-                _LOCAL["own_states"] = _rng_states()
+                LOCAL_WORKER["own_states"] = _rng_states()
         yield _END, shard
 
 
@@ -83,8 +83,8 @@ def iterable_start_epoch(s: Any, carry: Any, run: IterableRun, epoch: int, epoch
     handover = Handover(0, forced_handover())
     positions = {w: run.shard_resume(w) for w in range(s.num_workers)}  # each shard's last delivered snapshot
     carry.starts += 1
-    _hold(s, carry)
-    threading.Thread(target=_prestart, args=(s, carry, epoch_seed, handover, carry.starts), daemon=True,
+    hold(s, carry)
+    threading.Thread(target=prestart, args=(s, carry, epoch_seed, handover, carry.starts), daemon=True,
                      name="sbloader-pool-prestart").start()
     phase: dict = {}
 
@@ -108,9 +108,9 @@ def iterable_start_epoch(s: Any, carry: Any, run: IterableRun, epoch: int, epoch
             handover.closed = True
             phase["pool"].closed()
         else:  # the pool never ran: its actors started ahead stay warm for the next epoch
-            with _PRESTART_LOCK:
+            with PRESTART_LOCK:
                 handover.closed = True
-                _keep_prestarted(s, carry, handover)
+                keep_prestarted(s, carry, handover)
         s.reporter(f"epoch {epoch}", stalls)()
 
     return EpochIterator(produce(), run, ahead=s.ahead, stalls=stalls, to_device=s.device_copy(), translate=translate,
@@ -129,8 +129,8 @@ def _local_phase(s: Any, run: IterableRun, epoch: int, epoch_seed: int, handover
                           epoch, epoch_seed)
     with warnings.catch_warnings():  # torch's too-many-workers warning was given at the loader's creation
         warnings.simplefilter("ignore", UserWarning)
-        local = TorchLoader(shards, batch_size=None, num_workers=s.num_workers, collate_fn=_identity,
-                            worker_init_fn=_WorkerInit(s.dataset, epoch_seed, s.worker_init_fn),
+        local = TorchLoader(shards, batch_size=None, num_workers=s.num_workers, collate_fn=identity,
+                            worker_init_fn=WorkerInit(s.dataset, epoch_seed, s.worker_init_fn),
                             multiprocessing_context=s.multiprocessing_context, prefetch_factor=s.prefetch_factor,
                             generator=torch.Generator().manual_seed(epoch_seed % 2**63))
         if _hand_over_now(handover, 0):  # forced at batch 0: the pool makes the whole epoch
@@ -157,7 +157,7 @@ def _local_phase(s: Any, run: IterableRun, epoch: int, epoch_seed: int, handover
             for _, shard, batch, snap in ready:
                 if snap is not None:
                     positions[shard] = snap
-                yield Delivery(_unwrap(batch, s.pin), (shard, snap) if snap is not None else None)
+                yield Delivery(unwrap(batch, s.pin), (shard, snap) if snap is not None else None)
                 delivered += 1
                 if _hand_over_now(handover, delivered):
                     phase["handed_over"] = True

@@ -45,7 +45,8 @@ from sbloader.loaders.tensors import pin_batch
 
 LOCAL_START_ENV = "SBLOADER_LOCAL_START"  # 0: never start an epoch on local processes
 HANDOVER_AT_ENV = "SBLOADER_HANDOVER_AT"  # tests: every epoch starts locally and hands over at this partition
-_LOCAL: dict = {"own_states": None, "init_error": None}  # in a local worker: its RNG streams once worker_init_fn set them
+#: In a local worker: its RNG streams once worker_init_fn set them, and worker_init_fn's error.
+LOCAL_WORKER: dict = {"own_states": None, "init_error": None}
 
 
 def enabled(s: Any) -> bool:
@@ -86,11 +87,12 @@ def pool_is_up(s: Any, carry: Any) -> bool:
     return len(done) == len(starting)
 
 
-def _identity(x: Any) -> Any:
+def identity(x: Any) -> Any:
+    """The local workers' ``collate_fn``: their items are collated already."""
     return x
 
 
-class _WorkerInit:
+class WorkerInit:
     """Run in each local worker before its first partition, as :class:`~sbloader.loaders.worker.LoaderWorker`
     does in a remote one: seed ``epoch_seed + id``, ``get_worker_info()`` naming the user's dataset, then the
     user's ``worker_init_fn`` (whose changes to the RNGs, if any, the worker keeps from then on)."""
@@ -107,16 +109,16 @@ class _WorkerInit:
         seed = (self.epoch_seed + worker_id) % 2**63
         _seed_all(seed)
         _set_torch_worker_info(worker_id, info.num_workers, seed, self.dataset)
-        _LOCAL["own_states"] = _LOCAL["init_error"] = None
+        LOCAL_WORKER["own_states"] = LOCAL_WORKER["init_error"] = None
         if self.user_fn is not None:
             before = _rng_states()
             try:
                 self.user_fn(worker_id)
             except Exception as e:  # raised at the worker's first batch, as a pool actor's (naming worker_init_fn)
-                _LOCAL["init_error"] = FailedBatch.remote(e, WORKER_INIT_FN, -1, -1, worker_id, fatal=True)
+                LOCAL_WORKER["init_error"] = FailedBatch.remote(e, WORKER_INIT_FN, -1, -1, worker_id, fatal=True)
             after = _rng_states()
             if not _same_states(before, after):
-                _LOCAL["own_states"] = after
+                LOCAL_WORKER["own_states"] = after
 
 
 class _Partitions:
@@ -138,11 +140,11 @@ class _Partitions:
         from sbloader.loaders.worker import _rng_states, _set_rng_states
 
         first = p * self.bpp
-        if _LOCAL["init_error"] is not None:
-            return p, [_LOCAL["init_error"]] * len(self.items[first:first + self.bpp])
+        if LOCAL_WORKER["init_error"] is not None:
+            return p, [LOCAL_WORKER["init_error"]] * len(self.items[first:first + self.bpp])
         out = []
         with task_context(self.epoch, self.epoch_seed, self.ids[first], "LoaderWorker", 0):
-            own = _LOCAL["own_states"]
+            own = LOCAL_WORKER["own_states"]
             if own is not None:  # worker_init_fn's seed stands: the worker's streams go on
                 _set_rng_states(own)
             for item in self.items[first:first + self.bpp]:
@@ -152,7 +154,7 @@ class _Partitions:
                     info = torch_worker.get_worker_info()
                     out.append(ExceptionWrapper(where=f"in DataLoader worker process {info.id if info else 0}"))
             if own is not None:
-                _LOCAL["own_states"] = _rng_states()
+                LOCAL_WORKER["own_states"] = _rng_states()
         return p, out
 
 
@@ -220,10 +222,10 @@ class Handover:
             yield p
 
 
-_PRESTART_LOCK = threading.Lock()
+PRESTART_LOCK = threading.Lock()
 
 
-def _prestart(s: Any, carry: Any, epoch_seed: int, handover: Handover, start: int) -> None:
+def prestart(s: Any, carry: Any, epoch_seed: int, handover: Handover, start: int) -> None:
     """In the background: Ray up (started at the loader's construction), then the pool's actors
     started ahead (the loader's warm ones rebuilt, or new ones) for the handover. An epoch that
     ended first (shorter than Ray's start) leaves them warm for the next epoch; a newer epoch's
@@ -247,7 +249,7 @@ def _prestart(s: Any, carry: Any, epoch_seed: int, handover: Handover, start: in
                           "picklable to load on the cluster", RuntimeWarning, stacklevel=1)
             handover.gave_up = True
             return _release_hold(carry)
-        with _PRESTART_LOCK, FORK_LOCK:  # the epoch's close (``closed``) sees the actors, or none at all
+        with PRESTART_LOCK, FORK_LOCK:  # the epoch's close (``closed``) sees the actors, or none at all
             if carry.dropped or carry.starts != start:
                 return
             if s.persistent_workers:
@@ -256,11 +258,11 @@ def _prestart(s: Any, carry: Any, epoch_seed: int, handover: Handover, start: in
                 cache = warm_workers.take(carry, op, s.num_workers, s.warm_key())
             else:
                 cache = {}
-            _hold(s, carry)
+            hold(s, carry)
             prestart_pools((ShardSource if s.iterable else ReadyBatchSource).name, (op,), pool_options(s), cache)
             handover.prestarted(cache)
             if handover.closed:  # the epoch ended before Ray was up: its actors wait for the next one
-                _keep_prestarted(s, carry, handover)
+                keep_prestarted(s, carry, handover)
     except Exception as exc:  # the local phase goes on alone; the pool's own start raises it if it recurs
         import logging
 
@@ -274,7 +276,7 @@ def _release_hold(carry: Any) -> None:
         carry.held_cpus = 0.0
 
 
-def _hold(s: Any, carry: Any) -> None:
+def hold(s: Any, carry: Any) -> None:
     """The pool's CPUs count as held by this loader (other loaders' worker shares leave them)."""
     from sbloader.loaders.dropin_settings import _CARRIES
 
@@ -295,8 +297,8 @@ def local_start_epoch(s: Any, carry: Any, run: Any, epoch: int, epoch_seed: int,
     handover = Handover(math.ceil(len(items) / bpp), forced_handover())
     local = torch_workers(s, items, ids, epoch, epoch_seed, handover)
     carry.starts += 1
-    _hold(s, carry)  # counted now, not once the background start gets there: a loader built meanwhile leaves them
-    threading.Thread(target=_prestart, args=(s, carry, epoch_seed, handover, carry.starts), daemon=True,
+    hold(s, carry)  # counted now, not once the background start gets there: a loader built meanwhile leaves them
+    threading.Thread(target=prestart, args=(s, carry, epoch_seed, handover, carry.starts), daemon=True,
                      name="sbloader-pool-prestart").start()
     phase: dict = {}
 
@@ -321,9 +323,9 @@ def local_start_epoch(s: Any, carry: Any, run: Any, epoch: int, epoch_seed: int,
             handover.closed = True
             phase["pool"].closed()
         else:  # the pool never ran: its actors started ahead stay warm for the next epoch, as the pool's would
-            with _PRESTART_LOCK:  # started now or later (``_prestart``), never lost in between
+            with PRESTART_LOCK:  # started now or later (``prestart``), never lost in between
                 handover.closed = True
-                _keep_prestarted(s, carry, handover)
+                keep_prestarted(s, carry, handover)
         s.reporter(f"epoch {epoch}", stalls)()
 
     return EpochIterator(produce(), run, ahead=s.ahead, stalls=stalls, to_device=s.device_copy(), translate=translate,
@@ -334,7 +336,7 @@ def local_start_epoch(s: Any, carry: Any, run: Any, epoch: int, epoch_seed: int,
 def torch_workers(s: Any, items: list, ids: list, epoch: int, epoch_seed: int, sampler: Any) -> Any:
     """torch's own ``DataLoader`` over the epoch's partitions of ``items`` (``batches_per_partition`` batches
     each; ``sampler`` yields the partition numbers to make): ``num_workers`` local processes, each set up as
-    a pool actor is (:class:`_WorkerInit`)."""
+    a pool actor is (:class:`WorkerInit`)."""
     import torch
     from torch.utils.data import DataLoader as TorchLoader
 
@@ -343,8 +345,8 @@ def torch_workers(s: Any, items: list, ids: list, epoch: int, epoch_seed: int, s
     with warnings.catch_warnings():  # torch's too-many-workers warning was given at the loader's creation
         warnings.simplefilter("ignore", UserWarning)
         return TorchLoader(parts, batch_size=None, sampler=ForkGate().wrap(sampler), num_workers=s.num_workers,
-                           collate_fn=_identity,  # ``timeout``: the epoch's, counted once the workers are up
-                           worker_init_fn=_WorkerInit(s.dataset, epoch_seed, s.worker_init_fn),
+                           collate_fn=identity,  # ``timeout``: the epoch's, counted once the workers are up
+                           worker_init_fn=WorkerInit(s.dataset, epoch_seed, s.worker_init_fn),
                            multiprocessing_context=s.multiprocessing_context,
                            generator=torch.Generator().manual_seed(epoch_seed % 2**63),  # the trainer's RNG untouched
                            prefetch_factor=s.prefetch_factor)
@@ -368,10 +370,10 @@ def deliveries(s: Any, local: Any, phase: dict, record: Any) -> Iterator[Deliver
             return
         phase["up"] = True  # the workers are up: ``timeout`` counts from here, ``start_timeout`` is over
         for i, b in enumerate(batches):
-            yield Delivery(_unwrap(b, s.pin), record(p * bpp + i))
+            yield Delivery(unwrap(b, s.pin), record(p * bpp + i))
 
 
-def _unwrap(batch: Any, pin: bool) -> Any:
+def unwrap(batch: Any, pin: bool) -> Any:
     """A local batch as the loop receives it: pinned if asked, or its error in its place."""
     from torch.utils.data._utils.worker import ExceptionWrapper
 
@@ -385,7 +387,7 @@ def _unwrap(batch: Any, pin: bool) -> Any:
     return pin_batch(batch) if pin else batch
 
 
-def _keep_prestarted(s: Any, carry: Any, handover: Handover) -> None:
+def keep_prestarted(s: Any, carry: Any, handover: Handover) -> None:
     """The epoch ended before the handover: the actors started for it wait for the next epoch."""
     from sbloader.runtime.background import loaded
 
