@@ -11,7 +11,7 @@ the handover is per shard and at a batch:
    receives them in torch's round-robin (:class:`~sbloader.loaders.shard_order.RoundRobin`,
    also across a resume whose shards stand at different rounds);
 2. **handover**: once the pool's actors (started ahead by
-   :func:`~sbloader.loaders.local_start.prestart`) are up, between two batches, the local
+   :func:`~sbloader.loaders.handover.prestart`) are up, between two batches, the local
    workers are shut down and the pool resumes every shard from the snapshot of the last batch
    the loop received from it (what the local workers made beyond it is made again). The pool's
    batches go on in the same round-robin, so the epoch is the same batches, in the same order,
@@ -33,8 +33,8 @@ from sbloader.loaders.epoch import Delivery, EpochIterator
 from sbloader.loaders.failed_batch import FailedBatch
 from sbloader.loaders.fork_safe import ForkGate
 from sbloader.loaders.iterable_resume import IterableRun, iterate_shard
-from sbloader.loaders.local_start import (LOCAL_WORKER, PRESTART_LOCK, Handover, hold, identity, keep_prestarted,
-                                          prestart, unwrap, WorkerInit, forced_handover)
+from sbloader.loaders.handover import Handover, hold, phased_iterator, prestart
+from sbloader.loaders.local_start import LOCAL_WORKER, WorkerInit, forced_handover, identity, unwrap
 from sbloader.loaders.shard_order import RoundRobin
 
 _END = "end"  # a local worker's last item: its shard has no more batches
@@ -76,8 +76,6 @@ class _LocalShards(IterableDataset):
 
 def iterable_start_epoch(s: Any, carry: Any, run: IterableRun, epoch: int, epoch_seed: int) -> EpochIterator:
     """An ``IterableDataset`` epoch that starts on local worker processes and hands its shards to the pool."""
-    from sbloader.loaders.failed_batch import translate
-
     stalls = StallStats()
     carry.stats = None
     handover = Handover(0, forced_handover())
@@ -98,24 +96,7 @@ def iterable_start_epoch(s: Any, carry: Any, run: IterableRun, epoch: int, epoch
                                          shard_resume=positions)
         yield from pool.produce
 
-    def wake() -> None:
-        handover.closed = True
-        if "pool" in phase:
-            phase["pool"].executor.shutdown()
-
-    def closed() -> None:
-        if "pool" in phase:
-            handover.closed = True
-            phase["pool"].closed()
-        else:  # the pool never ran: its actors started ahead stay warm for the next epoch
-            with PRESTART_LOCK:
-                handover.closed = True
-                keep_prestarted(s, carry, handover)
-        s.reporter(f"epoch {epoch}", stalls)()
-
-    return EpochIterator(produce(), run, ahead=s.ahead, stalls=stalls, to_device=s.device_copy(), translate=translate,
-                         timeout=s.timeout or None, wake=wake, on_close=closed,
-                         started=lambda: bool(phase.get("up")), start_timeout=s.start_timeout)
+    return phased_iterator(s, carry, run, epoch, stalls, handover, phase, produce())
 
 
 def _local_phase(s: Any, run: IterableRun, epoch: int, epoch_seed: int, handover: Handover, positions: dict,

@@ -1,0 +1,172 @@
+"""The handover of a locally started epoch to the pool: the pool's actors started ahead, and the switch.
+
+A local start (:mod:`~sbloader.loaders.local_start` for map-style datasets,
+:mod:`~sbloader.loaders.iterable_start` for an ``IterableDataset``) makes an epoch's first
+batches on local worker processes while, in the background, Ray comes up and the pool's
+actors are started ahead (:func:`prestart`: the loader's warm actors rebuilt, or new ones);
+:class:`Handover` says when they are all constructed, and the epoch's iterator
+(:func:`phased_iterator`) is woken and closed in whichever phase it is in. The close and the
+background start agree under :data:`PRESTART_LOCK`: actors started for an epoch that ended
+first (shorter than Ray's start) stay warm for the next one, never lost in between.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from typing import Any, Iterator, Optional
+
+from sbloader.core.stats import StallStats
+from sbloader.loaders.epoch import Delivery, EpochIterator
+from sbloader.loaders.fork_safe import FORK_LOCK
+
+
+class Handover:
+    """The local sampler of partitions: hands out partitions until the pool's actors are up, then stops.
+
+    Args:
+        total: the epoch's partitions.
+        actors: the pool's actors started ahead (:class:`~sbloader.executor.pools.PrestartedActor`), filled
+            in by the background start once Ray is up.
+    """
+
+    def __init__(self, total: int, at: Optional[int] = None) -> None:
+        self.total, self.at = total, at  # at: hand over exactly there, waiting for the pool (tests)
+        self.stopped_at: Optional[int] = None  # the first partition the pool makes (None: the local phase ran all)
+        self.cache: dict = {}
+        self._refs: list = []
+        self._lock = threading.Lock()
+        self.closed = False
+        self.gave_up = False  # the pool could not be started: the local workers make the whole epoch
+
+    def prestarted(self, cache: dict) -> None:
+        """The pool's actors are starting (their constructors' refs say when they are up)."""
+        with self._lock:
+            self.cache = cache
+            self._refs = [h.ready_ref for hs in cache.values() for h in hs if hasattr(h, "ready_ref")]
+
+    def ready(self) -> bool:
+        """Whether every actor of the pool is constructed (never blocks)."""
+        with self._lock:
+            refs = list(self._refs)
+        if not self.cache:
+            return False
+        if not refs:
+            return True
+        import ray
+
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        return len(done) == len(refs)
+
+    def __iter__(self) -> Iterator[int]:
+        for p in range(self.total):
+            if self.at is not None:
+                if p == self.at:
+                    while not self.ready() and not self.closed and not self.gave_up:
+                        time.sleep(0.01)
+                    if not self.gave_up:
+                        self.stopped_at = p
+                        return
+            elif p > 0 and self.ready():  # at least one local partition: the local workers are already forked
+                self.stopped_at = p
+                return
+            yield p
+
+
+PRESTART_LOCK = threading.Lock()
+
+
+def prestart(s: Any, carry: Any, epoch_seed: int, handover: Handover, start: int) -> None:
+    """In the background: Ray up (started at the loader's construction), then the pool's actors
+    started ahead (the loader's warm ones rebuilt, or new ones) for the handover. An epoch that
+    ended first (shorter than Ray's start) leaves them warm for the next epoch; a newer epoch's
+    start (``carry.starts`` past ``start``) takes over instead."""
+    try:
+        from sbloader.loaders import warm_workers
+        from sbloader.loaders.dropin_epoch import pool_options
+        from sbloader.executor.pools import prestart_pools
+        from sbloader.runtime.session import ensure_initialized
+        from sbloader.sources.batches import ReadyBatchSource, ShardSource
+
+        ensure_initialized()
+        if carry.dropped or carry.starts != start or (handover.closed and not warm_workers.enabled()):
+            return _release_hold(carry)  # nobody would take the actors
+        try:
+            with FORK_LOCK:  # no local worker forked while the dataset is pickled here
+                op = s.worker_op(epoch_seed)
+        except Exception as exc:  # the dataset (or collate_fn, worker_init_fn) cannot travel to the pool
+            warnings.warn(f"sbloader: the epoch stays on local worker processes: the dataset, collate_fn or "
+                          f"worker_init_fn cannot be pickled for the cluster's workers ({exc!r}); make them "
+                          "picklable to load on the cluster", RuntimeWarning, stacklevel=1)
+            handover.gave_up = True
+            return _release_hold(carry)
+        with PRESTART_LOCK, FORK_LOCK:  # the epoch's close (``closed``) sees the actors, or none at all
+            if carry.dropped or carry.starts != start:
+                return
+            if s.persistent_workers:
+                cache = carry.actor_cache
+            elif warm_workers.enabled():
+                cache = warm_workers.take(carry, op, s.num_workers, s.warm_key())
+            else:
+                cache = {}
+            hold(s, carry)
+            prestart_pools((ShardSource if s.iterable else ReadyBatchSource).name, (op,), pool_options(s), cache)
+            handover.prestarted(cache)
+            if handover.closed:  # the epoch ended before Ray was up: its actors wait for the next one
+                keep_prestarted(s, carry, handover)
+    except Exception as exc:  # the local phase goes on alone; the pool's own start raises it if it recurs
+        import logging
+
+        handover.gave_up = True
+        logging.getLogger(__name__).debug("sbloader: pool prestart failed: %r", exc)
+
+
+def _release_hold(carry: Any) -> None:
+    """No actor will be started for this epoch: the loader holds no CPUs unless it keeps actors."""
+    if not any(carry.warm_cache.values()) and not carry.actor_cache:
+        carry.held_cpus = 0.0
+
+
+def hold(s: Any, carry: Any) -> None:
+    """The pool's CPUs count as held by this loader (other loaders' worker shares leave them)."""
+    from sbloader.loaders.dropin_settings import _CARRIES
+
+    carry.held_cpus = s.num_workers * s.worker_num_cpus
+    _CARRIES.add(carry)
+
+
+def phased_iterator(s: Any, carry: Any, run: Any, epoch: int, stalls: StallStats, handover: Handover, phase: dict,
+                    produce: Iterator[Delivery]) -> EpochIterator:
+    """The epoch's iterator over ``produce`` (its local phase, then the pool it puts in ``phase["pool"]``, if
+    any): woken and closed in the phase it is in; a pool that never ran leaves the actors started ahead warm."""
+    from sbloader.loaders.failed_batch import translate
+
+    def wake() -> None:
+        handover.closed = True
+        if "pool" in phase:
+            phase["pool"].executor.shutdown()
+
+    def closed() -> None:
+        if "pool" in phase:
+            handover.closed = True
+            phase["pool"].closed()
+        else:  # the pool never ran: its actors started ahead stay warm for the next epoch, as the pool's would
+            with PRESTART_LOCK:  # started now or later (``prestart``), never lost in between
+                handover.closed = True
+                keep_prestarted(s, carry, handover)
+        s.reporter(f"epoch {epoch}", stalls)()
+
+    return EpochIterator(produce, run, ahead=s.ahead, stalls=stalls, to_device=s.device_copy(), translate=translate,
+                         timeout=s.timeout or None, wake=wake, on_close=closed,
+                         started=lambda: bool(phase.get("up")), start_timeout=s.start_timeout)
+
+
+def keep_prestarted(s: Any, carry: Any, handover: Handover) -> None:
+    """The epoch ended before the handover: the actors started for it wait for the next epoch."""
+    from sbloader.runtime.background import loaded
+
+    warm_workers = loaded("sbloader.loaders.warm_workers")  # no import: this may run at exit
+    if s.persistent_workers or not handover.cache or warm_workers is None:
+        return
+    carry.held_cpus = s.num_workers * s.worker_num_cpus
+    warm_workers.keep(carry)
