@@ -44,7 +44,8 @@ from sbloader.loaders.handover import Handover, hold, phased_iterator, prestart
 from sbloader.loaders.tensors import pin_batch
 
 LOCAL_START_ENV = "SBLOADER_LOCAL_START"  # 0: never start an epoch on local processes
-HANDOVER_AT_ENV = "SBLOADER_HANDOVER_AT"  # tests: every epoch starts locally and hands over at this partition
+#: tests: every epoch starts locally and hands over at this partition (an IterableDataset: after this many batches)
+HANDOVER_AT_ENV = "SBLOADER_HANDOVER_AT"
 #: In a local worker: its RNG streams once worker_init_fn set them, and worker_init_fn's error.
 LOCAL_WORKER: dict = {"own_states": None, "init_error": None}
 
