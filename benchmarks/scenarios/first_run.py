@@ -5,7 +5,8 @@ here) against torch's DataLoader, same arguments. Seconds from the import to the
 first batch, measured inside the process; the process's whole life beside it. Beside
 them, the native pipeline of the same rows (``from_items(...).to_dataloader(32,
 shuffle=True)``), with its local start and without it (``local_start=False``: the
-first batch waits for Ray)."""
+first batch waits for Ray), and an ``IterableDataset`` of the same rows (each worker its own copy)
+with both loaders."""
 from __future__ import annotations
 
 import json
@@ -35,16 +36,21 @@ print(json.dumps({{"import_s": t1 - t0, "first_batch_s": t2 - t0}}), flush=True)
 
 DROPIN = "m.DataLoader(list(range(1000)), batch_size=32, shuffle=True, num_workers=2)"
 NATIVE = "m.from_items([{{'x': i}} for i in range(1000)]).to_dataloader(32, shuffle=True{extra})"
+STREAM = ("m.DataLoader(type('Stream', (__import__('torch.utils.data', fromlist=['IterableDataset']).IterableDataset,),"
+          " {'__iter__': lambda self: iter(range(1000))})(), batch_size=32, num_workers=2)")
 CONTENDERS = {
     "sbloader": ("sbloader", DROPIN),
     "torch": ("torch.utils.data", DROPIN),
+    "sbloader IterableDataset": ("sbloader", STREAM),
+    "torch IterableDataset": ("torch.utils.data", STREAM),
     "sbloader native": ("sbloader", NATIVE.format(extra="")),
     "sbloader native, local_start=False": ("sbloader", NATIVE.format(extra=", local_start=False")),
 }
 
 
 def plan(**p: Any) -> Plan:
-    """sbloader and torch, and sbloader's native pipeline with and without its local start, a fresh process per run."""
+    """sbloader and torch (map-style and an IterableDataset), and sbloader's native pipeline with and without
+    its local start, a fresh process per run."""
     return Plan(list(CONTENDERS), p["rounds"], notes="no RAY_ADDRESS: the embedded Ray starts")
 
 
