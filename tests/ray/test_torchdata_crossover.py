@@ -10,6 +10,7 @@ Everything the workers use is defined at module level (conftest puts tests/ on t
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import warnings
 
@@ -340,3 +341,41 @@ def test_state_before_a_workers_first_batch_shows_its_state_after_iter(ray_sessi
     workers = again.state_dict()["_snapshot"]["_worker_snapshots"]
     assert [workers[f"worker_{w}"]["dataset_state"] for w in range(2)] == [{"iter_calls": 1}] * 2
     assert sorted(flat(it)) == list(range(20))  # the loader itself is unchanged
+
+
+class SetsUpInIter(IterableDataset):
+    """Its own iterator, its position set up by ``__iter__`` (torchdata's CountIterCallsIter): worker
+    ``w`` of ``n`` yields its ``1/n`` of ``0..39``; its state is its position."""
+
+    def __iter__(self):
+        info = get_worker_info()
+        w, n = (info.id, info.num_workers) if info else (0, 1)
+        self.pos, self.end = w * 40 // n, (w + 1) * 40 // n
+        return self
+
+    def __next__(self):
+        if self.pos >= self.end:
+            raise StopIteration
+        self.pos += 1
+        return self.pos - 1
+
+    def state_dict(self):
+        return {"pos": self.pos, "end": self.end}
+
+    def load_state_dict(self, state):
+        self.pos, self.end = state["pos"], state["end"]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_dataset_that_sets_up_in_iter_is_iterated_once_and_resumes(ray_session, num_workers):
+    """torchdata's TestStateInitializationDataset: ``iter()`` is called once per shard (a batch is
+    taken by ``next()``, never by ``iter()`` again), so a dataset that sets up its position in
+    ``__iter__`` is read through, and a resume from its state gives the rest, exactly once."""
+    dl = sbloader.DataLoader(SetsUpInIter(), batch_size=3, num_workers=num_workers)
+    it, first = take(dl, 5)
+    state = saved(dl.state_dict())
+    again = sbloader.DataLoader(SetsUpInIter(), batch_size=3, num_workers=num_workers)
+    again.load_state_dict(state)
+    bounded = lambda batches: flat(itertools.islice(batches, 20))  # noqa: E731 (14 at most: a loop fails, never hangs)
+    assert sorted(flat(first) + bounded(again)) == list(range(40))
+    assert sorted(flat(first) + bounded(it)) == list(range(40))
