@@ -49,7 +49,8 @@ def loader_state(dl: Any) -> dict:
         )
     if dl._resume is not None and dl._run is None:
         return _with_view(dl, dict(dl._resume))  # loaded (or drawn), not iterated yet: the same state again
-    if dl._run is None and not dl._iterable and not dl.split and len(dl.dataset):
+    if dl._run is None and not dl._iterable and not dl.split and type(dl.sampler).__name__ in _DRAWN_AHEAD \
+            and len(dl.dataset):
         return _with_view(dl, _draw_next_epoch(dl))
     return _with_view(dl, _own_state(dl))
 
@@ -86,10 +87,15 @@ def _own_state(dl: Any) -> dict:
     return state
 
 
+# torch's samplers whose order a state recomputes (a user's sampler is not iterated ahead of its loader)
+_DRAWN_AHEAD = ("RandomSampler", "SequentialSampler")
+
+
 def _draw_next_epoch(dl: Any) -> dict:
     """The state of the next epoch, its seed and order drawn now: a map-style loader's state taken
     before it iterated, as ``StatefulDataLoader.state_dict()`` creates its iterator (so draws the
-    order) then. The next iteration plays that epoch, and a loader that loads the state plays it too."""
+    order) then. The next iteration plays that epoch, and a loader that loads the state plays it too.
+    Only for torch's Random and SequentialSampler (:data:`_DRAWN_AHEAD`)."""
     epoch = dl._epoch
     dl._run = dl._start_run(1)  # the draws an iteration makes now, in its order (epoch seed, then order)
     try:
