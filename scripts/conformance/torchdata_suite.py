@@ -76,11 +76,35 @@ BY_DESIGN = {
 }
 
 
+# pytest-timeout cancels a test's timer when pytest reports an exception (pytest_exception_interact),
+# and pytest reports each failed unittest subTest that way: the test's later subtests then ran with no
+# timeout, and one that hung stalled the whole file. This plugin arms the timer again (the full timeout
+# from there) after each report inside a test's call.
+CONFTEST = '''
+import pytest
+import pytest_timeout
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_exception_interact(node, call, report):
+    if getattr(report, "when", None) != "call" or not hasattr(node, "cancel_timeout"):
+        return
+    settings = pytest_timeout._get_item_settings(node)
+    if settings.timeout and not pytest_timeout.SUPPRESS_TIMEOUT:
+        node.config.pluginmanager.hook.pytest_timeout_set_timer(item=node, settings=settings)
+'''
+
+
 def fetch_test_file(test_file: Optional[str], mirror: Optional[str], workdir: str) -> str:
-    """The test file's path: given, shown from a git mirror, or downloaded."""
-    if test_file:
-        return test_file
+    """The test file's path in ``workdir`` (beside the harness's conftest): copied from the one
+    given, shown from a git mirror, or downloaded."""
     dest = os.path.join(workdir, "test_state_dict.py")
+    with open(os.path.join(workdir, "conftest.py"), "w") as f:
+        f.write(CONFTEST)
+    if test_file:
+        with open(test_file) as src, open(dest, "w") as f:
+            f.write(src.read())
+        return dest
     if mirror:
         text = subprocess.run(["git", "-C", mirror, "show", f"{TAG}:{PATH}"], check=True, capture_output=True,
                               text=True).stdout
