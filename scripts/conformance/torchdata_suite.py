@@ -78,11 +78,18 @@ BY_DESIGN = {
 
 # pytest-timeout cancels a test's timer when pytest reports an exception (pytest_exception_interact),
 # and pytest reports each failed unittest subTest that way: the test's later subtests then ran with no
-# timeout, and one that hung stalled the whole file. This plugin arms the timer again (the full timeout
-# from there) after each report inside a test's call.
+# timeout, and one that hung stalled the whole file. This plugin arms the timer again after each report
+# inside a test's call, with what is left of the test's timeout (at least 1 s): a test never runs past it.
 CONFTEST = '''
+import time
+
 import pytest
 import pytest_timeout
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    item._suite_t0 = time.monotonic()
 
 
 @pytest.hookimpl(trylast=True)
@@ -91,7 +98,9 @@ def pytest_exception_interact(node, call, report):
         return
     settings = pytest_timeout._get_item_settings(node)
     if settings.timeout and not pytest_timeout.SUPPRESS_TIMEOUT:
-        node.config.pluginmanager.hook.pytest_timeout_set_timer(item=node, settings=settings)
+        left = settings.timeout - (time.monotonic() - getattr(node, "_suite_t0", time.monotonic()))
+        node.config.pluginmanager.hook.pytest_timeout_set_timer(
+            item=node, settings=settings._replace(timeout=max(1.0, left)))
 '''
 
 
