@@ -58,21 +58,11 @@ class Stateful(Protocol):
         ...
 '''
 
-# What the user guide lists as differing by design (docs/user_guide.md, "StatefulDataLoader"): a test
-# that reads a worker's state where sbloader's workers have none yet or made other batches, or asserts
-# a worker-count change is refused.
+# What the user guide lists as differing by design (docs/user_guide.md, "StatefulDataLoader"): a
+# worker-count change is allowed here.
 BY_DESIGN = {
     "TestNumWorkersMismatch_shard3::test_num_workers_mismatch":
         "asserts a state of 0 workers is refused by a 3-worker loader; sbloader resumes across worker counts",
-    "TestDynamicStateIterableDataset_shard0::test":
-        "expects torch's round-robin dealing of an IterableDataset's batches in worker 0's iterator state; "
-        "sbloader's pool does not deal them round-robin",
-    "TestDatasetIteratorStateDuplication_shard0::test":
-        "expects every worker's dataset_iter_state after 3 batches; a shard none of whose batches was taken has none",
-    "TestSingleIterCalled_shard0::test_mp": "reads each worker's state before the first batch; remote workers send "
-                                            "a shard's state with its batches",
-    "TestSingleIterCalled_shard0::test_mp_iter": "reads each worker's state before the first batch; remote workers "
-                                                 "send a shard's state with its batches",
 }
 
 
