@@ -265,7 +265,9 @@ class DataLoader(Generic[T_co]):
         if self._resume is not None and self._resume.get("epoch") != epoch:
             # the epoch after a state taken at the last batch of its own (an empty remainder) is the
             # expected continuation: only another epoch drops a loaded state worth a warning
-            if not (self._resume.get("empty_remainder") and epoch == self._resume.get("epoch", -2) + 1):
+            # and a state drawn by state_dict() before iterating was never loaded: it goes quietly
+            if not (self._resume.get("empty_remainder") and epoch == self._resume.get("epoch", -2) + 1) \
+                    and not getattr(self, "_resume_drawn", False):
                 warnings.warn(
                     f"set_epoch({epoch}) after load_state_dict of epoch {self._resume.get('epoch')}: the loaded "
                     "state is dropped and epoch starts fresh", stacklevel=2)

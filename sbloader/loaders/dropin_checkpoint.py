@@ -18,12 +18,12 @@ torchdata's ``StatefulDataLoader`` contract, kept by :class:`~sbloader.loaders.d
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from sbloader.core import ledger
 from sbloader.core.errors import StateDictError
 from sbloader.loaders import dropin_state, torchdata_state
-from sbloader.loaders.iterable_resume import IterableRun, is_stateful, run_from_state
+from sbloader.loaders.iterable_resume import IterableRun, first_snapshot, is_stateful, open_shard, run_from_state
 
 _TORCH_SAMPLERS = ("RandomSampler", "SequentialSampler", "DistributedSampler", "SubsetRandomSampler")
 
@@ -41,21 +41,29 @@ def fingerprint(dl: Any) -> dict:
 
 
 def loader_state(dl: Any) -> dict:
-    """``dl.state_dict()``."""
+    """``dl.state_dict()``: sbloader's state with StatefulDataLoader's layout beside it."""
     if not dl._stateful:
         raise StateDictError(
             "state_dict() needs an IterableDataset or a map-style dataset batched by the loader itself "
             "(batch_size=... or None); a custom batch_sampler cannot be replayed"
         )
     if dl._resume is not None and dl._run is None:
-        return _with_view(dl, dict(dl._resume))  # loaded, not iterated yet: the same state again
+        return _with_view(dl, dict(dl._resume))  # loaded (or drawn), not iterated yet: the same state again
+    if dl._run is None and not dl._iterable and not dl.split and type(dl.sampler).__name__ in _DRAWN_AHEAD \
+            and len(dl.dataset):
+        return _with_view(dl, _draw_next_epoch(dl))
+    return _with_view(dl, _own_state(dl))
+
+
+def _own_state(dl: Any) -> dict:
+    """sbloader's own state of ``dl`` (no view), from its current run."""
     header = dropin_state.FORMAT.header(fingerprint(dl))
     if dl._iterable:
         run = dl._run
         body = run.state() if run is not None else {"epoch": dl._epoch, "epoch_seed": None, "shards": {}}
-        return _with_view(dl, {**header, "epoch": body["epoch"], "consumed": [], "iterable": body,
-                               "generator": dropin_state.encode_generator(dl.generator),
-                               "base_seed": dl._base_seed})  # persistent workers' (later epochs' seeds)
+        return {**header, "epoch": body["epoch"], "consumed": [], "iterable": body,
+                "generator": dropin_state.encode_generator(dl.generator),
+                "base_seed": dl._base_seed}  # persistent workers' (later epochs' seeds)
     run = dl._run
     consumed: ledger.Ranges = []
     if run is not None and not run.complete:  # every rank's first k batches, k this rank's count
@@ -76,12 +84,69 @@ def loader_state(dl: Any) -> dict:
         state["dataset_state"] = dl.dataset.state_dict()
     if _user_stateful(dl.sampler):
         state["sampler_state"] = run.sampler_state if run is not None else dl.sampler.state_dict()
-    return _with_view(dl, state)
+    return state
+
+
+# torch's samplers whose order a state recomputes (a user's sampler is not iterated ahead of its loader)
+_DRAWN_AHEAD = ("RandomSampler", "SequentialSampler")
+
+
+def _draw_next_epoch(dl: Any) -> dict:
+    """The state of the next epoch, its seed and order drawn now: a map-style loader's state taken
+    before it iterated, as ``StatefulDataLoader.state_dict()`` creates its iterator (so draws the
+    order) then. The next iteration plays that epoch, and a loader that loads the state plays it too.
+    Only for torch's Random and SequentialSampler (:data:`_DRAWN_AHEAD`)."""
+    epoch = dl._epoch
+    dl._run = dl._start_run(1)  # the draws an iteration makes now, in its order (epoch seed, then order)
+    try:
+        dl._resume = _own_state(dl)
+    finally:
+        dl._run = None
+        dl._epoch = epoch
+    dl._resume_drawn = True  # not loaded: set_epoch drops it quietly
+    return dict(dl._resume)
 
 
 def _with_view(dl: Any, state: dict) -> dict:
     """``state`` with StatefulDataLoader's layout beside sbloader's keys (which win)."""
-    return {**torchdata_state.torchdata_view(state, dl.num_workers), **state}
+    return {**torchdata_state.torchdata_view(state, dl.num_workers, _opened_shards(dl, state)), **state}
+
+
+def _opened_shards(dl: Any, state: dict) -> Optional[dict]:
+    """For the view: per worker shard of a ``Stateful`` ``IterableDataset`` that has no snapshot in
+    ``state`` (its worker sent none of its batches to the loop yet), the dataset's and iterator's
+    states right after ``iter()`` in that worker, as StatefulDataLoader shows them before a
+    worker's first batch. Computed here on a fresh copy of the dataset under that worker's
+    ``get_worker_info()`` (the user's ``__iter__`` runs once more, in this process; the RNGs are
+    left as they were; one that raises shows none). Only the view reads them: sbloader resumes
+    such a shard from its start."""
+    body = state.get("iterable")
+    if not dl._iterable or dl.num_workers == 0 or not isinstance(body, dict) or not is_stateful(dl.dataset):
+        return None
+    missing = [w for w in range(dl.num_workers) if str(w) not in (body.get("shards") or {})]
+    if not missing:
+        return None
+    import copy
+
+    from torch.utils.data._utils import worker as torch_worker
+
+    from sbloader.loaders.worker import _rng_states, _set_rng_states, _set_torch_worker_info
+
+    rngs, info = _rng_states(), torch_worker._worker_info
+    opened = {}
+    try:
+        for w in missing:
+            dataset = copy.deepcopy(dl.dataset)
+            _set_torch_worker_info(w, dl.num_workers, 0, dataset)
+            try:
+                snap = first_snapshot(dataset, *open_shard(dataset, None))
+            except Exception:  # the worker raises it with its first batch; the view shows no state
+                continue
+            opened[w] = {"dataset_state": snap["dataset_state"], "iter_state": snap["iter_state"]}
+    finally:
+        torch_worker._worker_info = info
+        _set_rng_states(rngs)
+    return opened
 
 
 def _own_generator(dl: Any, sampler_generator: Any) -> Any:
@@ -123,6 +188,7 @@ def load_loader_state(dl: Any, state_dict: dict, strict: bool) -> None:
         if state.get("sampler_state") is not None and _user_stateful(dl.sampler):
             dl.sampler.load_state_dict(state["sampler_state"])
     dl._resume = dict(state)
+    dl._resume_drawn = False
     dl._run = None
     dl._epoch = int(state["epoch"])
 

@@ -59,9 +59,21 @@ def open_shard(dataset: Any, resume: Optional[dict]) -> tuple[Iterator, int]:
     if resume and resume.get("iter_state") is not None and is_stateful(it):
         it.load_state_dict(resume["iter_state"])
     elif resume and resume.get("dataset_state") is None and samples:
-        for _ in itertools.islice(it, samples):  # count and skip: the documented cost
-            pass
+        _take(it, samples)  # count and skip: the documented cost
     return it, samples
+
+
+def _take(it: Iterator, n: int) -> list:
+    """Up to ``n`` items of ``it`` by ``next()`` alone, as torch's fetcher takes them: never
+    ``iter(it)`` again (``itertools.islice`` would call it, and a dataset that is its own
+    iterator and sets its position up in ``__iter__`` would start over)."""
+    out = []
+    for _ in range(n):
+        try:
+            out.append(next(it))
+        except StopIteration:
+            break
+    return out
 
 
 def first_snapshot(dataset: Any, it: Iterator, samples: int, batches: int = 0) -> dict:
@@ -88,7 +100,7 @@ def iterate_shard(dataset: Any, batch_size: Optional[int], drop_last: bool, coll
                 break
             n = 1
         else:
-            chunk = list(itertools.islice(it, batch_size))
+            chunk = _take(it, batch_size)
             n = len(chunk)
             if not chunk or (drop_last and n < batch_size):
                 break

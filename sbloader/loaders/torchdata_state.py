@@ -78,13 +78,15 @@ def _consumed(state: dict) -> int:
     return sum(int(b) - int(a) for a, b in state.get("consumed") or [])
 
 
-def torchdata_view(state: dict, num_workers: int) -> dict:
+def torchdata_view(state: dict, num_workers: int, opened: Optional[dict] = None) -> dict:
     """The ``StatefulDataLoader`` keys of the sbloader state ``state``, to write beside it.
 
     ``_num_yielded`` / ``_snapshot_step``: the batches of the epoch the loop took (0 for a
     state of a fresh epoch, which is also how sbloader records a finished one);
     ``worker_N``: an ``IterableDataset``'s shard ``N`` (its dataset's and iterator's
-    states), or, map-style, the dataset's state as the trainer holds it.
+    states), or, map-style, the dataset's state as the trainer holds it. ``opened``: per
+    worker id, ``{"dataset_state", "iter_state"}`` of a shard with no snapshot in ``state``
+    (none of its batches taken yet), as its worker has them right after ``iter()``.
     """
     fp = state.get("fingerprint") or {}
     batch_size = fp.get("batch_size")
@@ -95,7 +97,7 @@ def torchdata_view(state: dict, num_workers: int) -> dict:
         taken = sum(_batches_of(int(s.get("samples", 0)), batch_size) for s in shards.values()) \
             if state["iterable"].get("epoch_seed") is not None else 0
         for w in range(max(num_workers, 1)):
-            shard = shards.get(str(w)) or {}
+            shard = shards.get(str(w)) or (opened or {}).get(w) or {}
             workers[worker_key(w)] = {
                 "worker_id": w,
                 FETCHER_STATE: {DATASET_ITER_STATE: shard.get("iter_state"), FETCHER_ENDED: bool(shard.get("ended"))},
