@@ -34,7 +34,7 @@ from sbloader.loaders.failed_batch import FailedBatch
 from sbloader.loaders.fork_safe import ForkGate
 from sbloader.loaders.iterable_resume import IterableRun, iterate_shard
 from sbloader.loaders.handover import Handover, hold, phased_iterator, prestart
-from sbloader.loaders.local_start import LOCAL_WORKER, WorkerInit, forced_handover, identity, unwrap
+from sbloader.loaders.local_start import LOCAL_WORKER, WorkerInit, forced_handover, identity, local_order, unwrap
 from sbloader.loaders.shard_order import RoundRobin
 
 _END = "end"  # a local worker's last item: its shard has no more batches
@@ -113,7 +113,7 @@ def _local_phase(s: Any, run: IterableRun, epoch: int, epoch_seed: int, handover
         local = TorchLoader(shards, batch_size=None, num_workers=s.num_workers, collate_fn=identity,
                             worker_init_fn=WorkerInit(s.dataset, epoch_seed, s.worker_init_fn),
                             multiprocessing_context=s.multiprocessing_context, prefetch_factor=s.prefetch_factor,
-                            generator=torch.Generator().manual_seed(epoch_seed % 2**63))
+                            generator=torch.Generator().manual_seed(epoch_seed % 2**63), **local_order(s))
         if _hand_over_now(handover, 0):  # forced at batch 0: the pool makes the whole epoch
             phase["handed_over"] = True
             return

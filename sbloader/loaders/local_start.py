@@ -217,7 +217,12 @@ def torch_workers(s: Any, items: list, ids: list, epoch: int, epoch_seed: int, s
                            worker_init_fn=WorkerInit(s.dataset, epoch_seed, s.worker_init_fn),
                            multiprocessing_context=s.multiprocessing_context,
                            generator=torch.Generator().manual_seed(epoch_seed % 2**63),  # the trainer's RNG untouched
-                           prefetch_factor=s.prefetch_factor)
+                           prefetch_factor=s.prefetch_factor, **local_order(s))
+
+
+def local_order(s: Any) -> dict:
+    """torch's ``in_order`` for the local workers: the loader's (``in_order=False``: batches as they come)."""
+    return {} if s.in_order else {"in_order": False}
 
 
 def deliveries(s: Any, local: Any, phase: dict, record: Any) -> Iterator[Delivery]:

@@ -122,3 +122,30 @@ def test_worker_init_fn_and_worker_info_in_the_local_phase(monkeypatch):
     got = torch.stack(list(sbloader.DataLoader(Seen(), batch_size=None, num_workers=2, worker_init_fn=note_worker)))
     assert sorted(got[:, 0].tolist()) == [0, 1] and (got[:, 0] == got[:, 1]).all() and (got[:, 2] == 2).all()
     assert os.getpid() not in got[:, 3].tolist()
+
+
+class SecondWaits(IterableDataset):
+    """Worker 1 starts once worker 0 made all its rows (a file says so): with ``in_order=False`` torch hands
+    worker 0's rows out first."""
+
+    def __init__(self, flag):
+        self.flag = flag
+
+    def __iter__(self):
+        import time
+
+        w = get_worker_info().id
+        if w == 1:
+            deadline = time.monotonic() + 60
+            while not os.path.exists(self.flag) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        yield from range(5 * w, 5 * w + 5)
+        if w == 0:
+            open(self.flag, "w").close()
+
+
+def test_in_order_false_in_the_local_phase_is_torchs(monkeypatch, tmp_path):
+    monkeypatch.setenv(local_start.HANDOVER_AT_ENV, "100")  # all local
+    loader = sbloader.DataLoader(SecondWaits(str(tmp_path / "done")), batch_size=None, num_workers=2, in_order=False)
+    got = [int(b) for b in loader]
+    assert got == list(range(10))  # as they come, not dealt round-robin
