@@ -144,6 +144,7 @@ def open_pool(s: DropinSettings, carry: DropinCarry, run: Optional[Union[EpochRu
                                arena=arena_here())
     carry.stats = executor.stats()
     carry.held_cpus = s.num_workers * s.worker_num_cpus
+    carry.pool_running = True  # its CPUs count until the epoch closes, even once the loader is dropped
     _CARRIES.add(carry)
     tensors = s.tensors()
 
@@ -204,6 +205,7 @@ def open_pool(s: DropinSettings, carry: DropinCarry, run: Optional[Union[EpochRu
 
     def closed() -> None:
         carry.estimates = executor.estimates()
+        carry.pool_running = False
         if warm:  # the actors stay warm for the next epoch (an idle timeout kills them)
             warm_workers.keep(carry)
         elif not s.persistent_workers or carry.dropped:

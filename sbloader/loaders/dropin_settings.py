@@ -147,6 +147,7 @@ class DropinCarry:
     warm_timer: Any = None
     warm_key: Any = None  # what its warm actors were started with (warm_workers.pool_key)
     starts: int = 0  # local-start epochs begun: only the latest one's background start takes the actors
+    pool_running: bool = False  # an epoch's pool runs on its actors (their CPUs stay held until it closes)
 
     def drop(self) -> None:
         """The loader is gone: kill its kept actors (an epoch still running hands its actors back
@@ -172,8 +173,9 @@ _CARRIES: "weakref.WeakSet[DropinCarry]" = weakref.WeakSet()  # the drop-in load
 
 
 def cpus_held_by_loaders(exclude: Optional[DropinCarry] = None) -> float:
-    """CPUs the live drop-in pools of this process ask for (known here before Ray places them)."""
-    return sum(c.held_cpus for c in list(_CARRIES) if c is not exclude and not c.dropped)
+    """CPUs the live drop-in pools of this process ask for (known here before Ray places them), a dropped
+    loader's included while its epoch's pool still runs (its iterator lived on)."""
+    return sum(c.held_cpus for c in list(_CARRIES) if c is not exclude and (not c.dropped or c.pool_running))
 
 
 def safe_len(x: Any) -> Optional[int]:

@@ -162,7 +162,8 @@ def hand_to_process(carry: Any) -> None:
     key = getattr(carry, "warm_key", None)
     cache = {k: list(v) for k, v in carry.warm_cache.items() if v}
     carry.warm_cache.clear()
-    carry.held_cpus = 0.0
+    if not getattr(carry, "pool_running", False):  # else its epoch's pool holds them until it closes
+        carry.held_cpus = 0.0
     if key is None:
         kill_cached(cache)
     else:

@@ -198,3 +198,29 @@ def test_idle_actors_of_other_resources_give_way_to_a_new_pool(tmp_path):
     proc = subprocess.run([sys.executable, "-c", OTHER_KEY_SCRIPT], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+DROPPED_RUNNING_SCRIPT = """
+import sbloader, torch
+sbloader.init(num_cpus=2)
+a = sbloader.DataLoader(torch.arange(4000), batch_size=4, num_workers=2, local_start=False)
+it = iter(a)
+next(it)  # a's pool runs on both CPUs, and its iterator lives on
+del a     # the loader is dropped, its epoch is not
+b = sbloader.DataLoader(torch.arange(16), batch_size=4, num_workers=2, local_start=False, start_timeout=120)
+assert b._settings().worker_num_cpus == 0.0  # a's running pool still holds the CPUs: b's workers share none
+assert sum(len(x) for x in b) == 16
+print("ok", flush=True)
+"""
+
+
+def test_a_dropped_loaders_running_epoch_still_holds_its_cpus():
+    """torchdata's tests drop a loader whose iterator lives on, then build the next: the running pool's
+    CPUs still count, so the new loader's workers do not ask Ray for CPUs it cannot have (its pool waited
+    for its start_timeout)."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
+        __file__)))), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", DROPPED_RUNNING_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
