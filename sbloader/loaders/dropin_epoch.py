@@ -34,7 +34,7 @@ from sbloader.loaders.dropin_state import EpochRun
 from sbloader.loaders.epoch import Delivery, EpochIterator
 from sbloader.loaders.failed_batch import FailedBatch, translate
 from sbloader.loaders.iterable_resume import IterableRun, batches_before, first_snapshot, iterate_shard, open_shard
-from sbloader.loaders.shard_order import RoundRobin
+from sbloader.loaders.shard_order import RoundRobin, shard_positions
 from sbloader.loaders import warm_workers
 from sbloader.loaders.tensors import pin_batch, wire_as_tensors
 from sbloader.loaders.worker import SHARD_STATE_COLUMN
@@ -214,13 +214,6 @@ def open_pool(s: DropinSettings, carry: DropinCarry, run: Optional[Union[EpochRu
             kill_cached(carry.actor_cache)
 
     return PoolPhase(executor, produce(), closed)
-
-
-def shard_positions(resume: dict, num_workers: int) -> dict[int, int]:
-    """Per worker shard of an ``IterableDataset`` still to run, the ``k`` of its next batch (``resume``: per
-    shard, the snapshot it resumes from)."""
-    shards = {w: resume.get(w) for w in range(max(1, num_workers))}
-    return {w: batches_before(r) for w, r in shards.items() if not (r or {}).get("ended")}
 
 
 def pool_options(s: DropinSettings) -> Any:

@@ -35,7 +35,7 @@ from sbloader.loaders.fork_safe import ForkGate
 from sbloader.loaders.iterable_resume import IterableRun, iterate_shard
 from sbloader.loaders.handover import Handover, hold, phased_iterator, prestart
 from sbloader.loaders.local_start import LOCAL_WORKER, WorkerInit, forced_handover, identity, local_order, unwrap
-from sbloader.loaders.shard_order import RoundRobin
+from sbloader.loaders.shard_order import RoundRobin, shard_positions
 
 _END = "end"  # a local worker's last item: its shard has no more batches
 
@@ -119,8 +119,7 @@ def _local_phase(s: Any, run: IterableRun, epoch: int, epoch_seed: int, handover
             return
         with ForkGate().forking():
             it = iter(local)  # forks the workers
-    order = RoundRobin({w: int((p or {}).get("batches", 0)) for w, p in positions.items()
-                        if not (p or {}).get("ended")}) if s.in_order else None
+    order = RoundRobin(shard_positions(positions, s.num_workers)) if s.in_order else None
     delivered = 0
     try:
         for item in _items(it, phase):

@@ -15,7 +15,7 @@ can still send one that comes before it.
 from __future__ import annotations
 
 import heapq
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Optional
 
 
 class RoundRobin:
@@ -68,3 +68,11 @@ def merged(shards: Iterable[tuple[int, list]], next_k: dict[int, int]) -> Iterat
         order.end(shard)
         yield from order.pop_ready()
     yield from order.pop_ready()
+
+
+def shard_positions(resume: dict, num_workers: int) -> dict[int, int]:
+    """Per worker shard still to run, the ``k`` of its next batch: its snapshot's ``batches`` (0 from its
+    start). ``resume``: per shard, the snapshot it resumes from (None: from its start); an ``ended`` shard
+    has nothing left to send."""
+    shards: dict[int, Optional[dict]] = {w: resume.get(w) for w in range(max(1, num_workers))}
+    return {w: int((r or {}).get("batches", 0)) for w, r in shards.items() if not (r or {}).get("ended")}
