@@ -35,6 +35,7 @@ from sbloader.loaders.epoch import Delivery, EpochIterator
 from sbloader.loaders.failed_batch import FailedBatch, translate
 from sbloader.loaders.iterable_resume import IterableRun, batches_before, first_snapshot, iterate_shard, open_shard
 from sbloader.loaders.shard_order import RoundRobin, shard_positions
+from sbloader.loaders.shard_segments import ShardRounds, segment_size
 from sbloader.loaders import warm_workers
 from sbloader.loaders.tensors import pin_batch, wire_as_tensors
 from sbloader.loaders.worker import SHARD_STATE_COLUMN
@@ -124,25 +125,31 @@ def open_pool(s: DropinSettings, carry: DropinCarry, run: Optional[Union[EpochRu
     from ``run``), on the actors in ``cache`` when given (started ahead of it), else the loader's
     persistent or warm ones."""
     fp = s.source_fingerprint()
-    resume = None
-    if s.iterable:
-        resume = shard_resume if shard_resume is not None else run.resume if run is not None else {}
-        resume = {w: r for w, r in resume.items() if r is not None}
-        source: Any = ShardSource(s.num_workers, fp, resume)
-    else:
-        bpp = s.batches_per_partition
-        ids = run.ids[start:] if run is not None else [j // bpp for j in range(start, len(items))]
-        source = ReadyBatchSource(items[start:], s.batches_per_partition, fp, ids=ids)
-    plan = make_epoch_plan([p.id for p in source.partitions(epoch, epoch_seed)], epoch, epoch_seed, shuffle=False)
     options = pool_options(s)
     op = s.worker_op(epoch_seed)
     warm = not s.persistent_workers and warm_workers.enabled()
     if cache is None:
         cache = carry.actor_cache if s.persistent_workers else warm_workers.take(carry, op, s.num_workers, s.warm_key()) \
             if warm else None
-    executor = start_execution(source, (op,), plan, options, actor_cache=cache, estimates=carry.estimates,
-                               arena=arena_here())
-    carry.stats = executor.stats()
+
+    def execute(source: Any) -> Any:
+        plan = make_epoch_plan([p.id for p in source.partitions(epoch, epoch_seed)], epoch, epoch_seed, shuffle=False)
+        executor = start_execution(source, (op,), plan, options, actor_cache=cache, estimates=carry.estimates,
+                                   arena=arena_here())
+        carry.stats = executor.stats()
+        return executor
+
+    resume = None
+    if s.iterable:  # shards in segments, round after round (a stream that never ends keeps yielding)
+        resume = shard_resume if shard_resume is not None else run.resume if run is not None else {}
+        resume = {w: r for w, r in resume.items() if r is not None}
+        segment = segment_size(s.batches_per_partition)
+        executor: Any = ShardRounds(lambda at: execute(ShardSource(s.num_workers, fp, at, segment, sorted(at))),
+                                    resume, s.num_workers, segment, SHARD_STATE_COLUMN)
+    else:
+        bpp = s.batches_per_partition
+        ids = run.ids[start:] if run is not None else [j // bpp for j in range(start, len(items))]
+        executor = execute(ReadyBatchSource(items[start:], s.batches_per_partition, fp, ids=ids))
     carry.held_cpus = s.num_workers * s.worker_num_cpus
     carry.pool_running = True  # its CPUs count until the epoch closes, even once the loader is dropped
     _CARRIES.add(carry)
@@ -156,8 +163,8 @@ def open_pool(s: DropinSettings, carry: DropinCarry, run: Optional[Union[EpochRu
             return
         order = RoundRobin(shard_positions(resume, s.num_workers))
         for shard, k, delivery in blocks(shards=True):
-            for w in [w for w in order.positions() if w < shard]:
-                order.end(w)  # blocks come in shard order: an earlier shard's is empty (no block)
+            for w in [w for w in order.positions() if w < shard and executor.shard_done(w)]:
+                order.end(w)  # blocks come in shard order: an earlier shard's segment is empty (no block)
             if delivery is None:
                 order.end(shard)
             else:
@@ -183,12 +190,13 @@ def open_pool(s: DropinSettings, carry: DropinCarry, run: Optional[Union[EpochRu
             del block
             out = [wire_as_tensors(w, tensors) for w in wires]
             del wires
+            owner = getattr(executor, "executor", executor)  # this round's execution holds the block's bytes
             if copy:
-                executor.release(item.meta.nbytes)
+                owner.release(item.meta.nbytes)
             stalls.fetch_s += time.perf_counter() - t0
             for i, batch in enumerate(out):
                 last = i == len(out) - 1
-                release = (lambda n=item.meta.nbytes: executor.release(n)) if last and not copy else None
+                release = (lambda n=item.meta.nbytes, o=owner: o.release(n)) if last and not copy else None
                 record = None
                 if run is not None:
                     record = (snaps[i] if snaps is not None else None) if s.iterable else \
@@ -200,7 +208,7 @@ def open_pool(s: DropinSettings, carry: DropinCarry, run: Optional[Union[EpochRu
                 else:
                     yield Delivery(batch, record, release)
             out = []
-            if shards:
+            if shards and executor.shard_done(item.meta.partition_id):
                 yield item.meta.partition_id, None, None
 
     def closed() -> None:

@@ -20,6 +20,7 @@ from sbloader.core.context import actor_info, get_context
 from sbloader.core.wire import to_wire
 from sbloader.loaders.failed_batch import WORKER_INIT_FN, FailedBatch
 from sbloader.loaders.iterable_resume import iterate_shard
+from sbloader.loaders.shard_segments import LiveShards
 from sbloader.sources.batches import PaddedBatch
 
 SHARD_STATE_COLUMN = "shard_state"  # per batch of an IterableDataset shard: (shard, snapshot after it)
@@ -154,6 +155,7 @@ class LoaderWorker:
     def __init__(self, config: Any) -> None:
         self._config = config  # unpacked again for each further IterableDataset shard's own copy
         self._shard_datasets: dict = {}
+        self._live = LiveShards(_rng_states, _set_rng_states)  # shards' generators between their segments
         self._setup(**_fresh(config))
 
     def _setup(self, dataset: Any, collate_fn: Callable, auto_collation: bool, num_workers: int,
@@ -212,12 +214,16 @@ class LoaderWorker:
         """Fetch and collate each work item, appending wire batches, their sample counts and (for a
         shard of an ``IterableDataset``) ``(shard, snapshot after the batch)``."""
         for task in tasks:
-            if isinstance(task, tuple) and len(task) in (2, 3) and task[0] == "shard":
+            if isinstance(task, tuple) and len(task) in (2, 3, 4) and task[0] == "shard":
                 dataset = self._shard_dataset(task[1])
                 _set_torch_worker_info(task[1], self._num_workers, seed, dataset)
-                resume = task[2] if len(task) == 3 else None
-                for wire, n, snap in iterate_shard(dataset, self._batch_size, self._drop_last,
-                                                   lambda x: to_wire(self._collate(x)), resume):
+                resume = task[2] if len(task) >= 3 else None
+                limit = task[3] if len(task) == 4 else None
+
+                def open_shard(dataset: Any = dataset, resume: Optional[dict] = resume) -> Any:
+                    return iterate_shard(dataset, self._batch_size, self._drop_last,
+                                         lambda x: to_wire(self._collate(x)), resume)
+                for wire, n, snap in self._live.take(task[1], seed, resume, limit, open_shard):
                     out.append(wire)
                     rows.append(n)
                     snaps.append((task[1], snap))

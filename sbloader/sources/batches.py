@@ -93,23 +93,33 @@ class ShardSource:
     Each partition is a whole shard: the dataset copy in the worker sees
     ``get_worker_info().id == shard`` and shards itself, as under torch.
     ``resume``: per shard, where it resumes (the loaders' ``iterable_resume``
-    snapshot, carried in the shard's task).
+    snapshot, carried in the shard's task). ``segment``: the shard runs at most that many
+    batches in this execution (:mod:`~sbloader.loaders.shard_segments`); ``shards``: the
+    shards to run (default: all).
     """
 
     name = "IterableShards"
     shuffle_window = 1
 
-    def __init__(self, num_shards: int, fingerprint: dict, resume: Optional[dict] = None) -> None:
+    def __init__(self, num_shards: int, fingerprint: dict, resume: Optional[dict] = None,
+                 segment: Optional[int] = None, shards: Optional[Sequence[int]] = None) -> None:
         self._n = num_shards
         self._fp = fingerprint
         self._resume = resume or {}
+        self._segment = segment
+        self._shards = tuple(shards) if shards is not None else tuple(range(num_shards))
 
     def shared(self) -> Any:
         return None
 
     def partitions(self, epoch: int, epoch_seed: int, shuffle: bool = False) -> list[Partition]:
-        return [Partition(w, None, [("shard", w, self._resume[w]) if w in self._resume else ("shard", w)],
-                          f"worker shard {w}") for w in range(self._n)]
+        return [Partition(w, None, [self._task(w)], f"worker shard {w}") for w in self._shards]
+
+    def _task(self, w: int) -> tuple:
+        """Shard ``w``'s work item: ``("shard", w[, resume[, segment]])``."""
+        if self._segment is not None:
+            return ("shard", w, self._resume.get(w), self._segment)
+        return ("shard", w, self._resume[w]) if w in self._resume else ("shard", w)
 
     def reader(self) -> Callable[[Any, Partition], Block]:
         return _read_tasks

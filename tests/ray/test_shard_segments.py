@@ -1,0 +1,105 @@
+"""An ``IterableDataset``'s shards on the pool in segments (``sbloader.loaders.shard_segments``).
+
+Shards longer than a segment run round after round; the batches, their order and their random
+draws are those of each shard run in one piece, and a state taken in any round resumes exactly
+once. (An endless stream: ``tests/e2e/test_endless_iterable.py``.)
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+import sbloader
+from sbloader.loaders import local_start, shard_segments
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")  # 3 workers on 2 cores
+
+LENGTHS = (45, 20, 33)  # rows per worker shard: 23, 10 and 17 batches of 2, several segments each
+
+
+class Long(IterableDataset):
+    """Worker ``w`` yields ``LENGTHS[w]`` rows ``(value, a random draw, pid)``."""
+
+    def __iter__(self):
+        w = get_worker_info().id
+        for v in range(1000 * w, 1000 * w + LENGTHS[w]):
+            yield torch.tensor([v, int(torch.randint(0, 10**6, ())), os.getpid()])
+
+
+class Counted(IterableDataset):
+    """The same values, positioned by its own state (resumed without a replay)."""
+
+    def __init__(self):
+        self.pos = 0
+
+    def __iter__(self):
+        w = get_worker_info().id
+        while self.pos < LENGTHS[w]:
+            self.pos += 1
+            yield torch.tensor([1000 * w + self.pos - 1, 0, os.getpid()])
+
+    def state_dict(self):
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state):
+        self.pos = state["pos"]
+
+
+def run(monkeypatch, segment, dataset=Long, in_order=True):
+    monkeypatch.setattr(shard_segments, "SHARD_SEGMENT_MIN", segment)
+    monkeypatch.delenv(local_start.HANDOVER_AT_ENV, raising=False)
+    loader = sbloader.DataLoader(dataset(), batch_size=2, num_workers=3, seed=11, local_start=False,
+                                 in_order=in_order)
+    return [b for b in loader]
+
+
+def torchs_order():
+    return [b[:, 0].tolist() for b in torch.utils.data.DataLoader(Long(), batch_size=2, num_workers=3)]
+
+
+def test_segments_give_torchs_batches_in_torchs_order_with_the_draws_of_one_piece(ray_session, monkeypatch):
+    whole = run(monkeypatch, 1000)  # each shard in one segment
+    for segment in (3, 8):
+        got = run(monkeypatch, segment)
+        assert [b[:, 0].tolist() for b in got] == torchs_order(), segment
+        assert [b[:, 1].tolist() for b in got] == [b[:, 1].tolist() for b in whole], segment  # draws go on
+
+
+def test_segments_out_of_order_give_every_sample_once(ray_session, monkeypatch):
+    got = run(monkeypatch, 3, in_order=False)
+    assert sorted(v for b in got for v in b[:, 0].tolist()) == sorted(
+        1000 * w + i for w in range(3) for i in range(LENGTHS[w]))
+
+
+@pytest.mark.parametrize("dataset", [Long, Counted])
+@pytest.mark.parametrize("taken", [2, 10, 26])
+def test_a_state_taken_in_any_round_resumes_exactly_once(ray_session, monkeypatch, dataset, taken):
+    monkeypatch.setattr(shard_segments, "SHARD_SEGMENT_MIN", 3)
+    want = torchs_order()
+    loader = sbloader.DataLoader(dataset(), batch_size=2, num_workers=3, seed=11, local_start=False)
+    it = iter(loader)
+    first = [next(it)[:, 0].tolist() for _ in range(taken)]
+    state = loader.state_dict()
+    it.close()
+    resumed = sbloader.DataLoader(dataset(), batch_size=2, num_workers=3, seed=11, local_start=False)
+    resumed.load_state_dict(state)
+    assert first + [b[:, 0].tolist() for b in resumed] == want, taken
+
+
+def test_a_segment_holds_at_most_its_batches_in_the_worker(ray_session, monkeypatch):
+    """A long shard never comes back as one block: the pool ran several rounds."""
+    monkeypatch.setattr(shard_segments, "SHARD_SEGMENT_MIN", 4)
+    seen = []
+    original = shard_segments.ShardRounds.fetch
+
+    def fetch(self, item):
+        block = original(self, item)
+        seen.append(len(block["batch"]))
+        return block
+    monkeypatch.setattr(shard_segments.ShardRounds, "fetch", fetch)
+    loader = sbloader.DataLoader(Long(), batch_size=2, num_workers=3, seed=11, local_start=False)
+    assert sum(len(b) for b in loader) == sum(LENGTHS)
+    assert max(seen) <= 4 and len(seen) >= 23 // 4, seen
