@@ -40,7 +40,8 @@ class NodeSlots:
         os.makedirs(root, exist_ok=True)
         self._cond = threading.Condition()
         self._fds: dict[int, int] = {}
-        self._held: set[int] = set()  # slots this process holds or waits on
+        self._held: set[int] = set()  # slots this process holds, tries or waits on
+        self._waiting = 0  # threads waiting for one of this process's own slots
 
     def _fd(self, i: int) -> int:
         fd = self._fds.get(i)
@@ -49,19 +50,22 @@ class NodeSlots:
         return fd
 
     def try_take(self) -> Optional[int]:
-        """A free slot, now held (its number), or None when the node's are all taken."""
-        with self._cond:
-            start = random.randrange(self.limit)
-            for j in range(self.limit):
-                i = (start + j) % self.limit
+        """A free slot, now held (its number), or None when the node's are all taken. The
+        ``flock`` runs outside this process's lock (the slot is marked first, so no other
+        thread of the process tries it meanwhile): threads contend only for a set update."""
+        start = random.randrange(self.limit)
+        for j in range(self.limit):
+            i = (start + j) % self.limit
+            with self._cond:
                 if i in self._held:
                     continue
-                try:
-                    fcntl.flock(self._fd(i), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    continue
                 self._held.add(i)
+                fd = self._fd(i)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 return i
+            except BlockingIOError:
+                self._drop(i)
         return None
 
     def take(self) -> int:
@@ -73,7 +77,9 @@ class NodeSlots:
             with self._cond:
                 others = [k for k in range(self.limit) if k not in self._held]
                 if not others:  # this process holds them all: wait for one of its own
+                    self._waiting += 1
                     self._cond.wait()
+                    self._waiting -= 1
                     continue
                 k = random.choice(others)
                 self._held.add(k)  # no other thread of this process takes it meanwhile
@@ -81,18 +87,21 @@ class NodeSlots:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)  # until its holder lets go (or dies)
             except BaseException:
-                with self._cond:
-                    self._held.discard(k)
-                    self._cond.notify_all()
+                self._drop(k)
                 raise
             return k
 
     def give(self, i: int) -> None:
-        """Hand back slot ``i``."""
+        """Hand back slot ``i`` (unlocked before it is unmarked: no thread of this process
+        can take it while it is still locked)."""
+        fcntl.flock(self._fds[i], fcntl.LOCK_UN)
+        self._drop(i)
+
+    def _drop(self, i: int) -> None:
         with self._cond:
-            fcntl.flock(self._fds[i], fcntl.LOCK_UN)
             self._held.discard(i)
-            self._cond.notify_all()
+            if self._waiting:
+                self._cond.notify()
 
     def _forget(self) -> None:
         """In a forked child: the parent's descriptors share its locks; close them, hold nothing."""
@@ -101,7 +110,7 @@ class NodeSlots:
                 os.close(fd)
             except OSError:
                 pass
-        self._fds, self._held, self._cond = {}, set(), threading.Condition()
+        self._fds, self._held, self._cond, self._waiting = {}, set(), threading.Condition(), 0
 
 
 _NODE: list = []

@@ -42,8 +42,14 @@ def test_the_node_budget_is_shared_by_processes_and_freed_by_a_dead_one(tmp_path
     holder = _child(root, hold=True)
     assert holder.stdout.readline().strip() == "5"
     assert mine.try_take() is None  # another process holds the node's 5
+    waited = []
+    waiter = threading.Thread(target=lambda: waited.append(mine.take()))
+    waiter.start()  # waits on one of the holder's slots
     holder.kill()
     holder.wait(60)
+    waiter.join(60)
+    assert len(waited) == 1 and waited[0] is not None  # the dead holder's slot went to the waiter
+    mine.give(waited[0])
     assert len({mine.try_take() for _ in range(5)} - {None}) == 5  # the dead one's slots are free
     assert mine.try_take() is None
 
