@@ -58,7 +58,7 @@ class FaultProxy:
         faults_done: faults injected so far.
         order: while recording (:meth:`record`), the requests in the order the proxy saw
             them: ``("get", "in")`` when an object GET arrives, ``("get", "out", key)`` when
-            its answer has been sent, ``("list", "out")`` when a listing page has been answered;
+            its answer starts to be sent, ``("list", "out")`` when a listing page has been answered;
             a test may add its own events (:meth:`note`).
         held: key suffix -> the event an object GET of such a key waits for before it is
             answered (:meth:`hold`).
@@ -214,6 +214,8 @@ def _handler(proxy: FaultProxy) -> type:
                     local.conn = None
                     if attempt:
                         raise
+            if kind == "object" and self.command == "GET":
+                proxy._note(("get", "out", key))  # before the client can have any of it
             self.send_response(resp.status, resp.reason)
             head = self.command == "HEAD"  # its Content-Length is the object's, not the empty body's
             for k, v in resp.getheaders():
@@ -228,8 +230,6 @@ def _handler(proxy: FaultProxy) -> type:
                     self.wfile.flush()
                     proxy._note(("list", "out"))
                 if kind == "object" and self.command == "GET":
-                    self.wfile.flush()
-                    proxy._note(("get", "out", key))
                     with proxy.lock:
                         proxy.object_get_bytes += len(data)
 

@@ -134,7 +134,10 @@ class DiskCache:
                 return None, False
             ahead = bool(st.st_mode & AHEAD_MARK)
             if ahead and take:
-                os.chmod(p, st.st_mode & 0o777 & ~AHEAD_MARK)
+                try:
+                    os.chmod(p, st.st_mode & 0o777 & ~AHEAD_MARK)
+                except OSError:  # another user's entry: still a hit to read (counted a miss again)
+                    pass
             os.utime(p)  # the read time the eviction goes by
         except OSError:
             return None, False
