@@ -7,6 +7,7 @@ behind a threaded HTTP proxy that injects latency and faults and counts requests
     server.proxy.inject("503", 2)      # the next 2 object GETs answer 503 SlowDown
     server.proxy.inject("drop", 1)     # the next object GET loses its connection
     server.proxy.object_gets           # object GETs that reached moto (listings excluded)
+    gate = server.proxy.hold("k.png")  # the answer to a GET of a key ending so waits for gate.set()
 
 No test talks to a real cloud: the AWS variables point every client at the proxy
 (:func:`s3_environment`).
@@ -56,8 +57,11 @@ class FaultProxy:
         object_get_bytes: body bytes of object GETs passed back.
         faults_done: faults injected so far.
         order: while recording (:meth:`record`), the requests in the order the proxy saw
-            them: ``("get", "in")`` when an object GET arrives, ``("list", "out")`` when a
-            listing page has been answered.
+            them: ``("get", "in")`` when an object GET arrives, ``("get", "out", key)`` when
+            its answer starts to be sent, ``("list", "out")`` when a listing page has been answered;
+            a test may add its own events (:meth:`note`).
+        held: key suffix -> the event an object GET of such a key waits for before it is
+            answered (:meth:`hold`).
         in_flight, peak_in_flight: object GETs the proxy is serving now, and the most at once
             since the last :meth:`reset_counts`, by ``"bucket/first-folder"`` and in all (``"all"``).
     """
@@ -72,6 +76,19 @@ class FaultProxy:
     order: Optional[list] = field(default=None, repr=False)
     in_flight: Counter = field(default_factory=Counter)
     peak_in_flight: Counter = field(default_factory=Counter)
+    held: dict = field(default_factory=dict)
+
+    def hold(self, key_suffix: str) -> threading.Event:
+        """Hold back the answers to object GETs of keys ending with ``key_suffix`` until the
+        returned event is set (or 20 s pass: a test that never sets it fails, not hangs)."""
+        gate = threading.Event()
+        with self.lock:
+            self.held[key_suffix] = gate
+        return gate
+
+    def note(self, event: tuple) -> None:
+        """Add ``event`` to :attr:`order` (while recording): what a test saw, among the requests."""
+        self._note(event)
 
     def record(self) -> None:
         """Start (again) recording the order of object GETs and listing pages in ``order``."""
@@ -179,6 +196,11 @@ def _handler(proxy: FaultProxy) -> type:
                 self.end_headers()
                 self.wfile.write(msg)
                 return
+            key = bucket_and_key.split("/", 1)[-1]
+            gate = next((g for k, g in list(proxy.held.items()) if key.endswith(k)), None) \
+                if kind == "object" and self.command == "GET" else None
+            if gate is not None:
+                gate.wait(20)
             headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
             for attempt in range(2):
                 conn = self._upstream()
@@ -192,6 +214,8 @@ def _handler(proxy: FaultProxy) -> type:
                     local.conn = None
                     if attempt:
                         raise
+            if kind == "object" and self.command == "GET":
+                proxy._note(("get", "out", key))  # before the client can have any of it
             self.send_response(resp.status, resp.reason)
             head = self.command == "HEAD"  # its Content-Length is the object's, not the empty body's
             for k, v in resp.getheaders():

@@ -42,6 +42,11 @@ PROTECT_S = 600.0
 #: The environment variable naming the cache directory.
 CACHE_DIR_ENV = "SBLOADER_CACHE_DIR"
 
+#: The mode bit (the owner's execute bit, never set on an entry otherwise) marking an entry
+#: fetched ahead of its first reader: that read counts a cache miss, not a hit, so a cold
+#: epoch's hit ratio is 0 whatever was fetched ahead (while listing, or by an earlier task).
+AHEAD_MARK = 0o100
+
 
 def default_cache_dir() -> str:
     """``$SBLOADER_CACHE_DIR``, else ``<tmp>/sbloader-cache-<uid>`` (resolved on the node that reads)."""
@@ -116,13 +121,27 @@ class DiskCache:
     def hit(self, p: str, size: int) -> Optional[str]:
         """:meth:`get` of the entry at ``p`` (:meth:`path_for`): a reader that computed the
         path once (a hash of the URI) uses it for the check, the lock and the write."""
+        return self.check(p, size)[0]
+
+    def check(self, p: str, size: int, take: bool = True) -> tuple[Optional[str], bool]:
+        """:meth:`hit`, and whether the entry was fetched ahead of its first reader
+        (:meth:`put_at` with ``ahead``): that reader counts it as a miss (the object came
+        from the store for it) and takes the mark off (``take``; False: a look that reads
+        nothing, such as a fetch ahead's), so later reads count hits."""
         try:
-            if os.stat(p).st_size != size:
-                return None
+            st = os.stat(p)
+            if st.st_size != size:
+                return None, False
+            ahead = bool(st.st_mode & AHEAD_MARK)
+            if ahead and take:
+                try:
+                    os.chmod(p, st.st_mode & 0o777 & ~AHEAD_MARK)
+                except OSError:  # another user's entry: still a hit to read (counted a miss again)
+                    pass
             os.utime(p)  # the read time the eviction goes by
         except OSError:
-            return None
-        return p
+            return None, False
+        return p, ahead
 
     def _makedirs(self, d: str) -> None:
         if d not in self._dirs:
@@ -143,10 +162,11 @@ class DiskCache:
         or None when the cache is full of entries read too recently to evict."""
         return self.put_at(self.path_for(uri, version), data)
 
-    def put_at(self, p: str, data: bytes) -> Optional[str]:
+    def put_at(self, p: str, data: bytes, ahead: bool = False) -> Optional[str]:
         """:meth:`put` into the entry at ``p``. The bytes are reserved in the directory's
         ledger before the first is written (:mod:`sbloader.sources.cache_ledger`), so the
-        processes sharing the directory never hold more than ``max_bytes`` on disk together."""
+        processes sharing the directory never hold more than ``max_bytes`` on disk together.
+        ``ahead``: fetched ahead of its reader, marked so (:data:`AHEAD_MARK`, see :meth:`check`)."""
         n = len(data)
         d = os.path.dirname(p)
         self._makedirs(d)
@@ -164,6 +184,8 @@ class DiskCache:
             if room is None:
                 return None
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)  # the reservation, on disk
+            if ahead:
+                os.fchmod(fd, 0o644 | AHEAD_MARK)  # fchmod: the umask cannot drop the mark
             self._ledger.write(room + n)
         try:
             try:

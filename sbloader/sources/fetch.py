@@ -50,6 +50,7 @@ class _Got:
     path: Optional[str] = None  # the cache entry, when one holds it
     error: Optional[BaseException] = None
     hit: bool = False
+    ahead: bool = False  # a hit on an entry fetched ahead of this read: counted as a miss
     retries: int = 0
     admitted: bool = True
 
@@ -134,10 +135,11 @@ class RemoteFiles:
         report_counters({"range_reads": 1, "bytes_read": len(data)})
         return data
 
-    def _get(self, uri: str, want_path: bool, known_miss: bool = False) -> _Got:
+    def _get(self, uri: str, want_path: bool, known_miss: bool = False, ahead: bool = False) -> _Got:
         """The object from the cache or the store (then cached). ``known_miss``: the caller
-        just found no entry, so only the check under the entry's lock is made. The entry's
-        path (a hash) is computed once for the checks, the lock and the write."""
+        just found no entry, so only the check under the entry's lock is made. ``ahead``: a
+        fetch ahead of the reader (the entry is marked so: :meth:`DiskCache.check`). The
+        entry's path (a hash) is computed once for the checks, the lock and the write."""
         got = _Got()
         try:
             size, version = self._version(uri)
@@ -146,13 +148,13 @@ class RemoteFiles:
                 got.data = self._download(uri, size, got)
                 return got
             entry = cache.path_for(uri, version)
-            p = None if known_miss else cache.hit(entry, size)
+            p, got.ahead = (None, False) if known_miss else cache.check(entry, size, not ahead)
             if p is None:
                 with cache.lock_at(entry):  # another process may be fetching it: wait, then hit
-                    p = cache.hit(entry, size)
+                    p, got.ahead = cache.check(entry, size, not ahead)
                     if p is None:
                         got.data = self._download(uri, size, got)
-                        p = cache.put_at(entry, got.data)
+                        p = cache.put_at(entry, got.data, ahead)
                         got.admitted = p is not None
                         got.path = p
                         return got
@@ -164,12 +166,12 @@ class RemoteFiles:
             got.error = e
         return got
 
-    def _read_hit(self, uri: str, path: str) -> _Got:
+    def _read_hit(self, uri: str, path: str, ahead: bool = False) -> _Got:
         """An entry :meth:`_submit` found, read where it is consumed (the full path if it
         went meanwhile: evicted by another process)."""
         try:
             with open(path, "rb") as f:
-                return _Got(data=f.read(), path=path, hit=True)
+                return _Got(data=f.read(), path=path, hit=True, ahead=ahead)
         except OSError:
             return self._get(uri, False)
 
@@ -181,8 +183,8 @@ class RemoteFiles:
         counts["retries"] = counts.get("retries", 0) + got.retries
         counts["store_wait_ms"] = 1000 * waited_s
         if got.error is None:
-            if got.hit:
-                counts.update(cache_hits=1, cache_bytes=n)
+            if got.hit:  # fetched ahead of this read: a miss (from the store for it), read from the cache
+                counts.update(cache_bytes=n, **{"cache_misses" if got.ahead else "cache_hits": 1})
             else:  # a miss only where there is a cache to miss (cache=False: no hit ratio)
                 counts.update(cache_misses=1 if self.cache.enabled else 0, not_admitted=0 if got.admitted else 1,
                               objects_read=counts.get("objects_read", 0) + 1,
@@ -220,7 +222,7 @@ class RemoteFiles:
                 if i == held[1]:  # the process's budget was spent by others: this one goes alone
                     submit_more()
                 f = futures[i]
-                got = self._read_hit(uri, f) if isinstance(f, str) else waited.block(f.result)
+                got = self._read_hit(uri, *f) if isinstance(f, tuple) else waited.block(f.result)
                 futures[i] = None  # drop the bytes once handed on
                 held[0] -= sizes[i]
                 BYTES.give(sizes[i])
@@ -239,17 +241,18 @@ class RemoteFiles:
         counts.update(peak_in_flight=GAUGE.take_peak(), store_wait_ms=1000 * waited.seconds)
         report_counters(counts)
 
-    def _cached(self, uri: str) -> Optional[str]:
-        """The object's cache entry (its read time updated), or None."""
+    def _cached(self, uri: str, take: bool = True) -> tuple[Optional[str], bool]:
+        """The object's cache entry (its read time updated) or None, and whether it was
+        fetched ahead of this read (:meth:`DiskCache.check`; ``take``: this read counts it)."""
         size, version = self._version(uri)
         cache = cache_here(self.cache) if size is not None else None
-        return None if cache is None else cache.get(uri, version, size)
+        return (None, False) if cache is None else cache.check(cache.path_for(uri, version), size, take)
 
     def _submit(self, ex: Any, uri: str) -> Any:
-        """A future of the object from the pool, or the path of its cache entry: a hit is read
-        where it is consumed (a thread hop costs more CPU than reading a cached file)."""
+        """A future of the object from the pool, or ``(path, ahead)`` of its cache entry: a hit
+        is read where it is consumed (a thread hop costs more CPU than reading a cached file)."""
         hit = self._cached(uri)
-        return hit if hit is not None else ex.submit(self._get, uri, False, True)
+        return hit if hit[0] is not None else ex.submit(self._get, uri, False, True)
 
     def read(self, uri: str) -> bytes:
         """One object's bytes (from the cache when it holds them)."""
@@ -260,18 +263,19 @@ class RemoteFiles:
             raise got.error
         return got.data
 
-    def local(self, uri: str) -> Union[str, io.BytesIO]:
+    def local(self, uri: str, ahead: bool = False) -> Union[str, io.BytesIO]:
         """The object as a local file (its cache entry) or, with the cache off or full,
-        an in-memory buffer: what pyarrow and PyAV open. A local path comes back as it is."""
+        an in-memory buffer: what pyarrow and PyAV open. A local path comes back as it is.
+        ``ahead``: fetched for planning (a probe, an index), ahead of the read that counts it."""
         if self.filesystem is None and uri not in self.versions:
             return uri
         t0 = time.perf_counter()
-        got = self._get(uri, True)
+        got = self._get(uri, True, ahead=ahead)
         waited = time.perf_counter() - t0
         report_counters({"peak_in_flight": GAUGE.take_peak()})
         if got.error is None and got.hit:
-            report_counters({"cache_hits": 1, "cache_bytes": os.path.getsize(got.path),
-                             "store_wait_ms": 1000 * waited})
+            report_counters({"cache_misses" if got.ahead else "cache_hits": 1,
+                             "cache_bytes": os.path.getsize(got.path), "store_wait_ms": 1000 * waited})
             return got.path
         self._report(got, waited)
         if got.error is not None:
@@ -308,7 +312,7 @@ class RemoteFiles:
         if not self.cache.enabled or not uris:
             return []
         cache = cache_here(self.cache)
-        uris = [u for u in uris if not self._cached(u)]
+        uris = [u for u in uris if self._cached(u, take=False)[0] is None]
         sizes = [self._version(u)[0] for u in uris]
         if cache is None or not uris or any(s is None for s in sizes):
             return []
@@ -336,7 +340,7 @@ class RemoteFiles:
         cache = cache_here(self.cache)
         if size is None or cache is None or not cache.make_room(size):
             return {}  # a full cache admits nothing: fetching ahead would only read it twice
-        got = self._get(uri, True)
+        got = self._get(uri, True, ahead=True)
         if got.error is None and not got.hit and got.data is not None:
             return {"prefetched": 1, "objects_read": 1, "bytes_read": len(got.data), "retries": got.retries}
         return {"retries": got.retries}

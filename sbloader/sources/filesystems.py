@@ -7,14 +7,12 @@ standard environment: for S3 ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
 ``AWS_SECRET_ACCESS_KEY``, ``AWS_DEFAULT_REGION``, ``AWS_PROFILE`` and the AWS
 config files; for GCS Application Default Credentials, or ``STORAGE_EMULATOR_HOST``
 for an emulator, anonymous). Any other scheme (``http://``, ``https://``...) goes through fsspec
-when it is installed, wrapped as a pyarrow filesystem, so the rest of sbloader
-sees one interface. A user's ``filesystem=`` (a ``pyarrow.fs.FileSystem`` or an
-fsspec filesystem) replaces the resolution for every URI.
+when installed, wrapped as a pyarrow filesystem. A user's ``filesystem=`` (pyarrow's or
+fsspec's) replaces the resolution for every URI.
 
-Listing (:func:`list_uris`) pages through the store (pyarrow asks S3 for 1,000
-keys a request) and returns the objects sorted by URI, with their size and
-modification time, so partition ids are stable and a cache can tell a changed
-object (:mod:`sbloader.sources.cache`).
+Listing (:func:`list_uris`) pages through the store (1,000 keys a request on S3) and
+returns the objects sorted by URI, with their size and modification time, so partition
+ids are stable and a cache can tell a changed object (:mod:`sbloader.sources.cache`).
 """
 from __future__ import annotations
 
@@ -245,26 +243,38 @@ def _list_prefix(fs: Any, path: str, uri: str, filesystem: Any, on_page: Optiona
     """Every file under ``path``: one recursive listing in the driver (with ``on_page``, a
     :class:`PageSink`, page by page where it can list the store so, each page handed to it
     as it comes, filtered by ``accept``), or, when the prefix has many sub-prefixes,
-    one Ray task per group of them (the order is restored by the caller's sort)."""
+    one Ray task per group of them (the order is restored by the caller's sort). Streamed,
+    the top level is listed (sub-prefixes counted) only if the first page has a key in one:
+    a flat prefix is listed once, its first objects fetched after its first page."""
     import pyarrow.fs as pafs
 
+    pages = on_page.pages(uri, path, filesystem) if on_page is not None else None
+    files: list[_Listed] = []
+    def take(page: list) -> None:
+        listed = [_Listed(*f) for f in page]
+        files.extend(listed)
+        on_page(accept(listed))
+
+    for page in pages or ():
+        take(page)
+        if len(files) == len(page) and any("/" in _rel(path, f[0]) for f in page):
+            break  # sub-prefixes: as many as a parallel listing is for? (asked below, once)
+    else:
+        if pages is not None:
+            return files
     try:
         top = fs.get_file_info(pafs.FileSelector(path, recursive=False, allow_not_found=True))
     except FileNotFoundError:
-        return []
+        return files
     dirs = sorted(f.path for f in top if f.type == pafs.FileType.Directory)
     if len(dirs) < PARALLEL_LISTING_MIN_PREFIXES:
-        pages = on_page.pages(uri, path, filesystem) if on_page is not None else None
         if pages is None:
             return _list_recursive(fs, path)
-        files: list[_Listed] = []
         for page in pages:
-            listed = [_Listed(*f) for f in page]
-            files.extend(listed)
-            on_page(accept(listed))
+            take(page)
         return files
+    getattr(pages, "close", lambda: None)()  # listed in parallel below: the stream stops
     from sbloader.runtime.session import ensure_initialized
-
     ensure_initialized()
     sub_uris = [_join(uri, path, d) for d in dirs]
     step = _PREFIXES_PER_LISTING_TASK

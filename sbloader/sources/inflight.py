@@ -11,9 +11,10 @@ Each request holds a slot of the gauge while it runs: a dataset keeps at most it
 largest ``max_in_flight`` among them, or ``$SBLOADER_MAX_IN_FLIGHT`` where it is set.
 The gauge also counts requests in flight (now and the peak) for ``stats()``.
 
-These are budgets of one process; the node's processes (Ray workers, ranks) each have
-their own, so a node keeps at most (its reading processes) x (the budget) requests in
-flight. The node-local cache's byte budget is the node's (:mod:`sbloader.sources.cache`).
+Every request also holds a slot of the node's budget, shared by all the node's processes
+(:mod:`sbloader.sources.node_slots`, ``$SBLOADER_NODE_MAX_IN_FLIGHT``, default 256). The
+bytes fetched ahead are bounded per process only (a node: its reading processes x the
+budget); the node-local cache's byte budget is the node's (:mod:`sbloader.sources.cache`).
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
+
+from sbloader.sources.node_slots import NodeSlots, node_slots
 
 #: Requests one process keeps in flight at most (its connections to the store).
 DEFAULT_MAX_REQUESTS = 64
@@ -82,11 +85,14 @@ class Gauge:
     Every request to a store takes a slot (:meth:`slot`): a dataset (``key``) keeps at most its
     own ``max_in_flight``, and all datasets of the process together at most :attr:`cap`, or
     when it is None the largest ``max_in_flight`` asked for in the process so far. A request
-    that would pass either waits for one to end.
+    that would pass either waits for one to end. Then it takes a slot of the node's budget
+    (``node``; by default :func:`~sbloader.sources.node_slots.node_slots`), waiting likewise.
     """
 
-    def __init__(self, cap: Optional[int] = None) -> None:
+    def __init__(self, cap: Optional[int] = None, node: Any = "env") -> None:
         self._cond = threading.Condition()
+        self._node: Optional[NodeSlots] = node if node != "env" else None
+        self._node_from_env = node == "env"
         self.cap = cap
         self.now = 0
         self.peak = 0
@@ -107,9 +113,14 @@ class Gauge:
             self.now += 1
             self._by_key[key] = self._by_key.get(key, 0) + 1
             self.peak = max(self.peak, self.now)
+        node = node_slots() if self._node_from_env else self._node
+        taken = None
         try:
+            taken = node.take() if node is not None else None
             yield
         finally:
+            if taken is not None:
+                node.give(taken)
             with self._cond:
                 self.now -= 1
                 left = self._by_key[key] - 1

@@ -126,7 +126,7 @@ def index_remote_shard(uri: str, remote: Any) -> ShardIndex:
             return saved
         if remote.cache.enabled:
             def opener(p: str) -> Any:
-                src = remote.local(p)
+                src = remote.local(p, ahead=True)  # the epoch's first read counts the miss
                 return open(src, "rb") if isinstance(src, str) else src
         else:
             def opener(p: str) -> Any:

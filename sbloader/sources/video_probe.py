@@ -112,7 +112,7 @@ def probe_video(path: str, span: Optional[int] = None, remote: Any = None) -> Vi
     try:
         import av
 
-        source = remote.local(path) if remote is not None else path
+        source = remote.local(path, ahead=True) if remote is not None else path
         with av.open(source, metadata_errors="ignore") as container:
             if not container.streams.video:
                 kinds = sorted({s.type for s in container.streams}) or ["none"]

@@ -17,6 +17,7 @@ from sbloader.core.errors import SourceReadError
 from sbloader.datagen import write_image_parquet, write_video
 from sbloader.sources import filesystems, tar_index
 from sbloader.sources.filesystems import LAST_LISTING, list_uris
+from sbloader.sources.listing_pages import stream_pages
 from wds_shards import rows_by_key
 
 BUCKET = "sbloader-tests"
@@ -103,7 +104,8 @@ def test_images_over_s3_equal_local_and_a_later_epoch_reads_no_object_bytes(ray_
     # No HEAD: the size is listed, and a URI ending in "/" is a prefix (not asked whether it is an object).
     assert s3.proxy.counts[("HEAD", "object")] == 0
     st = ds.stats().operators[0].counters
-    assert st["cache_misses"] + st["cache_hits"] == 24
+    # A cold epoch: every object a miss, those fetched while listing or ahead of their task included.
+    assert (st["cache_hits"], st["cache_misses"], st["cache_hit_ratio"]) == (0, 24, 0.0)
     assert st.get("objects_read", 0) + while_listing.get("objects_read", 0) == 24
     assert st.get("bytes_read", 0) + while_listing.get("bytes_read", 0) == s3.proxy.object_get_bytes
     # What the read tasks still fetched (the listing may have fetched all): a task's 5 objects and the
@@ -119,9 +121,12 @@ def test_images_over_s3_equal_local_and_a_later_epoch_reads_no_object_bytes(ray_
 
 def test_the_first_pages_objects_are_fetched_before_the_listing_ends_and_each_once(ray_session, bucket, tmp_path,
                                                                                   monkeypatch):
-    """2,100 keys list in 3 pages (1,000 a page), one in 14 an image: GETs reach the store before
-    the last page is answered; over the listing and the epoch, every image is read once, and the
-    rows are the listing's (the plan is cut from the whole listing, whatever the pages' speed)."""
+    """2,100 keys of a flat prefix list in 3 pages (1,000 a page), one in 14 an image: the prefix
+    is listed once (3 pages: its top level is not listed first to count sub-prefixes, which on
+    a flat prefix pages through every key before the first GET), the first GET reaches the
+    store after the first page (at most one more page may be answered meanwhile: the listing
+    goes on); over the listing and the epoch, every image is read once, and the rows are the
+    listing's (the plan is cut from the whole listing, whatever the pages' speed)."""
     monkeypatch.delenv("SBLOADER_LISTING_PREFETCH_BYTES")
     s3 = _server()
     every = {f"paged/{i:05d}.{'png' if i % 14 == 0 else 'txt'}": b"%05d" % i for i in range(2100)}
@@ -139,7 +144,8 @@ def test_the_first_pages_objects_are_fetched_before_the_listing_ends_and_each_on
         s3.proxy.latency_s, s3.proxy.order = 0.0, None
     pages = [i for i, e in enumerate(order) if e == ("list", "out")]
     gets = [i for i, e in enumerate(order) if e == ("get", "in")]
-    assert len(pages) >= 3 and gets and gets[0] < pages[-1], order[:5]
+    assert len(pages) == 3 == s3.proxy.counts[("GET", "list")] and gets and gets[0] < pages[-1], order[:5]
+    assert sum(1 for i in pages if i < gets[0]) <= 2, order[:8]  # reading starts after the first page
     assert fetched["objects_read"] == s3.proxy.object_gets >= 1
     rows = {}
     for b in ds.iter_batches(32, shuffle=True, seed=3):
@@ -301,6 +307,26 @@ def test_listing_a_few_thousand_keys_is_sorted_and_paginated(ray_session, bucket
     # 7 sub-prefixes: listed by 4 Ray tasks, the same objects in the same order
     assert list_uris([f"s3://{BUCKET}/many"], (".jpg",), "image") == objs
     assert [len(g) for g in launched] == [2, 2, 2, 1]
+
+    class _Sink:  # page by page through obstore, as the fetch while listing takes them
+        def __init__(self):
+            self.seen = []
+
+        def pages(self, uri, path, filesystem):
+            return stream_pages(uri, path, filesystem)
+
+        def __call__(self, page):
+            self.seen.append(len(page))
+
+    # Streamed: the first page has keys in sub-prefixes, so the top level is listed; 7 >= 3
+    # sub-prefixes: in parallel as above, after the first page was handed on.
+    sink = _Sink()
+    assert list_uris([f"s3://{BUCKET}/many/"], (".jpg",), "image", on_page=sink) == objs
+    assert sink.seen == [1000] and [len(g) for g in launched] == [2, 2, 2, 1] * 2
+    monkeypatch.setattr(filesystems, "PARALLEL_LISTING_MIN_PREFIXES", 64)  # 7 < 64: the stream goes on
+    sink = _Sink()
+    assert list_uris([f"s3://{BUCKET}/many/"], (".jpg",), "image", on_page=sink) == objs
+    assert sink.seen == [1000, 1000, 500] and len(launched) == 8
     globbed = list_uris([f"s3://{BUCKET}/many/3/*.jpg"], None, "image")
     assert [o.uri for o in globbed] == sorted(f"s3://{BUCKET}/{k}" for k in keys if k.startswith("many/3/"))
 
@@ -350,8 +376,9 @@ def test_webdataset_shards_by_brace_pattern_equal_local_with_one_request_per_ran
         assert rows_by_key(ds) == want
         assert proxy.counts[("HEAD", "object")] == 0
         st = ds.stats().operators[0].counters
-        if cache:  # the reads take nothing from the store
-            assert proxy.object_gets == 0 and st["cache_hits"] == 9 and st["cache_misses"] == 0
+        if cache:  # the reads take nothing from the store; each shard's first read counts the miss
+            # (the shard came from the store for this dataset, when it was indexed), its other two hit
+            assert proxy.object_gets == 0 and st["cache_hits"] == 6 and st["cache_misses"] == 3
         else:  # one ranged GET per partition (3 shards of 7 samples, 3 per partition)
             assert proxy.object_gets == 9 and st["range_reads"] == 9
             assert st["bytes_read"] == proxy.object_get_bytes

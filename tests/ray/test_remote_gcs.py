@@ -50,3 +50,36 @@ def test_images_from_gs_through_obstore_equal_local_and_a_later_epoch_sends_no_g
     assert dict(gcs_server.gets) == {k: 1 for k in objects}  # the second epoch from the cache
     c = ds.stats().operators[0].counters
     assert (c["cache_hits"], c["cache_misses"]) == (15, 0)
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_webdataset_shards_from_gs_by_brace_pattern_equal_local(ray_session, gcs_server, tmp_path, cache):
+    """``read_webdataset("gs://...{a..b}.tar")`` through obstore: the rows of the shards on local
+    disk; with the cache, each shard one GET (when indexed) over two epochs; without it, ranged
+    GETs (the headers, then one per partition), and every epoch reads the store again."""
+    pytest.importorskip("obstore")
+    pytest.importorskip("webdataset")
+    from sbloader.sources import tar_index
+    from wds_shards import rows_by_key, write_shards
+
+    local = write_shards(str(tmp_path / "wds"), shards=3, per_shard=7)
+    prefix = f"gwds-{int(cache)}"
+    gcs_server.put_many("bkt", {f"{prefix}/{os.path.basename(p)}": open(p, "rb").read() for p in local})
+    want = rows_by_key(sbloader.read_webdataset(local, decode=False, samples_per_partition=3))
+    tar_index._INDEXES.clear()
+    gcs_server.gets.clear()
+    ds = sbloader.read_webdataset(f"gs://bkt/{prefix}/train-{{000000..000002}}.tar", decode=False,
+                                  samples_per_partition=3, cache=cache, cache_dir=str(tmp_path / "cache"))
+    got = rows_by_key(ds)
+    assert got == want and len(got) == 21
+    c = ds.stats().operators[0].counters  # the first epoch's
+    assert all(str(u).startswith(f"gs://bkt/{prefix}/") for u in {r["__url__"] for r in ds.iter_rows()})
+    shards = [f"{prefix}/train-{i:06d}.tar" for i in range(3)]
+    if cache:
+        assert dict(gcs_server.gets) == {k: 1 for k in shards}  # indexed whole into the cache, then read there
+        assert (c["cache_hits"], c["cache_misses"], c.get("range_reads", 0)) == (6, 3, 0)
+    else:
+        assert sorted(gcs_server.gets) == shards and c["range_reads"] == 9 and "cache_misses" not in c
+        before = sum(gcs_server.gets.values())
+        assert rows_by_key(ds) == want
+        assert sum(gcs_server.gets.values()) - before == 9  # one ranged GET per partition, every epoch

@@ -182,6 +182,36 @@ def test_a_cached_source_always_shows_hits_misses_and_their_ratio():
     assert plain == {"objects_read": 2, "bytes_read": 9}
 
 
+def test_objects_fetched_ahead_count_as_misses_of_the_read_that_takes_them_then_hits(tmp_path, monkeypatch):
+    """A cold epoch's hit ratio is 0 whatever was fetched ahead: the read that takes an entry
+    fetched ahead of it (by an earlier task, while listing, for an index) counts a miss (the
+    object came from the store for this epoch), the reads after it count hits. Before, the
+    objects fetched ahead showed as hits, and a cold epoch read a hit ratio near 1."""
+    from sbloader.sources import inflight
+
+    monkeypatch.setattr(inflight, "_POOL", [])
+    rf, handler = _flaky_files(tmp_path, 0, OSError("unused"), cache=True)
+    first, ahead = ["flaky://0.bin", "flaky://1.bin"], ["flaky://2.bin", "flaky://3.bin", "flaky://4.bin"]
+    with task_context(0, 0, 0, "read", -1) as ctx:  # a task fetching the next partition's objects ahead
+        assert len(list(rf.read_many(first, ahead=ahead))) == 2
+    assert (ctx.counters["cache_hits"], ctx.counters["cache_misses"], ctx.counters["prefetched"]) == (0, 2, 3)
+    assert rf.prefetch(ahead, collect=True) == []  # another task's look ahead: cached, the marks left on
+    for u in ahead:
+        rf._prefetch_one(u)  # a fetch ahead racing the look: finds the entry, leaves the mark
+    for epoch, want in ((0, (0, 3, 0.0)), (1, (3, 0, 1.0))):  # the next task, in this epoch, then the next epoch
+        with task_context(epoch, 0, 1, "read", -1) as ctx:
+            assert [b for _, b in rf.read_many(ahead)] == [bytes([i]) * (i + 1) for i in (2, 3, 4)]
+        c = ctx.counters
+        assert (c["cache_hits"], c["cache_misses"], c["cache_hit_ratio"]) == want, c
+        assert "objects_read" not in c  # fetched once, by the fetch ahead
+    src = RemoteFiles(rf.filesystem, rf.cache, rf.versions, 3)
+    src.local("flaky://0.bin", ahead=True)  # already cached: not marked again
+    with task_context(1, 0, 2, "read", -1) as ctx:
+        src.local("flaky://0.bin")
+    assert ctx.counters["cache_hits"] == 1 and ctx.counters["cache_misses"] == 0
+    assert all(n == 1 for n in handler.opens.values()), handler.opens
+
+
 def test_without_a_cache_no_hit_or_miss_is_counted(tmp_path):
     rf, _ = _flaky_files(tmp_path, 0, OSError("unused"), cache=False)
     with task_context(0, 0, 0, "read", -1) as ctx:
