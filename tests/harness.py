@@ -102,6 +102,12 @@ def run_ranks(make: MakeLoader, world_size: int, name: str, key: str, take: Opti
         t.start()
     for t in threads:
         t.join(timeout)
+    if any(t.is_alive() for t in threads):  # where each hung rank waits, for the failure's report
+        import faulthandler
+        import sys
+
+        print(f"--- {name}: a rank is still running after {timeout} s; every thread's stack:", file=sys.stderr)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
     free_coordinators(name)
     if errors:
         raise errors[0]

@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 _WAIT_S = 1.0  # one coordinator request waits at most this long for a block
 _AHEAD = 2  # batches whose blocks a rank asks for ahead of the one it cuts
 _MAX_REBUILDS = 3  # coordinators lost in one epoch before the rank gives up
+_SLOW_WAIT_S = 60.0  # a rank waiting this long for a block says so (again each such wait)
 
 
 class RankSplit(Protocol):
@@ -139,10 +140,21 @@ def batches(link: Any, run: Any) -> Iterator[tuple[Batch, int]]:
         want = wanted(j)
         now = [run.pids[p.key] for p in _places(b)]
         try:
+            waited = time.monotonic()
             while any(pid not in refs and pid not in blocks for pid in now):
                 reply = _call(lambda: link.coord.block_refs.remote(run.epoch, run.rank, run.taken, want, _WAIT_S))
                 refs.update(reply["refs"])
                 want = [pid for pid in want if pid not in refs]
+                missing = [pid for pid in now if pid not in refs and pid not in blocks]
+                if missing and reply.get("done"):
+                    raise SbloaderError(
+                        f"rank {run.rank}: the coordinator ended epoch {run.epoch} while this rank still needs "
+                        f"partition(s) {missing} for its batch {j}; every rank must iterate the same epoch. "
+                        "Restart the job from the last checkpoint")
+                if missing and time.monotonic() - waited > _SLOW_WAIT_S:
+                    logger.warning("sbloader rank %d: waited %.0f s for partition(s) %s of epoch %d (batch %d)",
+                                   run.rank, time.monotonic() - waited, missing, run.epoch, j)
+                    waited = time.monotonic()
             for pid in now:
                 if pid not in blocks:
                     blocks[pid] = _checked(ray.get(refs.pop(pid)), pid, run, offset)
