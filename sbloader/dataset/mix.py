@@ -1,0 +1,114 @@
+"""``sbloader.mix``: several native datasets read as one, at set weights.
+
+Each source keeps its own pipeline (its own stages, shuffle window and loader); the
+mixture happens after them, in :class:`~sbloader.loaders.mix_loader.MixLoader`.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Mapping, Optional
+
+from sbloader.core import mix_plan
+from sbloader.loaders import pipeline_state
+from sbloader.loaders.mix_loader import MixLoader
+
+_MIX_COUNTER = itertools.count()
+
+
+class MixedDataset:
+    """Several datasets mixed at set weights (build one with :func:`mix`).
+
+    Attributes:
+        datasets: name -> the source :class:`~sbloader.dataset.dataset.Dataset`.
+        weights: name -> the weight asked at the start.
+        seed: the mixture's seed.
+        on_exhausted: ``"restart"``, ``"stop"`` or ``"drop"`` (see :func:`mix`).
+    """
+
+    def __init__(self, datasets: Mapping[str, Any], weights: Mapping[str, float], seed: int,
+                 on_exhausted: str) -> None:
+        if not isinstance(datasets, Mapping) or not datasets:
+            raise ValueError(f"mix() takes a non-empty dict of name -> Dataset, found {datasets!r}")
+        for name, ds in datasets.items():
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"mix() source names must be non-empty strings, found {name!r}")
+            if not hasattr(ds, "to_dataloader"):
+                raise TypeError(f"mix() source {name!r} is a {type(ds).__name__}; give sbloader Datasets (wrap a "
+                                "torch dataset with sbloader.from_torch)")
+        if on_exhausted not in mix_plan.ON_EXHAUSTED:
+            raise ValueError(f"on_exhausted must be one of {mix_plan.ON_EXHAUSTED}, found {on_exhausted!r}")
+        if not isinstance(seed, int):
+            raise ValueError(f"mix() needs an int seed (the schedule derives from it), found {seed!r}")
+        self.datasets = dict(datasets)
+        self.weights = dict(weights)
+        mix_plan.check_weights(self.weights, list(self.datasets))
+        self.seed = seed
+        self.on_exhausted = on_exhausted
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{n}: {ds!r} @ {self.weights[n]}" for n, ds in self.datasets.items())
+        return f"MixedDataset({inner})"
+
+    def to_dataloader(self, batch_size: int = 256, *, shuffle: bool = False, num_samples: Optional[int] = None,
+                      drop_last: bool = False, source_key: Optional[str] = None, name: Optional[str] = None,
+                      **kwargs: Any) -> MixLoader:
+        """A loader yielding dicts of torch tensors drawn from the sources at the weights.
+
+        Args:
+            batch_size: rows per batch of the mixture (each source's loader reads batches of
+                this size too).
+            shuffle: shuffle every source (each its own epochs, reshuffled per source epoch).
+            num_samples: samples per iteration of the loader (None: until the mixture ends;
+                for good under ``on_exhausted="restart"``).
+            drop_last: drop a final short batch.
+            source_key: add a column of that name holding each row's source (its index in
+                ``loader.names``), for per-source losses.
+            name: the loader's name in the job (its sources' loaders are named ``name.source``).
+            **kwargs: every source loader's options (:class:`~sbloader.loaders.pipeline_loader.PipelineLoader`:
+                memory_budget, prefetch_blocks, shuffle_window, rank, world_size...); the sources
+                always run ``deterministic=True`` under a seed drawn from the mixture's.
+        """
+        for key in ("seed", "deterministic", "generator", "collate_fn"):
+            if key in kwargs:
+                raise ValueError(f"mix().to_dataloader() sets {key!r} for its sources itself (the mixture's seed "
+                                 "fixes every source's, delivered in a fixed order); leave it out")
+        base = name if name is not None else f"mix{next(_MIX_COUNTER)}"
+
+        def make(source: str, seed: int) -> Any:
+            return self.datasets[source].to_dataloader(batch_size, shuffle=shuffle, seed=seed, deterministic=True,
+                                                       name=f"{base}.{source}", **kwargs)
+
+        prints = {n: pipeline_state.fingerprint(ds, batch_size, shuffle) for n, ds in self.datasets.items()}
+        return MixLoader(list(self.datasets), make, self.weights, seed=self.seed, batch_size=batch_size,
+                         on_exhausted=self.on_exhausted, num_samples=num_samples, drop_last=drop_last,
+                         source_key=source_key, fingerprints=prints)
+
+
+def mix(datasets: Mapping[str, Any], weights: Mapping[str, float], *, seed: int = 0,
+        on_exhausted: str = "restart") -> MixedDataset:
+    """Read several datasets as one, drawing each sample from a source at the given weights.
+
+    Each source keeps its own pipeline (its stages, its shuffle window); the mixture is
+    made after them. Which source the ``i``-th sample comes from is a pure function of
+    ``seed``, ``i`` and the weights in force (never of workers or timing); within a source
+    sampling is without replacement: its samples are all seen once before any repeats.
+
+    Args:
+        datasets: name -> :class:`~sbloader.dataset.dataset.Dataset` (map every source to the
+            same columns).
+        weights: name -> weight (>= 0; normalised; 0 leaves a source out until
+            ``loader.set_weights`` brings it in).
+        seed: the mixture's seed (the schedule and every source's shuffle derive from it).
+        on_exhausted: what a source that runs out of its epoch does: ``"restart"`` (default:
+            it starts its next epoch), ``"stop"`` (the loader's iteration ends) or ``"drop"``
+            (it is left out and its weight shared among the rest until every source ran out).
+
+    Returns:
+        A :class:`MixedDataset`; iterate ``.to_dataloader(batch_size, ...)``, whose
+        ``set_weights``, ``state_dict``/``load_state_dict`` and ``stats`` work mid-run.
+
+    Example:
+        >>> mixed = sbloader.mix({"web": web, "curated": curated}, weights={"web": 0.7, "curated": 0.3})
+        >>> loader = mixed.to_dataloader(batch_size=256, shuffle=True, num_samples=1_000_000)
+    """
+    return MixedDataset(datasets, weights, seed, on_exhausted)
