@@ -21,6 +21,7 @@ from sbloader.core.mix_plan import WeightChange
 from sbloader.loaders import mix_state
 from sbloader.loaders.mix_source import CursorState, SourceCursor
 
+PADDING = "sbloader_padding"  # the column a split source marks its repeated rows with
 MakeLoader = Callable[[str, int], Any]  # (source name, source seed) -> a deterministic loader
 
 
@@ -72,6 +73,8 @@ class MixLoader:
         self._position = 0
         self._start: Optional[int] = None  # the position the current iteration began at (None: between)
         self._epoch = 0
+        first = next(iter(self._cursors.values())).loader
+        self.world_size = int(getattr(getattr(first, "world", None), "world_size", 1))
 
     # ----- weights -----------------------------------------------------------
 
@@ -171,16 +174,21 @@ class MixLoader:
 
         pieces, order = drawn
         chunks = [p for j in sorted(pieces) for p in pieces[j]]
-        keys = set(chunks[0])
+        padded = any(PADDING in p for p in chunks)  # a split source's repeated rows (split across ranks)
+        keys = set(chunks[0]) - {PADDING}
         for j in sorted(pieces):
             for p in pieces[j]:
-                if set(p) != keys:
+                if set(p) - {PADDING} != keys:
                     raise ValueError(
                         f"the mixture's sources give different columns: {self.names[j]!r} gives {sorted(p)}, "
                         f"another {sorted(keys)}; map every source to the same columns before mixing")
         by_source = np.argsort(order, kind="stable")  # row k of the concatenation is sample by_source[k]
         back = torch.from_numpy(np.argsort(by_source))
-        out = {k: torch.cat([torch.as_tensor(p[k]) for p in chunks])[back] for k in chunks[0]}
+        out = {k: torch.cat([torch.as_tensor(p[k]) for p in chunks])[back] for k in chunks[0] if k != PADDING}
+        if padded:
+            out[PADDING] = torch.cat([torch.as_tensor(p[PADDING]).bool() if PADDING in p
+                                      else torch.zeros(len(p[next(iter(keys))]), dtype=torch.bool)
+                                      for p in chunks])[back]
         if self.source_key is not None:
             out[self.source_key] = torch.from_numpy(order.astype(np.int64))
         return out
@@ -208,7 +216,7 @@ class MixLoader:
         every source's own loader state (before the batch it is in) with the rows of it used."""
         return {**mix_state.FORMAT.header(self._fingerprint()), "epoch": self._epoch,
                 "position": self._position, "start": self._start if self._start is not None else self._position,
-                "between": self._start is None, "history": self.history,
+                "between": self._start is None, "history": self.history, "world_size": self.world_size,
                 "sources": {n: c.snapshot().to_json() for n, c in self._cursors.items()}}
 
     def load_state_dict(self, state_dict: dict, strict: bool = True,
@@ -223,8 +231,10 @@ class MixLoader:
         if history[0].position != 0:
             raise mix_state.StateDictError(f"mix state history: its first change is at {history[0].position}, "
                                            "expected 0")
+        cursors = {n: CursorState.from_json(n, state["sources"][n]) for n in self.names}
+        mix_state.check_world(state, self.world_size, {n: c.used for n, c in cursors.items()})
         for n, c in self._cursors.items():
-            c.load(CursorState.from_json(n, state["sources"][n]))
+            c.load(cursors[n])
         self._history = history
         self._position = int(state["position"])
         self._start = None if state.get("between") else int(state["start"])

@@ -35,6 +35,24 @@ def check_body(state: dict, names: list) -> None:
                              "Load it into a mixture of the same sources")
 
 
+def check_world(state: dict, world_size: int, used: dict) -> None:
+    """Refuse a state whose sources are partway through a batch when the world size changed.
+
+    A source's state is its loader's state before the batch it is in plus the rows of that
+    batch used, the same on every rank. On the same world size the batch comes again and its
+    used rows are skipped; on another the source's batches are cut anew, so those rows cannot
+    be told apart (issue #49: row-level credit in the source's own state is not built yet).
+    """
+    found = int(state.get("world_size", 1))
+    partway = sorted(n for n, u in used.items() if u)
+    if found != world_size and partway:
+        raise StateDictError(
+            f"mix state world_size: found {found}, expected {world_size} (this job's), and sources {partway} "
+            "were partway through a batch when it was taken; such a state resumes exactly only on "
+            f"{found} rank(s). Resume on {found} rank(s), or from a state taken where every source's "
+            "'used' is 0")
+
+
 @dataclass(frozen=True)
 class SourceStats:
     """One source of a mixture, as :meth:`MixLoader.stats` reports it.

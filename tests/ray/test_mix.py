@@ -233,3 +233,57 @@ def test_bad_input_says_what_to_do(ray_session):
     other = sbloader.mix({"a": a}, weights={"a": 1}, seed=7).to_dataloader(10, num_samples=50)
     with pytest.raises(sbloader.StateDictError):
         other.load_state_dict(state)
+
+
+def _split_make(num_samples: int):
+    from harness import free_coordinators
+
+    srcs = {"a": _source("a", 96, 4), "b": _source("b", 64, 4)}
+    mixed = sbloader.mix(srcs, weights={"a": 0.6, "b": 0.4}, seed=4)
+    made: list = []
+
+    def make(rank: int, world_size: int, name: str):
+        made.append(name)
+        return mixed.to_dataloader(8, shuffle=True, num_samples=num_samples, rank=rank,
+                                   world_size=world_size, name=name, job_id="mix-ranks")
+
+    def free() -> None:
+        for name in made:
+            for source in srcs:
+                free_coordinators(f"{name}.{source}")
+        made.clear()
+
+    return make, free
+
+
+def test_split_across_ranks_each_rank_draws_alike_and_resumes_on_the_same_world_size(ray_session):
+    from harness import run_ranks
+
+    make, free = _split_make(40)
+    try:
+        whole, _ = run_ranks(make, 2, "mixw", "id")
+        free()
+        per_source = [[i // 100_000 for i in t.ids] for t in whole]
+        assert per_source[0] == per_source[1]  # the same schedule on every rank
+        for s in (0, 1):
+            ids = [[i for i in t.ids if i // 100_000 == s] for t in whole]
+            assert not set(ids[0]) & set(ids[1])  # each rank its own share of the source
+            assert all(len(set(x)) == len(x) for x in ids)
+        head, state = run_ranks(make, 2, "mixh", "id", take=2)
+        free()
+        assert state["world_size"] == 2
+        rest, _ = run_ranks(make, 2, "mixr", "id", state=state)
+        free()
+        for r in range(2):
+            assert head[r].batches + rest[r].batches == whole[r].batches
+        assert any(v["used"] for v in state["sources"].values())  # taken partway through a source's batch
+        with pytest.raises(sbloader.StateDictError, match="partway through a batch"):
+            run_ranks(make, 1, "mix1", "id", state=state)
+        free()
+        start, state0 = run_ranks(make, 2, "mixh0", "id", take=0)
+        free()
+        assert all(v["used"] == 0 for v in state0["sources"].values())
+        one, _ = run_ranks(make, 1, "mix1b", "id", state=state0)  # nothing partway: any world size
+        assert len(one[0].ids) == 40 and len(set(one[0].ids)) == 40
+    finally:
+        free()
