@@ -9,6 +9,7 @@ import itertools
 from typing import Any, Mapping, Optional
 
 from sbloader.core import mix_plan
+from sbloader.dataset.read import from_torch
 from sbloader.loaders import pipeline_state
 from sbloader.loaders.mix_loader import MixLoader
 
@@ -29,12 +30,7 @@ class MixedDataset:
                  on_exhausted: str) -> None:
         if not isinstance(datasets, Mapping) or not datasets:
             raise ValueError(f"mix() takes a non-empty dict of name -> Dataset, found {datasets!r}")
-        for name, ds in datasets.items():
-            if not isinstance(name, str) or not name:
-                raise ValueError(f"mix() source names must be non-empty strings, found {name!r}")
-            if not hasattr(ds, "to_dataloader"):
-                raise TypeError(f"mix() source {name!r} is a {type(ds).__name__}; give sbloader Datasets (wrap a "
-                                "torch dataset with sbloader.from_torch)")
+        datasets = {name: _as_dataset(name, ds) for name, ds in datasets.items()}
         if on_exhausted not in mix_plan.ON_EXHAUSTED:
             raise ValueError(f"on_exhausted must be one of {mix_plan.ON_EXHAUSTED}, found {on_exhausted!r}")
         if not isinstance(seed, int):
@@ -84,6 +80,18 @@ class MixedDataset:
                          source_key=source_key, fingerprints=prints)
 
 
+def _as_dataset(name: Any, ds: Any) -> Any:
+    """A source as a native Dataset: as given, or a map-style torch dataset through ``from_torch``."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"mix() source names must be non-empty strings, found {name!r}")
+    if hasattr(ds, "to_dataloader"):
+        return ds
+    if hasattr(ds, "__getitem__") and hasattr(ds, "__len__"):
+        return from_torch(ds)
+    raise TypeError(f"mix() source {name!r} is a {type(ds).__name__}; give sbloader Datasets or map-style torch "
+                    "datasets (an IterableDataset is not supported yet)")
+
+
 def mix(datasets: Mapping[str, Any], weights: Mapping[str, float], *, seed: int = 0,
         on_exhausted: str = "restart") -> MixedDataset:
     """Read several datasets as one, drawing each sample from a source at the given weights.
@@ -94,8 +102,9 @@ def mix(datasets: Mapping[str, Any], weights: Mapping[str, float], *, seed: int 
     sampling is without replacement: its samples are all seen once before any repeats.
 
     Args:
-        datasets: name -> :class:`~sbloader.dataset.dataset.Dataset` (map every source to the
-            same columns).
+        datasets: name -> :class:`~sbloader.dataset.dataset.Dataset`, or a map-style torch
+            dataset (read through :func:`~sbloader.dataset.read.from_torch`); map every source
+            to the same columns.
         weights: name -> weight (>= 0; normalised; 0 leaves a source out until
             ``loader.set_weights`` brings it in).
         seed: the mixture's seed (the schedule and every source's shuffle derive from it).

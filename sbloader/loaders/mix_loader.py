@@ -175,20 +175,30 @@ class MixLoader:
         pieces, order = drawn
         chunks = [p for j in sorted(pieces) for p in pieces[j]]
         padded = any(PADDING in p for p in chunks)  # a split source's repeated rows (split across ranks)
-        keys = set(chunks[0]) - {PADDING}
+        keys = [k for k in chunks[0] if k != PADDING]
         for j in sorted(pieces):
             for p in pieces[j]:
-                if set(p) - {PADDING} != keys:
+                if set(p) - {PADDING} != set(keys):
                     raise ValueError(
                         f"the mixture's sources give different columns: {self.names[j]!r} gives {sorted(p)}, "
                         f"another {sorted(keys)}; map every source to the same columns before mixing")
-        by_source = np.argsort(order, kind="stable")  # row k of the concatenation is sample by_source[k]
-        back = torch.from_numpy(np.argsort(by_source))
-        out = {k: torch.cat([torch.as_tensor(p[k]) for p in chunks])[back] for k in chunks[0] if k != PADDING}
-        if padded:
-            out[PADDING] = torch.cat([torch.as_tensor(p[PADDING]).bool() if PADDING in p
-                                      else torch.zeros(len(p[next(iter(keys))]), dtype=torch.bool)
-                                      for p in chunks])[back]
+        # One copy per column: each piece goes straight to its rows of the batch (its source's
+        # places in schedule order, consecutive per piece).
+        dest = {j: torch.from_numpy(np.flatnonzero(order == j)) for j in pieces}
+        out: dict = {}
+        for j in sorted(pieces):
+            at = 0
+            for p in pieces[j]:
+                n = len(p[next(iter(keys))]) if keys else 0
+                rows = dest[j][at:at + n]
+                at += n
+                for k in keys:
+                    _place(out, k, p[k], rows, len(order), self.names[j])
+                if padded:
+                    if PADDING not in out:
+                        out[PADDING] = torch.zeros(len(order), dtype=torch.bool)
+                    if PADDING in p:
+                        out[PADDING][rows] = torch.as_tensor(p[PADDING]).bool()
         if self.source_key is not None:
             out[self.source_key] = torch.from_numpy(order.astype(np.int64))
         return out
@@ -269,3 +279,29 @@ class MixLoader:
         """Stop every source's running epoch."""
         for c in self._cursors.values():
             c.close()
+
+
+def _place(out: dict, key: str, col: Any, rows: Any, size: int, source: str) -> None:
+    """Put a piece's column at ``rows`` of the batch's column ``key`` (made on first use): a tensor
+    into a tensor of the same dtype and row shape, anything else (strings...) into a list."""
+    import torch
+
+    if isinstance(col, torch.Tensor):
+        if key not in out:
+            out[key] = col.new_empty((size,) + tuple(col.shape[1:]))
+        into = out[key]
+        if not isinstance(into, torch.Tensor) or into.dtype != col.dtype or into.shape[1:] != col.shape[1:]:
+            found = f"{col.dtype} {tuple(col.shape[1:])}"
+            expected = (f"{into.dtype} {tuple(into.shape[1:])}" if isinstance(into, torch.Tensor)
+                        else "a list")
+            raise ValueError(f"column {key!r} of source {source!r}: found {found} per batch, expected {expected} "
+                             "(another source's); give every source the same dtypes and shapes before mixing")
+        into[rows] = col
+        return
+    if key not in out:
+        out[key] = [None] * size
+    if not isinstance(out[key], list):
+        raise ValueError(f"column {key!r} of source {source!r} is not a tensor but another source's is; give "
+                         "every source the same column types before mixing")
+    for i, v in zip(rows.tolist(), list(col)):
+        out[key][i] = v

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 
 import sbloader
@@ -221,8 +222,12 @@ def test_bad_input_says_what_to_do(ray_session):
     a = _source("a", 10)
     with pytest.raises(ValueError, match="on_exhausted"):
         sbloader.mix({"a": a}, weights={"a": 1}, on_exhausted="loop")
-    with pytest.raises(TypeError, match="from_torch"):
-        sbloader.mix({"a": [1, 2]}, weights={"a": 1})
+    with pytest.raises(TypeError, match="map-style torch"):
+        sbloader.mix({"a": 5}, weights={"a": 1})
+    wide = sbloader.from_items([{"id": np.int32(i)} for i in range(10)])
+    loader = sbloader.mix({"a": a, "b": wide}, weights={"a": 1, "b": 1}).to_dataloader(8, num_samples=16)
+    with pytest.raises(ValueError, match="same dtypes"):
+        list(loader)
     with pytest.raises(ValueError, match="no weight to"):
         sbloader.mix({"a": a, "b": _source("b", 5)}, weights={"a": 1})
     odd = sbloader.from_items([{"other": i} for i in range(10)])
@@ -287,3 +292,26 @@ def test_split_across_ranks_each_rank_draws_alike_and_resumes_on_the_same_world_
         assert len(one[0].ids) == 40 and len(set(one[0].ids)) == 40
     finally:
         free()
+
+
+class _MapStyle:
+    """A map-style torch dataset of dicts with a string column."""
+
+    def __init__(self, n: int, offset: int) -> None:
+        self.n, self.offset = n, offset
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        return {"id": self.offset + i, "name": f"s{self.offset + i}"}
+
+
+def test_map_style_torch_datasets_and_string_columns(ray_session):
+    mixed = sbloader.mix({"a": _MapStyle(30, 0), "b": _MapStyle(20, 100_000)}, weights={"a": 0.5, "b": 0.5}, seed=9,
+                         on_exhausted="drop")
+    batches = list(mixed.to_dataloader(7, shuffle=True, source_key="src"))
+    ids = [i for b in batches for i in b["id"].tolist()]
+    names = [n for b in batches for n in b["name"]]
+    assert sorted(ids) == list(range(30)) + list(range(100_000, 100_020))
+    assert names == [f"s{i}" for i in ids]  # the string column follows its rows into schedule order
