@@ -164,7 +164,7 @@ class SourceCursor:
 
     def load(self, state: CursorState) -> None:
         """Resume from ``state``: the next rows are those after the ones it had taken."""
-        self.close()
+        self._stop()
         self.state = CursorState(None, 0, state.taken, state.epoch, state.ended)
         self._buf = []
         self._skip = state.used
@@ -174,7 +174,12 @@ class SourceCursor:
             self.loader.load_state_dict(state.loader)
 
     def close(self) -> None:
-        """Stop the source's running epoch (its pipeline)."""
+        """Stop the source's running epoch (its pipeline); reading on later resumes where it was."""
+        if self._it is not None:
+            snap = self.snapshot()
+            self.load(snap)  # the loader's next epoch would skip the rest of this one
+
+    def _stop(self) -> None:
         it, self._it, self._reading = self._it, None, None
         if it is not None and hasattr(it, "close"):
             it.close()

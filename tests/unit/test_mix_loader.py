@@ -32,6 +32,8 @@ class FakeLoader:
         return -(-SIZES[self.name] // self.batch_size)
 
     def __iter__(self):
+        if self.live:  # as the native loader: a new iteration without a loaded state is the next epoch
+            self.epoch, self.k = self.epoch + 1, 0
         self.live = True
         order = self._order(self.epoch)
         while self.k < self._batches():
@@ -47,7 +49,7 @@ class FakeLoader:
         return {"epoch": self.epoch, "k": self.k}
 
     def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.k = state["epoch"], state["k"]
+        self.epoch, self.k, self.live = state["epoch"], state["k"], False
 
 
 def _loader(batch_size=5, on_exhausted="restart", num_samples=None, weights=None, src_batch=None):
@@ -154,3 +156,12 @@ def test_bad_states_are_refused_with_the_reason():
         _loader(5).load_state_dict(broken)
     with pytest.raises(ValueError, match="on_exhausted"):
         _loader(5, "again")
+
+
+def test_close_then_read_on_goes_on_where_it_was():
+    whole = _script(_loader(5, num_samples=80), 100, {})
+    loader = _loader(5, num_samples=80)
+    it = iter(loader)
+    head = [_rows(next(it)) for _ in range(5)]
+    loader.close()  # every source's epoch stopped partway
+    assert head + [_rows(b) for b in loader] == whole
