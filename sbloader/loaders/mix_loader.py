@@ -184,13 +184,13 @@ class MixLoader:
                         f"another {sorted(keys)}; map every source to the same columns before mixing")
         # One copy per column: each piece goes straight to its rows of the batch (its source's
         # places in schedule order, consecutive per piece).
-        dest = {j: torch.from_numpy(np.flatnonzero(order == j)) for j in pieces}
+        dest = {j: np.flatnonzero(order == j) for j in pieces}
         out: dict = {}
         for j in sorted(pieces):
             at = 0
             for p in pieces[j]:
                 n = len(p[next(iter(keys))]) if keys else 0
-                rows = dest[j][at:at + n]
+                rows = Rows(dest[j][at:at + n])
                 at += n
                 for k in keys:
                     _place(out, k, p[k], rows, len(order), self.names[j])
@@ -198,7 +198,7 @@ class MixLoader:
                     if PADDING not in out:
                         out[PADDING] = torch.zeros(len(order), dtype=torch.bool)
                     if PADDING in p:
-                        out[PADDING][rows] = torch.as_tensor(p[PADDING]).bool()
+                        out[PADDING][rows.index()] = torch.as_tensor(p[PADDING]).bool()
         if self.source_key is not None:
             out[self.source_key] = torch.from_numpy(order.astype(np.int64))
         return out
@@ -281,6 +281,34 @@ class MixLoader:
             c.close()
 
 
+_RUN_COPY_BYTES = 1024  # rows at least this big are copied run by run (scattered index writes are slow)
+
+
+class Rows:
+    """A piece's places in the batch (ascending), as an index or as runs of consecutive places."""
+
+    def __init__(self, places: np.ndarray) -> None:
+        self.places = places
+        self._index: Any = None
+        self._runs: Optional[list] = None
+
+    def index(self) -> Any:
+        """The places as a torch index."""
+        import torch
+
+        if self._index is None:
+            self._index = torch.from_numpy(self.places)
+        return self._index
+
+    def runs(self) -> list:
+        """``(first place, first row, end row)`` per run of consecutive places."""
+        if self._runs is None:
+            cuts = np.flatnonzero(np.diff(self.places) != 1) + 1
+            starts, ends = np.concatenate([[0], cuts]), np.concatenate([cuts, [len(self.places)]])
+            self._runs = [(int(self.places[a]), int(a), int(b)) for a, b in zip(starts, ends) if b > a]
+        return self._runs
+
+
 def _place(out: dict, key: str, col: Any, rows: Any, size: int, source: str) -> None:
     """Put a piece's column at ``rows`` of the batch's column ``key`` (made on first use): a tensor
     into a tensor of the same dtype and row shape, anything else (strings...) into a list."""
@@ -296,12 +324,16 @@ def _place(out: dict, key: str, col: Any, rows: Any, size: int, source: str) -> 
                         else "a list")
             raise ValueError(f"column {key!r} of source {source!r}: found {found} per batch, expected {expected} "
                              "(another source's); give every source the same dtypes and shapes before mixing")
-        into[rows] = col
+        if col[:1].numel() * col.element_size() >= _RUN_COPY_BYTES:  # big rows: a copy per run of places
+            for at, lo, hi in rows.runs():
+                into[at:at + hi - lo].copy_(col[lo:hi])
+        else:
+            into[rows.index()] = col
         return
     if key not in out:
         out[key] = [None] * size
     if not isinstance(out[key], list):
         raise ValueError(f"column {key!r} of source {source!r} is not a tensor but another source's is; give "
                          "every source the same column types before mixing")
-    for i, v in zip(rows.tolist(), list(col)):
+    for i, v in zip(rows.places.tolist(), list(col)):
         out[key][i] = v

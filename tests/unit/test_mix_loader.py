@@ -40,7 +40,9 @@ class FakeLoader:
             lo = self.k * self.batch_size
             ids = order[lo:lo + self.batch_size]
             self.k += 1
-            yield {"id": torch.tensor(ids), "sq": torch.tensor(ids) ** 2, "tag": [f"t{i}" for i in ids]}
+            img = torch.tensor(ids, dtype=torch.float32)[:, None, None].expand(-1, 16, 16).contiguous()
+            yield {"id": torch.tensor(ids), "sq": torch.tensor(ids) ** 2, "tag": [f"t{i}" for i in ids],
+                   "img": img}  # 1 KiB rows: copied run by run
         self.epoch, self.k, self.live = self.epoch + 1, 0, False
 
     def state_dict(self) -> dict:
@@ -123,6 +125,8 @@ def test_the_batch_puts_every_column_in_schedule_order():
     loader = _loader(6, num_samples=60)
     for batch in loader:
         assert (batch["sq"] == batch["id"] ** 2).all()
+        assert batch["img"].shape[1:] == (16, 16)
+        assert (batch["img"] == batch["id"].float()[:, None, None]).all()
         assert batch["tag"] == [f"t{i}" for i in batch["id"].tolist()]
         assert ((batch["id"] // 1000) == batch["src"]).all()
 
