@@ -47,7 +47,7 @@ class MixedDataset:
 
     def to_dataloader(self, batch_size: int = 256, *, shuffle: bool = False, num_samples: Optional[int] = None,
                       drop_last: bool = False, source_key: Optional[str] = None, name: Optional[str] = None,
-                      **kwargs: Any) -> MixLoader:
+                      source_options: Optional[Mapping[str, dict]] = None, **kwargs: Any) -> MixLoader:
         """A loader yielding dicts of torch tensors drawn from the sources at the weights.
 
         Args:
@@ -60,21 +60,31 @@ class MixedDataset:
             source_key: add a column of that name holding each row's source (its index in
                 ``loader.names``), for per-source losses.
             name: the loader's name in the job (its sources' loaders are named ``name.source``).
+            source_options: source name -> options of that source's loader only (over ``kwargs``),
+                e.g. ``{"web": {"shuffle_window": "2 GiB"}, "stream": {"num_workers": 4}}``.
             **kwargs: every source loader's options (:class:`~sbloader.loaders.pipeline_loader.PipelineLoader`:
                 memory_budget, prefetch_blocks, shuffle_window, rank, world_size...); the sources
                 always run ``deterministic=True`` under a seed drawn from the mixture's.
         """
         for key in ("seed", "deterministic", "generator", "collate_fn"):
-            if key in kwargs:
+            if key in kwargs or any(key in o for o in (source_options or {}).values()):
                 raise ValueError(f"mix().to_dataloader() sets {key!r} for its sources itself (the mixture's seed "
                                  "fixes every source's, delivered in a fixed order); leave it out")
         base = name if name is not None else f"mix{next(_MIX_COUNTER)}"
 
+        options = dict(source_options or {})
+        unknown = sorted(set(options) - set(self.datasets))
+        if unknown:
+            raise ValueError(f"source_options names sources {unknown} that the mixture does not have; its sources: "
+                             f"{list(self.datasets)}")
+
         def make(source: str, seed: int) -> Any:
             return self.datasets[source].to_dataloader(batch_size, shuffle=shuffle, seed=seed, deterministic=True,
-                                                       name=f"{base}.{source}", **kwargs)
+                                                       name=f"{base}.{source}",
+                                                       **{**kwargs, **options.get(source, {})})
 
-        prints = {n: pipeline_state.fingerprint(ds, batch_size, shuffle) for n, ds in self.datasets.items()}
+        prints = {n: ds.fingerprint(batch_size) if isinstance(ds, TorchIterableSource)
+                  else pipeline_state.fingerprint(ds, batch_size, shuffle) for n, ds in self.datasets.items()}
         return MixLoader(list(self.datasets), make, self.weights, seed=self.seed, batch_size=batch_size,
                          on_exhausted=self.on_exhausted, num_samples=num_samples, drop_last=drop_last,
                          source_key=source_key, fingerprints=prints)
@@ -86,10 +96,52 @@ def _as_dataset(name: Any, ds: Any) -> Any:
         raise ValueError(f"mix() source names must be non-empty strings, found {name!r}")
     if hasattr(ds, "to_dataloader"):
         return ds
+    if _is_torch_iterable(ds):
+        return TorchIterableSource(ds)
     if hasattr(ds, "__getitem__") and hasattr(ds, "__len__"):
         return from_torch(ds)
-    raise TypeError(f"mix() source {name!r} is a {type(ds).__name__}; give sbloader Datasets or map-style torch "
-                    "datasets (an IterableDataset is not supported yet)")
+    raise TypeError(f"mix() source {name!r} is a {type(ds).__name__}; give sbloader Datasets, map-style torch "
+                    "datasets or torch IterableDatasets")
+
+
+def _is_torch_iterable(ds: Any) -> bool:
+    import torch.utils.data
+
+    return isinstance(ds, torch.utils.data.IterableDataset)
+
+
+class TorchIterableSource:
+    """A torch ``IterableDataset`` as a mixture's source: read by sbloader's drop-in
+    :class:`~sbloader.loaders.dataloader.DataLoader` (its workers, its per-worker shard state),
+    in order, under the seed the mixture gives it.
+
+    Attributes:
+        dataset: the ``IterableDataset`` (yielding dicts: the mixture's columns).
+    """
+
+    _DROPIN_OPTIONS = ("rank", "world_size", "job_id", "memory_budget", "allow_trainer_node", "local_start",
+                       "prefetch_factor", "num_workers", "persistent_workers", "worker_num_cpus", "timeout",
+                       "worker_init_fn", "pin_memory", "device")
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __repr__(self) -> str:
+        return f"TorchIterableSource({type(self.dataset).__name__})"
+
+    def fingerprint(self, batch_size: int) -> dict:
+        """What a state must match: the dataset's type and the batching."""
+        return {"iterable": type(self.dataset).__qualname__, "batch_size": batch_size}
+
+    def to_dataloader(self, batch_size: int, *, shuffle: bool = False, seed: Optional[int] = None,
+                      deterministic: bool = True, name: Optional[str] = None, **kwargs: Any) -> Any:
+        """The drop-in loader over the dataset (``shuffle`` does not apply to an iterable; options
+        the drop-in does not take are left out)."""
+        from sbloader.loaders.dataloader import DataLoader
+
+        options = {k: v for k, v in kwargs.items() if k in self._DROPIN_OPTIONS}
+        return DataLoader(self.dataset, batch_size=batch_size, seed=seed, in_order=deterministic, name=name,
+                          **options)
 
 
 def mix(datasets: Mapping[str, Any], weights: Mapping[str, float], *, seed: int = 0,
@@ -102,9 +154,10 @@ def mix(datasets: Mapping[str, Any], weights: Mapping[str, float], *, seed: int 
     sampling is without replacement: its samples are all seen once before any repeats.
 
     Args:
-        datasets: name -> :class:`~sbloader.dataset.dataset.Dataset`, or a map-style torch
-            dataset (read through :func:`~sbloader.dataset.read.from_torch`); map every source
-            to the same columns.
+        datasets: name -> :class:`~sbloader.dataset.dataset.Dataset`, a map-style torch
+            dataset (read through :func:`~sbloader.dataset.read.from_torch`) or a torch
+            ``IterableDataset`` (read by the drop-in ``DataLoader``, resumed through its own
+            per-worker state); map every source to the same columns.
         weights: name -> weight (>= 0; normalised; 0 leaves a source out until
             ``loader.set_weights`` brings it in).
         seed: the mixture's seed (the schedule and every source's shuffle derive from it).

@@ -315,3 +315,47 @@ def test_map_style_torch_datasets_and_string_columns(ray_session):
     names = [n for b in batches for n in b["name"]]
     assert sorted(ids) == list(range(30)) + list(range(100_000, 100_020))
     assert names == [f"s{i}" for i in ids]  # the string column follows its rows into schedule order
+
+
+def _stream_class():
+    import torch.utils.data
+
+    class Stream(torch.utils.data.IterableDataset):
+        """An IterableDataset of dicts, sharded across torch workers."""
+
+        def __init__(self, n: int, offset: int) -> None:
+            self.n, self.offset = n, offset
+
+        def __iter__(self):
+            info = torch.utils.data.get_worker_info()
+            wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+            for i in range(wid, self.n, nw):
+                yield {"id": self.offset + i}
+
+    return Stream
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_iterable_dataset_source_resumed_through_its_own_state(ray_session, workers):
+    stream = _stream_class()(33, 100_000)
+
+    def loader():
+        mixed = sbloader.mix({"a": _source("a", 50, 3), "b": stream}, weights={"a": 0.5, "b": 0.5}, seed=6)
+        return mixed.to_dataloader(6, shuffle=True, num_samples=150, source_key="src",
+                                   source_options={"b": {"num_workers": workers}})
+
+    straight = loader()
+    whole = _batches(straight)
+    rows = [r for b in whole for r in b]
+    _epochs_once([i for s, i in rows if s == 1], 33, 100_000)
+    _epochs_once([i for s, i in rows if s == 0], 50, 0)
+    assert straight.stats().sources["b"].epoch >= 2
+    for k in (1, 4, 9, 17, len(whole) - 1):
+        first = loader()
+        it = iter(first)
+        head = [list(zip(b["src"].tolist(), b["id"].tolist())) for b in (next(it) for _ in range(k))]
+        state = json.loads(json.dumps(first.state_dict()))
+        first.close()
+        resumed = loader()
+        resumed.load_state_dict(state)
+        assert head + _batches(resumed) == whole, f"resumed after {k} batches"
