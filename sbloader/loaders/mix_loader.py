@@ -10,6 +10,7 @@ exactly what the loop took.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
 from typing import Any, Callable, Iterator, Mapping, Optional
@@ -234,6 +235,9 @@ class MixLoader:
         """Resume from :meth:`state_dict`: every source goes on after the rows the loop took from it.
 
         ``weights``: new weights from the resumed position on (as :meth:`set_weights`).
+        ``strict=False`` loads a state of other sources' fingerprints, and one taken on another
+        world size while a source was partway through a batch (warning: the used rows of that
+        batch on every old rank come again).
         """
         state = mix_state.FORMAT.check(state_dict, self._fingerprint(), strict)
         mix_state.check_body(state, self.names)
@@ -242,7 +246,9 @@ class MixLoader:
             raise mix_state.StateDictError(f"mix state history: its first change is at {history[0].position}, "
                                            "expected 0")
         cursors = {n: CursorState.from_json(n, state["sources"][n]) for n in self.names}
-        mix_state.check_world(state, self.world_size, {n: c.used for n, c in cursors.items()})
+        mix_state.check_world(state, self.world_size, {n: c.used for n, c in cursors.items()}, strict)
+        if int(state.get("world_size", 1)) != self.world_size:  # batches cut anew: their used rows come again
+            cursors = {n: dataclasses.replace(c, used=0) for n, c in cursors.items()}
         for n, c in self._cursors.items():
             c.load(cursors[n])
         self._history = history

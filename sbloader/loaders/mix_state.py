@@ -35,7 +35,7 @@ def check_body(state: dict, names: list) -> None:
                              "Load it into a mixture of the same sources")
 
 
-def check_world(state: dict, world_size: int, used: dict) -> None:
+def check_world(state: dict, world_size: int, used: dict, strict: bool = True) -> None:
     """Refuse a state whose sources are partway through a batch when the world size changed.
 
     A source's state is its loader's state before the batch it is in plus the rows of that
@@ -45,12 +45,20 @@ def check_world(state: dict, world_size: int, used: dict) -> None:
     """
     found = int(state.get("world_size", 1))
     partway = sorted(n for n, u in used.items() if u)
+    if found != world_size and partway and not strict:
+        import warnings
+
+        repeats = {n: used[n] * found for n in partway}
+        warnings.warn(f"mix state of world size {found} resumed on {world_size} rank(s) with strict=False: sources "
+                      f"{partway} were partway through a batch, so up to {repeats} of their samples come again "
+                      "in their current epoch", stacklevel=3)
+        return
     if found != world_size and partway:
         raise StateDictError(
             f"mix state world_size: found {found}, expected {world_size} (this job's), and sources {partway} "
             "were partway through a batch when it was taken; such a state resumes exactly only on "
-            f"{found} rank(s). Resume on {found} rank(s), or from a state taken where every source's "
-            "'used' is 0")
+            f"{found} rank(s). Resume on {found} rank(s), from a state taken where every source's "
+            "'used' is 0, or pass strict=False to resume anyway (those rows of each old rank come again)")
 
 
 @dataclass(frozen=True)
