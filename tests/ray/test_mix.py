@@ -388,3 +388,22 @@ def mixed_make_lenient(make):
             self.loader.load_state_dict(state, strict=False)
 
     return lambda rank, world_size, name: Lenient(make(rank, world_size, name))
+
+
+def test_split_across_three_ranks_resumes_on_three(ray_session):
+    from harness import run_ranks
+
+    make, free = _split_make(24)
+    try:
+        whole, _ = run_ranks(make, 3, "mix3w", "id")
+        free()
+        assert len({len(t.batches) for t in whole}) == 1
+        ids = [i for t in whole for i in t.ids]
+        assert len(ids) == len(set(ids)) == 72  # no source restarted: every row once across the ranks
+        head, state = run_ranks(make, 3, "mix3h", "id", take=1)
+        free()
+        rest, _ = run_ranks(make, 3, "mix3r", "id", state=state)
+        for r in range(3):
+            assert head[r].batches + rest[r].batches == whole[r].batches
+    finally:
+        free()
