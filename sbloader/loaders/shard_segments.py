@@ -57,6 +57,8 @@ class LiveShards:
         this worker holds the shard's generator at exactly that batch)."""
         key = (int(shard), int(seed))
         live = self._live.pop(key, None)
+        for stale in [k for k in self._live if k[1] != key[1]]:  # an earlier epoch's (persistent workers)
+            del self._live[stale]
         if limit is None:
             yield from open_shard()
             return
