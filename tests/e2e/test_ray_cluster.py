@@ -9,6 +9,7 @@ CPU node lost mid-epoch on a smaller cluster, and what the user reads of it.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -232,6 +233,8 @@ def test_an_iterable_dataset_split_across_ranks_goes_on_exactly_once_when_a_node
         assert len(ranks[0]["ids"]) == len(ranks[1]["ids"]), "equal counts on every rank"
     made = {n for b in progress(tmp_path) if b["epoch"] == 0 for i, n in zip(b["ids"], b["nodes"]) if i % 2 == shard}
     assert victim not in made, f"a sample of shard {shard} came from the killed node: its block was fetched before the kill"
+    reruns = [int(m) for r in epochs[0] for m in re.findall(r"(\d+) partition\(s\) re-run elsewhere", r["stats"])]
+    assert reruns and max(reruns) >= 1, f"stats() counted no shard made again: {[r['stats'] for r in epochs[0]]}"
     lost = [line for line in out.splitlines() if "lost node" in line]
     assert len(lost) <= 1, f"{len(lost)} 'lost node' lines for one node's death:\n" + "\n".join(lost)
     chatter = [line for line in out.splitlines() if is_chatter(line)]
