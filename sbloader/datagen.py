@@ -282,8 +282,19 @@ def write_video_folder(root: str, n: int, *, seed: int = 0, **kwargs: Any) -> li
 
 
 def _ray_node() -> str:
-    import ray
+    """The Ray node id of this process, or ``"local"`` in a process that is no Ray worker (the
+    trainer's own local worker processes: a drop-in epoch's local start).
 
+    Ray is never imported here: a local worker is forked while the trainer's background
+    thread may be importing Ray, and an ``import ray`` in the child then waits for good on
+    that module's lock (the fault soak's ``dropin-map-np`` runs: no batch in 300 s)."""
+    import sys
+
+    ray = sys.modules.get("ray")
+    worker_module = getattr(getattr(ray, "_private", None), "worker", None)
+    worker = getattr(worker_module, "global_worker", None)
+    if worker is None or getattr(worker, "mode", None) != getattr(worker_module, "WORKER_MODE", 1):
+        return "local"
     return ray.get_runtime_context().get_node_id()
 
 

@@ -110,22 +110,11 @@ class Pull:
     def _fetch(self, ref: Any, batch_index: int) -> Any:
         """A batch's block; one lost with the node that made it (the coordinator lives: it
         owns the block) is made again from its provenance (``SplitCoordinator.remake``)."""
-        for attempt in range(_MAX_REMAKES + 1):
-            try:
-                return ray.get(ref)
-            except ray.exceptions.OwnerDiedError:  # the coordinator died: rebuild (the caller)
-                raise
-            except ray.exceptions.ObjectLostError as e:
-                if attempt == _MAX_REMAKES:
-                    raise SbloaderError(f"rank {self.rank}: batch {batch_index} of epoch {self.epoch} was lost "
-                                        f"{attempt + 1} times with the nodes that made it") from e
-                # the coordinator names the lost node once for the job; stats() counts the re-runs
-                logger.info("sbloader rank %d: batch %d of epoch %d was lost with the node that made it (%s); "
-                            "making it again from its provenance", self.rank, batch_index, self.epoch,
-                            type(e).__name__)
-                self.remade += 1
-                ref = ray.get(self.coord.remake.remote(self.epoch, batch_index))
-        raise AssertionError("unreachable")
+        def remake() -> Any:
+            self.remade += 1
+            return ray.get(self.coord.remake.remote(self.epoch, batch_index))
+
+        return fetch_block(ref, remake, f"rank {self.rank}: batch {batch_index} of epoch {self.epoch}")
 
     def batches(self) -> Iterator[tuple[Any, int]]:
         """``(tensors, batch index of the epoch)`` until this rank has its count."""
@@ -188,6 +177,33 @@ class Pull:
             batches = []
 
 
+def fetch_block(ref: Any, remake: Callable[[], Any], what: str) -> Any:
+    """``ray.get(ref)`` of a block the coordinator owns; a block lost with the node that made it is
+    made again by ``remake()`` (a new ref), at most ``_MAX_REMAKES`` times.
+
+    Lost shows as ``ObjectLostError``, or as the ``ActorDiedError`` of the pool actor that made it
+    (Ray's reconstruction runs the actor's task again, and that actor died with its node). A
+    coordinator that died shows as ``OwnerDiedError`` (it owned the block), raised for the caller
+    to rebuild it, as is the ``RayActorError`` of a ``remake()`` the dead coordinator cannot answer.
+
+    Raises:
+        SbloaderError: the block was lost ``_MAX_REMAKES + 1`` times (``what``: the batch, for the message).
+    """
+    for attempt in range(_MAX_REMAKES + 1):
+        try:
+            return ray.get(ref)
+        except ray.exceptions.OwnerDiedError:  # the coordinator died: rebuild (the caller)
+            raise
+        except (ray.exceptions.ObjectLostError, ray.exceptions.RayActorError) as e:
+            if attempt == _MAX_REMAKES:
+                raise SbloaderError(f"{what} was lost {attempt + 1} times with the nodes that made it") from e
+            # the coordinator names the lost node once for the job; stats() counts the re-runs
+            logger.info("sbloader %s was lost with the node that made it (%s); making it again from its "
+                        "provenance", what, type(e).__name__)
+            ref = remake()
+    raise AssertionError("unreachable")
+
+
 def rebuild_epoch(coord: Any, epoch: int, rank: int, taken: list, spec: Optional[EpochSpec], timeout: float = 120.0,
                   poll_s: float = 0.2) -> int:
     """Report what this rank took to a coordinator that replaced a dead one, and wait until
@@ -229,11 +245,13 @@ def coordinator_cut(coord: Any, epoch: int, k: int, order_len: int, timeout: flo
     return ledger.merge(consumed)
 
 
-def stream_batch(item: Any, pin: bool, copy: bool, blocks: Optional[dict] = None) -> Any:
+def stream_batch(item: Any, pin: bool, copy: bool, blocks: Optional[dict] = None,
+                 fetch: Callable[[Any], Any] = ray.get) -> Any:
     """A :class:`~sbloader.distributed.specs.StreamBatch` as a batch of tensors: fetched, cut and joined here.
 
     ``blocks`` keeps the last few fetched blocks by ref: a block holds a whole
     worker shard's batches, fetched (deserialised) once rather than once per batch.
+    ``fetch``: a block ref's block (:func:`pull_stream` makes a lost one again).
     """
     blocks = {} if blocks is None else blocks
 
@@ -241,7 +259,7 @@ def stream_batch(item: Any, pin: bool, copy: bool, blocks: Optional[dict] = None
         if ref not in blocks:
             while len(blocks) >= _KEEP_BLOCKS:
                 blocks.pop(next(iter(blocks)))
-            blocks[ref] = ray.get(ref)["batch"]
+            blocks[ref] = fetch(ref)["batch"]
         return blocks[ref][pos]
 
     if item.whole:
@@ -257,9 +275,20 @@ def stream_batch(item: Any, pin: bool, copy: bool, blocks: Optional[dict] = None
 def pull_stream(coord: Any, rank: int, epoch: int, ask: int, pin: bool, copy: bool,
                 consumed: Callable[[], int], timeout: Optional[float] = None) -> Iterator[Any]:
     """(Fetch thread) This rank's batches of a stream epoch, one request ahead, until the
-    coordinator says this rank has its share."""
+    coordinator says this rank has its share. A block lost with the node that made it before
+    this rank fetched it is made again from its worker shard by the coordinator
+    (``SplitCoordinator.remake_block``; once for all ranks), as a map-style batch is."""
     node = ray.get_runtime_context().get_node_id()
     fetched = 0  # batches made (copies: their blocks are no longer needed)
+
+    def fetch(ref: Any) -> Any:
+        lost = [ref]
+
+        def remake() -> Any:
+            lost[0] = ray.get(coord.remake_block.remote(epoch, lost[0].hex()))
+            return lost[0]
+
+        return fetch_block(ref, remake, f"rank {rank}: a block of epoch {epoch}")
 
     def request() -> Any:
         return coord.next_batches.remote(epoch, rank, ask, fetched if copy else consumed(), node)
@@ -273,7 +302,7 @@ def pull_stream(coord: Any, rank: int, epoch: int, ask: int, pin: bool, copy: bo
         if not reply["batches"] and timeout is not None and time.monotonic() - last_batch > timeout:
             raise RuntimeError(f"DataLoader timed out after {timeout} seconds")  # torch's words
         for item in reply["batches"]:
-            batch = stream_batch(item, pin, copy, blocks)
+            batch = stream_batch(item, pin, copy, blocks, fetch)
             last_batch = time.monotonic()
             fetched += 1
             yield batch

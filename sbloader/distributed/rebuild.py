@@ -15,7 +15,9 @@ many of its own batches it has cut; the partitions a rank still needs run again 
 partition replays bit for bit) and each rank goes on cutting from where it was.
 
 A block lost while its coordinator lives (made on a node that died before a rank
-fetched it) is made again from its provenance instead: :meth:`RebuildProtocol.remake`.
+fetched it) is made again from its provenance instead: :meth:`RebuildProtocol.remake`
+(a batch of a map-style epoch), :meth:`RebuildProtocol.remake_block` (a worker shard's
+block of an ``IterableDataset``'s epoch).
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from sbloader.core.plan import EpochPlan
 from sbloader.distributed.epoch import Epoch
 from sbloader.distributed.partition_epoch import PartitionEpoch
 from sbloader.distributed.specs import EpochSpec, PartitionEpochSpec
+from sbloader.distributed.stream_epoch import StreamEpoch
 
 
 class RebuildProtocol:
@@ -145,19 +148,12 @@ class RebuildProtocol:
         """Make batch ``index`` of a drop-in epoch again: its block was lost with the node that
         made it (``ObjectLostError`` at the rank) before the rank fetched it.
 
-        The batch's partition runs again on an actor of its own (the pool's actors
-        belong to the epoch's executor), built, used once and killed; the block ref
-        is returned (this coordinator owns it, as every block of the epoch).
+        The batch's partition runs again on an actor of its own (:func:`make_again`); the
+        block ref is returned (this coordinator owns it, as every block of the epoch).
 
         Raises:
             SbloaderError: the epoch is not running here, or has no such batch.
         """
-        import ray
-
-        from sbloader.executor.failures import shared_arg
-        from sbloader.executor.stages import build_stages
-        from sbloader.executor.tasks import EpochInfo, MapActor
-
         self._last_call = time.monotonic()
         ep = self._epochs.get(epoch)
         spec = getattr(ep, "spec", None)
@@ -165,22 +161,52 @@ class RebuildProtocol:
         if not seqs or not hasattr(spec, "assignment"):
             raise SbloaderError(f"batch {index} of epoch {epoch} cannot be made again: that epoch is not running "
                                 f"on this coordinator (known: {sorted(self._epochs)})")
-        seq = seqs[0]
-        pid = spec.plan.order[seq]
-        part = next(p for p in spec.source.partitions(epoch, spec.plan.epoch_seed, shuffle=spec.plan.shuffle)
-                    if p.id == pid)
-        stage = build_stages(spec.source.name, list(spec.ops))[0]
-        # no CPU of its own: the pool holds the CPUs the nodes that remain have (its replacement
-        # for the lost actor may be waiting for one), and this actor lives for one call
-        opts = {k: v for k, v in spec.options.placed(stage.ray_options).items() if k not in ("num_cpus", "num_gpus")}
-        actor = MapActor.options(num_cpus=0, **opts).remote(stage.actor_op, 0, 1, stage.ops[:-1])
-        try:
-            block, meta = actor.read_process.options(num_returns=2).remote(
-                shared_arg((spec.source.reader(), spec.source.shared())), (part,),
-                EpochInfo(epoch, spec.plan.epoch_seed, spec.plan.shuffle), (seq,), stage.name, None)
-            ray.get(meta)
-        finally:
-            ray.kill(actor, no_restart=True)
-        if ep.executor is not None:
-            ep.executor.stats().rerun_partitions += 1
-        return block
+        return make_again(ep, seqs[0], spec.plan.order[seqs[0]])
+
+    def remake_block(self, epoch: int, ref_hex: str) -> Any:
+        """(An ``IterableDataset``'s epoch) The block ``ref_hex`` (an object ref's hex) made again: it
+        was lost with the node that made it before a rank fetched it. Its worker shard runs again
+        (:func:`make_again`) once for every rank that asks; the new ref replaces the lost one in
+        what the ranks take next (:meth:`~sbloader.distributed.stream_epoch.StreamEpoch.remake`).
+
+        Raises:
+            SbloaderError: the epoch is not running here, or made no such block.
+        """
+        self._last_call = time.monotonic()
+        ep = self._epochs.get(epoch)
+        if not isinstance(ep, StreamEpoch):
+            raise SbloaderError(f"block {ref_hex} of epoch {epoch} cannot be made again: that epoch of an "
+                                f"IterableDataset is not running on this coordinator (known: {sorted(self._epochs)})")
+        return ep.remake(ref_hex, lambda seq, pid: make_again(ep, seq, pid))
+
+
+def make_again(ep: Epoch, seq: int, pid: int) -> Any:
+    """Partition ``pid`` (at ``seq`` in the epoch's plan) of a drop-in epoch run again: its block ref.
+
+    It runs on an actor of its own (the pool's actors belong to the epoch's executor),
+    built, used once and killed. The ref is owned by the caller, the coordinator.
+    """
+    import ray
+
+    from sbloader.executor.failures import shared_arg
+    from sbloader.executor.stages import build_stages
+    from sbloader.executor.tasks import EpochInfo, MapActor
+
+    spec = ep.spec
+    part = next(p for p in spec.source.partitions(spec.epoch, spec.plan.epoch_seed, shuffle=spec.plan.shuffle)
+                if p.id == pid)
+    stage = build_stages(spec.source.name, list(spec.ops))[0]
+    # no CPU of its own: the pool holds the CPUs the nodes that remain have (its replacement
+    # for the lost actor may be waiting for one), and this actor lives for one call
+    opts = {k: v for k, v in spec.options.placed(stage.ray_options).items() if k not in ("num_cpus", "num_gpus")}
+    actor = MapActor.options(num_cpus=0, **opts).remote(stage.actor_op, 0, 1, stage.ops[:-1])
+    try:
+        block, meta = actor.read_process.options(num_returns=2).remote(
+            shared_arg((spec.source.reader(), spec.source.shared())), (part,),
+            EpochInfo(spec.epoch, spec.plan.epoch_seed, spec.plan.shuffle), (seq,), stage.name, None)
+        ray.get(meta)
+    finally:
+        ray.kill(actor, no_restart=True)
+    if ep.executor is not None:
+        ep.executor.stats().rerun_partitions += 1
+    return block

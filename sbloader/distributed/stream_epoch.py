@@ -6,14 +6,20 @@ still reach ``k`` from what was produced (:func:`~sbloader.core.split.stream_all
 Once production ended, every rank's count is ``produced // world_size`` whole
 batches, and the rows of the batches left over are spread as one short last
 batch per rank (:func:`~sbloader.core.split.stream_tail`), or dropped with ``drop_last``.
+
+A block lost with the node that made it before every rank fetched its batches is made
+again from its worker shard, once (:meth:`StreamEpoch.remake`): the ranks that ask get
+the new block, and what the ranks take afterwards names it instead of the lost one.
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
+from sbloader.core.errors import SbloaderError
 from sbloader.core.split import pick_local, stream_allowance, stream_tail
 from sbloader.distributed.epoch import Epoch
 from sbloader.distributed.specs import EpochSpec, StreamBatch
@@ -40,6 +46,9 @@ class StreamEpoch(Epoch):
         super().__init__(spec, world_size, actor_cache, estimates, earlier, ledger=ledger)
         self.produced = 0  # batches produced so far
         self.tail: Optional[list] = None  # per rank its short last batch, once production ended
+        self.made: dict[str, tuple[int, int]] = {}  # block ref hex -> (seq, partition id) it was made from
+        self.remade: dict[str, Any] = {}  # a lost block's ref hex -> the ref of the block made again
+        self._remake_lock = threading.Lock()  # one remake at a time: a block lost is made again once
 
     def _deliver(self, item: OutputBlock) -> None:
         self._add_batches(item)
@@ -52,6 +61,7 @@ class StreamEpoch(Epoch):
         meta = item.meta
         rows = meta.batch_rows or (1,) * meta.num_rows
         n = len(rows)
+        self.made[item.ref.hex()] = (meta.seq, meta.partition_id)
         if n == 0:  # a shard that yielded nothing: no rank will acknowledge its bytes
             self.executor.release(meta.nbytes)
         for pos, r in enumerate(rows):
@@ -112,7 +122,7 @@ class StreamEpoch(Epoch):
                     if last is None or log.count > whole:
                         return []
                     self._log(log, -1, 0)
-                    return [last]
+                    return [self._current(last)]
                 allow = stream_allowance(self.produced, [lg.count for lg in self.logs], rank, self.produced_all)
                 if allow > 0:
                     break
@@ -123,6 +133,39 @@ class StreamEpoch(Epoch):
                 idx = pick_local([b.node for b in self.pool], node)
                 b = self.pool[idx]
                 del self.pool[idx]
-                out.append(StreamBatch(((b.ref, b.pos, 0, b.rows),), b.rows))
+                out.append(StreamBatch(((self._ref(b.ref), b.pos, 0, b.rows),), b.rows))
                 self._log(log, b.id, b.nbytes)
             return out
+
+    def _ref(self, ref: Any) -> Any:
+        """The ref that holds the block of ``ref`` now: the last one made again, if it was lost."""
+        while ref.hex() in self.remade:
+            ref = self.remade[ref.hex()]
+        return ref
+
+    def _current(self, batch: StreamBatch) -> StreamBatch:
+        """``batch`` with each piece's block ref as :meth:`_ref` gives it."""
+        if not self.remade:
+            return batch
+        pieces = tuple((self._ref(ref), pos, a, z) for ref, pos, a, z in batch.pieces)
+        return StreamBatch(pieces, batch.rows, batch.pad, batch.whole)
+
+    def remake(self, ref_hex: str, make: Callable[[int, int], Any]) -> Any:
+        """The block ``ref_hex`` made again by ``make(seq, partition id)``, once: a rank that asks
+        after another did gets the same new ref (a new one only if that one was lost too).
+
+        Raises:
+            SbloaderError: no block of this epoch has that ref.
+        """
+        with self._remake_lock:
+            if ref_hex in self.remade:
+                return self._ref(self.remade[ref_hex])
+            if ref_hex not in self.made:
+                raise SbloaderError(f"epoch {self.spec.epoch} made no block {ref_hex}: it cannot be made again "
+                                    f"({len(self.made)} blocks made here; was the coordinator replaced?)")
+            seq, pid = self.made[ref_hex]
+            new = make(seq, pid)
+            self.made[new.hex()] = (seq, pid)
+            with self.cond:  # take() reads remade under cond
+                self.remade[ref_hex] = new
+            return new

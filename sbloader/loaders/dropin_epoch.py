@@ -323,6 +323,8 @@ def stream_epoch(s: DropinSettings, carry: DropinCarry, rank: int, epoch: int, e
 
     def closed() -> None:
         dropin_client.finish(coord, epoch, rank, stalls.batches)
+        carry.stats = pipeline_client.stats(coord, epoch)  # the job's pipeline, at the coordinator
+        stalls.note_failures(carry.stats)
         s.reporter(f"rank {rank} epoch {epoch}", stalls)()
 
     return EpochIterator(produce(), None, ahead=s.ahead, stalls=stalls, to_device=s.device_copy(), translate=translate,

@@ -110,3 +110,29 @@ def kill_busiest_node_after(cluster: Cluster, out: Path, procs: list, batches: i
     victim = max((n for n in ran if n in cluster.node_raylets), key=lambda n: ran[n])
     cluster.kill_node(victim)
     return victim, ran
+
+
+def kill_unfetched_shard_node(cluster: Cluster, out: Path, procs: list, hold_at: int) -> tuple[str, int]:
+    """(``node_loss_job.py --mode iter --hold-at N``) Once both ranks hold after their ``N``-th batch of
+    epoch 0 and both worker shards were made (``shards.jsonl``), SIGKILL the CPU node that made the
+    shard no rank has had a sample of: its block, made and not yet fetched, lives only there.
+    Returns (its id, the shard)."""
+    deadline = time.monotonic() + 240
+    shards: dict = {}
+    while True:
+        assert time.monotonic() < deadline, f"no hold with both shards made: {shards}, {len(progress(out))} batches"
+        assert all(p.poll() is None for p in procs), "a rank exited early"
+        path = out / "shards.jsonl"
+        if path.exists():
+            shards = {s["shard"]: s["node"] for s in map(json.loads, path.read_text().splitlines()) if s}
+        if len(shards) == 2 and sum(1 for b in progress(out) if b["epoch"] == 0) >= 2 * hold_at:
+            break
+        time.sleep(0.2)
+    time.sleep(2.0)  # not an assert: a margin for the last shard's block to be stored after its last sample
+    consumed = {i % 2 for b in progress(out) for i in b["ids"]}  # shard w has the ids w, w + 2, ...
+    unfetched = sorted(set(shards) - consumed)
+    assert len(unfetched) == 1, f"the ranks had samples of shards {sorted(consumed)}: no block to lose"
+    victim = shards[unfetched[0]]
+    assert victim in cluster.node_raylets, f"shard {unfetched[0]} was made on {victim}, not a CPU node"
+    cluster.kill_node(victim)
+    return victim, unfetched[0]

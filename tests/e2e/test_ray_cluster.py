@@ -9,6 +9,7 @@ CPU node lost mid-epoch on a smaller cluster, and what the user reads of it.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -17,7 +18,10 @@ from pathlib import Path
 import pytest
 
 from _cluster import Cluster, alive_nodes, free_port, wait_no_leftovers
-from _jobs import SCRIPTS, epochs_of, kill_busiest_node_after, progress, torchrun_agents, wait_ranks
+
+from sbloader.runtime.ray_chatter import is_chatter
+from _jobs import (SCRIPTS, epochs_of, kill_busiest_node_after, kill_unfetched_shard_node, progress, torchrun_agents,
+                   wait_ranks)
 
 JOB = SCRIPTS / "cluster_job.py"
 RAY_TRAIN_JOB = SCRIPTS / "raytrain_job.py"
@@ -190,10 +194,49 @@ def test_a_cpu_node_killed_and_one_added_mid_epoch_every_rank_goes_on_exactly_on
         assert not chatter, f"Ray's retry chatter reached the user ({len(chatter)} lines): {chatter[:3]}"
         auth = [line for line in out.splitlines() if "InvalidAuthToken" in line]
         assert not auth, f"the join printed {len(auth)} InvalidAuthToken line(s): {auth[:2]}"
-    left = wait_no_leftovers(small_cluster)
+    _no_leftovers_and_dead(small_cluster, victim)
+
+
+def _no_leftovers_and_dead(cluster: Cluster, victim: str) -> None:
+    """Nothing of the job is left on the cluster; waits until the killed node counts as dead (Ray's
+    health checks), as the next test on this cluster needs."""
+    left = wait_no_leftovers(cluster)
     assert left == {"actors": [], "pgs": 0}, f"the job left this on the cluster: {left}"
-    # the next mode runs on this cluster: wait until the killed node counts as dead (Ray's health checks)
     deadline = time.monotonic() + 180
-    while victim in alive_nodes(small_cluster):
+    while victim in alive_nodes(cluster):
         assert time.monotonic() < deadline, f"node {victim} still counted alive 180 s after its kill"
         time.sleep(2.0)
+
+
+def test_an_iterable_dataset_split_across_ranks_goes_on_exactly_once_when_a_node_with_unfetched_blocks_dies(
+        small_cluster, tmp_path):
+    """``split=True`` over an ``IterableDataset`` (issue #46, the soak's run 2): the coordinator iterates
+    it once, one block per worker shard. Both ranks hold after 4 batches of epoch 0 (all of one
+    shard) until both shards were made; then the node that made the other shard is killed, its block
+    fetched by no rank yet, and a node is added. The lost block is made again from its shard (as a
+    map-style batch is): every sample exactly once per epoch, equal counts. Before the fix a rank
+    failed with ``ActorDiedError`` fetching it."""
+    procs = torchrun_agents(small_cluster, tmp_path, NODE_LOSS_JOB, "--mode", "iter", "--hold-at", "4")
+    try:
+        victim, shard = kill_unfetched_shard_node(small_cluster, tmp_path, procs, 4)
+        small_cluster.add_node(2, temp_dir=f"{small_cluster.root}/node-iter")
+        (tmp_path / "go").touch()
+        out = wait_ranks(procs, timeout=420)
+        (tmp_path / "output.txt").write_text(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    epochs = epochs_of(tmp_path)
+    for ranks in epochs:
+        assert sorted(i for r in ranks for i in r["ids"]) == list(range(ROWS)), "every sample exactly once per epoch"
+        assert len(ranks[0]["ids"]) == len(ranks[1]["ids"]), "equal counts on every rank"
+    made = {n for b in progress(tmp_path) if b["epoch"] == 0 for i, n in zip(b["ids"], b["nodes"]) if i % 2 == shard}
+    assert victim not in made, f"a sample of shard {shard} came from the killed node: its block was fetched before the kill"
+    reruns = [int(m) for r in epochs[0] for m in re.findall(r"(\d+) partition\(s\) re-run elsewhere", r["stats"])]
+    assert reruns and max(reruns) >= 1, f"stats() counted no shard made again: {[r['stats'] for r in epochs[0]]}"
+    lost = [line for line in out.splitlines() if "lost node" in line]
+    assert len(lost) <= 1, f"{len(lost)} 'lost node' lines for one node's death:\n" + "\n".join(lost)
+    chatter = [line for line in out.splitlines() if is_chatter(line)]
+    assert not chatter, f"Ray's chatter about the loss reached the user ({len(chatter)} lines): {chatter[:3]}"
+    _no_leftovers_and_dead(small_cluster, victim)
