@@ -30,6 +30,7 @@ class MixedDataset:
                  on_exhausted: str) -> None:
         if not isinstance(datasets, Mapping) or not datasets:
             raise ValueError(f"mix() takes a non-empty dict of name -> Dataset, found {datasets!r}")
+        self.given = dict(datasets)  # as given: the drop-in form boxes the torch datasets' samples
         datasets = {name: _as_dataset(name, ds) for name, ds in datasets.items()}
         if on_exhausted not in mix_plan.ON_EXHAUSTED:
             raise ValueError(f"on_exhausted must be one of {mix_plan.ON_EXHAUSTED}, found {on_exhausted!r}")
@@ -85,9 +86,44 @@ class MixedDataset:
 
         prints = {n: ds.fingerprint(batch_size) if isinstance(ds, TorchIterableSource)
                   else pipeline_state.fingerprint(ds, batch_size, shuffle) for n, ds in self.datasets.items()}
-        return MixLoader(list(self.datasets), make, self.weights, seed=self.seed, batch_size=batch_size,
-                         on_exhausted=self.on_exhausted, num_samples=num_samples, drop_last=drop_last,
-                         source_key=source_key, fingerprints=prints)
+        loader = MixLoader(list(self.datasets), make, self.weights, seed=self.seed, batch_size=batch_size,
+                           on_exhausted=self.on_exhausted, num_samples=num_samples, drop_last=drop_last,
+                           source_key=source_key, fingerprints=prints)
+        loader.name = base
+        return loader
+
+    @staticmethod
+    def dropin_loader_class() -> type:
+        """The class ``sbloader.DataLoader(mixture, ...)`` builds (``DataLoader.__new__`` asks)."""
+        from sbloader.loaders.mix_dropin import MixDataLoader
+
+        return MixDataLoader
+
+    def dropin_loader(self, batch_size: int, *, shuffle: bool, num_samples: Optional[int], drop_last: bool,
+                      name: Optional[str], common: dict, iterable: dict,
+                      source_options: Optional[Mapping[str, dict]]) -> MixLoader:
+        """The loader behind ``sbloader.DataLoader(mixture, ...)``: batches ``{"item": [Box(sample)...]}``
+        (:mod:`~sbloader.loaders.mix_dropin`), every torch dataset's samples as it returns them.
+
+        ``common`` goes to every source's loader, ``iterable`` to the ``IterableDataset`` sources' only.
+        """
+        from sbloader.loaders import mix_dropin
+
+        boxed, options = {}, {}
+        for n, ds in self.given.items():
+            if _is_torch_iterable(ds):
+                boxed[n], options[n] = TorchIterableSource(ds, collate_fn=mix_dropin.box_batch), dict(iterable)
+            elif not hasattr(ds, "to_dataloader") and hasattr(ds, "__getitem__") and hasattr(ds, "__len__"):
+                boxed[n], options[n] = from_torch(mix_dropin.BoxedDataset(ds), columns="item"), {}
+            else:
+                raise TypeError(f"sbloader.DataLoader(mixture) reads torch datasets; source {n!r} is a "
+                                f"{type(ds).__name__}: iterate a mixture of sbloader Datasets with "
+                                "mix(...).to_dataloader(batch_size) instead")
+        for n, extra in (source_options or {}).items():
+            options.setdefault(n, {}).update(extra)
+        inner = MixedDataset(boxed, self.weights, self.seed, self.on_exhausted)
+        return inner.to_dataloader(batch_size, shuffle=shuffle, num_samples=num_samples, drop_last=drop_last,
+                                   name=name, source_options=options, **common)
 
 
 def _as_dataset(name: Any, ds: Any) -> Any:
@@ -123,8 +159,9 @@ class TorchIterableSource:
                        "prefetch_factor", "num_workers", "persistent_workers", "worker_num_cpus", "timeout",
                        "worker_init_fn", "pin_memory", "device")
 
-    def __init__(self, dataset: Any) -> None:
+    def __init__(self, dataset: Any, collate_fn: Any = None) -> None:
         self.dataset = dataset
+        self.collate_fn = collate_fn
 
     def __repr__(self) -> str:
         return f"TorchIterableSource({type(self.dataset).__name__})"
@@ -141,7 +178,7 @@ class TorchIterableSource:
 
         options = {k: v for k, v in kwargs.items() if k in self._DROPIN_OPTIONS}
         return DataLoader(self.dataset, batch_size=batch_size, seed=seed, in_order=deterministic, name=name,
-                          **options)
+                          collate_fn=self.collate_fn, **options)
 
 
 def mix(datasets: Mapping[str, Any], weights: Mapping[str, float], *, seed: int = 0,

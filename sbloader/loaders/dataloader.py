@@ -94,6 +94,11 @@ class DataLoader(Generic[T_co]):
     What is the same as torch's and what differs: ``docs/user_guide.md``.
     """
 
+    def __new__(cls, dataset: Any = None, *args: Any, **kwargs: Any) -> "DataLoader":
+        # a dataset may name its own subclass: sbloader.mix(...)'s (sbloader/loaders/mix_dropin.py)
+        own = getattr(dataset, "dropin_loader_class", None) if cls is DataLoader else None
+        return super().__new__(own() if own is not None else cls)
+
     def __init__(
         self,
         dataset: Any,
