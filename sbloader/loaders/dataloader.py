@@ -96,7 +96,8 @@ class DataLoader(Generic[T_co]):
 
     def __new__(cls, dataset: Any = None, *args: Any, **kwargs: Any) -> "DataLoader":
         # a dataset may name its own subclass: sbloader.mix(...)'s (sbloader/loaders/mix_dropin.py)
-        own = getattr(dataset, "dropin_loader_class", None) if cls is DataLoader else None
+        # (looked up on the dataset's class: a dataset's own __getattr__ never answers it)
+        own = getattr(type(dataset), "dropin_loader_class", None) if cls is DataLoader else None
         return super().__new__(own() if own is not None else cls)
 
     def __init__(

@@ -8,6 +8,11 @@ loader starts (the background Ray start, the pool's start ahead), so the local s
 what their workers will import before they fork them: the import then waits for that
 thread instead, and the child finds the module whole.
 
+A module the worker needs that this process did not import first (a user's dataset importing a
+module lazily in ``__getitem__`` while the background start imports it too) is dropped in the
+child, half made as it is, with its lock, and imported anew there (:func:`forget_foreign_imports`,
+after every fork made inside :meth:`ForkGate.forking`).
+
 Locks below Python are the same: a lock a thread holds at the fork (torch's, the C library's)
 stays held in the child. A worker forked while the pool's start ahead pickled the dataset (its
 tensors) waited forever in ``torch.set_num_threads(1)`` (CI, ``test_nested_tensors_go_through_the_workers``).
@@ -18,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
+import sys
 import threading
 from typing import Any, Iterator
 
@@ -27,6 +34,42 @@ FORK_LOCK = threading.Lock()
 #: What a forked local worker imports: imported here before the fork (:func:`import_for_children`).
 CHILD_MODULES = ("torch.utils.data._utils.worker", "sbloader.core.batch_slice", "sbloader.core.context",
                  "sbloader.sources.batches", "sbloader.loaders.worker")
+
+
+_forking = False  # True while ForkGate.forking runs: what a child forked then inherits
+
+
+def forget_foreign_imports() -> list[str]:
+    """(In a child just forked) Import anew, when next asked for, each module another thread of the parent
+    was importing at the fork: its lock's owner does not exist here, so an import of it would wait for
+    good, and the module itself is half made. Its half-made module and its lock are dropped; the
+    modules it had imported whole stay. Returns the names dropped."""
+    bootstrap = sys.modules.get("_frozen_importlib")
+    locks = getattr(bootstrap, "_module_locks", None)
+    if not isinstance(locks, dict):
+        return []
+    me = threading.get_ident()
+    dropped = []
+    for name, ref in list(locks.items()):
+        lock = ref()
+        if lock is None:
+            continue
+        owner = getattr(lock, "owner", None)
+        inner = getattr(lock, "lock", None)
+        if (owner is not None and owner != me) or (inner is not None and inner.locked()):
+            locks.pop(name, None)
+            sys.modules.pop(name, None)
+            dropped.append(name)
+    return dropped
+
+
+def _after_fork_in_child() -> None:
+    if _forking:
+        forget_foreign_imports()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def import_for_children(extra: tuple = ()) -> None:
@@ -66,12 +109,15 @@ class ForkGate:
     def forking(self, extra: tuple = ()) -> Iterator[None]:
         """Fork the local workers inside this: the modules they import imported first, no background
         pickling of the dataset under way until the sampler is first asked."""
+        global _forking
         import_for_children(extra)
         FORK_LOCK.acquire()
         self._held = True
+        _forking = True
         try:
             yield
         finally:
+            _forking = False
             self.open()
 
 

@@ -1,0 +1,55 @@
+"""A local worker forked while another thread imports a module it needs imports that module anew.
+
+The lock of a module being imported at the moment of a fork belongs, in the child, to a thread that
+does not exist there: before ``fork_safe.forget_foreign_imports`` a child importing it waited for
+good (the fault soak's dataset imported Ray in ``__getitem__`` while the trainer's background start
+imported it: its local-start workers never made a batch).
+"""
+from __future__ import annotations
+
+import importlib
+import multiprocessing
+import sys
+import threading
+import time
+
+from sbloader.loaders.fork_safe import ForkGate
+
+SLOW = "import time\ntime.sleep({sleep})\nVALUE = 7\n"
+
+
+def _import_and_tell(name: str, queue) -> None:
+    module = importlib.import_module(name)
+    queue.put(module.VALUE)
+
+
+def _being_imported(tmp_path, monkeypatch, name: str, sleep: float) -> threading.Thread:
+    """A thread importing ``name`` (a module that sleeps ``sleep`` s at import), once it is in the middle."""
+    (tmp_path / f"{name}.py").write_text(SLOW.format(sleep=sleep))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importer = threading.Thread(target=importlib.import_module, args=(name,), daemon=True)
+    importer.start()
+    deadline = time.monotonic() + 10
+    while name not in sys.modules and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert name in sys.modules, "the importing thread did not start"
+    return importer
+
+
+def test_a_child_forked_while_a_thread_imports_a_module_imports_it_anew(tmp_path, monkeypatch):
+    name = "sbloader_slow_import"
+    importer = _being_imported(tmp_path, monkeypatch, name, sleep=4)
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_import_and_tell, args=(name, queue), daemon=True)
+    with ForkGate().forking():
+        child.start()
+    try:
+        got = queue.get(timeout=20)  # before: the child waited for good on the module's lock
+    finally:
+        child.join(timeout=20)
+        if child.is_alive():
+            child.kill()
+    assert got == 7  # imported whole in the child
+    importer.join(timeout=10)
+    assert sys.modules[name].VALUE == 7  # the parent's import completed as ever
