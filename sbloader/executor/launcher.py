@@ -35,7 +35,7 @@ class Launcher:
                 **self._opts.placed(stage.ray_options)
             ).remote(self._shared, parts, self._ops[0], self._info, seqs, stage.name, leases)
             return refs, None
-        actor = self._pools.least_busy(0)  # an actor pool that reads its partitions itself
+        actor = self._pools.least_busy(0, getattr(parts[0], "affinity", None))  # a pool that reads its partitions
         refs = actor.handle.read_process.options(num_returns=2 * len(parts)).remote(
             self._shared, parts, self._info, seqs, stage.name, leases)
         return refs, actor

@@ -187,9 +187,14 @@ class ActorPools:
         """Calls the ready actors of pool ``i`` can take now."""
         return sum(max(0, ACTOR_SLOTS - a.inflight) for a in self.pools[i] if a.ready)
 
-    def least_busy(self, i: int) -> PoolActor:
-        """The ready actor of pool ``i`` with the fewest calls in flight (one more is counted)."""
-        actor = min((a for a in self.pools[i] if a.ready), key=lambda a: a.inflight)
+    def least_busy(self, i: int, prefer: Optional[int] = None) -> PoolActor:
+        """The ready actor of pool ``i`` with the fewest calls in flight (one more is counted); the
+        ``prefer``-th actor of the pool (its place, kept from execution to execution through the
+        actor cache) when it is ready and has a free slot."""
+        pool = self.pools[i]
+        actor = pool[prefer % len(pool)] if prefer is not None and pool else None
+        if actor is None or not actor.ready or actor.inflight >= ACTOR_SLOTS:
+            actor = min((a for a in pool if a.ready), key=lambda a: a.inflight)
         actor.inflight += 1
         return actor
 

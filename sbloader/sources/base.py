@@ -35,12 +35,16 @@ class Partition:
         payload: what ``Source.read`` needs (a slice of items, index ranges,
             file paths...); small, shipped with the task.
         label: a human-readable name for errors (a file path, a row range).
+        affinity: the index of the pool actor that should run it when that actor is ready and
+            has a free slot (an ``IterableDataset`` shard's segments go to the actor holding the
+            shard's generator); None: any.
     """
 
     id: int
     num_rows: Optional[int]
     payload: Any = field(repr=False, default=None)
     label: str = ""
+    affinity: Optional[int] = None
 
 
 @runtime_checkable

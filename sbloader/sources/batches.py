@@ -113,7 +113,7 @@ class ShardSource:
         return None
 
     def partitions(self, epoch: int, epoch_seed: int, shuffle: bool = False) -> list[Partition]:
-        return [Partition(w, None, [self._task(w)], f"worker shard {w}") for w in self._shards]
+        return [Partition(w, None, [self._task(w)], f"worker shard {w}", affinity=w) for w in self._shards]
 
     def _task(self, w: int) -> tuple:
         """Shard ``w``'s work item: ``("shard", w[, resume[, segment]])``."""

@@ -103,3 +103,4 @@ def test_a_segment_holds_at_most_its_batches_in_the_worker(ray_session, monkeypa
     loader = sbloader.DataLoader(Long(), batch_size=2, num_workers=3, seed=11, local_start=False)
     assert sum(len(b) for b in loader) == sum(LENGTHS)
     assert max(seen) <= 4 and len(seen) >= 23 // 4, seen
+
