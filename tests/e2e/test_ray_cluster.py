@@ -168,16 +168,10 @@ def test_a_cpu_node_killed_and_one_added_mid_epoch_every_rank_goes_on_exactly_on
         victim, ran = kill_busiest_node_after(small_cluster, tmp_path, procs, 8)  # a few batches, both nodes busy
         killed_at = time.time()
         added = small_cluster.add_node(2, temp_dir=f"{small_cluster.root}/node-{mode}")
-        out = wait_ranks(procs, timeout=420)
-        (tmp_path / "output.txt").write_text(out)
+        out = _finish(procs, tmp_path)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    epochs = epochs_of(tmp_path)
-    for ranks in epochs:
-        assert sorted(i for r in ranks for i in r["ids"]) == list(range(ROWS)), "every sample exactly once per epoch"
-        assert len(ranks[0]["ids"]) == len(ranks[1]["ids"]), "equal counts on every rank"
+        _kill(procs)
+    epochs = _exactly_once_per_epoch(tmp_path)
     assert ran[victim] > 0, "the killed node ran work before the kill"
     after = [b for b in progress(tmp_path) if b["t"] > killed_at]
     assert any(added in b["nodes"] for b in after), "the node added mid-epoch was never used"
@@ -195,6 +189,28 @@ def test_a_cpu_node_killed_and_one_added_mid_epoch_every_rank_goes_on_exactly_on
         auth = [line for line in out.splitlines() if "InvalidAuthToken" in line]
         assert not auth, f"the join printed {len(auth)} InvalidAuthToken line(s): {auth[:2]}"
     _no_leftovers_and_dead(small_cluster, victim)
+
+
+def _finish(procs: list, out_dir: Path) -> str:
+    """The job's output once every rank exited (kept in ``output.txt``)."""
+    out = wait_ranks(procs, timeout=420)
+    (out_dir / "output.txt").write_text(out)
+    return out
+
+
+def _kill(procs: list) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+
+
+def _exactly_once_per_epoch(out_dir: Path) -> list:
+    """Each epoch's per-rank records, once every sample was taken exactly once with equal counts per rank."""
+    epochs = epochs_of(out_dir)
+    for ranks in epochs:
+        assert sorted(i for r in ranks for i in r["ids"]) == list(range(ROWS)), "every sample exactly once per epoch"
+        assert len(ranks[0]["ids"]) == len(ranks[1]["ids"]), "equal counts on every rank"
+    return epochs
 
 
 def _no_leftovers_and_dead(cluster: Cluster, victim: str) -> None:
@@ -221,16 +237,10 @@ def test_an_iterable_dataset_split_across_ranks_goes_on_exactly_once_when_a_node
         victim, shard = kill_unfetched_shard_node(small_cluster, tmp_path, procs, 4)
         small_cluster.add_node(2, temp_dir=f"{small_cluster.root}/node-iter")
         (tmp_path / "go").touch()
-        out = wait_ranks(procs, timeout=420)
-        (tmp_path / "output.txt").write_text(out)
+        out = _finish(procs, tmp_path)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    epochs = epochs_of(tmp_path)
-    for ranks in epochs:
-        assert sorted(i for r in ranks for i in r["ids"]) == list(range(ROWS)), "every sample exactly once per epoch"
-        assert len(ranks[0]["ids"]) == len(ranks[1]["ids"]), "equal counts on every rank"
+        _kill(procs)
+    epochs = _exactly_once_per_epoch(tmp_path)
     made = {n for b in progress(tmp_path) if b["epoch"] == 0 for i, n in zip(b["ids"], b["nodes"]) if i % 2 == shard}
     assert victim not in made, f"a sample of shard {shard} came from the killed node: its block was fetched before the kill"
     reruns = [int(m) for r in epochs[0] for m in re.findall(r"(\d+) partition\(s\) re-run elsewhere", r["stats"])]

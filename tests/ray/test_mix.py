@@ -53,6 +53,19 @@ def _binomial(count: int, n: int, p: float) -> bool:
 
 
 @pytest.mark.parametrize("weights", [{"a": 0.7, "b": 0.3}, {"a": 0.7, "b": 0.2, "c": 0.1}])
+
+def _head_then_resumed(loader, k: int):
+    """The first ``k`` batches of a fresh loader (as ``(src, id)`` rows) and a new loader resumed from
+    the state taken after them (JSON round-tripped)."""
+    first = loader()
+    it = iter(first)
+    head = [list(zip(b["src"].tolist(), b["id"].tolist())) for b in (next(it) for _ in range(k))]
+    state = json.loads(json.dumps(first.state_dict()))
+    first.close()
+    resumed = loader()
+    resumed.load_state_dict(state)
+    return head, resumed
+
 def test_shares_within_binomial_bounds_over_10000_samples_each_epoch_once(ray_session, weights):
     sizes = {"a": 1500, "b": 700, "c": 300}
     mixed = sbloader.mix({n: _source(n, sizes[n]) for n in weights}, weights=weights, seed=3)
@@ -136,13 +149,7 @@ def test_resume_at_every_step_repeats_the_rest_exactly(ray_session, on_exhausted
     following = _batches(straight)  # the next iteration: what a state taken after the last batch resumes
     assert following and following != whole
     for k in [*range(0, len(whole), 3), len(whole) - 1, len(whole)]:
-        first = loader()
-        it = iter(first)
-        head = [list(zip(b["src"].tolist(), b["id"].tolist())) for b in (next(it) for _ in range(k))]
-        state = json.loads(json.dumps(first.state_dict()))
-        first.close()
-        resumed = loader()
-        resumed.load_state_dict(state)
+        head, resumed = _head_then_resumed(loader, k)
         rest = _batches(resumed)
         if k == len(whole):
             assert rest == following, "a state taken after the last batch resumes the next iteration, whole"
@@ -361,13 +368,7 @@ def test_an_iterable_dataset_source_resumed_through_its_own_state(ray_session, w
     _epochs_once([i for s, i in rows if s == 0], 50, 0)
     assert straight.stats().sources["b"].epoch >= 2
     for k in (1, 4, 9, 17, len(whole) - 1):
-        first = loader()
-        it = iter(first)
-        head = [list(zip(b["src"].tolist(), b["id"].tolist())) for b in (next(it) for _ in range(k))]
-        state = json.loads(json.dumps(first.state_dict()))
-        first.close()
-        resumed = loader()
-        resumed.load_state_dict(state)
+        head, resumed = _head_then_resumed(loader, k)
         assert head + _batches(resumed) == whole, f"resumed after {k} batches"
 
 
