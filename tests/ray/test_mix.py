@@ -52,8 +52,6 @@ def _binomial(count: int, n: int, p: float) -> bool:
     return abs(count - n * p) <= 4.5 * math.sqrt(n * p * (1 - p))
 
 
-@pytest.mark.parametrize("weights", [{"a": 0.7, "b": 0.3}, {"a": 0.7, "b": 0.2, "c": 0.1}])
-
 def _head_then_resumed(loader, k: int):
     """The first ``k`` batches of a fresh loader (as ``(src, id)`` rows) and a new loader resumed from
     the state taken after them (JSON round-tripped)."""
@@ -66,6 +64,8 @@ def _head_then_resumed(loader, k: int):
     resumed.load_state_dict(state)
     return head, resumed
 
+
+@pytest.mark.parametrize("weights", [{"a": 0.7, "b": 0.3}, {"a": 0.7, "b": 0.2, "c": 0.1}])
 def test_shares_within_binomial_bounds_over_10000_samples_each_epoch_once(ray_session, weights):
     sizes = {"a": 1500, "b": 700, "c": 300}
     mixed = sbloader.mix({n: _source(n, sizes[n]) for n in weights}, weights=weights, seed=3)
