@@ -134,10 +134,7 @@ class DiskCache:
                 return None, False
             ahead = bool(st.st_mode & AHEAD_MARK)
             if ahead and take:
-                try:
-                    os.chmod(p, st.st_mode & 0o777 & ~AHEAD_MARK)
-                except OSError:  # another user's entry: still a hit to read (counted a miss again)
-                    pass
+                ahead = _take_mark(p)
             os.utime(p)  # the read time the eviction goes by
         except OSError:
             return None, False
@@ -279,3 +276,30 @@ def cache_here(config: CacheConfig) -> Optional[DiskCache]:
         if c is None:
             c = _CACHES[key] = DiskCache(root, config.max_bytes)
         return c
+
+
+def _take_mark(p: str) -> bool:
+    """Take the :data:`AHEAD_MARK` off the entry at ``p``; True for the one reader that took it (under
+    an exclusive ``flock`` on the entry: two readers that both saw the mark count one miss, not two).
+    An entry this user cannot change stays marked (each read of it counts a miss)."""
+    try:
+        fd = os.open(p, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        try:
+            import fcntl
+
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except ImportError:  # no flock here: as before, each reader that saw the mark counts a miss
+            pass
+        mode = os.fstat(fd).st_mode
+        if not mode & AHEAD_MARK:
+            return False  # another reader took it first
+        try:
+            os.fchmod(fd, mode & 0o777 & ~AHEAD_MARK)
+        except OSError:
+            pass
+        return True
+    finally:
+        os.close(fd)  # closing releases the flock

@@ -212,6 +212,31 @@ def test_objects_fetched_ahead_count_as_misses_of_the_read_that_takes_them_then_
     assert all(n == 1 for n in handler.opens.values()), handler.opens
 
 
+def test_readers_racing_for_an_entry_fetched_ahead_count_one_miss(tmp_path, monkeypatch):
+    """Readers that all saw an entry's fetched-ahead mark count one miss between them, however they
+    interleave (the mark is taken under a lock; before, each reader that saw it counted a miss: a
+    WebDataset shard's partitions read at once counted two or three)."""
+    cache = DiskCache(str(tmp_path / "cache"))
+    p = cache.path_for("s3://b/k.bin", "v1")
+    assert cache.put_at(p, b"x" * 10, ahead=True) == p
+    real_stat, seen = os.stat, threading.Barrier(8)
+
+    def stat_then_wait(path, *a, **kw):  # every reader has seen the mark before any takes it
+        st = real_stat(path, *a, **kw)
+        if path == p:
+            seen.wait(timeout=10)
+        return st
+    monkeypatch.setattr(cache_mod.os, "stat", stat_then_wait)
+    results: list = []
+    readers = [threading.Thread(target=lambda: results.append(cache.check(p, 10))) for _ in range(8)]
+    for t in readers:
+        t.start()
+    for t in readers:
+        t.join(timeout=20)
+    assert len(results) == 8 and all(r[0] == p for r in results)
+    assert sum(1 for _, ahead in results if ahead) == 1
+
+
 def test_without_a_cache_no_hit_or_miss_is_counted(tmp_path):
     rf, _ = _flaky_files(tmp_path, 0, OSError("unused"), cache=False)
     with task_context(0, 0, 0, "read", -1) as ctx:
