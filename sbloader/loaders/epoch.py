@@ -19,6 +19,8 @@ whatever produced the batches:
 """
 from __future__ import annotations
 
+import atexit
+import sys
 import time
 import weakref
 from collections import deque
@@ -28,7 +30,7 @@ from typing import Any, Callable, Iterator, Optional, Protocol
 from sbloader.core.stats import StallStats
 from sbloader.loaders import closer
 from sbloader.loaders.failed_batch import FailedBatch
-from sbloader.loaders.fetch_ahead import FetchAhead
+from sbloader.loaders.fetch_ahead import FetchAhead, join_all
 
 
 _END = object()  # prime() found the epoch empty
@@ -43,6 +45,30 @@ def close_live_epochs() -> None:
             it.close()
         except Exception:
             pass
+
+
+def _at_exit() -> None:
+    """The interpreter exits: end the open epochs and wait for their threads, whether or not Ray ever
+    came up (a short job may end on the local workers while Ray still starts in the background). A
+    fetch thread left running would drop its batches while the interpreter finalizes and abort the
+    process inside torch's tensor destructor. Nothing may start a Ray from here."""
+    hook = sys.modules.get("ray._private.auto_init_hook")
+    if hook is not None:
+        hook.enable_auto_connect = False
+    close_live_epochs()
+    join_all()
+
+
+_EXIT_HOOK: list = []
+
+
+def _register_exit_hook() -> None:
+    """Register :func:`_at_exit` once, with the process's first epoch. The embedded Ray's stop at exit
+    (registered when Ray came up) closes the epochs before Ray stops; this one runs whether or not
+    Ray came up."""
+    if not _EXIT_HOOK:
+        _EXIT_HOOK.append(True)
+        atexit.register(_at_exit)
 
 
 from sbloader.runtime.session import before_shutdown  # noqa: E402
@@ -119,6 +145,7 @@ class EpochIterator:
         self._held: deque = deque()
         self._primed: Any = None  # the first delivery, fetched by prime()
         _LIVE.add(self)
+        _register_exit_hook()
         closer.start()
         self._yielded_at: Optional[float] = None
         self._closed = False

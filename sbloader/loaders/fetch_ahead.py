@@ -17,9 +17,26 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from typing import Any, Callable, Iterator, Optional
 
 _END = object()
+_RUNNING: "weakref.WeakSet[FetchAhead]" = weakref.WeakSet()  # a running thread keeps its FetchAhead alive
+
+
+def join_all(timeout: float = 5.0) -> None:
+    """Stop every fetch thread of this process and wait for them, together at most ``timeout``
+    seconds (at exit: a daemon thread still dropping batches when the interpreter finalizes dies
+    inside torch's tensor destructor, and the process aborts with "terminate called without an
+    active exception")."""
+    deadline = time.monotonic() + timeout
+    running = list(_RUNNING)
+    for f in running:
+        f._stop.set()
+    for f in running:
+        f._drain()
+        if f._thread is not threading.current_thread():
+            f._thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 class FetchAhead:
@@ -47,6 +64,7 @@ class FetchAhead:
         self._done = False
         self.wait_s = 0.0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        _RUNNING.add(self)
         self._thread.start()
 
     def _put(self, item: Any) -> bool:
@@ -108,6 +126,14 @@ class FetchAhead:
             raise StopIteration
         return item
 
+    def _drain(self) -> None:
+        """Empty the queue (a producer waiting on a full one sees the stop)."""
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                return
+
     def close(self, timeout: Optional[float] = 10.0, wake: Optional[Callable[[], Any]] = None) -> None:
         """Stop the thread: it finishes the item in hand, then runs the producer's cleanup.
 
@@ -120,11 +146,7 @@ class FetchAhead:
         """
         self._stop.set()
         self._done = True
-        while True:  # unblock a producer waiting on a full queue
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                break
+        self._drain()
         if wake is not None:
             wake()
         if self._thread is not threading.current_thread():

@@ -38,10 +38,12 @@ def test_an_explicit_close_stays_on_the_callers_thread_and_what_is_queued_drains
     assert closed_on == [threading.current_thread().name]
     done: list = []
     gate = threading.Event()
-    closer.call_later(lambda: gate.wait(5))  # the closer thread is busy: what follows waits in the queue
+    busy: list = []
+    closer.call_later(lambda: (gate.wait(5), busy.append("done")))  # the closer thread is busy: the next waits
     closer.call_later(lambda: done.append(threading.current_thread().name))
     time.sleep(0.1)
     assert done == []
-    close_live_epochs()  # before the embedded Ray stops: the queue is run here
-    gate.set()
-    assert done == [threading.current_thread().name]
+    threading.Timer(0.3, gate.set).start()
+    close_live_epochs()  # before the embedded Ray stops (and at exit): the queue is run, the close in hand ended
+    assert busy == ["done"], "drain returned while the closer thread was still closing"
+    assert done == [threading.current_thread().name], "what was queued is run on the caller's thread"

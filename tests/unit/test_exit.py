@@ -1,0 +1,41 @@
+"""A process that exits with an epoch still open exits cleanly (issue #48: a Lightning job aborted at exit).
+
+A daemon fetch thread still dropping batches of torch tensors while the interpreter
+finalizes dies inside torch's tensor destructor, and the process aborts ("terminate
+called without an active exception", exit code -6), after a training run that was
+otherwise correct. At exit sbloader closes its open epochs and waits for their
+threads, whether or not Ray ever came up.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "exit_open_epoch.py"
+
+
+def _run(tmp_path: Path, *args: str) -> dict:
+    out = tmp_path / "report.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(SCRIPT.parents[2]), os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(out), *args], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, f"exit code {proc.returncode}:\n{proc.stderr[-3000:]}"
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_an_open_epoch_is_closed_and_its_thread_joined_before_the_interpreter_finalizes(tmp_path):
+    report = _run(tmp_path)
+    assert report["closed"] == "before finalizing"
+    assert report["running"] == [], "a fetch thread still ran after sbloader's exit hook"
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_a_drop_in_left_mid_epoch_on_local_workers_exits_cleanly(tmp_path, attempt):
+    report = _run(tmp_path, "loader")
+    assert report["running"] == []
