@@ -312,6 +312,13 @@ class SplitCoordinator(RebuildProtocol):
         ep = self._epochs.get(epoch)
         return ep.silent_ranks(self._stall_report_s) if ep is not None else []
 
+    def block_value(self, epoch: int, pid: int) -> Optional[dict]:
+        """(A rank whose fetch of a block by its ref did not end) the block itself, read here, where
+        it is owned; None when the epoch no longer holds it."""
+        self._last_call = time.monotonic()
+        ep = self._epochs.get(epoch)
+        return ep.value_of(pid) if isinstance(ep, PartitionEpoch) else None
+
     def execution_stats(self, epoch: int) -> Optional[Any]:
         """The :class:`~sbloader.core.stats.ExecutionStats` of an epoch running or recently finished here."""
         ep = self._epochs.get(epoch)

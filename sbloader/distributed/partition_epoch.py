@@ -62,6 +62,18 @@ class PartitionEpoch(Epoch):
                     return {}
             return {p: self.ready[p].ref for p in pids if p in self.ready}
 
+    def value_of(self, pid: int, timeout_s: float = 30.0) -> Optional[dict]:
+        """The block of partition ``pid`` itself (None: not held, released or never made).
+
+        Raises:
+            ray.exceptions.GetTimeoutError: not readable here either within ``timeout_s``.
+        """
+        import ray
+
+        with self.cond:
+            item = self.ready.get(pid)
+        return None if item is None else ray.get(item.ref, timeout=timeout_s)
+
     def ack(self, rank: int, consumed: int) -> None:
         with self.cond:
             self.consumed[rank] = max(self.consumed[rank], int(consumed))

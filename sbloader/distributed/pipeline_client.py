@@ -33,6 +33,7 @@ _WAIT_S = 1.0  # one coordinator request waits at most this long for a block
 _AHEAD = 2  # batches whose blocks a rank asks for ahead of the one it cuts
 _MAX_REBUILDS = 3  # coordinators lost in one epoch before the rank gives up
 _SLOW_WAIT_S = 60.0  # a rank waiting this long for a block says so (again each such wait)
+_FETCH_S = 60.0  # a block's fetch by its ref that lasts longer is read through the coordinator
 
 
 class RankSplit(Protocol):
@@ -157,7 +158,7 @@ def batches(link: Any, run: Any) -> Iterator[tuple[Batch, int]]:
                     waited = time.monotonic()
             for pid in now:
                 if pid not in blocks:
-                    blocks[pid] = _checked(ray.get(refs.pop(pid)), pid, run, offset)
+                    blocks[pid] = _checked(_fetch(link, run, pid, refs.pop(pid), j), pid, run, offset)
         except (ray.exceptions.RayActorError, ray.exceptions.OwnerDiedError) as e:
             # The coordinator died, and with it the blocks it owned that this rank had not
             # fetched (those fetched stay in this process): the epoch is rebuilt from batch j.
@@ -169,6 +170,37 @@ def batches(link: Any, run: Any) -> Iterator[tuple[Batch, int]]:
             blocks.pop(pid, None)
             refs.pop(pid, None)
         j += 1
+
+
+def _get_block(ref: Any, timeout_s: float) -> dict:
+    return ray.get(ref, timeout=timeout_s)
+
+
+def _fetch(link: Any, run: Any, pid: int, ref: Any, j: int) -> dict:
+    """The block of partition ``pid`` by its ref; one whose fetch lasts past :data:`_FETCH_S` is read
+    again through the coordinator that owns it (a fetch of a borrowed ref was seen to wait for good
+    while its owner, the coordinator, still held the block: a job must not hang on it).
+
+    Raises:
+        SbloaderError: the coordinator no longer holds the block, or cannot read it either.
+    """
+    try:
+        return _get_block(ref, _FETCH_S)
+    except ray.exceptions.GetTimeoutError:
+        pass
+    logger.warning("sbloader rank %d: partition %d of epoch %d (batch %d) did not arrive within %.0f s; reading "
+                   "it through the coordinator", run.rank, pid, run.epoch, j, _FETCH_S)
+    try:
+        value = _call(lambda: link.coord.block_value.remote(run.epoch, pid))
+    except ray.exceptions.RayTaskError as e:
+        value, cause = None, e
+    else:
+        cause = None
+    if value is None:
+        raise SbloaderError(f"rank {run.rank}: partition {pid} of epoch {run.epoch} (batch {j}) could not be "
+                            "fetched, and the coordinator cannot hand it over again. Restart the job from the last "
+                            "checkpoint") from cause
+    return value
 
 
 def _call(send: Any, patience_s: float = 30.0) -> Any:

@@ -76,3 +76,29 @@ def test_the_native_loader_with_a_budget_shuffle_window(ray_session, tmp_path):
                                 steps=[0, 1, 3, 5, 6])
 
 
+
+
+def test_a_block_whose_fetch_does_not_end_is_read_through_the_coordinator(ray_session, monkeypatch, caplog):
+    """A rank's fetch of a block by its ref that does not end (seen once in CI: a split rank waited
+    in ``ray.get`` for good while the coordinator held the block) is read again through the
+    coordinator: the epoch is still exactly once, the rank says so once per block."""
+    import ray
+
+    from harness import run_ranks
+    from sbloader.distributed import pipeline_client
+
+    stuck: list = []
+
+    def get_block(ref, timeout_s):
+        if len(stuck) < 3:  # the first three fetches never end
+            stuck.append(ref)
+            raise ray.exceptions.GetTimeoutError("a fetch that does not end")
+        return ray.get(ref, timeout=timeout_s)
+
+    monkeypatch.setattr(pipeline_client, "_get_block", get_block)
+    with caplog.at_level("WARNING", logger="sbloader.distributed.pipeline_client"):
+        taken, _ = run_ranks(_native(shuffle_window=3), 2, "fetch-stuck", "id")
+    assert sorted(i for t in taken for i in t.ids) == list(range(N))
+    assert len(taken[0].batches) == len(taken[1].batches)
+    assert len(stuck) == 3
+    assert sum("reading it through the coordinator" in r.getMessage() for r in caplog.records) == 3
