@@ -85,7 +85,7 @@ def _free_split_coordinators():
         return
     from sbloader.loaders import closer, warm_workers
 
-    closer.drain()  # the loaders the test dropped hand their actors to the idle pool now, not after the next line
+    closer.drain(wait_s=0)  # the loaders the test dropped hand their actors to the idle pool now, not after the next line
     warm_workers.release_idle()  # the warm actors dropped loaders and pipelines left in the process's idle pool
     from sbloader.distributed.naming import NAMESPACE
 

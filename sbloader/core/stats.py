@@ -1,7 +1,7 @@
 """Execution statistics: per operator rows, blocks, bytes, task time, throttling."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Optional
 
 
@@ -168,6 +168,50 @@ class ExecutionStats:
                          "starting workers, or CPUs/GPUs held by other stages or jobs); if it recurs after the "
                          "first epoch, lower the other pools' sizes or num_cpus, or give Ray more nodes")
         return "\n".join(lines)
+
+
+_PEAKS = ("peak_held_bytes", "memory_budget")  # the largest of the parts, not their sum
+_LISTS = ("lost_nodes",)
+
+
+def combined(parts: list[ExecutionStats]) -> ExecutionStats:
+    """The statistics of executions run one after another as one (an ``IterableDataset`` epoch's
+    rounds of segments): counts and seconds summed, peaks the largest, the first block the first
+    part's, each operator matched by its place in the pipeline."""
+    from sbloader.core.context import merge_counters
+
+    if len(parts) == 1:
+        return parts[0]
+    out = ExecutionStats()
+    for part in parts:
+        for f in fields(ExecutionStats):
+            mine, theirs = getattr(out, f.name), getattr(part, f.name)
+            if f.name == "operators":
+                continue
+            if f.name in _PEAKS:
+                setattr(out, f.name, max(mine, theirs))
+            elif f.name in _LISTS:
+                mine.extend(x for x in theirs if x not in mine)
+            elif f.name == "first_block_s":
+                setattr(out, f.name, mine if mine is not None else theirs)
+            elif f.name == "shuffle_note":
+                setattr(out, f.name, mine or theirs)
+            else:
+                setattr(out, f.name, mine + theirs)
+        for i, op in enumerate(part.operators):
+            if i == len(out.operators):
+                out.operators.append(OperatorStats(op.name))
+            into = out.operators[i]
+            for f in fields(OperatorStats):
+                if f.name == "name":
+                    continue
+                if f.name == "counters":
+                    merge_counters(into.counters, op.counters)
+                elif f.name == "pool_limit":
+                    into.pool_limit = max(into.pool_limit, op.pool_limit)
+                else:
+                    setattr(into, f.name, getattr(into, f.name) + getattr(op, f.name))
+    return out
 
 
 @dataclass

@@ -182,11 +182,16 @@ class SplitCoordinator(RebuildProtocol):
                 )
             self._started.wait(timeout=min(remaining, 1.0))
 
-    def block_refs(self, epoch: int, rank: int, consumed: int, pids: list, wait_s: float = 1.0) -> dict:
+    def block_refs(self, epoch: int, rank: int, consumed: int, pids: list, wait_s: float = 1.0,
+                   by_value: bool = False) -> dict:
         """(A native pipeline's epoch) Acknowledge ``consumed`` batches of ``rank``, then the refs
         of the ready blocks of partitions ``pids``, waiting at most ``wait_s`` for the first:
-        ``{"refs": {partition id: ref}, "done": bool}``."""
+        ``{"refs": {partition id: ref}, "done": bool}``. ``by_value``: the blocks themselves, read
+        here where they are owned, for a rank whose fetch by ref did not end (None: not held)."""
         self._last_call = time.monotonic()
+        if by_value:
+            ep = self._epochs.get(epoch)
+            return {"refs": {p: ep.value_of(p) if isinstance(ep, PartitionEpoch) else None for p in pids}}
         ep = self._held(epoch, rank)
         if ep is None:  # it ended on every rank that asked for it
             return {"refs": {}, "done": True}
@@ -311,13 +316,6 @@ class SplitCoordinator(RebuildProtocol):
         """Ranks that stopped asking for longer than the report timeout."""
         ep = self._epochs.get(epoch)
         return ep.silent_ranks(self._stall_report_s) if ep is not None else []
-
-    def block_value(self, epoch: int, pid: int) -> Optional[dict]:
-        """(A rank whose fetch of a block by its ref did not end) the block itself, read here, where
-        it is owned; None when the epoch no longer holds it."""
-        self._last_call = time.monotonic()
-        ep = self._epochs.get(epoch)
-        return ep.value_of(pid) if isinstance(ep, PartitionEpoch) else None
 
     def execution_stats(self, epoch: int) -> Optional[Any]:
         """The :class:`~sbloader.core.stats.ExecutionStats` of an epoch running or recently finished here."""

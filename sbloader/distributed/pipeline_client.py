@@ -191,7 +191,7 @@ def _fetch(link: Any, run: Any, pid: int, ref: Any, j: int) -> dict:
     logger.warning("sbloader rank %d: partition %d of epoch %d (batch %d) did not arrive within %.0f s; reading "
                    "it through the coordinator", run.rank, pid, run.epoch, j, _FETCH_S)
     try:
-        value = _call(lambda: link.coord.block_value.remote(run.epoch, pid))
+        value = _call(lambda: link.coord.block_refs.remote(run.epoch, run.rank, run.taken, [pid], 0.0, True))["refs"][pid]
     except ray.exceptions.RayTaskError as e:
         value, cause = None, e
     else:

@@ -213,6 +213,8 @@ def open_pool(s: DropinSettings, carry: DropinCarry, run: Optional[Union[EpochRu
 
     def closed() -> None:
         carry.estimates = executor.estimates()
+        if s.iterable:  # the epoch's rounds, all of them
+            carry.stats = executor.stats()
         carry.pool_running = False
         if warm:  # the actors stay warm for the next epoch (an idle timeout kills them)
             warm_workers.keep(carry)

@@ -102,6 +102,7 @@ class ShardRounds:
         self._done: set = set()
         self._lock = threading.Lock()
         self._stopped = False
+        self._finished: list = []  # the statistics of the rounds before this one
         self.rounds = 1
         self.executor = start(dict(self.positions))
 
@@ -121,6 +122,7 @@ class ShardRounds:
             if self._stopped:
                 return False
             self.executor.shutdown()  # its actors go back to the cache the next round takes them from
+            self._finished.append(self.executor.stats())
             self.executor = self._start(resume)
             self._made = {w: 0 for w in resume}
             self.rounds += 1
@@ -158,4 +160,7 @@ class ShardRounds:
         return self.executor.estimates()
 
     def stats(self) -> Any:
-        return self.executor.stats()
+        """The epoch's statistics so far: every round's, as one execution's."""
+        from sbloader.core.stats import combined
+
+        return combined(self._finished + [self.executor.stats()])

@@ -134,7 +134,16 @@ def run(test_file: str, timeout: int, keyword: Optional[str], workdir: str) -> d
         code = subprocess.run(cmd, cwd=os.path.dirname(os.path.abspath(test_file)), env=env, stdout=log,
                               stderr=subprocess.STDOUT).returncode
     outcomes = parse_junit(junit) if os.path.exists(junit) else {}
-    return {"outcomes": outcomes, "wall_s": round(time.time() - t0, 1), "returncode": code}
+    return {"outcomes": outcomes, "seconds": junit_seconds(junit) if os.path.exists(junit) else {},
+            "wall_s": round(time.time() - t0, 1), "returncode": code}
+
+
+def junit_seconds(path: str) -> dict:
+    """``{Class::test: seconds}`` from pytest's JUnit XML (where the file's time goes)."""
+    import xml.etree.ElementTree as ET
+
+    return {f"{c.get('classname', '').rsplit('.', 1)[-1]}::{c.get('name')}": round(float(c.get("time") or 0), 1)
+            for c in ET.parse(path).getroot().iter("testcase")}
 
 
 def loadavg() -> list:
@@ -155,6 +164,11 @@ def markdown(result: dict) -> str:
         if outcome != "passed":
             why = BY_DESIGN.get(test, msg).replace("|", "\\|")
             lines.append(f"| {test} | {outcome}{' (by design)' if test in BY_DESIGN else ''} | {why} |")
+    seconds = result["run"].get("seconds") or {}
+    if seconds:
+        lines += ["", f"The 15 slowest of {len(seconds)} tests ({sum(seconds.values()):.0f} s in tests):", "",
+                  "| test | s |", "|---|---|"]
+        lines += [f"| {t} | {v} |" for t, v in sorted(seconds.items(), key=lambda kv: -kv[1])[:15]]
     return "\n".join(lines) + "\n"
 
 

@@ -103,4 +103,6 @@ def test_a_segment_holds_at_most_its_batches_in_the_worker(ray_session, monkeypa
     loader = sbloader.DataLoader(Long(), batch_size=2, num_workers=3, seed=11, local_start=False)
     assert sum(len(b) for b in loader) == sum(LENGTHS)
     assert max(seen) <= 4 and len(seen) >= 23 // 4, seen
+    stats = loader.stats()  # the epoch's, every round's together, not the last round's
+    assert stats.operators[0].blocks == len(seen), (stats.operators[0].blocks, len(seen))
 

@@ -1,12 +1,13 @@
 """PyTorch Lightning training with the drop-in (``tests/e2e/test_launchers.py``).
 
-    python lightning_job.py OUT STRATEGY DEVICES [--stop-at STEP] [--resume CKPT]
+    python lightning_job.py OUT STRATEGY DEVICES [--stop-at STEP] [--resume CKPT] [--mix]
 
 The model records the sample ids of every batch its ``training_step`` receives;
 each rank writes ``OUT/rank{R}[-resumed].json`` (per epoch, the ids). ``--stop-at``
 saves a checkpoint at that global step of the first epoch and exits (a
 preemption); ``--resume`` continues from one with ``Trainer.fit(ckpt_path=...)``:
-Lightning restores the loader's ``state_dict`` itself.
+Lightning restores the loader's ``state_dict`` itself. ``--mix``: the loader reads
+``sbloader.mix`` of two sources (ids from 0 and from 1000, weights 2:1), 96 samples per epoch.
 """
 from __future__ import annotations
 
@@ -23,25 +24,31 @@ N = 96
 
 
 class Ids(torch.utils.data.Dataset):
-    """Sample ``i``: its id and a feature vector."""
+    """Sample ``i``: its id (``offset + i``) and a feature vector."""
+
+    def __init__(self, n: int = N, offset: int = 0) -> None:
+        self.n, self.offset = n, offset
 
     def __len__(self) -> int:
-        return N
+        return self.n
 
     def __getitem__(self, i: int) -> dict:
-        return {"id": i, "x": torch.full((4,), float(i))}
+        return {"id": self.offset + i, "x": torch.full((4,), float(self.offset + i))}
 
 
 class Model(L.LightningModule):
     """A linear model that logs the ids it trains on."""
 
-    def __init__(self, out: str, stop_at: int | None, resumed: bool) -> None:
+    def __init__(self, out: str, stop_at: int | None, resumed: bool, mix: bool = False) -> None:
         super().__init__()
         self.lin = torch.nn.Linear(4, 1)
-        self.out, self.stop_at, self.resumed = out, stop_at, resumed
+        self.out, self.stop_at, self.resumed, self.mix = out, stop_at, resumed, mix
         self.seen: dict[int, list[int]] = {}
 
     def train_dataloader(self):
+        if self.mix:
+            mixed = sbloader.mix({"a": Ids(60, 0), "b": Ids(30, 1000)}, weights={"a": 2, "b": 1}, seed=5)
+            return sbloader.DataLoader(mixed, batch_size=8, shuffle=True, num_samples=N)
         return sbloader.DataLoader(Ids(), batch_size=8, shuffle=True, num_workers=2)
 
     def training_step(self, batch, idx):
@@ -71,7 +78,7 @@ def main() -> None:
     resume = sys.argv[sys.argv.index("--resume") + 1] if "--resume" in sys.argv else None
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=2, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(Model(out, stop_at, resume is not None), ckpt_path=resume)
+    trainer.fit(Model(out, stop_at, resume is not None, "--mix" in sys.argv), ckpt_path=resume)
 
 
 if __name__ == "__main__":
