@@ -27,7 +27,6 @@ from sbloader.core.context import seed_globals, task_context
 from sbloader.core.plan import make_epoch_plan
 from sbloader.core.stats import StallStats
 from sbloader.distributed import dropin_client, pipeline_client
-from sbloader.executor.pools import kill_cached
 from sbloader.executor.launch import arena_here, options_here, start_execution
 from sbloader.loaders.dropin_settings import _CARRIES, DropinCarry, DropinSettings
 from sbloader.loaders.dropin_state import EpochRun
@@ -128,9 +127,13 @@ def open_pool(s: DropinSettings, carry: DropinCarry, run: Optional[Union[EpochRu
     options = pool_options(s)
     op = s.worker_op(epoch_seed)
     warm = not s.persistent_workers and warm_workers.enabled()
-    if cache is None:
-        cache = carry.actor_cache if s.persistent_workers else warm_workers.take(carry, op, s.num_workers, s.warm_key()) \
-            if warm else None
+    if cache is None and s.persistent_workers:  # a new loader's first epoch takes a dropped one's actors
+        warm_workers.adopt_persistent(carry, op, s.num_workers, s.warm_key())
+        cache = carry.actor_cache
+    elif cache is None:
+        cache = warm_workers.take(carry, op, s.num_workers, s.warm_key()) if warm else None
+    if s.iterable and s.persistent_workers:
+        whole_pool(s, op, options, cache)
 
     def execute(source: Any) -> Any:
         plan = make_epoch_plan([p.id for p in source.partitions(epoch, epoch_seed)], epoch, epoch_seed, shuffle=False)
@@ -221,9 +224,22 @@ def open_pool(s: DropinSettings, carry: DropinCarry, run: Optional[Union[EpochRu
         elif not s.persistent_workers or carry.dropped:
             carry.held_cpus = 0.0
         if carry.dropped:  # the loader went first (its iterator lived on): its persistent actors go now
-            kill_cached(carry.actor_cache)
+            warm_workers.hand_to_process(carry)
 
     return PoolPhase(executor, produce(), closed)
+
+
+def whole_pool(s: DropinSettings, op: Any, options: Any, cache: dict) -> None:
+    """A ``persistent_workers`` ``IterableDataset`` starts its epoch once every actor is up: worker ``w``'s
+    dataset copy, with whatever state it keeps from epoch to epoch, lives in actor ``w``, so shard ``w``
+    runs there (as a persistent torch worker runs its own shard every epoch), never on whichever actor
+    came up first. Bounded by ``start_timeout`` (the pool's own start then raises, as ever)."""
+    from sbloader.executor.pools import PrestartedActor, prestart_pools
+
+    prestart_pools(ShardSource.name, (op,), options, cache)
+    refs = [h.ready_ref for hs in cache.values() for h in hs if isinstance(h, PrestartedActor)]
+    if refs:
+        ray.wait(refs, num_returns=len(refs), timeout=s.start_timeout if s.start_timeout is not None else 300.0)
 
 
 def pool_options(s: DropinSettings) -> Any:

@@ -150,15 +150,14 @@ class DropinCarry:
     pool_running: bool = False  # an epoch's pool runs on its actors (their CPUs stay held until it closes)
 
     def drop(self) -> None:
-        """The loader is gone: kill its kept actors (an epoch still running hands its actors back
-        later and kills them then)."""
+        """The loader is gone: its kept actors go to the process's idle pool (an epoch still running
+        hands its actors over when it closes)."""
         self.dropped = True
         try:
             # never an import here (a __del__, maybe at exit): what killed nothing was never loaded
             pools, warm = loaded("sbloader.executor.pools"), loaded("sbloader.loaders.warm_workers")
             if pools is None or warm is None:
                 return
-            pools.kill_cached(self.actor_cache)
             warm.hand_to_process(self)
         except Exception:  # the interpreter is tearing down (module globals gone): Ray went before
             pass

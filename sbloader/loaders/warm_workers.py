@@ -1,4 +1,4 @@
-"""Warm worker actors: a drop-in loader's workers outlive their epoch (``persistent_workers=False``).
+"""Warm worker actors: a drop-in loader's workers outlive their epoch, and their loader.
 
 torch forks its workers for each epoch in ~0.2 s; a Ray actor takes a second or more to
 start (a process, importing torch, unpickling the dataset). So with the default
@@ -15,6 +15,10 @@ Warm per process, not per loader: when a loader is dropped, its idle warm actors
 to this process's idle pool, keyed by what they were started with (the count, CPUs
 and resources per actor, the placement); a new loader with the same key takes them
 (a script that builds its loader inside the epoch loop starts no new processes).
+A ``persistent_workers=True`` loader's actors are its own for its life (rebuilt never), but
+when it is dropped they wait in the same idle pool, and a new ``persistent_workers`` loader
+of the same key takes them at its first epoch, rebuilt there as above
+(:func:`adopt_persistent`: a resume builds a second loader right after the first).
 Idle actors, a loader's or the process's, are killed after ``SBLOADER_WARM_IDLE_S``
 seconds without an epoch (60), and at exit (with the embedded Ray). They are this
 process's actors in this job's Ray: never shared with another process or job.
@@ -84,14 +88,25 @@ def _adopt(carry: Any) -> None:
         return
     with _IDLE_LOCK:
         for other in list(_CARRIES):
-            if other is carry or other.dropped or getattr(other, "warm_key", None) != key \
-                    or other.warm_timer is None or not any(other.warm_cache.values()):
+            if other is carry or getattr(other, "warm_key", None) != key:
+                continue
+            if other.dropped and not other.pool_running and any(other.actor_cache.values()):
+                _move(other.actor_cache, carry.warm_cache)  # a dropped persistent loader's, not yet handed over
+                other.held_cpus = 0.0
+                return
+            if other.dropped or other.warm_timer is None or not any(other.warm_cache.values()):
                 continue  # another key, or in an epoch (its idle countdown runs only between epochs)
             cancel(other)
-            carry.warm_cache.update(other.warm_cache)
-            other.warm_cache.clear()
+            _move(other.warm_cache, carry.warm_cache)
             other.held_cpus = 0.0
             return
+
+
+def _move(source: dict, target: dict) -> None:
+    """The actors of one cache go to another (``source`` is left empty)."""
+    for k, handles in source.items():
+        target.setdefault(k, []).extend(handles)
+    source.clear()
 
 
 def available(carry: Any, key: Tuple, num_workers: int) -> bool:
@@ -121,15 +136,24 @@ def take(carry: Any, op: Any, num_workers: int, key: Optional[Tuple] = None) -> 
     return cache
 
 
+def adopt_persistent(carry: Any, op: Any, num_workers: int, key: Tuple) -> None:
+    """A ``persistent_workers`` loader's first epoch: its actors become the process's idle ones of ``key``
+    (a dropped loader's, each rebuilding its worker from ``op``) when there are; else it starts its own.
+    Its actors wait in the idle pool under ``key`` once the loader is dropped."""
+    if not enabled() or any(carry.actor_cache.values()):
+        return
+    carry.actor_cache.update(take(carry, op, num_workers, key))
+    carry.warm_cache = {}
+
+
 def keep(carry: Any) -> None:
     """An epoch ended and left its actors in ``carry.warm_cache``: kill them after the idle time."""
     from sbloader.loaders.dropin_settings import _CARRIES
 
     _CARRIES.add(carry)
     cancel(carry)
-    if carry.dropped:
-        kill_cached(carry.warm_cache)
-        carry.held_cpus = 0.0
+    if carry.dropped:  # the loader went while its epoch ran: the actors wait for another loader
+        hand_to_process(carry)
         return
     timer = threading.Timer(idle_s(), release, args=(carry,))
     timer.daemon = True
@@ -156,12 +180,17 @@ def release(carry: Any) -> None:
 
 
 def hand_to_process(carry: Any) -> None:
-    """The loader is gone: its idle warm actors wait in the process's idle pool for a loader of the
-    same key (killed after the idle time); without a key, or when one is waiting there already, killed."""
+    """The loader is gone: its idle actors (warm, or its persistent workers once no epoch runs on them)
+    wait in the process's idle pool for a loader of the same key (killed after the idle time); without a
+    key, or when one is waiting there already, killed."""
     cancel(carry)
     key = getattr(carry, "warm_key", None)
-    cache = {k: list(v) for k, v in carry.warm_cache.items() if v}
-    carry.warm_cache.clear()
+    cache: dict = {}
+    with _IDLE_LOCK:
+        _move(carry.warm_cache, cache)
+        if not getattr(carry, "pool_running", False):  # else its epoch hands them over when it closes
+            _move(carry.actor_cache, cache)
+    cache = {k: v for k, v in cache.items() if v}
     if not getattr(carry, "pool_running", False):  # else its epoch's pool holds them until it closes
         carry.held_cpus = 0.0
     if key is None:

@@ -117,6 +117,67 @@ def test_warm_actors_are_per_process_and_killed_after_the_idle_timeout(ray_sessi
     assert not any(_answers(h) for h in kept), "idle warm actors still answer after the idle timeout"
 
 
+def test_a_new_persistent_loader_takes_a_dropped_ones_processes(ray_session, tmp_path):
+    """A resume builds a second ``persistent_workers`` loader right after the first: it takes the dropped
+    one's processes, rebuilt (fresh dataset, ``worker_init_fn`` again), and keeps them for its own life;
+    a loader whose iterator outlived it hands them over when that epoch ends."""
+    folders = [tmp_path / str(k) for k in range(3)]
+    for f in folders:
+        f.mkdir()
+
+    def loader(k, **kw):
+        return sbloader.DataLoader(Mutating(), batch_size=2, num_workers=2, persistent_workers=True, local_start=False,
+                                   worker_init_fn=functools.partial(record_init, str(folders[k])), **kw)
+
+    dl = loader(0)
+    it = iter(dl)
+    first = torch.cat(list(it))
+    pids = {int(p) for p in first[:, 0]}
+    del dl  # its iterator lives on (ended): the actors wait for the process's next loader of the same key
+    dl2 = loader(1)
+    epochs = [torch.cat(list(dl2)) for _ in range(2)]
+    assert {int(p) for e in epochs for p in e[:, 0]} <= pids  # the same processes, no new ones
+    assert int(epochs[0][:, 1].max()) <= 8  # rebuilt: its dataset copy is its own (the first's counted to 4+)
+    assert int(epochs[1][:, 1].max()) > 8  # persistent from then on: the copy's counter goes on
+    deadline = time.monotonic() + 60  # a worker that made no batch may still be rebuilding
+    while inits(folders[1]) != ["0", "1"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert inits(folders[1]) == ["0", "1"]  # worker_init_fn once per worker for the new loader's life
+    assert sum(o.actors_created for o in dl2.stats().operators) == 0  # constructions counted: none new
+    del it
+    # another worker count starts its own
+    dl3 = loader(2, worker_num_cpus=0.5)
+    third = torch.cat(list(dl3))
+    assert not ({int(p) for p in third[:, 0]} & pids)
+    del dl2, dl3
+
+
+class EpochCounting(torch.utils.data.IterableDataset):
+    """torchdata's ``GeneratorIterable``: each worker's copy counts the epochs it ran to their end."""
+
+    def __init__(self, sizes):
+        self.sizes, self.epoch = sizes, 0
+
+    def __iter__(self):
+        w = torch.utils.data.get_worker_info().id
+        start = sum(self.sizes[:w])
+        for i in range(start, start + self.sizes[w]):
+            yield i, self.epoch
+        self.epoch += 1  # a persistent worker's copy carries this into its next epoch
+
+
+def test_a_persistent_iterable_workers_shard_runs_on_its_own_actor_every_epoch(ray_session):
+    """Worker ``w``'s dataset copy (and the state it keeps from epoch to epoch) lives in one actor: its shard
+    runs there from the first epoch on, even while the pool's other actors are still starting."""
+    dl = sbloader.DataLoader(EpochCounting([25, 50, 100, 75]), num_workers=4, persistent_workers=True,
+                             worker_num_cpus=0.3, collate_fn=lambda x: x)  # a key no idle actor has: a cold pool
+    for epoch in range(3):
+        got = [b[0] for b in dl]
+        assert sorted(i for i, _ in got) == list(range(250))
+        assert {e for _, e in got} == {epoch}, (epoch, sorted({(i // 25, e) for i, e in got}))
+    del dl
+
+
 SCRIPT = """
 import torch, sbloader
 dl = sbloader.DataLoader(torch.arange(16), batch_size=4, num_workers=2)
