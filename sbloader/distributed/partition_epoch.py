@@ -8,8 +8,10 @@ once every rank is past the last batch that takes its rows
 """
 from __future__ import annotations
 
+import threading
 import time
-from typing import Optional
+from dataclasses import replace
+from typing import Any, Callable, Optional
 
 from sbloader.core.cut import progress
 from sbloader.core.errors import SbloaderError
@@ -27,6 +29,8 @@ class PartitionEpoch(Epoch):
         self.ready: dict[int, OutputBlock] = {}  # partition id -> block not yet released
         self.released: set[int] = set()
         self.consumed = [0] * world_size
+        self.remade: dict[str, int] = {}  # a lost block's ref (hex) -> the partition made again in its place
+        self._remake_lock = threading.Lock()
 
     def _deliver(self, item: OutputBlock) -> None:
         pid = item.meta.partition_id
@@ -73,6 +77,34 @@ class PartitionEpoch(Epoch):
         with self.cond:
             item = self.ready.get(pid)
         return None if item is None else ray.get(item.ref, timeout=timeout_s)
+
+    def remake(self, ref_hex: str, make: Callable[[int, int], Any]) -> Any:
+        """The block ``ref_hex`` (lost with the node or the pool actor that made it, before a rank
+        fetched it) made again by ``make(seq, partition id)``, once: it replaces the lost one for
+        every rank, and a rank that asks after another did gets the same new ref.
+
+        Raises:
+            SbloaderError: no block of this epoch held here has that ref (released, or never made).
+        """
+        with self._remake_lock:
+            with self.cond:
+                if ref_hex in self.remade:
+                    item = self.ready.get(self.remade[ref_hex])
+                    if item is not None:
+                        return item.ref
+                pid = next((p for p, item in self.ready.items() if item.ref.hex() == ref_hex), None)
+            if pid is None:
+                raise SbloaderError(f"epoch {self.spec.epoch}: no block {ref_hex} is held here to be made again "
+                                    f"(released, or made by a coordinator that was replaced); restart the job "
+                                    "from the last checkpoint")
+            new = make(list(self.spec.plan.order).index(pid), pid)
+            with self.cond:
+                item = self.ready.get(pid)
+                if item is None:  # released meanwhile: no rank needs it any more
+                    return new
+                self.ready[pid] = replace(item, ref=new)
+                self.remade[ref_hex] = pid
+            return new
 
     def ack(self, rank: int, consumed: int) -> None:
         with self.cond:

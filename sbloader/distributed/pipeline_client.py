@@ -188,6 +188,10 @@ def _fetch(link: Any, run: Any, pid: int, ref: Any, j: int) -> dict:
         return _get_block(ref, _FETCH_S)
     except ray.exceptions.GetTimeoutError:
         pass
+    except ray.exceptions.OwnerDiedError:
+        raise  # the coordinator died (it owned the block): the epoch is rebuilt
+    except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as e:
+        return _remade(link, run, pid, ref, j, e)
     logger.warning("sbloader rank %d: partition %d of epoch %d (batch %d) did not arrive within %.0f s; reading "
                    "it through the coordinator", run.rank, pid, run.epoch, j, _FETCH_S)
     try:
@@ -201,6 +205,22 @@ def _fetch(link: Any, run: Any, pid: int, ref: Any, j: int) -> dict:
                             "fetched, and the coordinator cannot hand it over again. Restart the job from the last "
                             "checkpoint") from cause
     return value
+
+
+def _remade(link: Any, run: Any, pid: int, ref: Any, j: int, lost: BaseException) -> dict:
+    """The block of partition ``pid``, made again through every stage by the live coordinator: the one
+    ``ref`` named was lost with the node, or the pool actor, that made it before this rank fetched it
+    (a callable class's block: Ray answers the fetch with that actor's death). A coordinator that
+    cannot be reached raises ``RayActorError`` (it died: the epoch is rebuilt)."""
+    logger.info("sbloader rank %d: partition %d of epoch %d (batch %d) was lost with its maker (%s); making it "
+                "again", run.rank, pid, run.epoch, j, type(lost).__name__)
+    try:
+        again = _call(lambda: link.coord.remake_block.remote(run.epoch, ref.hex()))
+    except ray.exceptions.RayTaskError as e:
+        raise SbloaderError(f"rank {run.rank}: partition {pid} of epoch {run.epoch} (batch {j}) was lost "
+                            f"({type(lost).__name__}) and could not be made again. Restart the job from the last "
+                            "checkpoint") from e
+    return _get_block(again, None)
 
 
 def _call(send: Any, patience_s: float = 30.0) -> Any:

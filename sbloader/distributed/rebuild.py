@@ -164,16 +164,20 @@ class RebuildProtocol:
         return make_again(ep, seqs[0], spec.plan.order[seqs[0]])
 
     def remake_block(self, epoch: int, ref_hex: str) -> Any:
-        """(An ``IterableDataset``'s epoch) The block ``ref_hex`` (an object ref's hex) made again: it
-        was lost with the node that made it before a rank fetched it. Its worker shard runs again
+        """(An ``IterableDataset``'s epoch, or a native pipeline's split epoch) The block ``ref_hex`` (an
+        object ref's hex) made again: it was lost with the node (or the pool actor) that made it
+        before a rank fetched it. Its worker shard, or its partition through every stage, runs again
         (:func:`make_again`) once for every rank that asks; the new ref replaces the lost one in
-        what the ranks take next (:meth:`~sbloader.distributed.stream_epoch.StreamEpoch.remake`).
+        what the ranks take next (:meth:`StreamEpoch.remake <sbloader.distributed.stream_epoch.StreamEpoch.remake>`,
+        :meth:`PartitionEpoch.remake <sbloader.distributed.partition_epoch.PartitionEpoch.remake>`).
 
         Raises:
             SbloaderError: the epoch is not running here, or made no such block.
         """
         self._last_call = time.monotonic()
         ep = self._epochs.get(epoch)
+        if isinstance(ep, PartitionEpoch):  # a native pipeline's block: its partition through every stage again
+            return ep.remake(ref_hex, lambda seq, pid: make_again(ep, seq, pid))
         if not isinstance(ep, StreamEpoch):
             raise SbloaderError(f"block {ref_hex} of epoch {epoch} cannot be made again: that epoch of an "
                                 f"IterableDataset is not running on this coordinator (known: {sorted(self._epochs)})")
@@ -181,32 +185,53 @@ class RebuildProtocol:
 
 
 def make_again(ep: Epoch, seq: int, pid: int) -> Any:
-    """Partition ``pid`` (at ``seq`` in the epoch's plan) of a drop-in epoch run again: its block ref.
+    """Partition ``pid`` (at ``seq`` in the epoch's plan) run again through every stage of the
+    epoch's pipeline: its block ref (the drop-in's one reading stage, or a native pipeline's
+    read, functions and callable classes, in order).
 
-    It runs on an actor of its own (the pool's actors belong to the epoch's executor),
-    built, used once and killed. The ref is owned by the caller, the coordinator.
+    Each call runs on a task or an actor of its own (the pool's actors belong to the epoch's
+    executor); the actors are built, used once and killed. None of them asks for a CPU or a
+    GPU: the pools hold what the nodes that remain have (a replacement for the lost actor may be
+    waiting for one). The ref is owned by the caller, the coordinator.
     """
     import ray
 
     from sbloader.executor.failures import shared_arg
     from sbloader.executor.stages import build_stages
-    from sbloader.executor.tasks import EpochInfo, MapActor
+    from sbloader.executor.tasks import EpochInfo, MapActor, block_stage_task, pack, read_stage_task
 
     spec = ep.spec
     part = next(p for p in spec.source.partitions(spec.epoch, spec.plan.epoch_seed, shuffle=spec.plan.shuffle)
                 if p.id == pid)
-    stage = build_stages(spec.source.name, list(spec.ops))[0]
-    # no CPU of its own: the pool holds the CPUs the nodes that remain have (its replacement
-    # for the lost actor may be waiting for one), and this actor lives for one call
-    opts = {k: v for k, v in spec.options.placed(stage.ray_options).items() if k not in ("num_cpus", "num_gpus")}
-    actor = MapActor.options(num_cpus=0, **opts).remote(stage.actor_op, 0, 1, stage.ops[:-1])
+    info = EpochInfo(spec.epoch, spec.plan.epoch_seed, spec.plan.shuffle)
+    actors: list = []
+
+    def opts(stage: Any) -> dict:
+        return {k: v for k, v in spec.options.placed(stage.ray_options).items() if k not in ("num_cpus", "num_gpus")}
+
+    def actor(stage: Any, before: tuple) -> Any:
+        actors.append(MapActor.options(num_cpus=0, **opts(stage)).remote(stage.ops[-1], 0, 1, before))
+        return actors[-1]
+
+    stages = build_stages(spec.source.name, list(spec.ops))
+    first, reading = stages[0], (shared_arg((spec.source.reader(), spec.source.shared())), (part,))
     try:
-        block, meta = actor.read_process.options(num_returns=2).remote(
-            shared_arg((spec.source.reader(), spec.source.shared())), (part,),
-            EpochInfo(spec.epoch, spec.plan.epoch_seed, spec.plan.shuffle), (seq,), stage.name, None)
+        if first.kind == "actor":
+            block, meta = actor(first, first.ops[:-1]).read_process.options(num_returns=2).remote(
+                *reading, info, (seq,), first.name, None)
+        else:
+            block, meta = read_stage_task.options(num_returns=2, num_cpus=0, **opts(first)).remote(
+                *reading, pack(first.ops), info, (seq,), first.name, None)
+        for stage in stages[1:]:
+            if stage.kind == "actor":
+                block, meta = actor(stage, ()).process.remote(block, meta, info, None)
+            else:
+                block, meta = block_stage_task.options(num_returns=2, num_cpus=0, **opts(stage)).remote(
+                    block, meta, pack(stage.ops), info, None)
         ray.get(meta)
     finally:
-        ray.kill(actor, no_restart=True)
+        for a in actors:
+            ray.kill(a, no_restart=True)
     if ep.executor is not None:
         ep.executor.stats().rerun_partitions += 1
     return block

@@ -102,3 +102,40 @@ def test_a_block_whose_fetch_does_not_end_is_read_through_the_coordinator(ray_se
     assert len(taken[0].batches) == len(taken[1].batches)
     assert len(stuck) == 3
     assert sum("reading it through the coordinator" in r.getMessage() for r in caplog.records) == 3
+
+
+class Shifted:
+    """A callable-class stage: ``id`` becomes ``id + 1000`` (its pool's actors make the blocks)."""
+
+    def __call__(self, batch):
+        return {"id": [i + 1000 for i in batch["id"]]}
+
+
+def test_a_class_stage_block_lost_before_its_fetch_is_made_again_through_every_stage(ray_session, monkeypatch):
+    """A split native rank whose fetch of a callable-class block says the pool actor died (the block
+    went with its node before the rank fetched it; issue #46's soak, run 4) has the live coordinator
+    make that partition again through every stage: the epoch is exactly once, the class applied."""
+    import ray
+
+    from harness import run_ranks
+    from sbloader.distributed import pipeline_client
+
+    lost: list = []
+
+    def get_block(ref, timeout_s):
+        if len(lost) < 2 and ref.hex() not in lost:  # the first two blocks fetched were lost with their maker
+            lost.append(ref.hex())
+        if ref.hex() in lost:  # for good: whoever fetches it again
+            raise ray.exceptions.ActorDiedError()
+        return ray.get(ref, timeout=timeout_s)
+
+    def make(rank: int, world_size: int, name: str):
+        ds = sbloader.from_items([{"id": i} for i in range(N)], rows_per_partition=5).map_batches(Shifted)
+        return ds.to_dataloader(BS, shuffle=True, seed=3, deterministic=True, rank=rank, world_size=world_size,
+                                name=name, shuffle_window=3)
+
+    monkeypatch.setattr(pipeline_client, "_get_block", get_block)
+    taken, _ = run_ranks(make, 2, "class-block-lost", "id")
+    assert sorted(i for t in taken for i in t.ids) == [i + 1000 for i in range(N)]
+    assert len(taken[0].batches) == len(taken[1].batches)
+    assert len(lost) == 2
