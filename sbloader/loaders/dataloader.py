@@ -17,6 +17,7 @@ from sbloader.core.plan import draw_epoch_seed, epoch_seed_from
 from sbloader.core.split import split_epoch as split_positions
 from sbloader.core.stats import ExecutionStats, StallStats
 from sbloader.loaders import closer, dropin_args, dropin_checkpoint, dropin_state
+from sbloader.loaders import torch_loader  # noqa: F401  (torch's DataLoader class as it is at sbloader's import)
 from sbloader.loaders.dropin_args import check_torch_args, decide_split, is_iterable_dataset
 from sbloader.loaders.dropin_settings import DropinCarry, DropinSettings, cpus_held_by_loaders, safe_len
 from sbloader.loaders.epoch import EpochIterator

@@ -104,7 +104,9 @@ def _local_phase(s: Any, run: IterableRun, epoch: int, epoch_seed: int, handover
     """The local workers' batches in order, until the pool is up (``phase["handed_over"]``) or the epoch ends;
     ``positions`` follows each shard's last delivered snapshot."""
     import torch
-    from torch.utils.data import DataLoader as TorchLoader
+    from sbloader.loaders.torch_loader import torch_loader
+
+    TorchLoader = torch_loader()
 
     shards = _LocalShards(s.dataset, s.collate_fn, s.batch_size, s.drop_last, s.num_workers, dict(positions),
                           epoch, epoch_seed)

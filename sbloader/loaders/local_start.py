@@ -206,7 +206,9 @@ def torch_workers(s: Any, items: list, ids: list, epoch: int, epoch_seed: int, s
     each; ``sampler`` yields the partition numbers to make): ``num_workers`` local processes, each set up as
     a pool actor is (:class:`WorkerInit`)."""
     import torch
-    from torch.utils.data import DataLoader as TorchLoader
+    from sbloader.loaders.torch_loader import torch_loader
+
+    TorchLoader = torch_loader()
 
     parts = _Partitions(s.dataset, s.collate_fn, s.auto_collation, items, ids, s.batches_per_partition, epoch,
                         epoch_seed)

@@ -191,7 +191,7 @@ class PhasedExecution:
     def __init__(self, pipeline: Any, plan: EpochPlan, start_rest: Callable[[EpochPlan], Any], budget: int,
                  on_started: Callable[[ExecutionStats], None]) -> None:
         import torch
-        from torch.utils.data import DataLoader
+        from sbloader.loaders.torch_loader import torch_loader
 
         from sbloader.executor.stages import build_stages
 
@@ -201,7 +201,7 @@ class PhasedExecution:
             pipeline.source.name, list(pipeline.ops))], memory_budget=budget)
         self._executor: Any = None
         self._handout = _Handout(list(plan.order), local_start.forced_handover())
-        loader = DataLoader(_Partitions(pipeline.source, tuple(pipeline.ops), plan), batch_size=None,
+        loader = torch_loader()(_Partitions(pipeline.source, tuple(pipeline.ops), plan), batch_size=None,
                             sampler=ForkGate().wrap(self._handout), num_workers=local_workers(), collate_fn=_identity,
                             multiprocessing_context="fork",
                             generator=torch.Generator().manual_seed(plan.epoch_seed % 2**63))  # the trainer's RNG untouched
