@@ -37,8 +37,18 @@ _END = object()  # prime() found the epoch empty
 _LIVE: "weakref.WeakSet[EpochIterator]" = weakref.WeakSet()  # epochs not yet garbage
 
 
+PRESTART_EXIT_WAIT_S = 10.0  # at exit, the longest wait for the pools' background starts
+
+
 def close_live_epochs() -> None:
-    """End every epoch still open in this process (called before the embedded Ray stops)."""
+    """End every epoch still open in this process (called before the embedded Ray stops; at exit, after
+    the pools' background starts end)."""
+    from sbloader.runtime import background
+
+    if background.exiting():
+        from sbloader.loaders.handover import join_prestarts
+
+        join_prestarts(PRESTART_EXIT_WAIT_S)
     closer.drain()
     for it in list(_LIVE):
         try:
@@ -51,12 +61,21 @@ def _at_exit() -> None:
     """The interpreter exits: end the open epochs and wait for their threads, whether or not Ray ever
     came up (a short job may end on the local workers while Ray still starts in the background). A
     fetch thread left running would drop its batches while the interpreter finalizes and abort the
-    process inside torch's tensor destructor. Nothing may start a Ray from here."""
+    process inside torch's tensor destructor. Nothing may start a Ray from here. A background start
+    of Ray (and of a pool's actors) still under way is waited for, then Ray is stopped: a thread
+    inside Ray's start when the interpreter finalizes aborts the process too, and a Ray that came up
+    during the exit has no exit hook of its own left to run."""
+    from sbloader.loaders.handover import join_prestarts
+    from sbloader.runtime import background, session
+
     hook = sys.modules.get("ray._private.auto_init_hook")
     if hook is not None:
         hook.enable_auto_connect = False
     close_live_epochs()
     join_all()
+    if background.settle(session.EXIT_START_WAIT_S):
+        join_prestarts(PRESTART_EXIT_WAIT_S)
+        session.stop_at_exit()
 
 
 _EXIT_HOOK: list = []

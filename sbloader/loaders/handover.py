@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
+import weakref
 from typing import Any, Iterator, Optional
 
 from sbloader.core.stats import StallStats
@@ -74,6 +75,24 @@ class Handover:
 
 
 PRESTART_LOCK = threading.Lock()
+_PRESTARTS: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
+
+
+def start_prestart(s: Any, carry: Any, epoch_seed: int, handover: Handover) -> None:
+    """Run :func:`prestart` for this epoch (``carry.starts``) on a daemon thread."""
+    thread = threading.Thread(target=prestart, args=(s, carry, epoch_seed, handover, carry.starts), daemon=True,
+                              name="sbloader-pool-prestart")
+    _PRESTARTS.add(thread)
+    thread.start()
+
+
+def join_prestarts(timeout: float) -> None:
+    """At exit: wait for the background starts of pools, together at most ``timeout`` seconds (one
+    still starting actors when the interpreter finalizes, or when Ray stops, can abort the process)."""
+    deadline = time.monotonic() + timeout
+    for thread in list(_PRESTARTS):
+        if thread is not threading.current_thread():
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def prestart(s: Any, carry: Any, epoch_seed: int, handover: Handover, start: int) -> None:
@@ -85,11 +104,13 @@ def prestart(s: Any, carry: Any, epoch_seed: int, handover: Handover, start: int
         from sbloader.loaders import warm_workers
         from sbloader.loaders.dropin_epoch import pool_options
         from sbloader.executor.pools import prestart_pools
+        from sbloader.runtime import background
         from sbloader.runtime.session import ensure_initialized
         from sbloader.sources.batches import ReadyBatchSource, ShardSource
 
         ensure_initialized()
-        if carry.dropped or carry.starts != start or (handover.closed and not warm_workers.enabled()):
+        if background.exiting() or carry.dropped or carry.starts != start or (
+                handover.closed and not warm_workers.enabled()):
             return _release_hold(carry)  # nobody would take the actors
         try:
             with FORK_LOCK:  # no local worker forked while the dataset is pickled here
@@ -101,7 +122,7 @@ def prestart(s: Any, carry: Any, epoch_seed: int, handover: Handover, start: int
             handover.gave_up = True
             return _release_hold(carry)
         with PRESTART_LOCK, FORK_LOCK:  # the epoch's close (``closed``) sees the actors, or none at all
-            if carry.dropped or carry.starts != start:
+            if background.exiting() or carry.dropped or carry.starts != start:
                 return
             if s.persistent_workers:
                 cache = carry.actor_cache

@@ -20,7 +20,6 @@ the handover is per shard and at a batch:
 """
 from __future__ import annotations
 
-import threading
 import time
 import warnings
 from typing import Any, Iterator, Optional
@@ -33,7 +32,7 @@ from sbloader.loaders.epoch import Delivery, EpochIterator
 from sbloader.loaders.failed_batch import FailedBatch
 from sbloader.loaders.fork_safe import ForkGate
 from sbloader.loaders.iterable_resume import IterableRun, iterate_shard
-from sbloader.loaders.handover import Handover, hold, phased_iterator, prestart
+from sbloader.loaders.handover import Handover, hold, phased_iterator, start_prestart
 from sbloader.loaders.local_start import LOCAL_WORKER, WorkerInit, forced_handover, identity, local_order, unwrap
 from sbloader.loaders.shard_order import RoundRobin, shard_positions
 
@@ -82,8 +81,7 @@ def iterable_start_epoch(s: Any, carry: Any, run: IterableRun, epoch: int, epoch
     positions = {w: run.shard_resume(w) for w in range(s.num_workers)}  # each shard's last delivered snapshot
     carry.starts += 1
     hold(s, carry)
-    threading.Thread(target=prestart, args=(s, carry, epoch_seed, handover, carry.starts), daemon=True,
-                     name="sbloader-pool-prestart").start()
+    start_prestart(s, carry, epoch_seed, handover)
     phase: dict = {}
 
     def produce() -> Iterator[Delivery]:

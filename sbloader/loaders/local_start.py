@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 import warnings
 from typing import Any, Iterator, Optional
 
@@ -40,7 +39,7 @@ from sbloader.core.stats import StallStats
 from sbloader.loaders.epoch import Delivery, EpochIterator
 from sbloader.loaders.failed_batch import WORKER_INIT_FN, FailedBatch
 from sbloader.loaders.fork_safe import ForkGate
-from sbloader.loaders.handover import Handover, hold, phased_iterator, prestart
+from sbloader.loaders.handover import Handover, hold, phased_iterator, start_prestart
 from sbloader.loaders.tensors import pin_batch
 
 LOCAL_START_ENV = "SBLOADER_LOCAL_START"  # 0: never start an epoch on local processes
@@ -183,8 +182,7 @@ def local_start_epoch(s: Any, carry: Any, run: Any, epoch: int, epoch_seed: int,
     local = torch_workers(s, items, ids, epoch, epoch_seed, handover)
     carry.starts += 1
     hold(s, carry)  # counted now, not once the background start gets there: a loader built meanwhile leaves them
-    threading.Thread(target=prestart, args=(s, carry, epoch_seed, handover, carry.starts), daemon=True,
-                     name="sbloader-pool-prestart").start()
+    start_prestart(s, carry, epoch_seed, handover)
     phase: dict = {}
 
     def produce() -> Iterator[Delivery]:

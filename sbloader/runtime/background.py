@@ -5,7 +5,9 @@ first batches never wait for it (:mod:`sbloader.loaders.local_start`). :func:`st
 begins :func:`~sbloader.runtime.session.ensure_initialized` on a daemon thread once per
 process and returns at once; :func:`ready` says, without blocking, whether it is done.
 An error is kept and raised again by whoever calls ``ensure_initialized`` next (it
-retries the start, on the caller's thread, and raises there).
+retries the start, on the caller's thread, and raises there). At exit, :func:`settle` waits
+for a start still under way: a daemon thread inside Ray's start (C++ under Cython) when the
+interpreter finalizes aborts the process ("FATAL: exception not rethrown", or a segfault).
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from typing import Optional
 logger = logging.getLogger(__name__)
 
 _LOCK = threading.Lock()
-_STATE: dict = {"thread": None, "done": threading.Event(), "error": None}
+_STATE: dict = {"thread": None, "done": threading.Event(), "error": None, "exiting": False}
 
 
 def _run() -> None:
@@ -41,6 +43,26 @@ def start() -> None:
         thread = threading.Thread(target=_run, name="sbloader-ray-start", daemon=True)
         _STATE["thread"] = thread
         thread.start()
+
+
+def settle(timeout: float) -> bool:
+    """The process exits: nothing more is started in the background (:func:`exiting`), and a start
+    still under way is waited for, at most ``timeout`` seconds. Returns whether one had begun (Ray
+    may then be up, with nobody left to stop it: its own exit hooks are registered too late to run)."""
+    _STATE["exiting"] = True
+    thread = _STATE["thread"]
+    if thread is None:
+        return False
+    if thread is not threading.current_thread():
+        thread.join(timeout)
+        if thread.is_alive():
+            logger.debug("sbloader: Ray's start still runs after %.0f s at exit", timeout)
+    return True
+
+
+def exiting() -> bool:
+    """Whether the process exits (:func:`settle` ran): background work starts nothing new."""
+    return _STATE["exiting"]
 
 
 def ready() -> bool:

@@ -231,7 +231,7 @@ def init(
             else:
                 start()
                 embedded = True
-            atexit.register(_at_exit)
+            atexit.register(stop_at_exit)
         else:
             with _Quiet():
                 ray.init(address=_join.prepare(address), **kwargs)
@@ -267,9 +267,16 @@ def before_shutdown(fn: Callable[[], Any]) -> None:
         _BEFORE_SHUTDOWN.append(fn)
 
 
-def _at_exit() -> None:
+EXIT_START_WAIT_S = 60.0  # at exit, the longest wait for a background start of Ray still under way
+
+
+def stop_at_exit() -> None:
     """The process exits: nothing may start a Ray again (Ray's auto-init from a thread still
-    running would print its start-up notices and fail), then :func:`shutdown`, quietly."""
+    running would print its start-up notices and fail; a background start still under way is
+    waited for), then :func:`shutdown`, quietly."""
+    from sbloader.runtime import background
+
+    background.settle(EXIT_START_WAIT_S)
     try:
         from ray._private import auto_init_hook
 

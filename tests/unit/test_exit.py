@@ -39,3 +39,14 @@ def test_an_open_epoch_is_closed_and_its_thread_joined_before_the_interpreter_fi
 def test_a_drop_in_left_mid_epoch_on_local_workers_exits_cleanly(tmp_path, attempt):
     report = _run(tmp_path, "loader")
     assert report["running"] == []
+
+
+def test_a_job_that_ends_while_ray_still_starts_waits_for_the_start_and_stops_ray(tmp_path):
+    """A short job ends on the local workers while the embedded Ray (and the pool's actors) still start
+    in the background: sbloader's exit hook waits for those starts and stops the Ray that came up, so
+    no thread is inside Ray's start when the interpreter finalizes (the Lightning resume on 1 device
+    aborted so: "FATAL: exception not rethrown")."""
+    report = _run(tmp_path, "starting")
+    assert report["started_at_exit"], "the epoch ended after Ray was up: nothing to show here"
+    assert report["running"] == [], "a background start still ran after sbloader's exit hook"
+    assert report["ray_up"] is False, "the Ray that came up during the exit was left running"
