@@ -205,6 +205,7 @@ class DataLoader(Generic[T_co]):
         self._epoch = 0
         self._user_batch_sampler = batch_sampler is not None and not own_batch_sampler  # not replayable
         self._run: Optional[dropin_state.EpochRun] = None  # the current epoch's (positions, batches, taken)
+        self._unreplayable: Optional[str] = None  # why the current epoch cannot be checkpointed (its keys)
         self._stalls: Optional[StallStats] = None
         self._iterator: Optional[weakref.ref] = None
         self._resume: Optional[dict] = None  # a loaded state, applied by the next iteration

@@ -47,6 +47,9 @@ def loader_state(dl: Any) -> dict:
             "state_dict() needs an IterableDataset or a map-style dataset batched by the loader itself "
             "(batch_size=... or None); a custom batch_sampler cannot be replayed"
         )
+    if dl._unreplayable:
+        raise StateDictError(f"state_dict() cannot checkpoint this epoch: {dl._unreplayable}; give the "
+                             "loader a sampler of integer indices to checkpoint it")
     if dl._resume is not None and dl._run is None:
         return _with_view(dl, dict(dl._resume))  # loaded (or drawn), not iterated yet: the same state again
     if dl._run is None and not dl._iterable and not dl.split and type(dl.sampler).__name__ in _DRAWN_AHEAD \

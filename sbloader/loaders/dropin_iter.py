@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sbloader.loaders import dropin_checkpoint, local_start, split_start
+from sbloader.loaders import dropin_checkpoint, dropin_state, local_start, split_start
 from sbloader.loaders.dropin_settings import DropinSettings
 from sbloader.loaders.epoch import EpochIterator
 
@@ -42,13 +42,16 @@ def start_epoch(loader: Any, s: DropinSettings) -> EpochIterator:
 
         loader._coordinator()
         return split_epoch(s, carry, run, w.rank, loader._reconnect)
+    sampler, loader._unreplayable = loader._index_sampler, None
     if loader._iterable:
         run = dropin_checkpoint.start_iterable_run(loader)
     else:
-        run = loader._start_run(1) if loader._stateful else None
+        try:
+            run = loader._start_run(1) if loader._stateful else None
+        except dropin_state.KeysNotIndices as keys:  # batch_size=None, a sampler of lists (say): run them as drawn
+            run, sampler, loader._unreplayable = None, keys.keys, str(keys)
     loader._run = run
     epoch, epoch_seed = (run.epoch, run.epoch_seed) if run is not None else loader._next_epoch()
-    sampler = loader._index_sampler
     if s.num_workers == 0 or (run is not None and not s.iterable and not run.batches):
         from sbloader.loaders.dropin_epoch import local_epoch
 

@@ -10,6 +10,7 @@ stored: the state says how to recompute it (the sampler's RNG state, or the
 from __future__ import annotations
 
 import base64
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -167,10 +168,26 @@ def capture_order(sampler: Any, dataset_len: int, whole: bool) -> tuple[np.ndarr
         state = {"kind": "rng", "generator": gen is not None,
                  "state": base64.b64encode(raw.numpy().tobytes()).decode("ascii")}
         return np.fromiter((int(i) for i in sampler), dtype=np.int64), state
-    order = np.fromiter((int(i) for i in sampler), dtype=np.int64)
+    keys = list(sampler)
+    try:
+        order = np.fromiter((operator.index(k) for k in keys), dtype=np.int64, count=len(keys))
+    except TypeError:
+        raise KeysNotIndices(keys) from None
     if len(order) <= _EXPLICIT_ORDER_LIMIT:
         return order, {"kind": "explicit", "order": order.tolist()}
     return order, None
+
+
+class KeysNotIndices(TypeError):
+    """The sampler yielded keys that are not integer indices (torch allows any key with
+    ``batch_size=None``: a bulk-loading sampler yields lists): the epoch runs on ``keys`` as they
+    were drawn, but has no order a checkpoint could replay."""
+
+    def __init__(self, keys: list) -> None:
+        super().__init__("the sampler yields keys that are not integer indices (e.g. "
+                         f"{type(next((k for k in keys if not hasattr(k, '__index__')), None)).__name__}); "
+                         "state_dict() can replay only a sampler of indices")
+        self.keys = keys
 
 
 def recompute_order(sampler: Any, dataset_len: int, state: dict) -> np.ndarray:

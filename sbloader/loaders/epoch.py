@@ -73,7 +73,7 @@ def _at_exit() -> None:
         hook.enable_auto_connect = False
     close_live_epochs()
     join_all()
-    if background.settle(session.EXIT_START_WAIT_S):
+    if background.settle(background.EXIT_START_WAIT_S):
         join_prestarts(PRESTART_EXIT_WAIT_S)
         session.stop_at_exit()
 
@@ -93,6 +93,10 @@ def _register_exit_hook() -> None:
 from sbloader.runtime.session import before_shutdown  # noqa: E402
 
 before_shutdown(close_live_epochs)
+
+
+class _TimedOut(RuntimeError):
+    """torch's ``timeout`` error (a ``RuntimeError``, as torch's)."""
 
 
 @dataclass
@@ -186,7 +190,10 @@ class EpochIterator:
             self.close()
             raise
         except BaseException as e:
-            self.close()
+            if isinstance(e, _TimedOut):  # raised now, as torch's: the producer may be inside the slow batch
+                closer.close_later(self)
+            else:
+                self.close()
             if self._translate is not None and not isinstance(e, (KeyboardInterrupt, SystemExit)):
                 self._translate(e)
             raise
@@ -268,7 +275,7 @@ class EpochIterator:
                     continue
                 self._up_at = now
             if self._timeout is not None and now - max(asked, self._up_at) >= self._timeout:
-                raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")  # torch's words
+                raise _TimedOut(f"DataLoader timed out after {self._timeout} seconds")  # torch's words
 
     def close(self) -> None:
         """End the epoch: stop the producer and give back what it holds. Idempotent."""

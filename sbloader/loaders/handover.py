@@ -156,6 +156,13 @@ def hold(s: Any, carry: Any) -> None:
     _CARRIES.add(carry)
 
 
+def workers_up(phase: dict) -> bool:
+    """Whether a local phase's workers are up (``timeout`` counts, ``start_timeout`` is over): every worker ran
+    its init (``phase["inits"]``: ``worker_init_fn`` included, as a pool actor's start), or a batch came."""
+    inits = phase.get("inits")
+    return bool(phase.get("up")) or (inits is not None and all(inits))
+
+
 def phased_iterator(s: Any, carry: Any, run: Any, epoch: int, stalls: StallStats, handover: Handover, phase: dict,
                     produce: Iterator[Delivery]) -> EpochIterator:
     """The epoch's iterator over ``produce`` (its local phase, then the pool it puts in ``phase["pool"]``, if
@@ -179,7 +186,7 @@ def phased_iterator(s: Any, carry: Any, run: Any, epoch: int, stalls: StallStats
 
     return EpochIterator(produce, run, ahead=s.ahead, stalls=stalls, to_device=s.device_copy(), translate=translate,
                          timeout=s.timeout or None, wake=wake, on_close=closed,
-                         started=lambda: bool(phase.get("up")), start_timeout=s.start_timeout)
+                         started=lambda: workers_up(phase), start_timeout=s.start_timeout)
 
 
 def keep_prestarted(s: Any, carry: Any, handover: Handover) -> None:

@@ -111,9 +111,10 @@ def _local_phase(s: Any, run: IterableRun, epoch: int, epoch_seed: int, handover
     with warnings.catch_warnings():  # torch's too-many-workers warning was given at the loader's creation
         warnings.simplefilter("ignore", UserWarning)
         local = TorchLoader(shards, batch_size=None, num_workers=s.num_workers, collate_fn=identity,
-                            worker_init_fn=WorkerInit(s.dataset, epoch_seed, s.worker_init_fn),
+                            worker_init_fn=WorkerInit(s.dataset, epoch_seed, s.worker_init_fn, s),
                             multiprocessing_context=s.multiprocessing_context, prefetch_factor=s.prefetch_factor,
                             generator=torch.Generator().manual_seed(epoch_seed % 2**63), **local_order(s))
+        phase["inits"] = local.worker_init_fn.inits
         if _hand_over_now(handover, 0):  # forced at batch 0: the pool makes the whole epoch
             phase["handed_over"] = True
             return

@@ -97,8 +97,9 @@ class WorkerInit:
     does in a remote one: seed ``epoch_seed + id``, ``get_worker_info()`` naming the user's dataset, then the
     user's ``worker_init_fn`` (whose changes to the RNGs, if any, the worker keeps from then on)."""
 
-    def __init__(self, dataset: Any, epoch_seed: int, user_fn: Any) -> None:
+    def __init__(self, dataset: Any, epoch_seed: int, user_fn: Any, s: Any) -> None:
         self.dataset, self.epoch_seed, self.user_fn = dataset, epoch_seed, user_fn
+        self.inits = _init_flags(s)  # worker w sets byte w once its init ran: ``timeout`` counts from then on
 
     def __call__(self, worker_id: int) -> None:
         from torch.utils.data import get_worker_info
@@ -119,6 +120,16 @@ class WorkerInit:
             after = _rng_states()
             if not _same_states(before, after):
                 LOCAL_WORKER["own_states"] = after
+        self.inits[worker_id] = 1
+
+
+def _init_flags(s: Any) -> Any:
+    """One shared byte per local worker (a raw shared array: passed at the workers' start, fork or spawn)."""
+    import multiprocessing
+
+    ctx = s.multiprocessing_context
+    ctx = multiprocessing.get_context(ctx) if isinstance(ctx, str) or ctx is None else ctx
+    return ctx.RawArray("b", max(1, s.num_workers))
 
 
 class _Partitions:
@@ -214,7 +225,7 @@ def torch_workers(s: Any, items: list, ids: list, epoch: int, epoch_seed: int, s
         warnings.simplefilter("ignore", UserWarning)
         return TorchLoader(parts, batch_size=None, sampler=ForkGate().wrap(sampler), num_workers=s.num_workers,
                            collate_fn=identity,  # ``timeout``: the epoch's, counted once the workers are up
-                           worker_init_fn=WorkerInit(s.dataset, epoch_seed, s.worker_init_fn),
+                           worker_init_fn=WorkerInit(s.dataset, epoch_seed, s.worker_init_fn, s),
                            multiprocessing_context=s.multiprocessing_context,
                            generator=torch.Generator().manual_seed(epoch_seed % 2**63),  # the trainer's RNG untouched
                            prefetch_factor=s.prefetch_factor, **local_order(s))
@@ -227,8 +238,10 @@ def local_order(s: Any) -> dict:
 
 def deliveries(s: Any, local: Any, phase: dict, record: Any) -> Iterator[Delivery]:
     """The batches of :func:`torch_workers`' loader ``local``, in order, each with ``record(j)`` (``j``: its
-    position among ``items``); ``phase["up"]`` is set once the workers made their first partition."""
+    position among ``items``); ``phase["up"]`` is set once the workers made their first partition, and
+    ``phase["inits"]`` says which of them ran their init (:func:`workers_up`)."""
     bpp = s.batches_per_partition
+    phase["inits"] = local.worker_init_fn.inits
     with warnings.catch_warnings(), local.sampler.gate.forking():  # torch's too-many-workers warning: given
         warnings.simplefilter("ignore", UserWarning)
         it = iter(local)  # forks the workers

@@ -33,6 +33,7 @@ from typing import Any, Iterator, Optional
 from sbloader.core.stats import StallStats
 from sbloader.loaders import local_start
 from sbloader.loaders.epoch import Delivery, EpochIterator
+from sbloader.loaders.handover import workers_up
 
 SPLIT_LOCAL_ENV = "SBLOADER_SPLIT_LOCAL_BATCHES"  # each rank's locally made batches (0: none)
 BATCHES_PER_WORKER = 8
@@ -134,7 +135,7 @@ def split_start_epoch(loader: Any, s: Any, run: Any, rank: int) -> EpochIterator
 
     return EpochIterator(produce(), _Phases(loader, run, rest, k), ahead=s.ahead, stalls=stalls,
                          to_device=s.device_copy(), translate=translate, on_close=closed,
-                         started=lambda: bool(phase.get("up")), start_timeout=s.start_timeout)
+                         started=lambda: workers_up(phase), start_timeout=s.start_timeout)
 
 
 def _padded(item: Any, pad: int) -> Any:

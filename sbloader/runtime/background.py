@@ -6,8 +6,9 @@ begins :func:`~sbloader.runtime.session.ensure_initialized` on a daemon thread o
 process and returns at once; :func:`ready` says, without blocking, whether it is done.
 An error is kept and raised again by whoever calls ``ensure_initialized`` next (it
 retries the start, on the caller's thread, and raises there). At exit, :func:`settle` waits
-for a start still under way: a daemon thread inside Ray's start (C++ under Cython) when the
-interpreter finalizes aborts the process ("FATAL: exception not rethrown", or a segfault).
+for a start still under way, before any ``atexit`` hook runs (Ray's own shutdown among them): a
+daemon thread inside Ray's start (C++ under Cython) when the interpreter finalizes aborts the
+process ("FATAL: exception not rethrown", or a segfault).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import Optional
 
 logger = logging.getLogger(__name__)
 
+EXIT_START_WAIT_S = 60.0  # at exit, the longest wait for a background start of Ray still under way
 _LOCK = threading.Lock()
 _STATE: dict = {"thread": None, "done": threading.Event(), "error": None, "exiting": False}
 
@@ -43,6 +45,11 @@ def start() -> None:
         thread = threading.Thread(target=_run, name="sbloader-ray-start", daemon=True)
         _STATE["thread"] = thread
         thread.start()
+        try:  # before every atexit hook: Ray's own shutdown (registered when ``ray`` is imported, maybe
+            # after sbloader's hooks) would reset Ray's state under the start still running
+            threading._register_atexit(settle, EXIT_START_WAIT_S)  # type: ignore[attr-defined]
+        except (AttributeError, RuntimeError):  # another Python, or the process already exits
+            pass
 
 
 def settle(timeout: float) -> bool:

@@ -267,16 +267,13 @@ def before_shutdown(fn: Callable[[], Any]) -> None:
         _BEFORE_SHUTDOWN.append(fn)
 
 
-EXIT_START_WAIT_S = 60.0  # at exit, the longest wait for a background start of Ray still under way
-
-
 def stop_at_exit() -> None:
     """The process exits: nothing may start a Ray again (Ray's auto-init from a thread still
     running would print its start-up notices and fail; a background start still under way is
     waited for), then :func:`shutdown`, quietly."""
     from sbloader.runtime import background
 
-    background.settle(EXIT_START_WAIT_S)
+    background.settle(background.EXIT_START_WAIT_S)
     try:
         from ray._private import auto_init_hook
 

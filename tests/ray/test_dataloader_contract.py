@@ -292,6 +292,22 @@ def test_timeout_counts_only_once_workers_are_up(ray_session):
         next(it)
 
 
+def test_a_first_batch_slower_than_timeout_raises_torchs_error(ray_session):
+    """The workers are up once each ran its init (local workers are forked in a moment): a first batch
+    slower than ``timeout`` raises torch's error, as torch's test_timeout asks (the batch came after 6 s,
+    with no error, while "up" waited for the first batch)."""
+    lo = sbloader.DataLoader(SlowAt(8, (0, 1), 6.0), batch_size=2, num_workers=2, timeout=1)
+    it = iter(lo)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"DataLoader timed out after 1 seconds"):
+        try:
+            next(it)
+        finally:
+            took = time.monotonic() - t0
+    assert took < 5, f"raised after {took:.1f} s"
+    it.close()
+
+
 def test_start_up_has_its_own_bound_and_error(ray_session):
     from sbloader.core.errors import WorkerStartError
 

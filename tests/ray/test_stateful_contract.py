@@ -365,3 +365,39 @@ def test_more_workers_than_cpus_share_them():
     # what other loaders hold (live, or kept by a traceback) never starves a new one
     assert fitted_worker_cpus(2, 1.0, 2.0, free=1.0) == 0.5 and fitted_worker_cpus(2, 1.0, 2.0, free=0.0) == 0.0
     assert fitted_worker_cpus(2, 1.0, 8.0, free=6.0) == 1.0
+
+
+class RowsByList(Dataset):
+    """torch's bulk-loading shape: the key is a list of rows, the sample their tensor."""
+
+    def __len__(self):
+        return 35
+
+    def __getitem__(self, rows):
+        return torch.tensor(rows)
+
+
+class ListsOfRows(Sampler):
+    """Yields lists of 4 row numbers (the last shorter): keys that are not integer indices."""
+
+    def __iter__(self):
+        return iter([list(range(i, min(i + 4, 35))) for i in range(0, 35, 4)])
+
+    def __len__(self):
+        return 9
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_sampler_of_lists_without_batching_runs_as_torch_and_refuses_a_checkpoint(ray_session, num_workers):
+    """``batch_size=None`` with a sampler whose keys are lists (torch's test_bulk_loading_nobatch): every
+    row once, each key as drawn; ``state_dict()`` mid-epoch says why it cannot replay the epoch (it
+    failed at ``iter()`` with ``int() argument must be ... not 'list'`` before)."""
+    loader = sbloader.DataLoader(RowsByList(), batch_size=None, sampler=ListsOfRows(), num_workers=num_workers)
+    with bounded():
+        it = iter(loader)
+        first = next(it)
+        with pytest.raises(sbloader.StateDictError, match="not integer indices"):
+            loader.state_dict()
+        rows = torch.cat([first] + list(it)).tolist()
+    assert first.tolist() == [0, 1, 2, 3]
+    assert sorted(rows) == list(range(35))
