@@ -46,9 +46,7 @@ def close_live_epochs() -> None:
     from sbloader.runtime import background
 
     if background.exiting():
-        from sbloader.loaders.handover import join_prestarts
-
-        join_prestarts(PRESTART_EXIT_WAIT_S)
+        background.join_spawned(PRESTART_EXIT_WAIT_S)
     closer.drain()
     for it in list(_LIVE):
         try:
@@ -65,7 +63,6 @@ def _at_exit() -> None:
     of Ray (and of a pool's actors) still under way is waited for, then Ray is stopped: a thread
     inside Ray's start when the interpreter finalizes aborts the process too, and a Ray that came up
     during the exit has no exit hook of its own left to run."""
-    from sbloader.loaders.handover import join_prestarts
     from sbloader.runtime import background, session
 
     hook = sys.modules.get("ray._private.auto_init_hook")
@@ -74,7 +71,7 @@ def _at_exit() -> None:
     close_live_epochs()
     join_all()
     if background.settle(background.EXIT_START_WAIT_S):
-        join_prestarts(PRESTART_EXIT_WAIT_S)
+        background.join_spawned(PRESTART_EXIT_WAIT_S)
         session.stop_at_exit()
 
 

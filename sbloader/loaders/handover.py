@@ -14,7 +14,6 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-import weakref
 from typing import Any, Iterator, Optional
 
 from sbloader.core.stats import StallStats
@@ -75,24 +74,13 @@ class Handover:
 
 
 PRESTART_LOCK = threading.Lock()
-_PRESTARTS: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
 
 
 def start_prestart(s: Any, carry: Any, epoch_seed: int, handover: Handover) -> None:
-    """Run :func:`prestart` for this epoch (``carry.starts``) on a daemon thread."""
-    thread = threading.Thread(target=prestart, args=(s, carry, epoch_seed, handover, carry.starts), daemon=True,
-                              name="sbloader-pool-prestart")
-    _PRESTARTS.add(thread)
-    thread.start()
+    """Run :func:`prestart` for this epoch (``carry.starts``) in the background (the exit waits for it)."""
+    from sbloader.runtime.background import spawn
 
-
-def join_prestarts(timeout: float) -> None:
-    """At exit: wait for the background starts of pools, together at most ``timeout`` seconds (one
-    still starting actors when the interpreter finalizes, or when Ray stops, can abort the process)."""
-    deadline = time.monotonic() + timeout
-    for thread in list(_PRESTARTS):
-        if thread is not threading.current_thread():
-            thread.join(max(0.0, deadline - time.monotonic()))
+    spawn(prestart, (s, carry, epoch_seed, handover, carry.starts), "sbloader-pool-prestart")
 
 
 def prestart(s: Any, carry: Any, epoch_seed: int, handover: Handover, start: int) -> None:

@@ -15,8 +15,10 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import time
+import weakref
 from types import ModuleType
-from typing import Optional
+from typing import Any, Callable, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +67,25 @@ def settle(timeout: float) -> bool:
         if thread.is_alive():
             logger.debug("sbloader: Ray's start still runs after %.0f s at exit", timeout)
     return True
+
+
+_SPAWNED: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
+
+
+def spawn(target: Callable[..., Any], args: tuple, name: str) -> None:
+    """Run ``target(*args)`` on a daemon thread that the exit waits for (:func:`join_spawned`): work that
+    starts Ray actors in the background (a pool's prestart) must not be cut by the interpreter's end."""
+    thread = threading.Thread(target=target, args=args, daemon=True, name=name)
+    _SPAWNED.add(thread)
+    thread.start()
+
+
+def join_spawned(timeout: float) -> None:
+    """At exit: wait for the threads :func:`spawn` started, together at most ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    for thread in list(_SPAWNED):
+        if thread is not threading.current_thread():
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def exiting() -> bool:

@@ -269,11 +269,9 @@ def before_shutdown(fn: Callable[[], Any]) -> None:
 
 def stop_at_exit() -> None:
     """The process exits: nothing may start a Ray again (Ray's auto-init from a thread still
-    running would print its start-up notices and fail; a background start still under way is
-    waited for), then :func:`shutdown`, quietly."""
-    from sbloader.runtime import background
-
-    background.settle(background.EXIT_START_WAIT_S)
+    running would print its start-up notices and fail), then :func:`shutdown`, quietly. A background
+    start still under way was waited for before (:func:`sbloader.runtime.background.settle`, run
+    ahead of every ``atexit`` hook)."""
     try:
         from ray._private import auto_init_hook
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import io
 import json
 import signal
+import statistics
+import time
 from contextlib import contextmanager
 
 import pytest
@@ -401,3 +403,24 @@ def test_a_sampler_of_lists_without_batching_runs_as_torch_and_refuses_a_checkpo
         rows = torch.cat([first] + list(it)).tolist()
     assert first.tolist() == [0, 1, 2, 3]
     assert sorted(rows) == list(range(35))
+
+
+def test_the_hundredth_loader_starts_as_fast_as_the_first(ray_session):
+    """100 loaders in a row in one process, each taking one batch and a ``state_dict()`` and then dropped
+    (torchdata's file builds dozens): nothing a dropped loader leaves behind slows the next one, so the
+    last ten loaders' first batches come within 2x the first ten's (medians; a floor of 0.25 s for the
+    measurement's own noise)."""
+    firsts = []
+    with bounded(300):
+        for k in range(100):
+            loader = sbloader.DataLoader(Counter(40), batch_size=4, shuffle=True, num_workers=2,
+                                         persistent_workers=k % 2 == 1)
+            t0 = time.perf_counter()
+            it = iter(loader)
+            batch = next(it)
+            firsts.append(time.perf_counter() - t0)
+            state = loader.state_dict()
+            assert len(batch) == 4 and "consumed" in state and "_snapshot" in state
+            loader = it = None
+    first, last = statistics.median(firsts[:10]), statistics.median(firsts[-10:])
+    assert last <= 2 * max(first, 0.25), f"first batch: {first:.2f} s (loaders 1-10), {last:.2f} s (91-100)"
