@@ -37,16 +37,8 @@ _END = object()  # prime() found the epoch empty
 _LIVE: "weakref.WeakSet[EpochIterator]" = weakref.WeakSet()  # epochs not yet garbage
 
 
-PRESTART_EXIT_WAIT_S = 10.0  # at exit, the longest wait for the pools' background starts
-
-
 def close_live_epochs() -> None:
-    """End every epoch still open in this process (called before the embedded Ray stops; at exit, after
-    the pools' background starts end)."""
-    from sbloader.runtime import background
-
-    if background.exiting():
-        background.join_spawned(PRESTART_EXIT_WAIT_S)
+    """End every epoch still open in this process (called before the embedded Ray stops)."""
     closer.drain()
     for it in list(_LIVE):
         try:
@@ -70,8 +62,7 @@ def _at_exit() -> None:
         hook.enable_auto_connect = False
     close_live_epochs()
     join_all()
-    if background.settle(background.EXIT_START_WAIT_S):
-        background.join_spawned(PRESTART_EXIT_WAIT_S)
+    if background.settle(background.EXIT_START_WAIT_S):  # a no-op where it already ran, ahead of this hook
         session.stop_at_exit()
 
 

@@ -55,37 +55,30 @@ def start() -> None:
 
 
 def settle(timeout: float) -> bool:
-    """The process exits: nothing more is started in the background (:func:`exiting`), and a start
-    still under way is waited for, at most ``timeout`` seconds. Returns whether one had begun (Ray
-    may then be up, with nobody left to stop it: its own exit hooks are registered too late to run)."""
+    """The process exits: nothing more is started in the background (:func:`exiting`), and a start of
+    Ray still under way and the threads :func:`spawn` started are waited for, together at most
+    ``timeout`` seconds. Returns whether a start had begun (Ray may then be up, with nobody left to
+    stop it: its own exit hooks are registered too late to run)."""
     _STATE["exiting"] = True
-    thread = _STATE["thread"]
-    if thread is None:
-        return False
-    if thread is not threading.current_thread():
-        thread.join(timeout)
-        if thread.is_alive():
-            logger.debug("sbloader: Ray's start still runs after %.0f s at exit", timeout)
-    return True
+    deadline = time.monotonic() + timeout
+    started = _STATE["thread"]
+    for thread in ([started] if started is not None else []) + list(_SPAWNED):
+        if thread is not threading.current_thread():
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                logger.debug("sbloader: %s still runs after %.0f s at exit", thread.name, timeout)
+    return started is not None
 
 
 _SPAWNED: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
 
 
 def spawn(target: Callable[..., Any], args: tuple, name: str) -> None:
-    """Run ``target(*args)`` on a daemon thread that the exit waits for (:func:`join_spawned`): work that
+    """Run ``target(*args)`` on a daemon thread that the exit waits for (:func:`settle`): work that
     starts Ray actors in the background (a pool's prestart) must not be cut by the interpreter's end."""
     thread = threading.Thread(target=target, args=args, daemon=True, name=name)
     _SPAWNED.add(thread)
     thread.start()
-
-
-def join_spawned(timeout: float) -> None:
-    """At exit: wait for the threads :func:`spawn` started, together at most ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    for thread in list(_SPAWNED):
-        if thread is not threading.current_thread():
-            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def exiting() -> bool:
