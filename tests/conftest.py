@@ -84,7 +84,9 @@ def _free_split_coordinators():
     if not ray.is_initialized():
         return
     from sbloader.loaders import closer, warm_workers
+    from sbloader.runtime import background
 
+    background.join(60)  # pool prestarts the test began park their actors now, not after the next lines
     closer.drain(wait_s=0)  # the loaders the test dropped hand their actors to the idle pool now, not after the next line
     warm_workers.release_idle()  # the warm actors dropped loaders and pipelines left in the process's idle pool
     from sbloader.distributed.naming import NAMESPACE

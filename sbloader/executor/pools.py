@@ -298,3 +298,4 @@ class ActorPools:
                 except Exception:
                     pass
             actors.clear()
+        self.pending.clear()  # its handles too: a dropped actor cache then frees its actors at once, not at a GC

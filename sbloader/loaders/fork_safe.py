@@ -32,8 +32,11 @@ from typing import Any, Iterator
 FORK_LOCK = threading.Lock()
 
 #: What a forked local worker imports: imported here before the fork (:func:`import_for_children`).
+#: ``numpy.random`` too: torch's worker loop seeds it, and numpy 2 imports it only on first use; half made
+#: in a child (the background Ray start importing it at the fork), it cannot be made anew there (its C
+#: parts: "cannot import name 'MT19937'"), and every local worker died at its start.
 CHILD_MODULES = ("torch.utils.data._utils.worker", "sbloader.core.batch_slice", "sbloader.core.context",
-                 "sbloader.sources.batches", "sbloader.loaders.worker")
+                 "sbloader.sources.batches", "sbloader.loaders.worker", "numpy.random")
 
 
 _forking = False  # True while ForkGate.forking runs: what a child forked then inherits

@@ -18,7 +18,7 @@ import threading
 import time
 import weakref
 from types import ModuleType
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -60,14 +60,20 @@ def settle(timeout: float) -> bool:
     ``timeout`` seconds. Returns whether a start had begun (Ray may then be up, with nobody left to
     stop it: its own exit hooks are registered too late to run)."""
     _STATE["exiting"] = True
-    deadline = time.monotonic() + timeout
     started = _STATE["thread"]
-    for thread in ([started] if started is not None else []) + list(_SPAWNED):
+    join(timeout, [started] if started is not None else [])
+    return started is not None
+
+
+def join(timeout: float, first: Sequence[threading.Thread] = ()) -> None:
+    """Wait for ``first``, then for every thread :func:`spawn` started, together at most ``timeout``
+    seconds (a test's end: the prestarts it began have put their actors where they belong)."""
+    deadline = time.monotonic() + timeout
+    for thread in list(first) + list(_SPAWNED):
         if thread is not threading.current_thread():
             thread.join(max(0.0, deadline - time.monotonic()))
             if thread.is_alive():
-                logger.debug("sbloader: %s still runs after %.0f s at exit", thread.name, timeout)
-    return started is not None
+                logger.debug("sbloader: %s still runs after %.0f s", thread.name, timeout)
 
 
 _SPAWNED: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()

@@ -53,3 +53,20 @@ def test_a_child_forked_while_a_thread_imports_a_module_imports_it_anew(tmp_path
     assert got == 7  # imported whole in the child
     importer.join(timeout=10)
     assert sys.modules[name].VALUE == 7  # the parent's import completed as ever
+
+
+def test_numpy_random_is_whole_before_the_local_workers_fork():
+    """torch's worker loop seeds ``numpy.random``, which numpy 2 imports only on first use: a fork while the
+    background Ray start imported it left it half made in every child, whose C parts cannot be made anew
+    there ("cannot import name 'MT19937'": every local worker died at its start, 3 runs in 4 of
+    ``test_iterable_datasets_resume_exactly_through_torch_save_and_json[3]``). The gate imports it first."""
+    import subprocess
+
+    code = ("import sys, numpy\n"
+            "from sbloader.loaders.fork_safe import ForkGate\n"
+            "assert 'numpy.random' not in sys.modules, 'numpy imported numpy.random itself'\n"
+            "with ForkGate().forking():\n"
+            "    print('numpy.random' in sys.modules and hasattr(sys.modules['numpy.random'], 'MT19937'))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True"
