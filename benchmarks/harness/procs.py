@@ -157,12 +157,15 @@ class ProcTree:
             contender that does not use Ray while an embedded Ray idles beside it
             (its CPU then shows as outside the tree).
         exclude: pids never counted (e.g. a sampler process).
+        also: more roots, asked at every sample (a ``ray start`` cluster's daemons, which
+            are no descendants of the driver: else counted as others' load).
     """
 
     root: int = field(default_factory=os.getpid)
     include_ray_session: bool = True
     ray: bool = True
     exclude: frozenset = frozenset()
+    also: Optional[Callable[[], Iterable[int]]] = None
     _classes: dict[int, str] = field(default_factory=dict, repr=False)
     _session_roots: Optional[list] = field(default=None, repr=False)
 
@@ -170,7 +173,8 @@ class ProcTree:
         """Alive pids of the tree now."""
         if self._session_roots is None:
             self._session_roots = ray_session_roots() if self.include_ray_session and self.ray else []
-        pids = descendants([self.root] + self._session_roots) - set(self.exclude)
+        extra = list(self.also()) if self.also is not None else []
+        pids = descendants([self.root] + self._session_roots + extra) - set(self.exclude)
         if not self.ray:
             pids = {p for p in pids if not is_ray_process(p)}
         return pids

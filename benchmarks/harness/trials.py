@@ -66,7 +66,7 @@ class Trials:
 def run_interleaved(contenders: Mapping[str, Callable[[], Mapping[str, Any]]], rounds: int, *,
                     rotate: bool = True, log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
                     keep_going: bool = True, pss: bool = False, by_class: bool = False,
-                    before_round: Optional[Callable[[int], Any]] = None) -> Trials:
+                    before_round: Optional[Callable[[int], Any]] = None, tree: Optional[Any] = None) -> Trials:
     """Run the contenders in turn for ``rounds`` rounds (see :func:`interleave_order`),
     each run inside :func:`measure` (CPU of this process tree, others' load, loadavg).
 
@@ -75,6 +75,7 @@ def run_interleaved(contenders: Mapping[str, Callable[[], Mapping[str, Any]]], r
         by_class: also record ``cpu_s_<class>`` (trainer, workers, raylet, gcs, ray_daemons, other).
         before_round: called with the round's number before its first run, outside any
             measurement (a calibration taken once per round).
+        tree: the processes each run accounts for (a :class:`~.procs.ProcTree`; default: this one's).
         keep_going: a contender that raises is recorded with its error (and not run
             again); otherwise the error propagates.
     """
@@ -93,7 +94,7 @@ def run_interleaved(contenders: Mapping[str, Callable[[], Mapping[str, Any]]], r
         if name in failed:
             continue
         err = None
-        with measure(name, pss=pss) as m:
+        with measure(name, pss=pss, tree=tree) as m:
             try:
                 metrics = dict(contenders[name]())
             except Exception as e:  # noqa: BLE001 - recorded, the others go on

@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from typing import Optional
+from typing import Any, Optional
 
 from benchmarks.harness import ROOT, cmdline, descendants
 
@@ -31,6 +31,14 @@ def _free_port() -> int:
 
 def _pids_naming(marker: str) -> set[int]:
     return {int(p) for p in os.listdir("/proc") if p.isdigit() and marker in cmdline(int(p))}
+
+
+def cluster_tree(cluster: "Cluster") -> Any:
+    """The processes a cluster scenario accounts for: this one's tree and every daemon of the cluster
+    (each names the cluster's temp directory), so a quiet machine's rounds are marked quiet."""
+    from benchmarks.harness import ProcTree
+
+    return ProcTree(also=lambda: _pids_naming(cluster.root))
 
 
 def _raylets() -> set[int]:

@@ -77,7 +77,7 @@ def epoch(cluster: Any, p: dict, mode: str, at: Any) -> dict:
 
 def run(**p: Any) -> Outcome:
     """Every contender on one cluster, interleaved by round."""
-    from ._cluster import Cluster
+    from ._cluster import Cluster, cluster_tree
 
     cluster = Cluster(head_cpus=1, nodes=(2, 2))
     fns = {}
@@ -86,7 +86,7 @@ def run(**p: Any) -> Outcome:
             fns[_names({"modes": [m], "at": [a] if a is not None else []})[-1]] = \
                 (lambda m=m, a=a: epoch(cluster, p, m, a))
     try:
-        trials = run_interleaved(fns, p["rounds"], rotate=False)
+        trials = run_interleaved(fns, p["rounds"], rotate=False, tree=cluster_tree(cluster))
     finally:
         cluster.stop()
     notes = []

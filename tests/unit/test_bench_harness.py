@@ -185,3 +185,15 @@ def test_no_benchmark_parses_its_own_arguments_outside_the_harness():
                      if "argparse" in p.read_text())
     # _node_loss_job.py is issue #46's to port (a job process of node_loss.py)
     assert parsers in ([], ["benchmarks/scenarios/_node_loss_job.py"]), parsers
+
+
+def test_a_tree_takes_roots_found_at_each_sample():
+    """A ``ray start`` cluster's daemons are no descendants of the driver: ``also`` names them (a scenario
+    on a quiet machine had every round marked loaded by its own cluster's CPU)."""
+    from benchmarks.harness import ProcTree
+
+    found: list = []
+    tree = ProcTree(root=-1, include_ray_session=False, also=lambda: found)  # a root that is no process
+    assert os.getpid() not in tree.pids()
+    found.append(os.getpid())
+    assert os.getpid() in tree.pids()  # asked again at this sample
