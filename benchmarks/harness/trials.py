@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from .load import is_quiet
 from .measure import Result, measure
+from .procs import ProcTree
 from .rounds import interleave_order, summarize
 from .render import ratio_words
 
@@ -66,7 +67,7 @@ class Trials:
 def run_interleaved(contenders: Mapping[str, Callable[[], Mapping[str, Any]]], rounds: int, *,
                     rotate: bool = True, log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
                     keep_going: bool = True, pss: bool = False, by_class: bool = False,
-                    before_round: Optional[Callable[[int], Any]] = None, tree: Optional[Any] = None) -> Trials:
+                    before_round: Optional[Callable[[int], Any]] = None, tree: Optional[ProcTree] = None) -> Trials:
     """Run the contenders in turn for ``rounds`` rounds (see :func:`interleave_order`),
     each run inside :func:`measure` (CPU of this process tree, others' load, loadavg).
 

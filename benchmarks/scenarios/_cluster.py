@@ -16,9 +16,9 @@ import socket
 import subprocess
 import sys
 import tempfile
-from typing import Any, Optional
+from typing import Optional
 
-from benchmarks.harness import ROOT, cmdline, descendants
+from benchmarks.harness import ROOT, ProcTree, cmdline, descendants
 
 RAY_CLI = ROOT / "tests" / "scripts" / "ray_cli.py"
 
@@ -33,11 +33,9 @@ def _pids_naming(marker: str) -> set[int]:
     return {int(p) for p in os.listdir("/proc") if p.isdigit() and marker in cmdline(int(p))}
 
 
-def cluster_tree(cluster: "Cluster") -> Any:
+def cluster_tree(cluster: "Cluster") -> ProcTree:
     """The processes a cluster scenario accounts for: this one's tree and every daemon of the cluster
     (each names the cluster's temp directory), so a quiet machine's rounds are marked quiet."""
-    from benchmarks.harness import ProcTree
-
     return ProcTree(also=lambda: _pids_naming(cluster.root))
 
 
