@@ -25,6 +25,8 @@ from .render import ratio_words
 
 #: A wall-clock time (``time.time()``) after which no new round starts (set by ``report``).
 DEADLINE_ENV = "SBLOADER_BENCH_DEADLINE"
+#: Rounds a scenario runs even past that time (a median of one round has no spread to show).
+MIN_ROUNDS = 2
 
 
 @dataclass
@@ -85,7 +87,7 @@ def run_interleaved(contenders: Mapping[str, Callable[[], Mapping[str, Any]]], r
     last_round = -1
     for r, name in interleave_order(list(contenders), rounds, rotate=rotate):
         if r != last_round:
-            if r > 0 and time.time() > deadline:
+            if r >= MIN_ROUNDS and time.time() > deadline:
                 log(f"  the time budget is spent: {r} of {rounds} rounds run")
                 break
             if before_round is not None:

@@ -20,8 +20,8 @@ from benchmarks.harness import ROOT, Outcome, Plan, run_interleaved
 
 ORDER = 5
 TITLE = "First run: import to first batch in a fresh process"
-PARAMS = {"rounds": 3}
-QUICK = {"rounds": 3}
+PARAMS = {"rounds": 3, "leave_out": []}
+QUICK = {"rounds": 3, "leave_out": ["sbloader native, local_start=False"]}  # report --quick: 2 rounds in its share
 SNIPPET = """
 import json, time
 t0 = time.perf_counter()
@@ -51,7 +51,12 @@ CONTENDERS = {
 def plan(**p: Any) -> Plan:
     """sbloader and torch (map-style and an IterableDataset), and sbloader's native pipeline with and without
     its local start, a fresh process per run."""
-    return Plan(list(CONTENDERS), p["rounds"], notes="no RAY_ADDRESS: the embedded Ray starts")
+    return Plan(_chosen(p), p["rounds"], notes="no RAY_ADDRESS: the embedded Ray starts")
+
+
+def _chosen(p: dict) -> list[str]:
+    """The contenders run (``leave_out=`` names some not to run)."""
+    return [n for n in CONTENDERS if n not in p["leave_out"]]
 
 
 def fresh(mod: str, make: str = DROPIN) -> dict[str, float]:
@@ -74,7 +79,7 @@ def fresh(mod: str, make: str = DROPIN) -> dict[str, float]:
 def run(**p: Any) -> Outcome:
     """``rounds`` fresh processes each, interleaved."""
     trials = run_interleaved({name: (lambda mod=mod, make=make: fresh(mod, make))
-                              for name, (mod, make) in CONTENDERS.items()}, p["rounds"])
+                              for name, (mod, make) in CONTENDERS.items() if name in _chosen(p)}, p["rounds"])
     return Outcome(trials, "first_batch_s", "s", higher_is_better=False, baseline="torch",
                    extra=("import_s", "process_s"),
                    notes=["the README's first-run snippet; process_s includes the interpreter's start "

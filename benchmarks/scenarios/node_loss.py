@@ -28,7 +28,7 @@ from ._fault_driver import batches, counts_per_rank, progress, recovery, torchru
 ORDER = 60
 TITLE = "A CPU node lost mid-epoch under torchrun: recovery time and the epoch's slowdown"
 PARAMS = {"modes": ["dropin", "native"], "at": [0.25, 0.5, 0.75], "rows": 480, "rounds": 3, "timeout_s": 300}
-QUICK = {"modes": ["native"], "at": [0.5], "rounds": 1}
+QUICK = {"modes": ["native"], "at": [0.5], "rounds": 2}
 PATH = {"dropin": "dropin-map", "native": "native-fn"}
 
 

@@ -91,7 +91,7 @@ def _write_data(p: dict, data: str) -> None:
 
 def run(**p: Any) -> Outcome:
     """The data once; one cluster (its Ray workers import ``trainers/``) for every round."""
-    from ._cluster import Cluster
+    from ._cluster import Cluster, cluster_tree
 
     data = str(DATA / "sd")
     _write_data(p, data)
@@ -100,7 +100,7 @@ def run(**p: Any) -> Outcome:
     skipped = missing_peers(PEERS)
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT), str(ROOT / "trainers")] + [x for x in [os.environ.get("PYTHONPATH")] if x])
-    cluster = Cluster(cpus_per_node=2)
+    cluster = Cluster(head_cpus=2, nodes=(2,))
     try:
         node2 = descendants(cluster.node2)  # the raylets' later workers inherit their core
         _pin(cluster.daemons() - node2, {0})
@@ -109,7 +109,7 @@ def run(**p: Any) -> Outcome:
                       "sbloader": lambda: job("sbloader", p, data, cluster)}
         if "Ray Data" not in skipped:
             contenders["Ray Data"] = lambda: job("Ray Data", p, data, cluster)
-        trials = run_interleaved(contenders, p["rounds"])
+        trials = run_interleaved(contenders, p["rounds"], tree=cluster_tree(cluster))
     finally:
         cluster.stop()
     steps = p["images"] // p["batch_size"]

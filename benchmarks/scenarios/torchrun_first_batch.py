@@ -23,8 +23,8 @@ from benchmarks.harness import ROOT, Outcome, Plan, run_interleaved
 
 ORDER = 6
 TITLE = "torchrun, 2 ranks: import to the job's first batch"
-PARAMS = {"rows": 20000, "rounds": 3}
-QUICK = {"rows": 4000, "rounds": 3}
+PARAMS = {"rows": 20000, "rounds": 3, "leave_out": []}
+QUICK = {"rows": 4000, "rounds": 3, "leave_out": ["sbloader unseeded"]}  # report --quick: 2 rounds in its share
 SCRIPT = """
 import json, os, sys, time
 t0 = time.perf_counter()
@@ -54,9 +54,10 @@ CONTENDERS = {"sbloader seed=0": ("sbloader_seed", {}),
 
 
 def plan(**p: Any) -> Plan:
-    """Four contenders, a fresh torchrun job per run."""
-    return Plan(list(CONTENDERS), p["rounds"], notes=f"2 ranks, {p['rows']} rows, batch 32, 2 workers per rank; "
-                                                     "no RAY_ADDRESS: the job's embedded Ray starts")
+    """The contenders (``leave_out=`` names some not to run), a fresh torchrun job per run."""
+    return Plan([n for n in CONTENDERS if n not in p["leave_out"]], p["rounds"],
+                notes=f"2 ranks, {p['rows']} rows, batch 32, 2 workers per rank; "
+                      "no RAY_ADDRESS: the job's embedded Ray starts")
 
 
 def job(kind: str, env_extra: dict, rows: int) -> dict[str, float]:
@@ -83,7 +84,8 @@ def job(kind: str, env_extra: dict, rows: int) -> dict[str, float]:
 def run(**p: Any) -> Outcome:
     """``rounds`` jobs per contender, interleaved."""
     trials = run_interleaved({name: (lambda k=kind, e=extra: job(k, e, p["rows"]))
-                              for name, (kind, extra) in CONTENDERS.items()}, p["rounds"])
+                              for name, (kind, extra) in CONTENDERS.items() if name not in p["leave_out"]},
+                             p["rounds"])
     return Outcome(trials, "first_batch_s", "s", higher_is_better=False, baseline="torch",
                    extra=("epoch_s", "job_s"),
                    notes=["the slowest rank's import → first batch (DDP's first step waits for every rank); "

@@ -150,12 +150,13 @@ def test_run_interleaved_records_each_run_and_stops_at_the_budget(monkeypatch):
     t = trials.run_interleaved(contenders, 2, log=lambda s: None)
     assert seen == ["a", "b", "b", "a"] and t.rounds_run == 2  # rotated order
     assert all({"x", "wall_s", "cpu_s"} <= set(x.metrics) and "quiet" in x.load for x in t.trials)
-    monkeypatch.setenv(trials.DEADLINE_ENV, "0")  # spent: round 0 still runs, no later one
-    t = trials.run_interleaved(contenders, 3, log=lambda s: None)
-    assert [x.round for x in t.trials] == [0, 0] and (t.rounds_run, t.rounds_planned) == (1, 3)
+    monkeypatch.setenv(trials.DEADLINE_ENV, "0")  # spent: the first MIN_ROUNDS rounds still run, no later one
+    t = trials.run_interleaved(contenders, 4, log=lambda s: None)
+    assert trials.MIN_ROUNDS == 2  # a median with a spread, even when the report's budget is spent
+    assert [x.round for x in t.trials] == [0, 0, 1, 1] and (t.rounds_run, t.rounds_planned) == (2, 4)
     sec = scenario.section("s", scenario.Outcome(t, "x", "u"), title="S", what_text="", params={}, command="c",
                            machine=MACHINE)
-    assert "**1 of 3 rounds**" in sec["notes"][0]
+    assert "**2 of 4 rounds**" in sec["notes"][0]
 
 
 def test_a_failing_contender_is_recorded_and_the_others_go_on():
