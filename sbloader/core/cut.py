@@ -22,6 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Hashable, Optional, Sequence, Union
 
+import numpy as np
+
+from sbloader.core.block import PADDING_KEY, ROW_COLUMN, Batch, concat, make_batch, slice_block
 from sbloader.core.plan import cut_counts
 from sbloader.core.split import split_epoch
 from sbloader.core.window import Window, ramp_partitions, ramp_rows
@@ -293,3 +296,36 @@ def progress(consumed: Sequence[int]) -> int:
     consumed (rank ``r`` consumed ``consumed[r]`` batches: indices ``r, r+w, ...``)."""
     w = len(consumed)
     return min(k * w + r for r, k in enumerate(consumed))
+
+
+def places(b: BatchCut) -> tuple[Piece, ...]:
+    """The pieces a batch takes rows from: its real ones, then the one its padding repeats."""
+    return b.pieces + ((b.pad_piece,) if b.pad_piece is not None else ())
+
+
+def assemble(b: BatchCut, pids: Sequence[int], epoch: int, blocks: dict, offset: dict) -> Batch:
+    """One batch's rows cut from its partitions' blocks; padding rows marked.
+
+    Args:
+        b: the batch.
+        pids: the partition id at each place of the plan (the pieces' keys).
+        epoch: the epoch (each row's provenance).
+        blocks: partition id -> its whole output block.
+        offset: place -> rows of its partition consumed before the plan (a piece's rows
+            are counted from there).
+    """
+    pieces = [(slice_block(blocks[pids[p.key]], offset[p.key] + p.start, offset[p.key] + p.stop),
+               pids[p.key], epoch) for p in b.pieces]
+    if not b.pad:
+        return make_batch(pieces)
+    p = b.pad_piece
+    row = slice_block(blocks[pids[p.key]], offset[p.key] + p.start, offset[p.key] + p.stop)
+    data = concat([piece for piece, _, _ in pieces] + [row] * b.pad)
+    data.pop(ROW_COLUMN, None)
+    out = Batch(data)
+    real = sum(len(piece[ROW_COLUMN]) for piece, _, _ in pieces)
+    out[PADDING_KEY] = np.arange(real + b.pad) >= real
+    if pieces:
+        first = make_batch(pieces)
+        out.provenance, out.parts = first.provenance, first.parts
+    return out

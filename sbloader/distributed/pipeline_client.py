@@ -16,12 +16,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Protocol
 
-import numpy as np
-
 import ray
 
-from sbloader.core.block import PADDING_KEY, ROW_COLUMN, Batch, concat, make_batch, slice_block
-from sbloader.core.cut import CutPlan, last_use
+from sbloader.core.block import ROW_COLUMN, Batch
+from sbloader.core.cut import CutPlan, assemble, last_use, places
 from sbloader.core.errors import SbloaderError
 from sbloader.core.plan import EpochPlan
 from sbloader.distributed.specs import PartitionEpochSpec
@@ -121,7 +119,7 @@ def batches(link: Any, run: Any) -> Iterator[tuple[Batch, int]]:
     offset = {place: run.base.taken.get(pid, 0) for place, pid in enumerate(run.pids)}
     last_mine: dict[int, int] = {}
     for j, b in enumerate(mine):
-        for p in _places(b):
+        for p in places(b):
             last_mine[run.pids[p.key]] = j
     refs: dict[int, Any] = {}
     blocks: dict[int, Any] = {}
@@ -129,7 +127,7 @@ def batches(link: Any, run: Any) -> Iterator[tuple[Batch, int]]:
     def wanted(j: int) -> list[int]:
         out: list[int] = []
         for b in mine[j:j + 1 + _AHEAD]:
-            for p in _places(b):
+            for p in places(b):
                 pid = run.pids[p.key]
                 if pid not in out and pid not in refs and pid not in blocks:
                     out.append(pid)
@@ -139,7 +137,7 @@ def batches(link: Any, run: Any) -> Iterator[tuple[Batch, int]]:
     while j < len(mine):
         b = mine[j]
         want = wanted(j)
-        now = [run.pids[p.key] for p in _places(b)]
+        now = [run.pids[p.key] for p in places(b)]
         try:
             waited = time.monotonic()
             while any(pid not in refs and pid not in blocks for pid in now):
@@ -165,7 +163,7 @@ def batches(link: Any, run: Any) -> Iterator[tuple[Batch, int]]:
             link.rebuild(run, j, e)
             refs.clear()
             continue
-        yield _assemble(b, run, blocks, offset), j
+        yield assemble(b, run.pids, run.epoch, blocks, offset), j
         for pid in [pid for pid, last in last_mine.items() if last == j]:
             blocks.pop(pid, None)
             refs.pop(pid, None)
@@ -236,10 +234,6 @@ def _call(send: Any, patience_s: float = 30.0) -> Any:
             time.sleep(0.5)
 
 
-def _places(b: Any) -> tuple:
-    return b.pieces + ((b.pad_piece,) if b.pad_piece is not None else ())
-
-
 def _checked(block: dict, pid: int, run: Any, offset: dict) -> dict:
     """The block, once its row count is the plan's (an operator that dropped rows is an error)."""
     n = len(block[ROW_COLUMN]) if ROW_COLUMN in block else 0
@@ -251,26 +245,6 @@ def _checked(block: dict, pid: int, run: Any, offset: dict) -> dict:
             "pipeline's operators must keep one output row per input row"
         )
     return block
-
-
-def _assemble(b: Any, run: Any, blocks: dict, offset: dict) -> Batch:
-    """One batch's rows cut from its partitions' blocks; padding rows marked."""
-    epoch = run.epoch
-    pieces = [(slice_block(blocks[run.pids[p.key]], offset[p.key] + p.start, offset[p.key] + p.stop),
-               run.pids[p.key], epoch) for p in b.pieces]
-    if not b.pad:
-        return make_batch(pieces)
-    p = b.pad_piece
-    row = slice_block(blocks[run.pids[p.key]], offset[p.key] + p.start, offset[p.key] + p.stop)
-    data = concat([piece for piece, _, _ in pieces] + [row] * b.pad)
-    data.pop(ROW_COLUMN, None)
-    out = Batch(data)
-    real = sum(len(piece[ROW_COLUMN]) for piece, _, _ in pieces)
-    out[PADDING_KEY] = np.arange(real + b.pad) >= real
-    if pieces:
-        first = make_batch(pieces)
-        out.provenance, out.parts = first.provenance, first.parts
-    return out
 
 
 def report_done(coord: Any, run: Any, spec: Optional[PartitionEpochSpec]) -> None:

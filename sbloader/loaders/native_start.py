@@ -70,14 +70,24 @@ def budget_before_ray(memory_budget: Optional[int]) -> Optional[int]:
     return int(embedded_store_bytes() * DEFAULT_STORE_SHARE)
 
 
-def enabled(pipeline: Any, allowed: bool, keeps_actors: bool) -> bool:
+def reads_objects(source: Any) -> bool:
+    """Whether the source's read tasks fetch remote objects (a bucket). Its client's async runtime, once
+    used in a process (a WebDataset's indexes, read as the dataset is made), does not survive a fork: a
+    forked worker's request would wait forever. Such an epoch starts on Ray's workers."""
+    return getattr(source, "_remote", None) is not None
+
+
+def enabled(pipeline: Any, allowed: bool, keeps_actors: bool, forced: bool = False) -> bool:
     """Whether this epoch starts on local processes: allowed (the loader's ``local_start`` and
-    ``SBLOADER_LOCAL_START``), no kept actors, every stage a plain function, fork available, and
-    Ray not up yet (``SBLOADER_HANDOVER_AT`` forces it, for tests)."""
+    ``SBLOADER_LOCAL_START``), no kept actors, a source of local files (:func:`reads_objects`), every
+    stage a plain function, fork available, and Ray not up yet (``SBLOADER_HANDOVER_AT``, or
+    ``forced``, starts it locally anyway, for tests)."""
     from sbloader.executor.stages import build_stages
     from sbloader.runtime import background
 
     if not allowed or keeps_actors or os.environ.get(local_start.LOCAL_START_ENV, "1") == "0":
+        return False
+    if reads_objects(pipeline.source):
         return False
     if multiprocessing.get_start_method(allow_none=True) not in (None, "fork"):
         return False
@@ -86,7 +96,7 @@ def enabled(pipeline: Any, allowed: bool, keeps_actors: bool) -> bool:
     stages = build_stages(pipeline.source.name, list(pipeline.ops))
     if any(s.kind == "actor" or any(op.num_gpus or op.resources for op in s.ops) for s in stages):
         return False
-    return local_start.forced_handover() is not None or not background.ready()
+    return forced or local_start.forced_handover() is not None or not background.ready()
 
 
 class _Partitions:
@@ -152,6 +162,29 @@ class _Handout:
 
 def _identity(x: Any) -> Any:
     return x
+
+
+def make_locally(pipeline: Any, plan: EpochPlan, pids: list) -> Iterator[tuple[int, Block]]:
+    """Partitions ``pids`` of ``plan`` made on local worker processes (as a Ray task makes each: read,
+    row shuffle, then every operator), yielded in that order; a partition that failed raises its error.
+    The workers are shut down when the iteration ends or is closed."""
+    import torch
+    from sbloader.loaders.torch_loader import torch_loader
+
+    loader = torch_loader()(_Partitions(pipeline.source, tuple(pipeline.ops), plan), batch_size=None,
+                            sampler=ForkGate().wrap(list(pids)), num_workers=max(1, min(local_workers(), len(pids))),
+                            collate_fn=_identity, multiprocessing_context="fork",
+                            generator=torch.Generator().manual_seed(plan.epoch_seed % 2**63))
+    with loader.sampler.gate.forking(("sbloader.core.errors", "sbloader.executor.tasks")):
+        it: Any = iter(loader)
+    try:
+        for pid in pids:
+            block, got, _ = next(it)
+            if block is None:
+                raise got
+            yield pid, block
+    finally:
+        it._shutdown_workers()
 
 
 @dataclass

@@ -192,6 +192,15 @@ def split_epoch(pipeline: Pipeline, settings: PipelineSettings, run: SplitRun, c
     the ranks rebuild the epoch on the new one (:class:`~sbloader.distributed.pipeline_client.Link`).
     """
     stalls = StallStats()
+    produce, closed = open_split(pipeline, settings, run, coordinator, carry, reconnect, stalls)
+    return EpochIterator(produce, run, ahead=max(1, settings.prefetch_blocks), stalls=stalls,
+                         to_device=_device_copy(settings), on_close=closed)
+
+
+def open_split(pipeline: Pipeline, settings: PipelineSettings, run: SplitRun, coordinator: Any, carry: Carry,
+               reconnect: Optional[Callable[[], Any]], stalls: StallStats) -> tuple[Iterator[Delivery], Callable]:
+    """:func:`split_epoch`'s batches (records ``1``) and what closes the epoch at the coordinator, for an
+    epoch iterator to hold (also one whose first batches were made locally: :mod:`native_split_start`)."""
     carry.stats = None
     link = pipeline_client.Link(coordinator, reconnect)
 
@@ -208,12 +217,14 @@ def split_epoch(pipeline: Pipeline, settings: PipelineSettings, run: SplitRun, c
         try:
             pipeline_client.join(link.coord, run, link.spec)
         except ray_actor_error():
-            # The coordinator died after this rank had cut all of its previous epoch: say so to
-            # the new one (ranks still in that epoch wait for every rank's report), then join.
+            # The coordinator died after this rank had cut all of its previous epoch (or while it made its
+            # first batches locally): say so to the new one (ranks still in that epoch wait for every
+            # rank's report), then join.
             last = carry.last_split
             if reconnect is None:
                 raise
             link.coord = reconnect()
+            link.rebuilds += 1
             if last is not None:
                 pipeline_client.report_done(link.coord, last[0], last[1])
             pipeline_client.join(link.coord, run, link.spec)
@@ -233,8 +244,7 @@ def split_epoch(pipeline: Pipeline, settings: PipelineSettings, run: SplitRun, c
             carry.stats.rebuilt_coordinators += link.rebuilds
         stalls.note_failures(carry.stats, link.rebuilds)
 
-    return EpochIterator(produce(), run, ahead=max(1, settings.prefetch_blocks), stalls=stalls,
-                         to_device=_device_copy(settings), on_close=closed)
+    return produce(), closed
 
 
 def ray_actor_error() -> type:

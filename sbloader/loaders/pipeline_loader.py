@@ -22,11 +22,11 @@ from sbloader.core.stats import ExecutionStats, StallStats
 from sbloader.executor.pools import kill_cached
 from sbloader.loaders import closer, pipeline_state
 from sbloader.core.window import WindowSpec
-from sbloader.loaders import shuffle_window
+from sbloader.loaders import native_split_start, native_start, shuffle_window
 from sbloader.loaders.batching import window_of
 from sbloader.loaders.epoch import EpochIterator
 from sbloader.loaders.pipeline_epoch import (Carry, Pipeline, PipelineSettings, epoch_plan, local_epoch,
-                                             narrowed_note, sizes_of, split_epoch as run_split_epoch)
+                                             narrowed_note, open_split, sizes_of, split_epoch as run_split_epoch)
 from sbloader.loaders.pipeline_run import PipelineRun, plan_split
 from sbloader.loaders.tensors import TensorOptions
 from sbloader.runtime.world import World
@@ -257,20 +257,30 @@ class PipelineLoader:
         base = self._start_run()
         if self.world.world_size == 1:
             it = local_epoch(self.dataset, self.settings, base, self._carry)
+        elif self._coordinator is None and native_split_start.enabled(
+                self.dataset, self.settings, base, self.seed is not None, self._carry.actor_cache is not None):
+            budget = native_start.budget_before_ray(self.settings.memory_budget)  # the embedded Ray's, or given
+            run = self._split(base, budget)
+            it = native_split_start.split_start_epoch(self, run, native_split_start.local_count(run.plan.per_rank),
+                                                      lambda rest: self._split(rest, budget), open_split)
         else:
             coordinator = self._split_coordinator()  # joins the job's Ray: the default budget reads it
             base = self._job_seed(base, coordinator)
-            sizes = sizes_of(self.dataset.source, base.epoch, base.epoch_seed, self.shuffle)
-            window = shuffle_window.split_window(self.settings.window, base, self.dataset.source,
-                                                 shuffle_window.default_budget(self.settings.memory_budget))
-            run = plan_split(base, sizes, rows_changing(self.dataset.ops), self.batch_size, self.world.world_size,
-                             self.world.rank, self.settings.drop_last, window)
-            if run.plan.narrowed:
-                shuffle_window.warn_once(self.dataset, narrowed_note(self.settings.window, run.plan.widest,
-                                                                     len(base.order)))
+            run = self._split(base, shuffle_window.default_budget(self.settings.memory_budget))
             it = run_split_epoch(self.dataset, self.settings, run, coordinator, self._carry, self._reconnect)
         self._run, self._stalls, self._iterator = it.run, it.stalls, weakref.ref(it)
         return it
+
+    def _split(self, base: PipelineRun, budget: int) -> Any:
+        """The job's cut of ``base`` (what the epoch has left), the same on every rank."""
+        sizes = sizes_of(self.dataset.source, base.epoch, base.epoch_seed, self.shuffle)
+        window = shuffle_window.split_window(self.settings.window, base, self.dataset.source, budget)
+        run = plan_split(base, sizes, rows_changing(self.dataset.ops), self.batch_size, self.world.world_size,
+                         self.world.rank, self.settings.drop_last, window)
+        if run.plan.narrowed:
+            shuffle_window.warn_once(self.dataset, narrowed_note(self.settings.window, run.plan.widest,
+                                                                 len(base.order)))
+        return run
 
 
 def _accelerator() -> bool:

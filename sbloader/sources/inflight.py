@@ -136,6 +136,12 @@ class Gauge:
             p, self.peak = self.peak, self.now
             return p
 
+    def forget(self) -> None:
+        """(A forked child) None of the parent's requests is this process's: nothing in flight, a new lock."""
+        self._cond = threading.Condition()
+        self.now = self.peak = 0
+        self._by_key = {}
+
 
 GAUGE = Gauge(env_cap())
 
@@ -174,6 +180,21 @@ class ByteBudget:
 BYTES = ByteBudget()
 _POOL: list[ThreadPoolExecutor] = []
 _POOL_LOCK = threading.Lock()
+
+
+def _after_fork() -> None:
+    """A forked child (a local worker process of a native epoch's start) has none of its parent's
+    threads: the fetch pool (whose threads it would wait for forever), the requests and bytes the
+    parent had in flight, and the locks other threads may have held at the fork are made anew."""
+    global _POOL_LOCK
+    _POOL.clear()
+    _POOL_LOCK = threading.Lock()
+    GAUGE.forget()
+    BYTES._lock = threading.Lock()
+    BYTES.held = BYTES.peak = 0
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def pool(workers: int) -> ThreadPoolExecutor:

@@ -416,3 +416,24 @@ def test_resumed_mid_epoch_from_a_bucket_every_sample_once(ray_session, bucket, 
 
     _server().proxy.inject("503", 2)
     check_resume_everywhere(make, ids, key="cls", resume_world_sizes=(2,), same_order=True, steps=[3])
+
+
+def test_a_native_epoch_from_a_bucket_starts_on_rays_workers_not_on_forked_ones(ray_session, bucket, tmp_path,
+                                                                               monkeypatch):
+    """The WebDataset's indexes are read here as the dataset is made: the object client's async runtime then
+    runs in this process, and a worker forked from it would wait for its first request forever (issue #44's
+    local start found it, split across ranks). A source of remote objects starts on Ray's workers."""
+    pytest.importorskip("webdataset")
+    from sbloader.loaders import local_start
+    from sbloader.loaders.split_start import SPLIT_LOCAL_ENV
+    from wds_shards import write_shards
+
+    write_shards(str(tmp_path / "fk"), shards=2, per_shard=6, images=False)
+    _upload(bucket, str(tmp_path / "fk"), "forked")
+    monkeypatch.setenv(local_start.HANDOVER_AT_ENV, "1")  # a local start forced wherever one may run
+    monkeypatch.setenv(SPLIT_LOCAL_ENV, "2")
+    ds = sbloader.read_webdataset(f"s3://{BUCKET}/forked/train-{{000000..000001}}.tar", samples_per_partition=3,
+                                  cache=False)
+    loader = ds.to_dataloader(4, shuffle=True, seed=5)
+    assert sorted(int(c) for b in loader for c in b["cls"]) == sorted(s * 1000 + i for s in range(2) for i in range(6))
+    assert loader.stats().local_partitions == 0

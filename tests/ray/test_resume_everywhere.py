@@ -51,8 +51,10 @@ def test_the_native_loader_in_one_process(ray_session, window):
                             same_order=True)
 
 
-def test_the_native_loader_split_across_ranks(ray_session):
-    check_resume_everywhere(_native(shuffle_window=3), list(range(N)), key="id", world_size=2,
+@pytest.mark.parametrize("local", [True, False])
+def test_the_native_loader_split_across_ranks(ray_session, local):
+    """``local``: each rank's first batches made here (the whole of this small epoch), or the coordinator's."""
+    check_resume_everywhere(_native(shuffle_window=3, local_start=local), list(range(N)), key="id", world_size=2,
                             resume_world_sizes=(1, 3), same_order=True, steps=[0, 1, 2, 3])
 
 
@@ -97,7 +99,8 @@ def test_a_block_whose_fetch_does_not_end_is_read_through_the_coordinator(ray_se
 
     monkeypatch.setattr(pipeline_client, "_get_block", get_block)
     with caplog.at_level("WARNING", logger="sbloader.distributed.pipeline_client"):
-        taken, _ = run_ranks(_native(shuffle_window=3), 2, "fetch-stuck", "id")
+        # the coordinator's blocks from the first batch on (no local start: issue #44's native split start)
+        taken, _ = run_ranks(_native(shuffle_window=3, local_start=False), 2, "fetch-stuck", "id")
     assert sorted(i for t in taken for i in t.ids) == list(range(N))
     assert len(taken[0].batches) == len(taken[1].batches)
     assert len(stuck) == 3

@@ -76,6 +76,9 @@ def main() -> None:
         for step, batch in enumerate(loader, start=1):
             ids.append([int(i) for i in batch["id"]])
             if rank == 0 and epoch == 0 and step == args.kill_at:
+                deadline = time.monotonic() + 120  # the first batches may be made locally while it is found
+                while coordinator_of(loader, args.mode) is None and time.monotonic() < deadline:
+                    time.sleep(0.1)
                 info = ray.get(coordinator_of(loader, args.mode).process_info.remote())
                 os.kill(info["pid"], signal.SIGKILL)  # the actor's process only: its node lives on
                 log["killed_pid"] = info["pid"]

@@ -125,6 +125,35 @@ def test_a_resumed_cut_continues_the_uninterrupted_one() -> None:
     assert absolute(rest, done) == absolute(whole, {})[k:]
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_the_rest_after_every_ranks_first_k_is_the_uninterrupted_plan_on_every_world_size(seed: int) -> None:
+    """A native split epoch's local start (``loaders/native_split_start.py``): each rank cuts its first ``k``
+    batches by itself, then the coordinator cuts what is left from there. At every ``k``, with windows of
+    partitions and of rows, padding and ``drop_last``, that rest is the uninterrupted plan's rest."""
+    import random
+
+    from sbloader.core.window import Window
+
+    rnd = random.Random(seed)
+    rows = [rnd.randint(1, 40) for _ in range(rnd.randint(1, 12))]
+    bs, world = rnd.randint(1, 16), rnd.randint(1, 4)
+    window = rnd.choice([rnd.randint(1, 4), Window(cap=rnd.randint(20, 120), unit="rows")])
+    drop_last = rnd.random() < 0.3
+    whole = cut_plan(rows, bs, world, drop_last, window, epoch_seed=seed)
+    for k in range(whole.per_rank + 1):
+        done = consumed_after(whole, k)
+        keys = [i for i in range(len(rows)) if rows[i] - done.get(i, 0) > 0]
+        rest = cut_plan([rows[i] - done.get(i, 0) for i in keys], bs, world, drop_last, window, epoch_seed=seed,
+                        first_index=k * world, weights=[rows[i] for i in keys])
+
+        def absolute(b, key, off):
+            return (tuple((key(p.key), off(p.key) + p.start, off(p.key) + p.stop) for p in b.pieces), b.pad)
+
+        want = [absolute(b, lambda x: x, lambda x: 0) for b in whole.batches[k * world:]]
+        got = [absolute(b, lambda x: keys[x], lambda x: done.get(keys[x], 0)) for b in rest.batches]
+        assert got == want, (k, rows, bs, world, window)
+
+
 def test_last_use_and_progress_release_a_partition_once_every_rank_is_past_it() -> None:
     plan = cut_plan([64] * 6, 32, 2, False, 2, epoch_seed=0)
     uses = last_use(plan)

@@ -160,3 +160,34 @@ def test_two_s3_datasets_in_one_process_counted_at_the_lean_s3_server(s3_server,
     peak = proxy.peak_in_flight
     assert (peak["inflight47/a"], peak["all"]) == (2, 5) and peak["inflight47/b"] >= 3
     assert proxy.counts[("GET", "object")] == 2 * N  # one GET per object
+
+
+def test_a_forked_child_has_its_own_fetch_pool_and_nothing_in_flight():
+    """A local worker forked from a process whose fetch pool's threads were all started (and whose
+    requests and bytes were in flight) gets a new pool and empty counts: the parent's executor would
+    queue its work for threads the child does not have, for good."""
+    import os
+    import threading
+
+    from sbloader.sources import inflight
+
+    ex = inflight.pool(2)
+    gate = threading.Event()
+    busy = [ex.submit(gate.wait, 30) for _ in range(2)]  # both threads started (then idle again)
+    gate.set()
+    [f.result() for f in busy]
+    inflight.BYTES.take(100, 1000)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: answers within 5 s, or its parent reads a timeout
+        try:
+            got = inflight.pool(2).submit(lambda: 7).result(timeout=5)
+            ok = got == 7 and inflight.BYTES.held == 0 and inflight.GAUGE.now == 0 and inflight.pool(2) is not ex
+            os.write(w, b"ok" if ok else b"bad")
+        except BaseException as e:  # noqa: BLE001 - reported through the pipe
+            os.write(w, repr(e).encode()[:200])
+        os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    inflight.BYTES.give(100)
+    assert os.read(r, 300) == b"ok"
