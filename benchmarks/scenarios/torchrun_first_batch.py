@@ -5,7 +5,8 @@ embedded Ray starts in the job) with ``seed=0`` and the split's local start (eac
 batches from its own forked workers, issue #44), the same without it
 (``SBLOADER_SPLIT_LOCAL_BATCHES=0``: the coordinator's from the first batch), and unseeded (each
 rank's shuffle is its own draw, so the ranks wait for rank 0's at the coordinator), against
-torch's DataLoader over a ``DistributedSampler``. The figure: the
+torch's DataLoader over a ``DistributedSampler``; and a native pipeline's ``to_dataloader(32, shuffle=True,
+seed=0)`` with and without its split local start. The figure: the
 job's first step, the slowest rank's seconds from its import to its first batch (DDP's first
 step waits for every rank); the whole epoch's seconds beside it."""
 from __future__ import annotations
@@ -24,7 +25,7 @@ from benchmarks.harness import ROOT, Outcome, Plan, run_interleaved
 ORDER = 6
 TITLE = "torchrun, 2 ranks: import to the job's first batch"
 PARAMS = {"rows": 20000, "rounds": 3, "leave_out": []}
-QUICK = {"rows": 4000, "rounds": 3, "leave_out": ["sbloader unseeded"]}  # report --quick: 2 rounds in its share
+QUICK = {"rows": 4000, "rounds": 3, "leave_out": ["sbloader unseeded", "sbloader native seed=0, no local start"]}  # report --quick: 2 rounds in its share
 SCRIPT = """
 import json, os, sys, time
 t0 = time.perf_counter()
@@ -35,6 +36,9 @@ if kind == "torch":
     dist.init_process_group("gloo")
     data = list(range({rows}))
     loader = DataLoader(data, batch_size=32, sampler=DistributedSampler(data, shuffle=True), num_workers=2)
+elif kind == "native":
+    import sbloader
+    loader = sbloader.range({rows}, rows_per_partition=500).to_dataloader(32, shuffle=True, seed=0)
 else:
     import sbloader
     seed = 0 if kind == "sbloader_seed" else None
@@ -43,14 +47,16 @@ first, n = None, 0
 for batch in loader:
     if first is None:
         first = time.perf_counter() - t0
-    n += len(batch)
+    n += len(batch["id"]) if kind == "native" else len(batch)
 rank = int(os.environ["RANK"])
 with open(os.path.join(out, f"rank{{rank}}.json"), "w") as f:
     json.dump({{"first_batch_s": first, "epoch_s": time.perf_counter() - t0, "rows": n}}, f)
 """
 CONTENDERS = {"sbloader seed=0": ("sbloader_seed", {}),
               "sbloader seed=0, no local start": ("sbloader_seed", {"SBLOADER_SPLIT_LOCAL_BATCHES": "0"}),
-              "sbloader unseeded": ("sbloader", {}), "torch": ("torch", {})}
+              "sbloader unseeded": ("sbloader", {}), "torch": ("torch", {}),
+              "sbloader native seed=0": ("native", {}),
+              "sbloader native seed=0, no local start": ("native", {"SBLOADER_SPLIT_LOCAL_BATCHES": "0"})}
 
 
 def plan(**p: Any) -> Plan:
