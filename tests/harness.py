@@ -66,6 +66,27 @@ def ids_of(batch: Any, key: str) -> list:
     return [int(i) for i in ids]
 
 
+def in_rank_threads(rank_loop: Callable[[int], None], world_size: int, timeout: float = 240.0) -> None:
+    """``rank_loop(rank)`` for every rank, each in a thread; the first rank's error raised here, and a
+    rank still running after ``timeout`` seconds is a failure."""
+    errors: list = []
+
+    def guarded(rank: int) -> None:
+        try:
+            rank_loop(rank)
+        except BaseException as e:  # noqa: BLE001 - raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(r,), daemon=True) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    if errors:
+        raise errors[0]
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+
+
 def run_ranks(make: MakeLoader, world_size: int, name: str, key: str, take: Optional[int] = None,
               state: Optional[dict] = None, timeout: float = 240.0,
               then_next: bool = False) -> tuple[list[Taken], Optional[dict]]:

@@ -7,13 +7,12 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import threading
 
 import numpy as np
 import pytest
 
 import sbloader
-from harness import check_resume_everywhere, free_coordinators
+from harness import check_resume_everywhere, free_coordinators, in_rank_threads
 from sbloader.loaders import local_start
 from sbloader.loaders.split_start import SPLIT_LOCAL_ENV
 
@@ -51,31 +50,22 @@ def epoch(world_size: int, take=None, state=None) -> tuple[list, list]:
     name = f"nss{next(_NAMES)}"
     out: list = [None] * world_size
     states: list = [None]
-    errors: list = []
 
     def rank_loop(rank: int) -> None:
-        try:
-            loader = make(rank, world_size, name)
-            if state is not None:
-                loader.load_state_dict(json.loads(json.dumps(state)))
-            got = []
-            for b in itertools.islice(loader, take) if take is not None else loader:
-                got.append({c: np.asarray(v).tolist() for c, v in b.items()})
-            if rank == 0 and take is not None:
-                states[0] = json.loads(json.dumps(loader.state_dict()))
-            out[rank] = got
-        except BaseException as e:  # noqa: BLE001 - raised below
-            errors.append(e)
+        loader = make(rank, world_size, name)
+        if state is not None:
+            loader.load_state_dict(json.loads(json.dumps(state)))
+        got = []
+        for b in itertools.islice(loader, take) if take is not None else loader:
+            got.append({c: np.asarray(v).tolist() for c, v in b.items()})
+        if rank == 0 and take is not None:
+            states[0] = json.loads(json.dumps(loader.state_dict()))
+        out[rank] = got
 
-    threads = [threading.Thread(target=rank_loop, args=(r,), daemon=True) for r in range(world_size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(240)
-    free_coordinators(name)
-    if errors:
-        raise errors[0]
-    assert not any(t.is_alive() for t in threads), "a rank hung"
+    try:
+        in_rank_threads(rank_loop, world_size)
+    finally:
+        free_coordinators(name)
     return out, states[0]
 
 

@@ -7,37 +7,26 @@ Ranks run in threads of this process (``rank``/``world_size`` given to the loade
 from __future__ import annotations
 
 import os
-import threading
 
 import pytest
 
 import sbloader
-from harness import IdsLoader, Tagged, check_resume_everywhere
+from harness import IdsLoader, Tagged, check_resume_everywhere, in_rank_threads
 from sbloader.loaders import split_start
 from sbloader.loaders.dropin_state import plan_run
 
 
 def both_ranks(name, world_size=2, **kw):
     """Every rank's batches of one epoch (threads), and each rank's loader."""
-    out, loaders, errors = [None] * world_size, [None] * world_size, []
+    out, loaders = [None] * world_size, [None] * world_size
 
     def rank_loop(rank):
-        try:
-            args = {"batch_size": 4, "shuffle": True, "seed": 7, "num_workers": 2, **kw}
-            loaders[rank] = sbloader.DataLoader(Tagged(30), rank=rank, world_size=world_size, name=name,
-                                                job_id="split-start", **args)
-            out[rank] = list(loaders[rank])
-        except BaseException as e:  # noqa: BLE001 - raised below
-            errors.append(e)
+        args = {"batch_size": 4, "shuffle": True, "seed": 7, "num_workers": 2, **kw}
+        loaders[rank] = sbloader.DataLoader(Tagged(30), rank=rank, world_size=world_size, name=name,
+                                            job_id="split-start", **args)
+        out[rank] = list(loaders[rank])
 
-    threads = [threading.Thread(target=rank_loop, args=(r,), daemon=True) for r in range(world_size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(240)
-    if errors:
-        raise errors[0]
-    assert not any(t.is_alive() for t in threads), "a rank hung"
+    in_rank_threads(rank_loop, world_size)
     return out, loaders
 
 
