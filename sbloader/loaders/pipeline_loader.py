@@ -135,6 +135,7 @@ class PipelineLoader:
         self._iterator: Optional[weakref.ref] = None
         self._resume: Optional[dict] = None
         self._coordinator: Any = None
+        self._split_epochs = 0  # split epochs begun: only the first may start locally (alike on every rank)
         if local_start and self.world.world_size == 1:  # Ray starts (or is joined) now, in the background
             from sbloader.runtime import background
 
@@ -257,7 +258,7 @@ class PipelineLoader:
         base = self._start_run()
         if self.world.world_size == 1:
             it = local_epoch(self.dataset, self.settings, base, self._carry)
-        elif self._coordinator is None and native_split_start.enabled(
+        elif self._first_split() and native_split_start.enabled(
                 self.dataset, self.settings, base, self.seed is not None, self._carry.actor_cache is not None):
             budget = native_start.budget_before_ray(self.settings.memory_budget)  # the embedded Ray's, or given
             run = self._split(base, budget)
@@ -270,6 +271,12 @@ class PipelineLoader:
             it = run_split_epoch(self.dataset, self.settings, run, coordinator, self._carry, self._reconnect)
         self._run, self._stalls, self._iterator = it.run, it.stalls, weakref.ref(it)
         return it
+
+    def _first_split(self) -> bool:
+        """Whether this is the loader's first split epoch (counted here, never read from the background
+        coordinator lookup, whose timing differs between ranks: every rank must decide alike)."""
+        self._split_epochs += 1
+        return self._split_epochs == 1
 
     def _split(self, base: PipelineRun, budget: int) -> Any:
         """The job's cut of ``base`` (what the epoch has left), the same on every rank."""
