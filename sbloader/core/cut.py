@@ -25,6 +25,7 @@ from typing import Hashable, Optional, Sequence, Union
 import numpy as np
 
 from sbloader.core.block import PADDING_KEY, ROW_COLUMN, Batch, concat, make_batch, slice_block
+from sbloader.core.errors import SbloaderError
 from sbloader.core.plan import cut_counts
 from sbloader.core.split import split_epoch
 from sbloader.core.window import Window, ramp_partitions, ramp_rows
@@ -301,6 +302,16 @@ def progress(consumed: Sequence[int]) -> int:
 def places(b: BatchCut) -> tuple[Piece, ...]:
     """The pieces a batch takes rows from: its real ones, then the one its padding repeats."""
     return b.pieces + ((b.pad_piece,) if b.pad_piece is not None else ())
+
+
+def checked_rows(block: dict, pid: int, expect: int) -> dict:
+    """The block of partition ``pid``, once it holds the ``expect`` rows the plan counted (an operator
+    that changed the row count is an error: the ranks' batches were cut from those counts)."""
+    n = len(block[ROW_COLUMN]) if ROW_COLUMN in block else 0
+    if n != expect:
+        raise SbloaderError(f"partition {pid} gave {n} rows where the plan counted {expect}: split across ranks, "
+                            "a native pipeline's operators must keep one output row per input row")
+    return block
 
 
 def assemble(b: BatchCut, pids: Sequence[int], epoch: int, blocks: dict, offset: dict) -> Batch:

@@ -18,8 +18,8 @@ from typing import Any, Callable, Iterator, Optional, Protocol
 
 import ray
 
-from sbloader.core.block import ROW_COLUMN, Batch
-from sbloader.core.cut import CutPlan, assemble, last_use, places
+from sbloader.core.block import Batch
+from sbloader.core.cut import CutPlan, assemble, checked_rows, last_use, places
 from sbloader.core.errors import SbloaderError
 from sbloader.core.plan import EpochPlan
 from sbloader.distributed.specs import PartitionEpochSpec
@@ -235,16 +235,9 @@ def _call(send: Any, patience_s: float = 30.0) -> Any:
 
 
 def _checked(block: dict, pid: int, run: Any, offset: dict) -> dict:
-    """The block, once its row count is the plan's (an operator that dropped rows is an error)."""
-    n = len(block[ROW_COLUMN]) if ROW_COLUMN in block else 0
+    """The block, once its row count is the plan's (:func:`~sbloader.core.cut.checked_rows`)."""
     place = run.pids.index(pid)
-    expect = offset[place] + run.rows[place]
-    if n != expect:
-        raise SbloaderError(
-            f"partition {pid} gave {n} rows where the plan counted {expect}: split across ranks, a native "
-            "pipeline's operators must keep one output row per input row"
-        )
-    return block
+    return checked_rows(block, pid, offset[place] + run.rows[place])
 
 
 def report_done(coord: Any, run: Any, spec: Optional[PartitionEpochSpec]) -> None:

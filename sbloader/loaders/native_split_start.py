@@ -32,13 +32,12 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-from sbloader.core.block import ROW_COLUMN
-from sbloader.core.cut import assemble, places
-from sbloader.core.errors import SbloaderError
+from sbloader.core.cut import assemble, checked_rows, places
 from sbloader.core.plan import EpochPlan
 from sbloader.core.stats import StallStats
 from sbloader.loaders import native_start
 from sbloader.loaders.epoch import Delivery, EpochIterator
+from sbloader.loaders.pipeline_epoch import device_copy, open_split
 from sbloader.loaders.pipeline_run import PipelineRun, SplitRun
 from sbloader.loaders.split_start import SPLIT_LOCAL_ENV
 from sbloader.loaders.tensors import columns_as_tensors
@@ -102,16 +101,8 @@ def _needed(run: SplitRun, k: int) -> tuple[list, dict]:
     return order, last
 
 
-def _checked(block: dict, pid: int, expect: int) -> dict:
-    n = len(block[ROW_COLUMN]) if ROW_COLUMN in block else 0
-    if n != expect:
-        raise SbloaderError(f"partition {pid} gave {n} rows where the plan counted {expect}: split across ranks, "
-                            "a native pipeline's operators must keep one output row per input row")
-    return block
-
-
-def split_start_epoch(loader: Any, run: SplitRun, k: int, rest_of: Callable[[PipelineRun], SplitRun],
-                      open_rest: Callable[..., tuple]) -> EpochIterator:
+def split_start_epoch(loader: Any, run: SplitRun, k: int,
+                      rest_of: Callable[[PipelineRun], SplitRun]) -> EpochIterator:
     """This rank's share of a split epoch: its first ``k`` batches made here, then the coordinator's.
 
     Args:
@@ -120,7 +111,6 @@ def split_start_epoch(loader: Any, run: SplitRun, k: int, rest_of: Callable[[Pip
         run: the rank's split of the epoch (the whole plan).
         k: batches made locally (:func:`local_count`).
         rest_of: the split of what is left once every rank took ``k`` (``plan_split`` of that state).
-        open_rest: :func:`~sbloader.loaders.pipeline_epoch.open_split`.
     """
     pipeline, settings, carry = loader.dataset, loader.settings, loader._carry
     mine = run.plan.for_rank(run.rank)[:k]
@@ -128,8 +118,7 @@ def split_start_epoch(loader: Any, run: SplitRun, k: int, rest_of: Callable[[Pip
     offset = {place: run.base.taken.get(pid, 0) for place, pid in enumerate(run.pids)}
     expect = {pid: offset[place] + run.rows[place] for place, pid in enumerate(run.pids)}
     plan = EpochPlan(run.epoch, run.base.epoch_seed, list(run.base.order), settings.shuffle)
-    box: dict = {}
-    finder = threading.Thread(target=_find_coordinator, args=(loader, box), daemon=True,
+    finder = threading.Thread(target=_find_coordinator, args=(loader,), daemon=True,
                               name="sbloader-coordinator-start")
     finder.start()
     stalls = StallStats()
@@ -145,7 +134,7 @@ def split_start_epoch(loader: Any, run: SplitRun, k: int, rest_of: Callable[[Pip
                 for p in places(b):
                     while run.pids[p.key] not in blocks:
                         pid, block = next(made)
-                        blocks[pid] = _checked(block, pid, expect[pid])
+                        blocks[pid] = checked_rows(block, pid, expect[pid])
                         closing["made"] += 1
                 batch = assemble(b, run.pids, run.epoch, blocks, offset)
                 for pid in [pid for pid, at in last.items() if at == j]:
@@ -161,8 +150,8 @@ def split_start_epoch(loader: Any, run: SplitRun, k: int, rest_of: Callable[[Pip
         finder.join()
         coordinator = loader._split_coordinator()  # the background's error, if any, raised here
         phases.rest = rest_of(run.progress(k))
-        batches, closing["closed"] = open_rest(pipeline, settings, phases.rest, coordinator, carry,
-                                               loader._reconnect, stalls)
+        batches, closing["closed"] = open_split(pipeline, settings, phases.rest, coordinator, carry,
+                                                loader._reconnect, stalls)
         yield from batches
 
     def closed() -> None:
@@ -172,18 +161,13 @@ def split_start_epoch(loader: Any, run: SplitRun, k: int, rest_of: Callable[[Pip
             carry.stats.local_partitions += closing["made"]
 
     return EpochIterator(produce(), phases, ahead=max(1, settings.prefetch_blocks), stalls=stalls,
-                         to_device=_device_copy(settings), on_close=closed)
+                         to_device=device_copy(settings), on_close=closed)
 
 
-def _find_coordinator(loader: Any, box: dict) -> None:
+def _find_coordinator(loader: Any) -> None:
     """In the background: Ray up, the job's coordinator found or created."""
     try:
         loader._split_coordinator()
-    except Exception as exc:  # the fetch thread asks again after the local batches, and raises it there
-        box["error"] = exc
+    except Exception:  # the fetch thread asks again after the local batches, and raises it there
+        pass
 
-
-def _device_copy(settings: Any) -> Any:
-    from sbloader.loaders.tensors import DeviceCopy
-
-    return DeviceCopy(settings.device, settings.tensors.pin) if settings.device is not None else None

@@ -164,19 +164,26 @@ def _identity(x: Any) -> Any:
     return x
 
 
-def make_locally(pipeline: Any, plan: EpochPlan, pids: list) -> Iterator[tuple[int, Block]]:
-    """Partitions ``pids`` of ``plan`` made on local worker processes (as a Ray task makes each: read,
-    row shuffle, then every operator), yielded in that order; a partition that failed raises its error.
-    The workers are shut down when the iteration ends or is closed."""
+def _fork_workers(pipeline: Any, plan: EpochPlan, sampler: Any, workers: int) -> Any:
+    """torch's multiprocessing iterator over ``_Partitions`` of ``plan``: ``workers`` processes forked here
+    (behind a :class:`~sbloader.loaders.fork_safe.ForkGate`) make the partitions ``sampler`` hands out, each
+    as ``(block, meta, sizes)``; the trainer's RNG untouched."""
     import torch
     from sbloader.loaders.torch_loader import torch_loader
 
     loader = torch_loader()(_Partitions(pipeline.source, tuple(pipeline.ops), plan), batch_size=None,
-                            sampler=ForkGate().wrap(list(pids)), num_workers=max(1, min(local_workers(), len(pids))),
-                            collate_fn=_identity, multiprocessing_context="fork",
+                            sampler=ForkGate().wrap(sampler), num_workers=workers, collate_fn=_identity,
+                            multiprocessing_context="fork",
                             generator=torch.Generator().manual_seed(plan.epoch_seed % 2**63))
     with loader.sampler.gate.forking(("sbloader.core.errors", "sbloader.executor.tasks")):
-        it: Any = iter(loader)
+        return iter(loader)  # forks the workers and hands out the first partitions
+
+
+def make_locally(pipeline: Any, plan: EpochPlan, pids: list) -> Iterator[tuple[int, Block]]:
+    """Partitions ``pids`` of ``plan`` made on local worker processes (as a Ray task makes each: read,
+    row shuffle, then every operator), yielded in that order; a partition that failed raises its error.
+    The workers are shut down when the iteration ends or is closed."""
+    it = _fork_workers(pipeline, plan, list(pids), max(1, min(local_workers(), len(pids))))
     try:
         for pid in pids:
             block, got, _ = next(it)
@@ -223,9 +230,6 @@ class PhasedExecution:
 
     def __init__(self, pipeline: Any, plan: EpochPlan, start_rest: Callable[[EpochPlan], Any], budget: int,
                  on_started: Callable[[ExecutionStats], None]) -> None:
-        import torch
-        from sbloader.loaders.torch_loader import torch_loader
-
         from sbloader.executor.stages import build_stages
 
         self.plan, self._start, self._on_started = plan, start_rest, on_started
@@ -234,12 +238,7 @@ class PhasedExecution:
             pipeline.source.name, list(pipeline.ops))], memory_budget=budget)
         self._executor: Any = None
         self._handout = _Handout(list(plan.order), local_start.forced_handover())
-        loader = torch_loader()(_Partitions(pipeline.source, tuple(pipeline.ops), plan), batch_size=None,
-                            sampler=ForkGate().wrap(self._handout), num_workers=local_workers(), collate_fn=_identity,
-                            multiprocessing_context="fork",
-                            generator=torch.Generator().manual_seed(plan.epoch_seed % 2**63))  # the trainer's RNG untouched
-        with loader.sampler.gate.forking(("sbloader.core.errors", "sbloader.executor.tasks")):
-            self._local: Any = iter(loader)  # forks the workers and hands out the first partitions
+        self._local: Any = _fork_workers(pipeline, plan, self._handout, local_workers())
 
     def _start_rest(self) -> None:
         at = self._handout.stopped_at

@@ -112,7 +112,8 @@ def epoch_plan(source: Source, epoch: int, epoch_seed: int, shuffle: bool) -> Ep
     return make_epoch_plan(ids, epoch, epoch_seed, shuffle)
 
 
-def _device_copy(settings: PipelineSettings) -> Optional[DeviceCopy]:
+def device_copy(settings: PipelineSettings) -> Optional[DeviceCopy]:
+    """The copy of each batch to the loop's device (None: batches stay on the CPU)."""
     return DeviceCopy(settings.device, settings.tensors.pin) if settings.device is not None else None
 
 
@@ -180,7 +181,7 @@ def local_epoch(pipeline: Pipeline, settings: PipelineSettings, run: PipelineRun
             carry.counted_rows = carry.stats.operators[-1].rows
 
     return EpochIterator(produce(), run, ahead=max(1, settings.prefetch_blocks), stalls=stalls,
-                         to_device=_device_copy(settings), wake=executor.shutdown, on_close=closed,
+                         to_device=device_copy(settings), wake=executor.shutdown, on_close=closed,
                          pace=lambda seconds: pace.add(seconds, settings.batch_size))
 
 
@@ -194,7 +195,7 @@ def split_epoch(pipeline: Pipeline, settings: PipelineSettings, run: SplitRun, c
     stalls = StallStats()
     produce, closed = open_split(pipeline, settings, run, coordinator, carry, reconnect, stalls)
     return EpochIterator(produce, run, ahead=max(1, settings.prefetch_blocks), stalls=stalls,
-                         to_device=_device_copy(settings), on_close=closed)
+                         to_device=device_copy(settings), on_close=closed)
 
 
 def open_split(pipeline: Pipeline, settings: PipelineSettings, run: SplitRun, coordinator: Any, carry: Carry,

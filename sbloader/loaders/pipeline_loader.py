@@ -26,7 +26,7 @@ from sbloader.loaders import native_split_start, native_start, shuffle_window
 from sbloader.loaders.batching import window_of
 from sbloader.loaders.epoch import EpochIterator
 from sbloader.loaders.pipeline_epoch import (Carry, Pipeline, PipelineSettings, epoch_plan, local_epoch,
-                                             narrowed_note, open_split, sizes_of, split_epoch as run_split_epoch)
+                                             narrowed_note, sizes_of, split_epoch as run_split_epoch)
 from sbloader.loaders.pipeline_run import PipelineRun, plan_split
 from sbloader.loaders.tensors import TensorOptions
 from sbloader.runtime.world import World
@@ -263,7 +263,7 @@ class PipelineLoader:
             budget = native_start.budget_before_ray(self.settings.memory_budget)  # the embedded Ray's, or given
             run = self._split(base, budget)
             it = native_split_start.split_start_epoch(self, run, native_split_start.local_count(run.plan.per_rank),
-                                                      lambda rest: self._split(rest, budget), open_split)
+                                                      lambda rest: self._split(rest, budget))
         else:
             coordinator = self._split_coordinator()  # joins the job's Ray: the default budget reads it
             base = self._job_seed(base, coordinator)

@@ -176,6 +176,11 @@ class ByteBudget:
         with self._lock:
             self.held -= nbytes
 
+    def forget(self) -> None:
+        """(A forked child) None of the parent's bytes is this process's: nothing held, a new lock."""
+        self._lock = threading.Lock()
+        self.held = self.peak = 0
+
 
 BYTES = ByteBudget()
 _POOL: list[ThreadPoolExecutor] = []
@@ -190,8 +195,7 @@ def _after_fork() -> None:
     _POOL.clear()
     _POOL_LOCK = threading.Lock()
     GAUGE.forget()
-    BYTES._lock = threading.Lock()
-    BYTES.held = BYTES.peak = 0
+    BYTES.forget()
 
 
 os.register_at_fork(after_in_child=_after_fork)
