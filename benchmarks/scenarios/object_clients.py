@@ -18,6 +18,7 @@ from benchmarks.harness import Outcome, Plan, run_interleaved
 from ._common import DATA, jpeg_paths, missing_peers
 
 ORDER = 51
+REPORT = False  # a component figure (which client the hot path uses), not a first contact: `report --all`
 TITLE = "Object clients at 0/20/100 ms per request (the hot-path choice)"
 PARAMS = {"objects": 1000, "latencies_ms": [0, 20, 100], "in_flight": 64, "rounds": 3}
 QUICK = {"objects": 384, "latencies_ms": [20]}
