@@ -15,7 +15,7 @@ import json
 import sys
 import time
 
-from .harness import machine, report, scenario
+from .harness import machine, procs, report, scenario
 
 
 def _log(s: str) -> None:
@@ -64,7 +64,11 @@ def cmd_report(a: argparse.Namespace) -> int:
     command = machine.command_line()
     sections, pngs = [], {}
     budget = a.budget_s
+    if not procs.adopt_orphans():  # what a scenario leaves running is re-parented here, so we can wait for it
+        _log("-- prctl(PR_SET_CHILD_SUBREAPER) failed: what a scenario leaves running is not waited for")
     for i, n in enumerate(todo):
+        # the previous scenario's Ray daemons and workers, cluster, servers: gone before this one starts
+        leftover = report.wait_for_leftovers(_log) if i else None
         left = budget - (time.monotonic() - t0)
         # a fair share of what is left (no new round after it; at least one round runs)
         share = max(30.0, left / (len(todo) - i)) if budget else a.timeout_s
@@ -80,6 +84,8 @@ def cmd_report(a: argparse.Namespace) -> int:
             mod = scenario.load(n)
             sec = report.failed_section(n, mod.TITLE, status, err,
                                         scenario.command_for(n, a.quick, {}), m)
+        if leftover:
+            sec["notes"] = [leftover] + list(sec.get("notes") or [])
         sections.append(sec)
     text = report.report_markdown(sections, command, m, pngs, time.monotonic() - t0)
     out = machine.RESULTS_DIR / "REPORT.md"

@@ -2,7 +2,8 @@
 /work/shared/BENCHMARKING.md), split by concern:
 
 - :mod:`.machine`: machine, versions, date, command, commit; Ray workers' import path.
-- :mod:`.procs`: the process tree and what /proc says about it (CPU ticks, PSS, classes).
+- :mod:`.procs`: the process tree and what /proc says about it (CPU ticks, PSS, classes); what a
+  finished scenario left running (``left_behind``, ``wait_gone``).
 - :mod:`.load`: the machine's load (/proc/stat, /proc/loadavg) and the quiet-round mark.
 - :mod:`.measure`: one measured run (wall, first item, peak PSS, CPU by class, others' load).
 - :mod:`.rounds`: interleaving, medians with min–max, calibrations, pausing the idle.
@@ -14,8 +15,9 @@ from .load import QUIET_OUTSIDE_FRAC, LoadWindow, cpu_account, is_quiet, load_li
 from .machine import (BENCH_DIR, RESULTS_DIR, ROOT, command_line, git_state, machine_info, ray_worker_env,
                       version)
 from .measure import Measurement, ObjectStoreSampler, Result, TreeSampler, measure
-from .procs import (CLASSES, CLK_TCK, ProcTree, _ppid_map, _read_stat, classify, cmdline, descendants,
-                    is_ray_process, pss_bytes, ray_session_roots, reaped_children_ticks, snapshot)
+from .procs import (CLASSES, CLK_TCK, ProcTree, _ppid_map, _read_stat, adopt_orphans, classify, cmdline, descendants,
+                    is_ray_process, left_behind, pss_bytes, ray_session_roots, reap, reaped_children_ticks, snapshot,
+                    wait_gone)
 from .render import markdown_table, mib, publish, pyplot, ratio_words, save_figure, write_results
 from .rounds import (cpu_ms_per_item, fmt_range, interleave, interleave_order, median, paused, quiet, summarize,
                      timed_calls, wait_quiet)

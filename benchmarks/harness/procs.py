@@ -3,6 +3,7 @@ no psutil): CPU ticks, PSS, command lines, the process tree, Ray's own processes
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional
@@ -57,6 +58,15 @@ def cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
         return ""
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (exited, waiting for its parent to reap it)."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return False
+    return raw[raw.rfind(b")") + 2:][:1] not in (b"Z", b"X")
 
 
 def _ppid_map() -> dict[int, int]:
@@ -212,3 +222,51 @@ def snapshot(tree: Optional[ProcTree] = None, keep: Optional[Callable[[int], boo
     }
 
 
+# ----- what a finished scenario left behind ------------------------------------
+
+def adopt_orphans() -> bool:
+    """Make this process the subreaper of its descendants (Linux ``prctl``): a process whose
+    parent exits is re-parented here, not to init, so :func:`left_behind` still finds what a
+    child started and left running (an embedded Ray's raylet, GCS, agents and ``ray::``
+    workers, whose titles hide their environment; a ``ray start`` cluster's daemons; a
+    server). True if the kernel took it. Call :func:`reap` now and then after it."""
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        return False
+
+
+def reap(keep: Iterable[int] = ()) -> int:
+    """Reap this process's exited children (the orphans it adopted), except those in ``keep``
+    (a child whose ``Popen`` waits for it); how many. Stops at the first exited one in ``keep``."""
+    n, keep = 0, set(keep)
+    while True:
+        try:
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)  # look, do not reap
+        except ChildProcessError:
+            return n
+        if info is None or info.si_pid in keep:
+            return n
+        os.waitpid(info.si_pid, 0)
+        n += 1
+
+
+def left_behind(root: Optional[int] = None) -> dict[int, str]:
+    """The running descendants of ``root`` (default: this process; not ``root`` itself), with
+    their command lines; zombies are not running."""
+    root = os.getpid() if root is None else root
+    return {pid: cmdline(pid) for pid in sorted(descendants([root]) - {root}) if _running(pid)}
+
+
+def wait_gone(find: Callable[[], Mapping[int, str]] = left_behind, timeout_s: float = 60.0,
+              poll_s: float = 0.2) -> dict[int, str]:
+    """Ask ``find`` every ``poll_s`` until it finds nothing or ``timeout_s`` passed; what it
+    found last (``{}``: all gone)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = dict(find())
+        if not found or time.monotonic() >= deadline:
+            return found
+        time.sleep(poll_s)

@@ -13,9 +13,11 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from .load import QUIET_OUTSIDE_FRAC
 from .machine import ROOT, RESULTS_DIR, machine_line, versions_line
+from .procs import left_behind, reap, wait_gone
 from .render import bar_figure, markdown_table, provenance_lines
 
 REPORT_DIR = RESULTS_DIR / "report"
+LEFTOVER_WAIT_S = 60.0  # at most this long for what the previous scenario left to exit
 
 
 def section_markdown(sec: Mapping[str, Any], png: Optional[str] = None) -> str:
@@ -133,6 +135,7 @@ def run_in_subprocess(name: str, use_quick: bool, timeout_s: float, log: Callabl
         if left <= 0:
             _kill_group(p)
             return "timeout", f"over {timeout_s + grace_s:.0f} s; last output: " + " | ".join(tail[-3:])
+        reap(keep=[p.pid])  # orphans the scenario left and that exited since (its Popen reaps it)
         if sel.select(timeout=min(left, 1.0)):
             line = p.stdout.readline()
             if not line:
@@ -141,6 +144,25 @@ def run_in_subprocess(name: str, use_quick: bool, timeout_s: float, log: Callabl
             tail = (tail + [line.rstrip()])[-20:]
     rc = p.wait()
     return ("ok", "") if rc == 0 else ("failed", f"exit status {rc}: " + " | ".join(tail[-4:]))
+
+
+def wait_for_leftovers(log: Callable[[str], None], timeout_s: float = LEFTOVER_WAIT_S) -> Optional[str]:
+    """Before the next scenario: wait (at most ``timeout_s``) until what the previous one left
+    running has exited (its Ray's daemons and ``ray::`` workers, a ``ray start`` cluster:
+    this process adopted them, :func:`procs.adopt_orphans`); a note for the next scenario's
+    section if some still run then, else None."""
+    t0 = time.monotonic()
+    left = wait_gone(left_behind, timeout_s)
+    reap()
+    if not left:
+        if time.monotonic() - t0 >= 1.0:
+            log(f"-- waited {time.monotonic() - t0:.1f} s for the previous scenario's processes to exit")
+        return None
+    names = sorted({" ".join(t.rsplit("/", 1)[-1] for t in cmd.split()[:2])[:50] or "?" for cmd in left.values()})
+    note = (f"{len(left)} process(es) the previous scenario left were still running {timeout_s:g} s after it "
+            f"ended ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}): this scenario ran beside them")
+    log(f"-- {note}")
+    return note
 
 
 def _kill_group(p: subprocess.Popen) -> None:
