@@ -127,16 +127,23 @@ def picklable(e: BaseException) -> Optional[BaseException]:
 
 
 def reraise_as_torch(err: UserFunctionError) -> None:
-    """Raise a worker's error the way torch's DataLoader does: the original type.
+    """Raise a worker's error the way torch's DataLoader does: :func:`torch_exception`."""
+    raise torch_exception(err)
+
+
+def torch_exception(err: UserFunctionError) -> BaseException:
+    """A worker's error as torch's DataLoader raises it: the original type.
 
     torch re-raises ``Caught <Type> in DataLoader worker process N. Original
     Traceback ...`` as the original exception type (RuntimeError when that type
     cannot be built from a message); user code that catches specific types keeps
-    working. The sbloader error stays attached as the cause.
+    working. The sbloader error stays attached as the cause. Built, not raised: the
+    caller raises it from its own frame (no frame of this module in a reference cycle
+    with the exception).
     """
     original = err.original
     if original is None:
-        raise err
+        return err
     exc_type = type(original)
     msg = (f"Caught {exc_type.__name__} in DataLoader worker (partition {err.partition_id}, "
            f"epoch {err.epoch}).\nOriginal {err.remote_traceback}")
@@ -145,8 +152,9 @@ def reraise_as_torch(err: UserFunctionError) -> None:
     try:
         exception = exc_type(msg)
     except Exception:
-        raise RuntimeError(msg) from err
-    raise exception from err
+        exception = RuntimeError(msg)
+    exception.__cause__ = err  # as `raise ... from err`
+    return exception
 
 
 class _KeyErrorMessage(str):

@@ -196,9 +196,14 @@ class EpochIterator:
         if self.after_batch is not None:
             self.after_batch(self.stalls.batches)
         if isinstance(d.batch, FailedBatch):  # this batch's error; the epoch goes on unless it is fatal
-            if d.batch.fatal:
+            failed, d = d.batch, None
+            if failed.fatal:
                 self.close()
-            d.batch.raise_()
+            error, failed = failed.exception(), None
+            try:  # raised from this frame, which then holds nothing of it: no cycle error -> traceback ->
+                raise error  # frame -> error keeps this iterator alive after the loop let both go
+            finally:  # (until a garbage collection: a dropped epoch's actors went back that late)
+                error = None
         return self._to_device(d.batch) if self._to_device is not None else d.batch
 
     def prime(self) -> None:
@@ -215,7 +220,11 @@ class EpochIterator:
             raise
         if isinstance(d, Delivery) and isinstance(d.batch, FailedBatch) and d.batch.fatal:
             self.close()
-            d.batch.raise_()
+            error, d = d.batch.exception(), None
+            try:  # as in __next__: nothing of the error held by this frame once raised
+                raise error
+            finally:
+                error = None
         self._primed = d
 
     def _next_delivery(self) -> Delivery:

@@ -13,7 +13,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Optional
 
-from sbloader.core.errors import UserFunctionError, picklable, reraise_as_torch
+from sbloader.core.errors import UserFunctionError, picklable, reraise_as_torch, torch_exception
 
 WORKER_INIT_FN = "worker_init_fn"
 
@@ -40,23 +40,25 @@ class FailedBatch:
         err = UserFunctionError(stage, partition_id, epoch, traceback.format_exc(), repr(e), original=picklable(e))
         return cls(err, fatal, worker)
 
-    def raise_(self) -> None:
-        """Raise the error as torch's DataLoader would: with its original type (RuntimeError where that
-        type cannot be built from a message), ``worker_init_fn``'s naming it."""
+    def exception(self) -> BaseException:
+        """The error as torch's DataLoader would raise it: with its original type (RuntimeError where
+        that type cannot be built from a message), ``worker_init_fn``'s naming it. Built, not raised:
+        the caller raises it from its own frame and drops its references after (as ``EpochIterator`` does)."""
         err = self.error
         if not isinstance(err, UserFunctionError):
-            raise err
-        if err.operator == WORKER_INIT_FN:  # torch: the original type, "Caught X in DataLoader worker process N"
-            original = err.original
-            msg = (f"Caught {type(original).__name__ if original is not None else 'an error'} in DataLoader worker "
-                   f"process {self.worker}: worker_init_fn raised {err.cause_repr}. The worker cannot load batches; "
-                   f"fix worker_init_fn (its traceback below).\nOriginal {err.remote_traceback}")
-            try:
-                exception = type(original)(msg) if original is not None else RuntimeError(msg)
-            except Exception:
-                exception = RuntimeError(msg)
-            raise exception from (original if original is not None else err)
-        reraise_as_torch(err)
+            return err
+        if err.operator != WORKER_INIT_FN:
+            return torch_exception(err)
+        original = err.original  # torch: the original type, "Caught X in DataLoader worker process N"
+        msg = (f"Caught {type(original).__name__ if original is not None else 'an error'} in DataLoader worker "
+               f"process {self.worker}: worker_init_fn raised {err.cause_repr}. The worker cannot load batches; "
+               f"fix worker_init_fn (its traceback below).\nOriginal {err.remote_traceback}")
+        try:
+            exception = type(original)(msg) if original is not None else RuntimeError(msg)
+        except Exception:
+            exception = RuntimeError(msg)
+        exception.__cause__ = original if original is not None else err  # as `raise ... from`
+        return exception
 
 
 def translate(e: BaseException) -> None:

@@ -115,7 +115,7 @@ def prestart(s: Any, carry: Any, epoch_seed: int, handover: Handover, start: int
             if s.persistent_workers:
                 cache = carry.actor_cache
             elif warm_workers.enabled():
-                cache = warm_workers.take(carry, op, s.num_workers, s.warm_key())
+                cache = warm_workers.take(carry, op, s.num_workers, s.warm_key(), settle=False)  # under the locks
             else:
                 cache = {}
             hold(s, carry)

@@ -44,6 +44,7 @@ def idle_s() -> float:
     return float(os.environ.get("SBLOADER_WARM_IDLE_S", "60"))
 
 
+DRAIN_S = 2.0  # at most this long a new pool waits for a dropped epoch's close to hand its actors over
 _IDLE_LOCK = threading.Lock()
 _IDLE: dict = {}  # key -> (actor cache, its idle timer): the warm actors of dropped loaders
 
@@ -74,18 +75,32 @@ def unpark(key: Any) -> dict:
     return entry[0]
 
 
-def _adopt(carry: Any) -> None:
+def _adopt(carry: Any, settle: bool = True) -> None:
     """An empty loader takes the process's idle actors of its key, if any: a dropped loader's, or
     those of a live loader between epochs (a loop that builds its loader each epoch holds the last
-    one until the new one is built; that one, if it iterates again, starts its own)."""
-    from sbloader.loaders.dropin_settings import _CARRIES
-
+    one until the new one is built; that one, if it iterates again, starts its own). ``settle``:
+    first let the closer finish the epochs dropped a moment ago (never under a lock an epoch's close
+    takes: :mod:`~sbloader.loaders.handover`'s prestart passes False)."""
     key = getattr(carry, "warm_key", None)
     if key is None or any(carry.warm_cache.values()):
         return
+    if _adopt_from(carry, key) or not settle:
+        return
+    from sbloader.loaders import closer
+
+    # an epoch dropped a moment ago (an iterator that raised, or was let go) hands its actors over
+    # when the closer thread closes it: wait for that close (briefly) rather than start a new pool
+    closer.drain(DRAIN_S)
+    _adopt_from(carry, key)
+
+
+def _adopt_from(carry: Any, key: Tuple) -> bool:
+    """:func:`_adopt`'s look: the idle pool's actors of ``key``, or another loader's; whether found."""
+    from sbloader.loaders.dropin_settings import _CARRIES
+
     carry.warm_cache.update(unpark(key))
     if any(carry.warm_cache.values()):
-        return
+        return True
     with _IDLE_LOCK:
         for other in list(_CARRIES):
             if other is carry or getattr(other, "warm_key", None) != key:
@@ -93,13 +108,14 @@ def _adopt(carry: Any) -> None:
             if other.dropped and not other.pool_running and any(other.actor_cache.values()):
                 _move(other.actor_cache, carry.warm_cache)  # a dropped persistent loader's, not yet handed over
                 other.held_cpus = 0.0
-                return
+                return True
             if other.dropped or other.warm_timer is None or not any(other.warm_cache.values()):
                 continue  # another key, or in an epoch (its idle countdown runs only between epochs)
             cancel(other)
             _move(other.warm_cache, carry.warm_cache)
             other.held_cpus = 0.0
-            return
+            return True
+    return False
 
 
 def _move(source: dict, target: dict) -> None:
@@ -116,14 +132,14 @@ def available(carry: Any, key: Tuple, num_workers: int) -> bool:
     return sum(len(hs) for hs in carry.warm_cache.values()) == num_workers
 
 
-def take(carry: Any, op: Any, num_workers: int, key: Optional[Tuple] = None) -> dict:
+def take(carry: Any, op: Any, num_workers: int, key: Optional[Tuple] = None, settle: bool = True) -> dict:
     """The actor cache this epoch's pool starts from: the loader's warm actors (or the process's idle
     ones of the same ``key``), each rebuilding its worker from ``op`` (fresh dataset, ``worker_init_fn``
-    again), or empty (none, or another count)."""
+    again), or empty (none, or another count). ``settle``: as :func:`_adopt`'s."""
     cancel(carry)
     if key is not None:
         carry.warm_key = key
-    _adopt(carry)
+    _adopt(carry, settle)
     cache = carry.warm_cache
     handles = [h.handle if isinstance(h, PrestartedActor) else h for hs in cache.values() for h in hs]
     if len(handles) != num_workers or not ray.is_initialized() or len(cache) != 1:

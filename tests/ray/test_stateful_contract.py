@@ -407,12 +407,15 @@ def test_a_sampler_of_lists_without_batching_runs_as_torch_and_refuses_a_checkpo
 
 def test_the_hundredth_loader_starts_as_fast_as_the_first(ray_session):
     """100 loaders in a row in one process, each taking one batch and a ``state_dict()`` and then dropped
-    (torchdata's file builds dozens): nothing a dropped loader leaves behind slows the next one, so the
-    last ten loaders' first batches come within 2x the first ten's (medians; a floor of 0.25 s for the
-    measurement's own noise)."""
+    mid-epoch (torchdata's file builds dozens), and after every third one a loader whose iterator raised:
+    nothing a dropped or failed loader leaves behind slows the next one, so the last ten loaders' first
+    batches come within 2x the first ten's (medians; a floor of 0.25 s for the measurement's own noise)."""
     firsts = []
     with bounded(300):
         for k in range(100):
+            if k % 3 == 2:
+                with pytest.raises(ValueError, match="Iteration error"):
+                    next(iter(sbloader.DataLoader(FailingItems(), num_workers=2, persistent_workers=k % 2 == 1)))
             loader = sbloader.DataLoader(Counter(40), batch_size=4, shuffle=True, num_workers=2,
                                          persistent_workers=k % 2 == 1)
             t0 = time.perf_counter()
