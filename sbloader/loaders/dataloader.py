@@ -211,6 +211,7 @@ class DataLoader(Generic[T_co]):
         self._resume: Optional[dict] = None  # a loaded state, applied by the next iteration
         self._base_seed: Optional[int] = None
         self._carry = DropinCarry()
+        self._split_epochs = 0  # split epochs begun: only the first may start locally (alike on every rank)
         self._len_reported: Optional[int] = None  # an IterableDataset's len(), once the user asked (torch's check)
         self.local_start = local_start
         if num_workers > 0:  # Ray starts (or is joined) now, in the background: the first batch never waits

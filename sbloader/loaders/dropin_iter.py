@@ -33,7 +33,8 @@ def start_epoch(loader: Any, s: DropinSettings) -> EpochIterator:
         state = loader._resume or {}
         resumed = state.get("epoch_seed") is not None or bool(state.get("empty_remainder"))  # its order
         loader._run = run = loader._start_run(w.world_size)
-        if split_start.enabled(s, carry, run, loader._seeded_sampler, resumed):
+        loader._split_epochs += 1
+        if split_start.enabled(s, loader._split_epochs == 1, run, loader._seeded_sampler, resumed):
             it = split_start.split_start_epoch(loader, s, run, w.rank)
             if s.worker_init_fn is not None:  # its error is raised by iter(), as torchdata's
                 it.prime()

@@ -54,12 +54,14 @@ def same_everywhere(run: Any, seeded: bool, resumed: bool) -> bool:
     return resumed or kind in ("sequential", "distributed") or (kind == "rng" and seeded)
 
 
-def enabled(s: Any, carry: Any, run: Any, seeded: bool, resumed: bool) -> bool:
-    """Whether this split epoch starts locally: the loader's first (no coordinator yet), in order,
-    with workers, an order every rank knows alike (:func:`same_everywhere`; ``seeded``: the loader's
-    ``seed`` shuffles its own sampler; ``resumed``: the order is a loaded state's), and local starts
-    allowed (:func:`~sbloader.loaders.local_start.enabled`)."""
-    return (s.num_workers > 0 and s.in_order and carry.coordinator is None and local_start.enabled(s)
+def enabled(s: Any, first: bool, run: Any, seeded: bool, resumed: bool) -> bool:
+    """Whether this split epoch starts locally: the loader's ``first`` split epoch (counted by the
+    loader, never read from the background coordinator lookup, whose timing differs between ranks:
+    every rank must decide alike), in order, with workers, an order every rank knows alike
+    (:func:`same_everywhere`; ``seeded``: the loader's ``seed`` shuffles its own sampler;
+    ``resumed``: the order is a loaded state's), and local starts allowed
+    (:func:`~sbloader.loaders.local_start.enabled`)."""
+    return (s.num_workers > 0 and s.in_order and first and local_start.enabled(s)
             and same_everywhere(run, seeded, resumed) and local_count(s, run.per_rank) > 0)
 
 
