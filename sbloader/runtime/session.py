@@ -183,6 +183,7 @@ def init(
                     node_id=ctx.get_node_id(),
                 )
             return _STATE["info"]
+        _check_open_files()
         address = address or os.environ.get("RAY_ADDRESS") or None
         kwargs: dict[str, Any] = dict(
             include_dashboard=False,
@@ -242,6 +243,33 @@ def init(
         _STATE.update(owned=embedded, info=info)
         logger.info("sbloader: %s Ray at %s", "started embedded" if embedded else "joined", info.address)
         return info
+
+
+MIN_OPEN_FILES = 256  # below this many open files Ray's core worker dies in C++ (errno 24), taking the process
+
+
+def _check_open_files() -> None:
+    """Raise the process's open-files limit as Ray does (to its hard limit, at most 65,536); refuse to start
+    Ray below :data:`MIN_OPEN_FILES` with an error that says what to do (Ray itself would abort the process
+    when its core worker cannot open its sockets)."""
+    try:
+        import resource
+    except ImportError:  # not on POSIX
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 65536)), hard))
+        except ValueError:
+            pass
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft != resource.RLIM_INFINITY and soft < MIN_OPEN_FILES:
+        raise RuntimeError(
+            f"sbloader: Ray was not started: this process may open only {soft} files (ulimit -n) and Ray's "
+            f"daemons and workers need at least {MIN_OPEN_FILES} (8192 recommended). Raise the limit (ulimit -n "
+            "8192) to load on Ray's workers; local worker processes load what they can meanwhile (with few "
+            "files, torch's advice for its workers holds too: torch.multiprocessing.set_sharing_strategy"
+            "('file_system')).")
 
 
 def _start_reaper() -> Any:
