@@ -127,16 +127,25 @@ def run_mode(mode: str, test_file: str, timeout: int, keyword: Optional[str], wo
                       "-o", "junit_family=xunit1"] + group
         procs.append((subprocess.Popen(cmd, cwd=test_dir, env=env, stdout=log, stderr=subprocess.STDOUT), junit, log))
     outcomes: dict = {}
+    seconds: dict = {}
     codes = []
     for proc, junit, log in procs:
         codes.append(proc.wait())
         log.close()
         if os.path.exists(junit):
             outcomes.update(parse_junit(junit))
+            seconds.update(junit_seconds(junit))
     wall = time.time() - t0
     with open(record) as f:
         built = {line.strip().split("::", 1)[-1] for line in f if line.strip()}
-    return {"outcomes": outcomes, "built": sorted(built), "wall_s": round(wall, 1), "returncodes": codes}
+    return {"outcomes": outcomes, "built": sorted(built), "wall_s": round(wall, 1), "returncodes": codes,
+            "seconds": seconds}
+
+
+def junit_seconds(path: str) -> dict:
+    """``{Class::test: seconds}`` from pytest's JUnit XML (where the file's time goes)."""
+    return {f"{c.get('classname', '').rsplit('.', 1)[-1]}::{c.get('name')}": round(float(c.get("time") or 0), 1)
+            for c in ET.parse(path).getroot().iter("testcase")}
 
 
 def parse_junit(path: str) -> dict:

@@ -35,7 +35,7 @@ import urllib.request
 from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torch_dataloader_suite import parse_junit  # noqa: E402
+from torch_dataloader_suite import junit_seconds, parse_junit  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TAG = "v0.11.0"
@@ -115,35 +115,31 @@ def fetch_test_file(test_file: Optional[str], mirror: Optional[str], workdir: st
     return dest
 
 
-def run(test_file: str, timeout: int, keyword: Optional[str], workdir: str) -> dict:
-    """One pytest process over the whole file: per-test outcome."""
+def run(test_file: str, timeout: int, keyword: Optional[str], workdir: str, standin: bool = True) -> dict:
+    """One pytest process over the whole file: per-test outcome and seconds. ``standin=False``
+    runs it with torchdata's own ``StatefulDataLoader`` (the reference)."""
     site = os.path.join(workdir, "site", "torchdata", "stateful_dataloader")
-    os.makedirs(site, exist_ok=True)
-    open(os.path.join(os.path.dirname(site), "__init__.py"), "w").close()
-    with open(os.path.join(site, "__init__.py"), "w") as f:
-        f.write(STANDIN)
+    if standin:
+        os.makedirs(site, exist_ok=True)
+        open(os.path.join(os.path.dirname(site), "__init__.py"), "w").close()
+        with open(os.path.join(site, "__init__.py"), "w") as f:
+            f.write(STANDIN)
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(workdir, "site"), os.path.dirname(os.path.abspath(test_file)), REPO,
-                                                     os.environ.get("PYTHONPATH", "")) if p)
-    junit = os.path.join(workdir, "sbloader.xml")
+    paths = (os.path.join(workdir, "site") if standin else "", os.path.dirname(os.path.abspath(test_file)), REPO,
+             os.environ.get("PYTHONPATH", ""))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    label = "sbloader" if standin else "torchdata"
+    junit = os.path.join(workdir, f"{label}.xml")
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-v", f"--timeout={timeout}",
            "--timeout-method=signal", f"--junitxml={junit}", "-o", "junit_family=xunit1",
            os.path.abspath(test_file)] + (["-k", keyword] if keyword else [])
     t0 = time.time()
-    with open(os.path.join(workdir, "sbloader.log"), "w") as log:
+    with open(os.path.join(workdir, f"{label}.log"), "w") as log:
         code = subprocess.run(cmd, cwd=os.path.dirname(os.path.abspath(test_file)), env=env, stdout=log,
                               stderr=subprocess.STDOUT).returncode
     outcomes = parse_junit(junit) if os.path.exists(junit) else {}
     return {"outcomes": outcomes, "seconds": junit_seconds(junit) if os.path.exists(junit) else {},
             "wall_s": round(time.time() - t0, 1), "returncode": code}
-
-
-def junit_seconds(path: str) -> dict:
-    """``{Class::test: seconds}`` from pytest's JUnit XML (where the file's time goes)."""
-    import xml.etree.ElementTree as ET
-
-    return {f"{c.get('classname', '').rsplit('.', 1)[-1]}::{c.get('name')}": round(float(c.get("time") or 0), 1)
-            for c in ET.parse(path).getroot().iter("testcase")}
 
 
 def loadavg() -> list:
