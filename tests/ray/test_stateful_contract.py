@@ -350,12 +350,17 @@ def test_errors_reach_the_loop_as_torch_raises_them_and_never_hang(ray_session, 
 
 
 def test_with_four_workers_an_error_still_reaches_the_loop_and_each_worker_iterates_its_own_copy(ray_session):
-    """What the worker count changes, at 4 workers (what was the ``[4]`` case of the test above:
-    the other five shapes run the same code at 2 workers, 5 loaders of 4 worker actors each for
-    nothing new): 4 workers fail at once and the first error still reaches the loop; a dataset
-    that is its own iterator comes 4 times, as under torch."""
+    """At 4 workers: 4 workers fail at once and the first error still reaches the loop, from
+    ``__getitem__``, the sampler, ``__iter__`` and ``worker_init_fn`` alike; a dataset that is its own
+    iterator comes 4 times, as under torch."""
     with bounded():
         _raises_getitem_error(4)
+        with pytest.raises(KeyError, match="sampler broke"):
+            next(iter(sbloader.DataLoader(FailingItems(), sampler=FailingSampler(), num_workers=4)))
+        with pytest.raises(IndexError, match="iter broke"):
+            next(iter(sbloader.DataLoader(FailingIter(), num_workers=4)))
+        with pytest.raises(ValueError, match="Worker init error"):
+            iter(sbloader.DataLoader(FailingItems(), num_workers=4, worker_init_fn=failing_init))
         _own_iterator_once_per_worker_as_torch(4)
 
 
