@@ -14,62 +14,22 @@ Everything the workers use is defined at module level (conftest puts tests/ on t
 """
 from __future__ import annotations
 
-import signal
 import time
-from contextlib import contextmanager
 
 import pytest
-from torch.utils.data import IterableDataset, Sampler, get_worker_info
+from test_stateful_contract import StatefulGenerator, bounded
+from test_torchdata_crossover import SetsUpInIter
+from torch.utils.data import IterableDataset, Sampler
 
 import sbloader
-
-HANG_S = 120
-
-
-@contextmanager
-def bounded(seconds: int = HANG_S):
-    """Fail (TimeoutError) instead of hanging."""
-    def alarm(*_):
-        raise TimeoutError(f"still running after {seconds} s: a hang")
-    old = signal.signal(signal.SIGALRM, alarm)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def ident(x):
     return x
 
 
-class PositionedGenerator(IterableDataset):
-    """Worker ``w`` yields ``(i, epoch)`` for its range of ``sizes``; its state is its position
-    (torchdata's GeneratorIterable: the dataset, not its iterator, holds the state)."""
-
-    def __init__(self, sizes):
-        self.sizes, self.i, self.resume, self.epoch = sizes, 0, None, 0
-
-    def __iter__(self):
-        info = get_worker_info()
-        w, sizes = (info.id, self.sizes) if info else (0, [sum(self.sizes)])
-        self.i, self.resume = (self.resume or 0), None
-        start = sum(sizes[:w])
-        for x in range(start + self.i, start + sizes[w]):
-            self.i += 1
-            yield (x, self.epoch)
-        self.i = 0
-
-    def state_dict(self):
-        return {"i": self.i, "epoch": self.epoch}
-
-    def load_state_dict(self, state):
-        self.resume, self.epoch = state["i"], state["epoch"]
-
-
 def generator_loader(pw: bool, every: int):
-    return sbloader.DataLoader(PositionedGenerator([0, 100, 37]), num_workers=3, collate_fn=ident,
+    return sbloader.DataLoader(StatefulGenerator([0, 100, 37]), num_workers=3, collate_fn=ident,
                                snapshot_every_n_steps=every, persistent_workers=pw)
 
 
@@ -133,36 +93,11 @@ def test_a_state_asked_for_before_every_worker_made_a_batch_resumes_exactly(ray_
         assert list(resumed) == rest
 
 
-class SetsUpInIter(IterableDataset):
-    """Its own iterator, its range set up by ``__iter__`` (torchdata's CountIterCallsIter)."""
-
-    def __init__(self, length=100):
-        self.length = length
-
-    def __iter__(self):
-        info = get_worker_info()
-        w, n = (info.id, info.num_workers) if info else (0, 1)
-        self.pos, self.end = w * self.length // n, (w + 1) * self.length // n
-        return self
-
-    def __next__(self):
-        if self.pos >= self.end:
-            raise StopIteration
-        self.pos += 1
-        return self.pos - 1
-
-    def state_dict(self):
-        return {"pos": self.pos, "end": self.end}
-
-    def load_state_dict(self, state):
-        self.pos, self.end = state["pos"], state["end"]
-
-
 def test_a_dataset_set_up_in_iter_resumes_with_two_workers(ray_session):
     with bounded():
-        it = iter(dl := sbloader.DataLoader(SetsUpInIter(), num_workers=2, collate_fn=ident))
+        it = iter(dl := sbloader.DataLoader(SetsUpInIter(100), num_workers=2, collate_fn=ident))
         data = [x for _ in range(70) for x in next(it)]
-        again = sbloader.DataLoader(SetsUpInIter(), num_workers=2, collate_fn=ident)
+        again = sbloader.DataLoader(SetsUpInIter(100), num_workers=2, collate_fn=ident)
         again.load_state_dict(dl.state_dict())
         it2 = iter(again)
         data += [x for _ in range(30) for x in next(it2)]

@@ -345,12 +345,15 @@ def test_state_before_a_workers_first_batch_shows_its_state_after_iter(ray_sessi
 
 class SetsUpInIter(IterableDataset):
     """Its own iterator, its position set up by ``__iter__`` (torchdata's CountIterCallsIter): worker
-    ``w`` of ``n`` yields its ``1/n`` of ``0..39``; its state is its position."""
+    ``w`` of ``n`` yields its ``1/n`` of ``0..length-1``; its state is its position."""
+
+    def __init__(self, length: int = 40):
+        self.length = length
 
     def __iter__(self):
         info = get_worker_info()
         w, n = (info.id, info.num_workers) if info else (0, 1)
-        self.pos, self.end = w * 40 // n, (w + 1) * 40 // n
+        self.pos, self.end = w * self.length // n, (w + 1) * self.length // n
         return self
 
     def __next__(self):
