@@ -52,6 +52,11 @@ def coordinator_of(loader, mode: str) -> object:
     return loader._coordinator if mode == "native" else loader._carry.coordinator
 
 
+def find_coordinator(loader, mode: str) -> object:
+    """The loader's coordinator, found (or created) on this thread."""
+    return loader._split_coordinator() if mode == "native" else loader._coordinator()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -76,10 +81,13 @@ def main() -> None:
         for step, batch in enumerate(loader, start=1):
             ids.append([int(i) for i in batch["id"]])
             if rank == 0 and epoch == 0 and step == args.kill_at:
-                deadline = time.monotonic() + 120  # the first batches may be made locally while it is found
+                deadline = time.monotonic() + 60  # the first batches may be made locally while it is found
                 while coordinator_of(loader, args.mode) is None and time.monotonic() < deadline:
                     time.sleep(0.1)
-                info = ray.get(coordinator_of(loader, args.mode).process_info.remote())
+                # not found by the background yet: ask here, as the loader itself does at the handover
+                # (its error, if the lookup failed, is raised here instead of an AttributeError on None)
+                handle = coordinator_of(loader, args.mode) or find_coordinator(loader, args.mode)
+                info = ray.get(handle.process_info.remote())
                 os.kill(info["pid"], signal.SIGKILL)  # the actor's process only: its node lives on
                 log["killed_pid"] = info["pid"]
             dist.barrier()
