@@ -195,14 +195,21 @@ def test_batches_are_made_ahead_in_a_fetch_thread_that_ends_with_the_iteration(r
         made_in.append(threading.current_thread().name)
         return dict(batch)
 
+    def fetch_threads():
+        return {t for t in threading.enumerate() if t.name == "sbloader-fetch" and t.is_alive()}
+
+    # an earlier test's iterator, dropped without close, may still be ending on the closer thread
+    before = fetch_threads()
     loader = sbloader.range(64, rows_per_partition=8).to_dataloader(8, collate_fn=collate)
     it = iter(loader)
     first = next(it)
     assert len(first["id"]) == 8
     assert made_in and all(name == "sbloader-fetch" for name in made_in)
+    ours = fetch_threads() - before
+    assert len(ours) == 1
     next(it)
     it.close()  # the training loop breaks out early
-    assert not [t for t in threading.enumerate() if t.name == "sbloader-fetch" and t.is_alive()]
+    assert not [t for t in ours if t.is_alive()]
     from sbloader.core import ledger
 
     state = loader.state_dict()  # what the loop took, not what the thread made ahead
