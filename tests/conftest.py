@@ -70,18 +70,22 @@ def gcs_server():
 
 
 @pytest.fixture(autouse=True)
-def _free_split_coordinators():
+def _free_split_coordinators(request):
     """Kill the split coordinators (and idle warm actors) a test left in the session's Ray.
 
     A coordinator is a detached actor that keeps its worker pool for the rest of
     its job; in this one-Ray session every test's job ends with the test, and
     without this the pools of earlier tests would pile up until no CPU is free
-    (the executor then warns and waits).
+    (the executor then warns and waits). A ``unit/`` test uses no Ray unless it asks for
+    ``ray_session``: its teardown skips the cluster's listing (thousands of them, once the
+    session's Ray is up, cost minutes of the suite).
     """
     yield
     import ray
 
     if not ray.is_initialized():
+        return
+    if "ray_session" not in request.fixturenames and request.path.parent.name == "unit":
         return
     from sbloader.loaders import closer, warm_workers
     from sbloader.runtime import background
