@@ -4,8 +4,9 @@ An object is stored under a name hashed from its URI and its version (size and
 modification time from the listing), so a changed object, listed again, is a
 different entry and is read from the store again. An entry is written to a
 temporary file in the same folder and renamed into place (atomic), under an
-exclusive ``flock`` on the entry's lock file, so several processes on one node
-(read tasks, ranks) share one directory and download an object once. A hit is
+exclusive lock on the entry (one byte of the directory's ``.locks`` file:
+:class:`_EntryLock`), so several processes on one node (read tasks, ranks) share
+one directory and download an object once. A hit is
 checked against the listed size.
 
 **The budget is the node's.** ``max_bytes`` bounds the bytes in the directory, all
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import struct
 import tempfile
 import threading
 import time
@@ -145,14 +147,13 @@ class DiskCache:
             os.makedirs(d, exist_ok=True)
             self._dirs.add(d)
 
-    def lock(self, uri: str, version: str) -> "_FileLock":
+    def lock(self, uri: str, version: str) -> "_EntryLock":
         """An exclusive lock on the entry across processes (hold it while downloading)."""
         return self.lock_at(self.path_for(uri, version))
 
-    def lock_at(self, p: str) -> "_FileLock":
-        """:meth:`lock` of the entry at ``p``."""
-        self._makedirs(os.path.dirname(p))
-        return _FileLock(p + ".lock")
+    def lock_at(self, p: str) -> "_EntryLock":
+        """:meth:`lock` of the entry at ``p`` (:class:`_EntryLock`: a byte of one lock file, no file per entry)."""
+        return _EntryLock(self.root, p)
 
     def put(self, uri: str, version: str, data: bytes) -> Optional[str]:
         """Store ``data`` (atomically: a temporary file renamed into place) and return its path,
@@ -259,6 +260,56 @@ class _FileLock:
         if self._fd is not None:
             os.close(self._fd)  # closing releases the flock
             self._fd = None
+
+
+#: The lock file of a cache directory: each entry's lock is one byte of it (:class:`_EntryLock`).
+LOCKS_NAME = ".locks"
+
+try:
+    import fcntl as _fcntl
+
+    _OFD_SETLKW = getattr(_fcntl, "F_OFD_SETLKW", None)
+    _WRLCK = _fcntl.F_WRLCK
+except ImportError:  # no fcntl here
+    _OFD_SETLKW = _WRLCK = None
+_OFD_OK = [_OFD_SETLKW is not None]  # False once a filesystem refused an OFD lock: lock files then
+
+
+class _EntryLock:
+    """An exclusive lock on one entry, across processes and threads: a Linux open-file-description
+    lock (``F_OFD_SETLKW``) on the byte of the directory's :data:`LOCKS_NAME` file numbered by the
+    entry's hash, on a descriptor of its own (closing it lets go; so does the death of its
+    process). No file is created per entry: creating the ``.lock`` file cost about 0.05 ms of
+    CPU per object, a third of the entry's own write. Where OFD locks are missing (not Linux,
+    a filesystem that refuses them) it falls back to ``flock`` on ``<entry>.lock``."""
+
+    def __init__(self, root: str, entry: str) -> None:
+        self._root, self._entry = root, entry
+        self._fd: Optional[int] = None
+        self._fallback: Optional[_FileLock] = None
+
+    def __enter__(self) -> "_EntryLock":
+        if _OFD_OK[0]:
+            fd = os.open(os.path.join(self._root, LOCKS_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+            byte = int(os.path.basename(self._entry)[:15], 16)  # 60 bits of the hash: apart for apart entries
+            try:
+                _fcntl.fcntl(fd, _OFD_SETLKW, struct.pack("hhqqi", _WRLCK, os.SEEK_SET, byte, 1, 0))
+                self._fd = fd
+                return self
+            except OSError:  # EINVAL, ENOLCK...: this filesystem has no OFD locks
+                os.close(fd)
+                _OFD_OK[0] = False
+        os.makedirs(os.path.dirname(self._entry), exist_ok=True)
+        self._fallback = _FileLock(self._entry + ".lock").__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the description releases its lock
+            self._fd = None
+        if self._fallback is not None:
+            self._fallback.__exit__(*exc)
+            self._fallback = None
 
 
 _CACHES: dict[tuple[str, Optional[int]], DiskCache] = {}
