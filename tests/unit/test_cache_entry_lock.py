@@ -16,6 +16,7 @@ _TAKER = r"""
 import sys, time
 from sbloader.sources.cache import DiskCache
 c = DiskCache(sys.argv[1])
+print("taking", flush=True)
 t0 = time.monotonic()
 with c.lock_at(c.path_for(sys.argv[2], "v")):
     print(round(time.monotonic() - t0, 3), flush=True)
@@ -43,7 +44,8 @@ def _check_exclusion(root: str) -> None:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         child = subprocess.Popen([sys.executable, "-c", _TAKER, root, "s3://b/a"], stdout=subprocess.PIPE,
                                  text=True, env=env)
-        time.sleep(1.0)
+        assert child.stdout.readline().strip() == "taking"
+        time.sleep(0.6)
         assert child.poll() is None, "another process took an entry's lock while it was held"
     assert same.wait(10)
     waited = float(child.communicate(timeout=60)[0])
