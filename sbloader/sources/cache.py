@@ -49,6 +49,13 @@ CACHE_DIR_ENV = "SBLOADER_CACHE_DIR"
 #: epoch's hit ratio is 0 whatever was fetched ahead (while listing, or by an earlier task).
 AHEAD_MARK = 0o100
 
+#: The mode bit (the group's execute bit) marking an entry fetched ahead by a read task (beside
+#: :data:`AHEAD_MARK`): the read that takes it also counts its GET (``objects_read``,
+#: ``bytes_read``, ``prefetched``), so the task that fetched it need not wait for it to count it.
+COUNT_MARK = 0o010
+
+_MARKS = AHEAD_MARK | COUNT_MARK
+
 
 def default_cache_dir() -> str:
     """``$SBLOADER_CACHE_DIR``, else ``<tmp>/sbloader-cache-<uid>`` (resolved on the node that reads)."""
@@ -129,12 +136,14 @@ class DiskCache:
         """:meth:`hit`, and whether the entry was fetched ahead of its first reader
         (:meth:`put_at` with ``ahead``): that reader counts it as a miss (the object came
         from the store for it) and takes the mark off (``take``; False: a look that reads
-        nothing, such as a fetch ahead's), so later reads count hits."""
+        nothing, such as a fetch ahead's), so later reads count hits. The second value is the
+        marks taken (0: none; ``AHEAD_MARK``, with ``COUNT_MARK`` when the reader also counts
+        the GET), true where the entry was fetched ahead."""
         try:
             st = os.stat(p)
             if st.st_size != size:
                 return None, False
-            ahead = bool(st.st_mode & AHEAD_MARK)
+            ahead = st.st_mode & _MARKS if st.st_mode & AHEAD_MARK else 0
             if ahead and take:
                 ahead = _take_mark(p)
             os.utime(p)  # the read time the eviction goes by
@@ -160,11 +169,12 @@ class DiskCache:
         or None when the cache is full of entries read too recently to evict."""
         return self.put_at(self.path_for(uri, version), data)
 
-    def put_at(self, p: str, data: bytes, ahead: bool = False) -> Optional[str]:
+    def put_at(self, p: str, data: bytes, ahead: bool = False, count: bool = False) -> Optional[str]:
         """:meth:`put` into the entry at ``p``. The bytes are reserved in the directory's
         ledger before the first is written (:mod:`sbloader.sources.cache_ledger`), so the
         processes sharing the directory never hold more than ``max_bytes`` on disk together.
-        ``ahead``: fetched ahead of its reader, marked so (:data:`AHEAD_MARK`, see :meth:`check`)."""
+        ``ahead``: fetched ahead of its reader, marked so (:data:`AHEAD_MARK`, see :meth:`check`);
+        ``count``: its reader counts the GET too (:data:`COUNT_MARK`)."""
         n = len(data)
         d = os.path.dirname(p)
         self._makedirs(d)
@@ -183,7 +193,7 @@ class DiskCache:
                 return None
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)  # the reservation, on disk
             if ahead:
-                os.fchmod(fd, 0o644 | AHEAD_MARK)  # fchmod: the umask cannot drop the mark
+                os.fchmod(fd, 0o644 | AHEAD_MARK | (COUNT_MARK if count else 0))  # fchmod: the umask cannot drop it
             self._ledger.write(room + n)
         try:
             try:
@@ -329,14 +339,15 @@ def cache_here(config: CacheConfig) -> Optional[DiskCache]:
         return c
 
 
-def _take_mark(p: str) -> bool:
-    """Take the :data:`AHEAD_MARK` off the entry at ``p``; True for the one reader that took it (under
-    an exclusive ``flock`` on the entry: two readers that both saw the mark count one miss, not two).
-    An entry this user cannot change stays marked (each read of it counts a miss)."""
+def _take_mark(p: str) -> int:
+    """Take the marks (:data:`AHEAD_MARK`, :data:`COUNT_MARK`) off the entry at ``p``; the marks
+    taken for the one reader that took them, 0 for the others (under an exclusive ``flock`` on the
+    entry: two readers that both saw the mark count one miss, not two). An entry this user cannot
+    change stays marked (each read of it counts a miss; none counts its GET)."""
     try:
         fd = os.open(p, os.O_RDONLY)
     except OSError:
-        return False
+        return 0
     try:
         try:
             import fcntl
@@ -346,11 +357,11 @@ def _take_mark(p: str) -> bool:
             pass
         mode = os.fstat(fd).st_mode
         if not mode & AHEAD_MARK:
-            return False  # another reader took it first
+            return 0  # another reader took it first
         try:
-            os.fchmod(fd, mode & 0o777 & ~AHEAD_MARK)
+            os.fchmod(fd, mode & 0o777 & ~_MARKS)
         except OSError:
-            pass
-        return True
+            return AHEAD_MARK
+        return mode & _MARKS
     finally:
         os.close(fd)  # closing releases the flock
