@@ -215,6 +215,29 @@ def test_objects_fetched_ahead_count_as_misses_of_the_read_that_takes_them_then_
     assert all(n == 1 for n in handler.opens.values()), handler.opens
 
 
+def test_a_read_ends_without_waiting_for_its_fetch_ahead_and_the_reads_that_take_it_count_its_gets(
+        tmp_path, monkeypatch):
+    """Its objects back, a read task's block goes on while the next partitions' objects are still
+    being fetched into the cache (before #47 it waited for them, to count their GETs itself: a
+    decode in a following map_batches waited too); each GET is then counted once, by the read that
+    takes the entry."""
+    from sbloader.sources import inflight
+
+    monkeypatch.setattr(inflight, "_POOL", [])  # 3 threads: objects 0, 1 and 2 start first, 3 and 4 after
+    rf, handler = _flaky_files(tmp_path, 0, OSError("unused"), cache=True, delay_s=0.5)
+    own, ahead = ["flaky://0.bin", "flaky://1.bin"], ["flaky://2.bin", "flaky://3.bin", "flaky://4.bin"]
+    with task_context(0, 0, 0, "read", -1) as ctx:
+        assert [b for _, b in rf.read_many(own, ahead=ahead)] == [b"\x00", b"\x01" * 2]
+        assert rf._cached("flaky://4.bin", take=False)[0] is None  # still on its way
+    assert (ctx.counters["objects_read"], ctx.counters["bytes_read"]) == (2, 3) and "prefetched" not in ctx.counters
+    _wait_for_entries(rf, ahead)
+    with task_context(0, 0, 1, "read", -1) as ctx:
+        assert [b for _, b in rf.read_many(ahead)] == [bytes([i]) * (i + 1) for i in (2, 3, 4)]
+    c = ctx.counters
+    assert (c["objects_read"], c["bytes_read"], c["prefetched"], c["cache_misses"], c["cache_hits"]) == (3, 12, 3, 3, 0)
+    assert all(n == 1 for n in handler.opens.values()), handler.opens  # one GET per object
+
+
 def _wait_for_entries(rf, uris, timeout=20.0):
     """Until every one of ``uris`` is in the cache (the fetch ahead runs after its read ended)."""
     deadline = time.monotonic() + timeout
