@@ -22,14 +22,14 @@ from __future__ import annotations
 import io
 import os
 import random
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence, Union
 
 from sbloader.core.context import report_counters
-from sbloader.sources.cache import COUNT_MARK, CacheConfig, cache_here
+from sbloader.sources import ahead as ahead_counts
+from sbloader.sources.cache import CacheConfig, cache_here
 from sbloader.sources.filesystems import resolve
 from sbloader.sources.inflight import (BYTES, DEFAULT_MAX_BYTES, DEFAULT_MAX_REQUESTS, GAUGE, Waited,
                                        check_max_in_flight, pool)
@@ -53,16 +53,6 @@ class _Got:
     ahead: int = 0  # a hit on an entry fetched ahead of this read (its marks): counted as a miss
     retries: int = 0
     admitted: bool = True
-
-
-_BACKGROUND: dict = {}  # counts of prefetches, reported by the next read in this process
-_BACKGROUND_LOCK = threading.Lock()
-
-
-def _add_background(counts: dict) -> None:
-    with _BACKGROUND_LOCK:
-        for k, v in counts.items():
-            _BACKGROUND[k] = _BACKGROUND.get(k, 0) + v
 
 
 @dataclass(frozen=True)
@@ -179,15 +169,13 @@ class RemoteFiles:
 
     def _report(self, got: _Got, waited_s: float = 0.0) -> None:
         n = len(got.data) if got.data is not None else 0
-        with _BACKGROUND_LOCK:
-            counts = dict(_BACKGROUND)
-            _BACKGROUND.clear()
+        counts = ahead_counts.take_background()
         counts["retries"] = counts.get("retries", 0) + got.retries
         counts["store_wait_ms"] = 1000 * waited_s
         if got.error is None:
             if got.hit:  # fetched ahead of this read: a miss (from the store for it), read from the cache
                 counts.update(cache_bytes=n, **{"cache_misses" if got.ahead else "cache_hits": 1})
-                _count_get_at_take(counts, got.ahead, n)
+                ahead_counts.count_get_at_take(counts, got.ahead, n)
             else:  # a miss only where there is a cache to miss (cache=False: no hit ratio)
                 counts.update(cache_misses=1 if self.cache.enabled else 0, not_admitted=0 if got.admitted else 1,
                               objects_read=counts.get("objects_read", 0) + 1,
@@ -201,12 +189,10 @@ class RemoteFiles:
         All of ``uris`` are asked for at once (up to ``max_bytes`` of this task, and of the
         process's :data:`~sbloader.sources.inflight.BYTES` budget; the rest as the first are
         consumed), then ``ahead`` (the next partitions' objects) is fetched into the cache
-        behind them (:meth:`prefetch`), in the process's fetch pool. The read ends without
-        waiting for its fetch-ahead: each object fetched ahead is marked in the cache
-        (:data:`~sbloader.sources.cache.COUNT_MARK`) and its GET counted by the read that takes
-        it. (Before #47 the read waited for its fetch-ahead to count it: with ``decode=False``
-        and the decode in a following ``map_batches``, the decode of every partition waited
-        for the next partitions' GETs and cache writes; first epoch 0.43x local at 20 ms.)
+        behind them (:meth:`prefetch`), in the process's fetch pool. The read does not wait
+        for its fetch-ahead: the read that takes an object fetched ahead counts its GET
+        (:data:`~sbloader.sources.cache.COUNT_MARK`; before #47 a ``decode=False`` task's
+        block, and so a fused decode, waited for the next partitions' GETs to count them).
         """
         if not uris:
             return
@@ -278,7 +264,7 @@ class RemoteFiles:
         if got.error is None and got.hit:
             counts = {"cache_misses" if got.ahead else "cache_hits": 1, "cache_bytes": os.path.getsize(got.path),
                       "store_wait_ms": 1000 * waited}
-            _count_get_at_take(counts, got.ahead, counts["cache_bytes"])
+            ahead_counts.count_get_at_take(counts, got.ahead, counts["cache_bytes"])
             report_counters(counts)
             return got.path
         self._report(got, waited)
@@ -322,7 +308,7 @@ class RemoteFiles:
         if not self.cache.enabled or not uris:
             return []
         cache = cache_here(self.cache)
-        uris = [u for u in uris if self._cached(u, take=False)[0] is None]
+        uris = [u for u in ahead_counts.not_in_flight(cache.root, uris) if self._cached(u, take=False)[0] is None]
         sizes = [self._version(u)[0] for u in uris]
         if cache is None or not uris or any(s is None for s in sizes):
             return []
@@ -336,13 +322,14 @@ class RemoteFiles:
             BYTES.give(total)
             return []
         ex = pool(self.max_in_flight)
+        ahead_counts.started(cache.root, uris[:n])
         futures = [ex.submit(self._prefetch_one, u, count) for u in uris[:n]]
-        for f, s in zip(futures, sizes):  # the bytes are the process's until they are in the cache
-            f.add_done_callback(lambda f, s=s: BYTES.give(s))
+        for f, u, s in zip(futures, uris, sizes):
+            f.add_done_callback(lambda f, u=u, s=s: ahead_counts.done(cache.root, u, s))
         if collect:
             return futures
         for f in futures:
-            f.add_done_callback(lambda f: _add_background(f.result()) if f.exception() is None else None)
+            f.add_done_callback(lambda f: ahead_counts.add_background(f.result()) if f.exception() is None else None)
         return []
 
     def _prefetch_one(self, uri: str, count: bool = False) -> dict:
@@ -356,14 +343,6 @@ class RemoteFiles:
         if got.error is None and not got.hit and got.data is not None and not (count and got.path is not None):
             return {"prefetched": 1, "objects_read": 1, "bytes_read": len(got.data), "retries": got.retries}
         return {"retries": got.retries}
-
-
-def _count_get_at_take(counts: dict, marks: int, nbytes: int) -> None:
-    """Add to a read's ``counts`` the GET of an entry a read task fetched ahead of it
-    (:data:`~sbloader.sources.cache.COUNT_MARK` among the ``marks`` it took)."""
-    if marks & COUNT_MARK:
-        for k, v in (("objects_read", 1), ("bytes_read", nbytes), ("prefetched", 1)):
-            counts[k] = counts.get(k, 0) + v
 
 
 def files_ahead(shared: Any, partition_id: int, count: int = 2) -> list[str]:

@@ -98,6 +98,7 @@ class _Flaky(pafs.FileSystemHandler):
 
     def open_input_stream(self, path):
         n = self.opens[path] = self.opens.get(path, 0) + 1
+        time.sleep(getattr(self, "slow_s", 0.0))  # every answer after a round trip
         if n <= self.fail:
             time.sleep(self.delay_s)  # a throttled store answers after a round trip
             raise self.error
@@ -224,7 +225,8 @@ def test_a_read_ends_without_waiting_for_its_fetch_ahead_and_the_reads_that_take
     from sbloader.sources import inflight
 
     monkeypatch.setattr(inflight, "_POOL", [])  # 3 threads: objects 0, 1 and 2 start first, 3 and 4 after
-    rf, handler = _flaky_files(tmp_path, 0, OSError("unused"), cache=True, delay_s=0.5)
+    rf, handler = _flaky_files(tmp_path, 0, OSError("unused"), cache=True)
+    handler.slow_s = 0.5
     own, ahead = ["flaky://0.bin", "flaky://1.bin"], ["flaky://2.bin", "flaky://3.bin", "flaky://4.bin"]
     with task_context(0, 0, 0, "read", -1) as ctx:
         assert [b for _, b in rf.read_many(own, ahead=ahead)] == [b"\x00", b"\x01" * 2]
@@ -236,6 +238,25 @@ def test_a_read_ends_without_waiting_for_its_fetch_ahead_and_the_reads_that_take
     c = ctx.counters
     assert (c["objects_read"], c["bytes_read"], c["prefetched"], c["cache_misses"], c["cache_hits"]) == (3, 12, 3, 3, 0)
     assert all(n == 1 for n in handler.opens.values()), handler.opens  # one GET per object
+
+
+def test_an_object_being_fetched_ahead_is_not_asked_for_again_by_the_next_task(tmp_path, monkeypatch):
+    """The next task's fetch-ahead skips the objects the last one is still fetching ahead (before,
+    each was submitted again and held a fetch thread waiting on the entry's lock)."""
+    from sbloader.sources import ahead as ahead_mod, inflight
+
+    monkeypatch.setattr(inflight, "_POOL", [])
+    rf, handler = _flaky_files(tmp_path, 0, OSError("unused"), cache=True)
+    handler.slow_s = 0.3
+    ahead = ["flaky://2.bin", "flaky://3.bin", "flaky://4.bin"]
+    first = rf.prefetch(ahead, collect=True, count=True)
+    assert len(first) == 3 and ahead_mod.not_in_flight(rf.cache.dir, ahead) == []
+    assert len(rf.prefetch(ahead + ["flaky://1.bin"], collect=True, count=True)) == 1  # 1.bin only
+    for f in first:
+        assert f.result(timeout=20) == {"retries": 0}  # the GET is left to the read that takes the entry
+    _wait_for_entries(rf, ahead + ["flaky://1.bin"])
+    assert ahead_mod.not_in_flight(rf.cache.dir, ahead) == ahead
+    assert all(n == 1 for n in handler.opens.values()), handler.opens
 
 
 def _wait_for_entries(rf, uris, timeout=20.0):
