@@ -4,8 +4,9 @@ An object is stored under a name hashed from its URI and its version (size and
 modification time from the listing), so a changed object, listed again, is a
 different entry and is read from the store again. An entry is written to a
 temporary file in the same folder and renamed into place (atomic), under an
-exclusive ``flock`` on the entry's lock file, so several processes on one node
-(read tasks, ranks) share one directory and download an object once. A hit is
+exclusive lock on the entry (one byte of the directory's ``.locks`` file:
+:class:`_EntryLock`), so several processes on one node (read tasks, ranks) share
+one directory and download an object once. A hit is
 checked against the listed size.
 
 **The budget is the node's.** ``max_bytes`` bounds the bytes in the directory, all
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import struct
 import tempfile
 import threading
 import time
@@ -46,6 +48,13 @@ CACHE_DIR_ENV = "SBLOADER_CACHE_DIR"
 #: fetched ahead of its first reader: that read counts a cache miss, not a hit, so a cold
 #: epoch's hit ratio is 0 whatever was fetched ahead (while listing, or by an earlier task).
 AHEAD_MARK = 0o100
+
+#: The mode bit (the group's execute bit) marking an entry fetched ahead by a read task (beside
+#: :data:`AHEAD_MARK`): the read that takes it also counts its GET (``objects_read``,
+#: ``bytes_read``, ``prefetched``), so the task that fetched it need not wait for it to count it.
+COUNT_MARK = 0o010
+
+_MARKS = AHEAD_MARK | COUNT_MARK
 
 
 def default_cache_dir() -> str:
@@ -127,12 +136,14 @@ class DiskCache:
         """:meth:`hit`, and whether the entry was fetched ahead of its first reader
         (:meth:`put_at` with ``ahead``): that reader counts it as a miss (the object came
         from the store for it) and takes the mark off (``take``; False: a look that reads
-        nothing, such as a fetch ahead's), so later reads count hits."""
+        nothing, such as a fetch ahead's), so later reads count hits. The second value is the
+        marks taken (0: none; ``AHEAD_MARK``, with ``COUNT_MARK`` when the reader also counts
+        the GET), true where the entry was fetched ahead."""
         try:
             st = os.stat(p)
             if st.st_size != size:
                 return None, False
-            ahead = bool(st.st_mode & AHEAD_MARK)
+            ahead = st.st_mode & _MARKS if st.st_mode & AHEAD_MARK else 0
             if ahead and take:
                 ahead = _take_mark(p)
             os.utime(p)  # the read time the eviction goes by
@@ -145,25 +156,25 @@ class DiskCache:
             os.makedirs(d, exist_ok=True)
             self._dirs.add(d)
 
-    def lock(self, uri: str, version: str) -> "_FileLock":
+    def lock(self, uri: str, version: str) -> "_EntryLock":
         """An exclusive lock on the entry across processes (hold it while downloading)."""
         return self.lock_at(self.path_for(uri, version))
 
-    def lock_at(self, p: str) -> "_FileLock":
-        """:meth:`lock` of the entry at ``p``."""
-        self._makedirs(os.path.dirname(p))
-        return _FileLock(p + ".lock")
+    def lock_at(self, p: str) -> "_EntryLock":
+        """:meth:`lock` of the entry at ``p`` (:class:`_EntryLock`: a byte of one lock file, no file per entry)."""
+        return _EntryLock(self.root, p)
 
     def put(self, uri: str, version: str, data: bytes) -> Optional[str]:
         """Store ``data`` (atomically: a temporary file renamed into place) and return its path,
         or None when the cache is full of entries read too recently to evict."""
         return self.put_at(self.path_for(uri, version), data)
 
-    def put_at(self, p: str, data: bytes, ahead: bool = False) -> Optional[str]:
+    def put_at(self, p: str, data: bytes, ahead: bool = False, count: bool = False) -> Optional[str]:
         """:meth:`put` into the entry at ``p``. The bytes are reserved in the directory's
         ledger before the first is written (:mod:`sbloader.sources.cache_ledger`), so the
         processes sharing the directory never hold more than ``max_bytes`` on disk together.
-        ``ahead``: fetched ahead of its reader, marked so (:data:`AHEAD_MARK`, see :meth:`check`)."""
+        ``ahead``: fetched ahead of its reader, marked so (:data:`AHEAD_MARK`, see :meth:`check`);
+        ``count``: its reader counts the GET too (:data:`COUNT_MARK`)."""
         n = len(data)
         d = os.path.dirname(p)
         self._makedirs(d)
@@ -182,7 +193,7 @@ class DiskCache:
                 return None
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)  # the reservation, on disk
             if ahead:
-                os.fchmod(fd, 0o644 | AHEAD_MARK)  # fchmod: the umask cannot drop the mark
+                os.fchmod(fd, 0o644 | AHEAD_MARK | (COUNT_MARK if count else 0))  # fchmod: the umask cannot drop it
             self._ledger.write(room + n)
         try:
             try:
@@ -261,6 +272,56 @@ class _FileLock:
             self._fd = None
 
 
+#: The lock file of a cache directory: each entry's lock is one byte of it (:class:`_EntryLock`).
+LOCKS_NAME = ".locks"
+
+try:
+    import fcntl as _fcntl
+
+    _OFD_SETLKW = getattr(_fcntl, "F_OFD_SETLKW", None)
+    _WRLCK = _fcntl.F_WRLCK
+except ImportError:  # no fcntl here
+    _OFD_SETLKW = _WRLCK = None
+_OFD_OK = [_OFD_SETLKW is not None]  # False once a filesystem refused an OFD lock: lock files then
+
+
+class _EntryLock:
+    """An exclusive lock on one entry, across processes and threads: a Linux open-file-description
+    lock (``F_OFD_SETLKW``) on the byte of the directory's :data:`LOCKS_NAME` file numbered by the
+    entry's hash, on a descriptor of its own (closing it lets go; so does the death of its
+    process). No file is created per entry: creating the ``.lock`` file cost about 0.05 ms of
+    CPU per object, a third of the entry's own write. Where OFD locks are missing (not Linux,
+    a filesystem that refuses them) it falls back to ``flock`` on ``<entry>.lock``."""
+
+    def __init__(self, root: str, entry: str) -> None:
+        self._root, self._entry = root, entry
+        self._fd: Optional[int] = None
+        self._fallback: Optional[_FileLock] = None
+
+    def __enter__(self) -> "_EntryLock":
+        if _OFD_OK[0]:
+            fd = os.open(os.path.join(self._root, LOCKS_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+            byte = int(os.path.basename(self._entry)[:15], 16)  # 60 bits of the hash: apart for apart entries
+            try:
+                _fcntl.fcntl(fd, _OFD_SETLKW, struct.pack("hhqqi", _WRLCK, os.SEEK_SET, byte, 1, 0))
+                self._fd = fd
+                return self
+            except OSError:  # EINVAL, ENOLCK...: this filesystem has no OFD locks
+                os.close(fd)
+                _OFD_OK[0] = False
+        os.makedirs(os.path.dirname(self._entry), exist_ok=True)
+        self._fallback = _FileLock(self._entry + ".lock").__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the description releases its lock
+            self._fd = None
+        if self._fallback is not None:
+            self._fallback.__exit__(*exc)
+            self._fallback = None
+
+
 _CACHES: dict[tuple[str, Optional[int]], DiskCache] = {}
 _CACHES_LOCK = threading.Lock()
 
@@ -278,14 +339,15 @@ def cache_here(config: CacheConfig) -> Optional[DiskCache]:
         return c
 
 
-def _take_mark(p: str) -> bool:
-    """Take the :data:`AHEAD_MARK` off the entry at ``p``; True for the one reader that took it (under
-    an exclusive ``flock`` on the entry: two readers that both saw the mark count one miss, not two).
-    An entry this user cannot change stays marked (each read of it counts a miss)."""
+def _take_mark(p: str) -> int:
+    """Take the marks (:data:`AHEAD_MARK`, :data:`COUNT_MARK`) off the entry at ``p``; the marks
+    taken for the one reader that took them, 0 for the others (under an exclusive ``flock`` on the
+    entry: two readers that both saw the mark count one miss, not two). An entry this user cannot
+    change stays marked (each read of it counts a miss; none counts its GET)."""
     try:
         fd = os.open(p, os.O_RDONLY)
     except OSError:
-        return False
+        return 0
     try:
         try:
             import fcntl
@@ -295,11 +357,11 @@ def _take_mark(p: str) -> bool:
             pass
         mode = os.fstat(fd).st_mode
         if not mode & AHEAD_MARK:
-            return False  # another reader took it first
+            return 0  # another reader took it first
         try:
-            os.fchmod(fd, mode & 0o777 & ~AHEAD_MARK)
+            os.fchmod(fd, mode & 0o777 & ~_MARKS)
         except OSError:
-            pass
-        return True
+            return AHEAD_MARK
+        return mode & _MARKS
     finally:
         os.close(fd)  # closing releases the flock

@@ -22,13 +22,13 @@ from __future__ import annotations
 import io
 import os
 import random
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence, Union
 
 from sbloader.core.context import report_counters
+from sbloader.sources import ahead as ahead_counts
 from sbloader.sources.cache import CacheConfig, cache_here
 from sbloader.sources.filesystems import resolve
 from sbloader.sources.inflight import (BYTES, DEFAULT_MAX_BYTES, DEFAULT_MAX_REQUESTS, GAUGE, Waited,
@@ -50,19 +50,9 @@ class _Got:
     path: Optional[str] = None  # the cache entry, when one holds it
     error: Optional[BaseException] = None
     hit: bool = False
-    ahead: bool = False  # a hit on an entry fetched ahead of this read: counted as a miss
+    ahead: int = 0  # a hit on an entry fetched ahead of this read (its marks): counted as a miss
     retries: int = 0
     admitted: bool = True
-
-
-_BACKGROUND: dict = {}  # counts of prefetches, reported by the next read in this process
-_BACKGROUND_LOCK = threading.Lock()
-
-
-def _add_background(counts: dict) -> None:
-    with _BACKGROUND_LOCK:
-        for k, v in counts.items():
-            _BACKGROUND[k] = _BACKGROUND.get(k, 0) + v
 
 
 @dataclass(frozen=True)
@@ -135,11 +125,13 @@ class RemoteFiles:
         report_counters({"range_reads": 1, "bytes_read": len(data)})
         return data
 
-    def _get(self, uri: str, want_path: bool, known_miss: bool = False, ahead: bool = False) -> _Got:
+    def _get(self, uri: str, want_path: bool, known_miss: bool = False, ahead: bool = False,
+             count: bool = False) -> _Got:
         """The object from the cache or the store (then cached). ``known_miss``: the caller
         just found no entry, so only the check under the entry's lock is made. ``ahead``: a
-        fetch ahead of the reader (the entry is marked so: :meth:`DiskCache.check`). The
-        entry's path (a hash) is computed once for the checks, the lock and the write."""
+        fetch ahead of the reader (the entry is marked so: :meth:`DiskCache.check`; ``count``:
+        the reader that takes it counts its GET). The entry's path (a hash) is computed once
+        for the checks, the lock and the write."""
         got = _Got()
         try:
             size, version = self._version(uri)
@@ -154,7 +146,7 @@ class RemoteFiles:
                     p, got.ahead = cache.check(entry, size, not ahead)
                     if p is None:
                         got.data = self._download(uri, size, got)
-                        p = cache.put_at(entry, got.data, ahead)
+                        p = cache.put_at(entry, got.data, ahead, count)
                         got.admitted = p is not None
                         got.path = p
                         return got
@@ -177,14 +169,13 @@ class RemoteFiles:
 
     def _report(self, got: _Got, waited_s: float = 0.0) -> None:
         n = len(got.data) if got.data is not None else 0
-        with _BACKGROUND_LOCK:
-            counts = dict(_BACKGROUND)
-            _BACKGROUND.clear()
+        counts = ahead_counts.take_background()
         counts["retries"] = counts.get("retries", 0) + got.retries
         counts["store_wait_ms"] = 1000 * waited_s
         if got.error is None:
             if got.hit:  # fetched ahead of this read: a miss (from the store for it), read from the cache
                 counts.update(cache_bytes=n, **{"cache_misses" if got.ahead else "cache_hits": 1})
+                ahead_counts.count_get_at_take(counts, got.ahead, n)
             else:  # a miss only where there is a cache to miss (cache=False: no hit ratio)
                 counts.update(cache_misses=1 if self.cache.enabled else 0, not_admitted=0 if got.admitted else 1,
                               objects_read=counts.get("objects_read", 0) + 1,
@@ -198,7 +189,10 @@ class RemoteFiles:
         All of ``uris`` are asked for at once (up to ``max_bytes`` of this task, and of the
         process's :data:`~sbloader.sources.inflight.BYTES` budget; the rest as the first are
         consumed), then ``ahead`` (the next partitions' objects) is fetched into the cache
-        behind them (:meth:`prefetch`), in the process's fetch pool.
+        behind them (:meth:`prefetch`), in the process's fetch pool. The read does not wait
+        for its fetch-ahead: the read that takes an object fetched ahead counts its GET
+        (:data:`~sbloader.sources.cache.COUNT_MARK`; before #47 a ``decode=False`` task's
+        block, and so a fused decode, waited for the next partitions' GETs to count them).
         """
         if not uris:
             return
@@ -215,7 +209,7 @@ class RemoteFiles:
                 held[1] += 1
 
         submit_more()
-        pending = self.prefetch(ahead, budget=self.max_bytes - held[0], collect=True)
+        self.prefetch(ahead, budget=self.max_bytes - held[0], count=True)
         waited = Waited()
         try:
             for i, uri in enumerate(uris):
@@ -232,14 +226,8 @@ class RemoteFiles:
                 yield uri, got.error if got.error is not None else got.data
         finally:  # a reader that stops early hands back what it had asked for
             BYTES.give(held[0])
-        # The fetch-ahead this read started is counted here, in its task (not lost when no
-        # later read runs in this process): it ran while the objects above were decoded.
-        counts: dict = {}
-        for f in pending:
-            for k, v in waited.block(f.result).items():
-                counts[k] = counts.get(k, 0) + v
-        counts.update(peak_in_flight=GAUGE.take_peak(), store_wait_ms=1000 * waited.seconds)
-        report_counters(counts)
+        # The fetch-ahead this read started is counted by the reads that take its objects.
+        report_counters({"peak_in_flight": GAUGE.take_peak()})
 
     def _cached(self, uri: str, take: bool = True) -> tuple[Optional[str], bool]:
         """The object's cache entry (its read time updated) or None, and whether it was
@@ -274,8 +262,10 @@ class RemoteFiles:
         waited = time.perf_counter() - t0
         report_counters({"peak_in_flight": GAUGE.take_peak()})
         if got.error is None and got.hit:
-            report_counters({"cache_misses" if got.ahead else "cache_hits": 1,
-                             "cache_bytes": os.path.getsize(got.path), "store_wait_ms": 1000 * waited})
+            counts = {"cache_misses" if got.ahead else "cache_hits": 1, "cache_bytes": os.path.getsize(got.path),
+                      "store_wait_ms": 1000 * waited}
+            ahead_counts.count_get_at_take(counts, got.ahead, counts["cache_bytes"])
+            report_counters(counts)
             return got.path
         self._report(got, waited)
         if got.error is not None:
@@ -297,22 +287,28 @@ class RemoteFiles:
             return uri
         return self.local(uri)
 
-    def prefetch(self, uris: Sequence[str], budget: Optional[int] = None, collect: bool = False) -> list:
+    def prefetch(self, uris: Sequence[str], budget: Optional[int] = None, collect: bool = False,
+                 count: bool = False) -> list:
         """Fetch objects into the cache in the background, as many of them (from the first) as
         ``budget`` bytes allow (None: ``max_bytes``), and only when the cache has room for
         them now (a full cache admits nothing, so fetching ahead would read the objects
         twice). Reads filling the cache meanwhile can still leave one out: it is then read
         again when its partition runs.
 
+        Args:
+            count: the reads that take the objects count their GETs (``objects_read``,
+                ``bytes_read``, ``prefetched``: :data:`~sbloader.sources.cache.COUNT_MARK`);
+                otherwise the fetches' counts are the caller's (``collect``) or the next read's.
+
         Returns:
             With ``collect``, the futures of the fetches, each giving its counts (the caller
-            reports them); otherwise nothing, and the counts are reported by the next read
-            of this process.
+            reports them); otherwise nothing, and the counts (retries only, with ``count``)
+            are reported by the next read of this process.
         """
         if not self.cache.enabled or not uris:
             return []
         cache = cache_here(self.cache)
-        uris = [u for u in uris if self._cached(u, take=False)[0] is None]
+        uris = [u for u in ahead_counts.not_in_flight(cache.root, uris) if self._cached(u, take=False)[0] is None]
         sizes = [self._version(u)[0] for u in uris]
         if cache is None or not uris or any(s is None for s in sizes):
             return []
@@ -326,22 +322,25 @@ class RemoteFiles:
             BYTES.give(total)
             return []
         ex = pool(self.max_in_flight)
-        futures = [ex.submit(self._prefetch_one, u) for u in uris[:n]]
-        for f, s in zip(futures, sizes):  # the bytes are the process's until they are in the cache
-            f.add_done_callback(lambda f, s=s: BYTES.give(s))
+        ahead_counts.started(cache.root, uris[:n])
+        futures = [ex.submit(self._prefetch_one, u, count) for u in uris[:n]]
+        for f, u, s in zip(futures, uris, sizes):
+            f.add_done_callback(lambda f, u=u, s=s: ahead_counts.done(cache.root, u, s))
         if collect:
             return futures
         for f in futures:
-            f.add_done_callback(lambda f: _add_background(f.result()) if f.exception() is None else None)
+            f.add_done_callback(lambda f: ahead_counts.add_background(f.result()) if f.exception() is None else None)
         return []
 
-    def _prefetch_one(self, uri: str) -> dict:
+    def _prefetch_one(self, uri: str, count: bool = False) -> dict:
+        """Fetch one object into the cache, marked as fetched ahead; its counts (with ``count``,
+        the GET is left to the read that takes the entry, unless the cache did not admit it)."""
         size, _ = self._version(uri)
         cache = cache_here(self.cache)
         if size is None or cache is None or not cache.make_room(size):
             return {}  # a full cache admits nothing: fetching ahead would only read it twice
-        got = self._get(uri, True, ahead=True)
-        if got.error is None and not got.hit and got.data is not None:
+        got = self._get(uri, True, ahead=True, count=count)
+        if got.error is None and not got.hit and got.data is not None and not (count and got.path is not None):
             return {"prefetched": 1, "objects_read": 1, "bytes_read": len(got.data), "retries": got.retries}
         return {"retries": got.retries}
 

@@ -177,17 +177,20 @@ def test_a_forked_child_has_its_own_fetch_pool_and_nothing_in_flight():
     gate.set()
     [f.result() for f in busy]
     inflight.BYTES.take(100, 1000)
+    from sbloader.sources import ahead
+    ahead.started("/c", ["s3://b/being-fetched-ahead"])
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: answers within 5 s, or its parent reads a timeout
         try:
             got = inflight.pool(2).submit(lambda: 7).result(timeout=5)
-            ok = got == 7 and inflight.BYTES.held == 0 and inflight.GAUGE.now == 0 and inflight.pool(2) is not ex
+            ok = got == 7 and inflight.BYTES.held == 0 and inflight.GAUGE.now == 0 and inflight.pool(2) is not ex \
+                and ahead.not_in_flight("/c", ["s3://b/being-fetched-ahead"]) == ["s3://b/being-fetched-ahead"]
             os.write(w, b"ok" if ok else b"bad")
         except BaseException as e:  # noqa: BLE001 - reported through the pipe
             os.write(w, repr(e).encode()[:200])
         os._exit(0)
     os.close(w)
     os.waitpid(pid, 0)
-    inflight.BYTES.give(100)
+    ahead.done("/c", "s3://b/being-fetched-ahead", 100)  # hands back the 100 bytes too
     assert os.read(r, 300) == b"ok"

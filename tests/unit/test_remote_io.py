@@ -98,6 +98,7 @@ class _Flaky(pafs.FileSystemHandler):
 
     def open_input_stream(self, path):
         n = self.opens[path] = self.opens.get(path, 0) + 1
+        time.sleep(getattr(self, "slow_s", 0.0))  # every answer after a round trip
         if n <= self.fail:
             time.sleep(self.delay_s)  # a throttled store answers after a round trip
             raise self.error
@@ -194,22 +195,76 @@ def test_objects_fetched_ahead_count_as_misses_of_the_read_that_takes_them_then_
     first, ahead = ["flaky://0.bin", "flaky://1.bin"], ["flaky://2.bin", "flaky://3.bin", "flaky://4.bin"]
     with task_context(0, 0, 0, "read", -1) as ctx:  # a task fetching the next partition's objects ahead
         assert len(list(rf.read_many(first, ahead=ahead))) == 2
-    assert (ctx.counters["cache_hits"], ctx.counters["cache_misses"], ctx.counters["prefetched"]) == (0, 2, 3)
+    assert (ctx.counters["cache_hits"], ctx.counters["cache_misses"], ctx.counters["objects_read"]) == (0, 2, 2)
+    assert "prefetched" not in ctx.counters  # the GETs made ahead are counted by the reads that take them
+    _wait_for_entries(rf, ahead)  # the read did not wait for its fetch-ahead
     assert rf.prefetch(ahead, collect=True) == []  # another task's look ahead: cached, the marks left on
     for u in ahead:
         rf._prefetch_one(u)  # a fetch ahead racing the look: finds the entry, leaves the mark
-    for epoch, want in ((0, (0, 3, 0.0)), (1, (3, 0, 1.0))):  # the next task, in this epoch, then the next epoch
+    for epoch, want, gets in ((0, (0, 3, 0.0), 3), (1, (3, 0, 1.0), 0)):  # the next task, then the next epoch
         with task_context(epoch, 0, 1, "read", -1) as ctx:
             assert [b for _, b in rf.read_many(ahead)] == [bytes([i]) * (i + 1) for i in (2, 3, 4)]
         c = ctx.counters
         assert (c["cache_hits"], c["cache_misses"], c["cache_hit_ratio"]) == want, c
-        assert "objects_read" not in c  # fetched once, by the fetch ahead
+        # fetched once, by the fetch ahead, and that GET counted once: by the read that took it
+        assert (c.get("objects_read", 0), c.get("prefetched", 0), c.get("bytes_read", 0)) == (gets, gets, 12 * (gets > 0))
     src = RemoteFiles(rf.filesystem, rf.cache, rf.versions, 3)
     src.local("flaky://0.bin", ahead=True)  # already cached: not marked again
     with task_context(1, 0, 2, "read", -1) as ctx:
         src.local("flaky://0.bin")
     assert ctx.counters["cache_hits"] == 1 and ctx.counters["cache_misses"] == 0
     assert all(n == 1 for n in handler.opens.values()), handler.opens
+
+
+def test_a_read_ends_without_waiting_for_its_fetch_ahead_and_the_reads_that_take_it_count_its_gets(
+        tmp_path, monkeypatch):
+    """Its objects back, a read task's block goes on while the next partitions' objects are still
+    being fetched into the cache (before #47 it waited for them, to count their GETs itself: a
+    decode in a following map_batches waited too); each GET is then counted once, by the read that
+    takes the entry."""
+    from sbloader.sources import inflight
+
+    monkeypatch.setattr(inflight, "_POOL", [])  # 3 threads: objects 0, 1 and 2 start first, 3 and 4 after
+    rf, handler = _flaky_files(tmp_path, 0, OSError("unused"), cache=True)
+    handler.slow_s = 0.5
+    own, ahead = ["flaky://0.bin", "flaky://1.bin"], ["flaky://2.bin", "flaky://3.bin", "flaky://4.bin"]
+    with task_context(0, 0, 0, "read", -1) as ctx:
+        assert [b for _, b in rf.read_many(own, ahead=ahead)] == [b"\x00", b"\x01" * 2]
+        assert rf._cached("flaky://4.bin", take=False)[0] is None  # still on its way
+    assert (ctx.counters["objects_read"], ctx.counters["bytes_read"]) == (2, 3) and "prefetched" not in ctx.counters
+    _wait_for_entries(rf, ahead)
+    with task_context(0, 0, 1, "read", -1) as ctx:
+        assert [b for _, b in rf.read_many(ahead)] == [bytes([i]) * (i + 1) for i in (2, 3, 4)]
+    c = ctx.counters
+    assert (c["objects_read"], c["bytes_read"], c["prefetched"], c["cache_misses"], c["cache_hits"]) == (3, 12, 3, 3, 0)
+    assert all(n == 1 for n in handler.opens.values()), handler.opens  # one GET per object
+
+
+def test_an_object_being_fetched_ahead_is_not_asked_for_again_by_the_next_task(tmp_path, monkeypatch):
+    """The next task's fetch-ahead skips the objects the last one is still fetching ahead (before,
+    each was submitted again and held a fetch thread waiting on the entry's lock)."""
+    from sbloader.sources import ahead as ahead_mod, inflight
+
+    monkeypatch.setattr(inflight, "_POOL", [])
+    rf, handler = _flaky_files(tmp_path, 0, OSError("unused"), cache=True)
+    handler.slow_s = 0.3
+    ahead = ["flaky://2.bin", "flaky://3.bin", "flaky://4.bin"]
+    first = rf.prefetch(ahead, collect=True, count=True)
+    assert len(first) == 3 and ahead_mod.not_in_flight(rf.cache.dir, ahead) == []
+    assert len(rf.prefetch(ahead + ["flaky://1.bin"], collect=True, count=True)) == 1  # 1.bin only
+    for f in first:
+        assert f.result(timeout=20) == {"retries": 0}  # the GET is left to the read that takes the entry
+    _wait_for_entries(rf, ahead + ["flaky://1.bin"])
+    assert ahead_mod.not_in_flight(rf.cache.dir, ahead) == ahead
+    assert all(n == 1 for n in handler.opens.values()), handler.opens
+
+
+def _wait_for_entries(rf, uris, timeout=20.0):
+    """Until every one of ``uris`` is in the cache (the fetch ahead runs after its read ended)."""
+    deadline = time.monotonic() + timeout
+    while any(rf._cached(u, take=False)[0] is None for u in uris):
+        assert time.monotonic() < deadline, "the fetch ahead never filled the cache"
+        time.sleep(0.01)
 
 
 def test_readers_racing_for_an_entry_fetched_ahead_count_one_miss(tmp_path, monkeypatch):

@@ -1,0 +1,78 @@
+"""What a process's fetches ahead owe the reads' counters, and which objects it is fetching
+ahead now (:meth:`sbloader.sources.fetch.RemoteFiles.prefetch`).
+
+A read task fetches the next partitions' objects into the node's cache and does not wait
+for them. The GET of an object fetched ahead for a ``read_images`` task is counted by the read
+that takes the entry (:data:`~sbloader.sources.cache.COUNT_MARK`, :func:`count_get_at_take`);
+the other counts of a fetch ahead (retries; the GETs of Parquet and video files fetched ahead)
+wait here for the next read of this process (:func:`add_background`, :func:`take_background`).
+An object being fetched ahead now is not looked up or asked for again by the next task
+(:func:`not_in_flight`): before #47 it was submitted again and held a fetch thread waiting on
+the entry's lock.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Iterable
+
+from sbloader.sources.cache import COUNT_MARK
+from sbloader.sources.inflight import BYTES
+
+_LOCK = threading.Lock()
+_BACKGROUND: dict = {}  # counts of fetches ahead, reported by the next read in this process
+_IN_FLIGHT: set = set()  # (cache directory, URI) of the objects this process is fetching ahead now
+
+
+def _after_fork() -> None:
+    """A forked child fetches nothing of its parent's and holds none of its locks."""
+    global _LOCK
+    _LOCK = threading.Lock()
+    _IN_FLIGHT.clear()
+    _BACKGROUND.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+def add_background(counts: dict) -> None:
+    """Add a fetch ahead's ``counts``, for the next read of this process to report."""
+    with _LOCK:
+        for k, v in counts.items():
+            _BACKGROUND[k] = _BACKGROUND.get(k, 0) + v
+
+
+def take_background() -> dict:
+    """The counts :func:`add_background` gathered since the last call (then forgotten)."""
+    with _LOCK:
+        counts = dict(_BACKGROUND)
+        _BACKGROUND.clear()
+    return counts
+
+
+def not_in_flight(cache_dir: str, uris: Iterable[str]) -> list[str]:
+    """``uris`` less those this process is fetching ahead into ``cache_dir`` now."""
+    with _LOCK:
+        return [u for u in uris if (cache_dir, u) not in _IN_FLIGHT]
+
+
+def started(cache_dir: str, uris: Iterable[str]) -> None:
+    """These objects are being fetched ahead into ``cache_dir`` (until :func:`done`)."""
+    with _LOCK:
+        _IN_FLIGHT.update((cache_dir, u) for u in uris)
+
+
+def done(cache_dir: str, uri: str, nbytes: int) -> None:
+    """A fetch ahead of ``nbytes`` ended (in the cache, or failed): its bytes go back to the
+    process's budget (:data:`~sbloader.sources.inflight.BYTES`)."""
+    BYTES.give(nbytes)
+    with _LOCK:
+        _IN_FLIGHT.discard((cache_dir, uri))
+
+
+def count_get_at_take(counts: dict, marks: int, nbytes: int) -> None:
+    """Add to a read's ``counts`` the GET of an entry a read task fetched ahead of it
+    (:data:`~sbloader.sources.cache.COUNT_MARK` among the ``marks`` it took off)."""
+    if marks & COUNT_MARK:
+        for k, v in (("objects_read", 1), ("bytes_read", nbytes), ("prefetched", 1)):
+            counts[k] = counts.get(k, 0) + v

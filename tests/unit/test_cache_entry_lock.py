@@ -1,0 +1,68 @@
+"""An entry's lock (held while its object is downloaded) excludes every other thread and
+process wanting that entry, and nobody wanting another; it creates no file per entry."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+from sbloader.sources import cache as cache_mod
+from sbloader.sources.cache import LOCKS_NAME, DiskCache
+
+# Another process takes the entry's lock, prints the seconds it waited, and lets go.
+_TAKER = r"""
+import sys, time
+from sbloader.sources.cache import DiskCache
+c = DiskCache(sys.argv[1])
+print("taking", flush=True)
+t0 = time.monotonic()
+with c.lock_at(c.path_for(sys.argv[2], "v")):
+    print(round(time.monotonic() - t0, 3), flush=True)
+"""
+
+
+def _waits(c: DiskCache, uri: str) -> threading.Event:
+    """A thread taking ``uri``'s lock; the event is set once it holds it."""
+    got = threading.Event()
+
+    def take() -> None:
+        with c.lock_at(c.path_for(uri, "v")):
+            got.set()
+
+    threading.Thread(target=take, daemon=True).start()
+    return got
+
+
+def _check_exclusion(root: str) -> None:
+    c = DiskCache(root)
+    with c.lock_at(c.path_for("s3://b/a", "v")):
+        same, other = _waits(c, "s3://b/a"), _waits(c, "s3://b/b")
+        assert other.wait(10), "another entry's lock waited for this one"
+        assert not same.wait(0.3), "a second thread took an entry's lock while it was held"
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        child = subprocess.Popen([sys.executable, "-c", _TAKER, root, "s3://b/a"], stdout=subprocess.PIPE,
+                                 text=True, env=env)
+        assert child.stdout.readline().strip() == "taking"
+        time.sleep(0.6)
+        assert child.poll() is None, "another process took an entry's lock while it was held"
+    assert same.wait(10)
+    waited = float(child.communicate(timeout=60)[0])
+    assert waited >= 0.5  # it waited for this process to let go
+
+
+def test_an_entry_lock_excludes_threads_and_processes_for_that_entry_only(tmp_path):
+    _check_exclusion(str(tmp_path))
+    names = [e for _, _, files in os.walk(tmp_path) for e in files]
+    assert names == [LOCKS_NAME]  # one lock file for the directory, none per entry
+
+
+def test_without_ofd_locks_an_entry_lock_falls_back_to_a_lock_file_per_entry(tmp_path, monkeypatch):
+    monkeypatch.setattr(cache_mod, "_OFD_OK", [False])
+    c = DiskCache(str(tmp_path))
+    p = c.path_for("s3://b/a", "v")
+    with c.lock_at(p):
+        assert os.path.exists(p + ".lock")
+        assert not _waits(c, "s3://b/a").wait(0.3)
+        assert _waits(c, "s3://b/b").wait(10)
