@@ -40,7 +40,10 @@ class _Live:
 
 
 class LiveShards:
-    """(Worker) Each shard's generator between its segments, keyed by shard and seed (the epoch's).
+    """(Worker) Each shard's generator between its segments, keyed by shard and epoch.
+
+    The epoch key is the same for every shard of the epoch (``(epoch, epoch seed)``), never a
+    partition's seed: an actor that runs several shards keeps each one's generator.
 
     Args:
         rng_states: returns the worker's RNG streams; ``set_rng_states`` restores them.
@@ -50,12 +53,13 @@ class LiveShards:
         self._live: dict = {}
         self._rng_states, self._set_rng_states = rng_states, set_rng_states
 
-    def take(self, shard: int, seed: int, resume: Optional[dict], limit: Optional[int],
+    def take(self, shard: int, epoch: Any, resume: Optional[dict], limit: Optional[int],
              open_shard: Callable[[], Iterator[tuple]]) -> Iterator[tuple]:
-        """Shard ``shard``'s next batches as ``(batch, samples, snapshot)``: at most ``limit`` (None:
-        to its end), from ``resume`` on. ``open_shard`` starts the shard at ``resume`` (used unless
-        this worker holds the shard's generator at exactly that batch)."""
-        key = (int(shard), int(seed))
+        """Shard ``shard``'s next batches in ``epoch`` (a hashable key of the epoch) as ``(batch,
+        samples, snapshot)``: at most ``limit`` (None: to its end), from ``resume`` on. ``open_shard``
+        starts the shard at ``resume`` (used unless this worker holds the shard's generator at exactly
+        that batch)."""
+        key = (int(shard), epoch)
         live = self._live.pop(key, None)
         for stale in [k for k in self._live if k[1] != key[1]]:  # an earlier epoch's (persistent workers)
             del self._live[stale]

@@ -215,15 +215,19 @@ class LoaderWorker:
         shard of an ``IterableDataset``) ``(shard, snapshot after the batch)``."""
         for task in tasks:
             if isinstance(task, tuple) and len(task) in (2, 3, 4) and task[0] == "shard":
-                dataset = self._shard_dataset(task[1])
-                _set_torch_worker_info(task[1], self._num_workers, seed, dataset)
+                shard = int(task[1])
+                ctx = get_context()
+                epoch = (ctx.epoch, ctx.epoch_seed) if ctx is not None else (0, 0)
+                _set_torch_worker_info(shard, self._num_workers, seed, self._kept_dataset(shard))
                 resume = task[2] if len(task) >= 3 else None
                 limit = task[3] if len(task) == 4 else None
 
-                def open_shard(dataset: Any = dataset, resume: Optional[dict] = resume) -> Any:
+                def open_shard(shard: int = shard, epoch: tuple = epoch, resume: Optional[dict] = resume) -> Any:
+                    dataset = self._unused_dataset(shard, epoch)
+                    _set_torch_worker_info(shard, self._num_workers, seed, dataset)
                     return iterate_shard(dataset, self._batch_size, self._drop_last,
                                          lambda x: to_wire(self._collate(x)), resume)
-                for wire, n, snap in self._live.take(task[1], seed, resume, limit, open_shard):
+                for wire, n, snap in self._live.take(shard, epoch, resume, limit, open_shard):
                     out.append(wire)
                     rows.append(n)
                     snaps.append((task[1], snap))
@@ -238,12 +242,23 @@ class LoaderWorker:
                     out.append(FailedBatch.remote(e, "LoaderWorker", ctx.partition_id if ctx else -1,
                                                   ctx.epoch if ctx else -1, self._id))
 
-    def _shard_dataset(self, shard: int) -> Any:
+    def _kept_dataset(self, shard: int) -> Any:
         """Shard ``shard``'s own copy of the dataset, as torch's worker ``shard`` has its own: the
         actor's for its first shard, a fresh copy for any other (kept with persistent workers)."""
         if shard not in self._shard_datasets:
-            self._shard_datasets[shard] = self._dataset if not self._shard_datasets else _fresh(self._config)["dataset"]
-        return self._shard_datasets[shard]
+            ds = self._dataset if not self._shard_datasets else _fresh(self._config)["dataset"]
+            self._shard_datasets[shard] = (ds, None)
+        return self._shard_datasets[shard][0]
+
+    def _unused_dataset(self, shard: int, epoch: tuple) -> Any:
+        """The copy shard ``shard`` is opened on in ``epoch``: the kept one, unless this actor already
+        iterated it this epoch (a segment of the shard ran here, then elsewhere, or a replay): that copy
+        has moved on (a dataset that is its own iterator, a read-ahead), so a fresh one replaces it."""
+        ds = self._kept_dataset(shard)
+        if self._shard_datasets[shard][1] == epoch:
+            ds = _fresh(self._config)["dataset"]
+        self._shard_datasets[shard] = (ds, epoch)
+        return ds
 
     def _make(self, task: Any) -> Any:
         """One batch of sample indices (or one sample, without auto-batching), fetched and collated."""

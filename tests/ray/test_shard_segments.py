@@ -106,3 +106,31 @@ def test_a_segment_holds_at_most_its_batches_in_the_worker(ray_session, monkeypa
     stats = loader.stats()  # the epoch's, every round's together, not the last round's
     assert stats.operators[0].blocks == len(seen), (stats.operators[0].blocks, len(seen))
 
+
+
+class OwnIterator(IterableDataset):
+    """``__iter__`` returns the dataset itself: a copy that was iterated once has moved on for good."""
+
+    def __init__(self, n):
+        self.n, self.i = n, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.i >= self.n:
+            raise StopIteration
+        self.i += 1
+        return self.i - 1
+
+
+def test_an_actor_running_several_shards_keeps_each_and_reopens_a_moved_copy_afresh(ray_session, monkeypatch):
+    # 4 shards of a dataset that is its own iterator, segments of 3 batches: the pool's actors run
+    # several shards each, round after round. Each shard's generator is kept between its segments
+    # (keyed by the epoch, not by a partition's seed), and a shard reopened on an actor that already
+    # iterated its copy this epoch gets a fresh copy: every loader gives each worker's 9 items once.
+    monkeypatch.setattr(shard_segments, "SHARD_SEGMENT_MIN", 3)
+    monkeypatch.delenv(local_start.HANDOVER_AT_ENV, raising=False)
+    for _ in range(4):
+        got = [int(x) for x in sbloader.DataLoader(OwnIterator(9), num_workers=4, local_start=False)]
+        assert sorted(got) == sorted(list(range(9)) * 4)
