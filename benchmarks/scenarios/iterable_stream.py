@@ -45,4 +45,5 @@ def run(**p: Any) -> Outcome:
     return Outcome(trials, "items_per_s", "images/s", baseline=theirs,
                    extra=("first_batch_epoch1_s", "first_batch_later_s", "wall_s"),
                    notes=[f"same arguments for both: {args}, a {p['step_ms']} ms sleep per batch",
-                          "an IterableDataset's shards run on sbloader's pool in segments of 8 batches"])
+                          "an IterableDataset's shards run on sbloader's pool in segments of 8 batches (2 and 4 "
+                          "in the first two rounds), the next made while the loop consumes one"])

@@ -147,7 +147,7 @@ def open_pool(s: DropinSettings, carry: DropinCarry, run: Optional[Union[EpochRu
         resume = shard_resume if shard_resume is not None else run.resume if run is not None else {}
         resume = {w: r for w, r in resume.items() if r is not None}
         segment = segment_size(s.batches_per_partition)
-        executor: Any = ShardRounds(lambda at: execute(ShardSource(s.num_workers, fp, at, segment, sorted(at))),
+        executor: Any = ShardRounds(lambda at, n: execute(ShardSource(s.num_workers, fp, at, n, sorted(at))),
                                     resume, s.num_workers, segment, SHARD_STATE_COLUMN)
     else:
         bpp = s.batches_per_partition
@@ -193,7 +193,7 @@ def open_pool(s: DropinSettings, carry: DropinCarry, run: Optional[Union[EpochRu
             del block
             out = [wire_as_tensors(w, tensors) for w in wires]
             del wires
-            owner = getattr(executor, "executor", executor)  # this round's execution holds the block's bytes
+            owner = executor.owner(item) if s.iterable else executor  # its round's execution holds the bytes
             if copy:
                 owner.release(item.meta.nbytes)
             stalls.fetch_s += time.perf_counter() - t0
