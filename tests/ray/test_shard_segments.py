@@ -134,3 +134,28 @@ def test_an_actor_running_several_shards_keeps_each_and_reopens_a_moved_copy_afr
     for _ in range(4):
         got = [int(x) for x in sbloader.DataLoader(OwnIterator(9), num_workers=4, local_start=False)]
         assert sorted(got) == sorted(list(range(9)) * 4)
+
+
+def test_the_next_round_is_made_while_the_loop_is_still_in_this_one(ray_session, monkeypatch):
+    """Once a round's blocks are all in, the next round starts without waiting for the loop to ask for
+    its first block; the first rounds are short (a quarter, then half a segment)."""
+    import time
+
+    monkeypatch.setattr(shard_segments, "SHARD_SEGMENT_MIN", 8)
+    rounds, sizes = [], []
+    original_init = shard_segments.ShardRounds.__init__
+
+    def init(self, start, *args, **kwargs):
+        rounds.append(self)
+        original_init(self, lambda resume, n: sizes.append(n) or start(resume, n), *args, **kwargs)
+    monkeypatch.setattr(shard_segments.ShardRounds, "__init__", init)
+    loader = sbloader.DataLoader(Long(), batch_size=2, num_workers=3, seed=11, local_start=False, prefetch_factor=1)
+    it = iter(loader)
+    first = next(it)  # round 1: 2 batches of each of 3 shards; the loop took 1 of its 6, at most 2 more are ahead
+    deadline = time.monotonic() + 60
+    while rounds[0].rounds < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert rounds[0].rounds >= 2, "the second round waited for the loop"
+    rest = [b for b in it]
+    assert [first[:, 0].tolist()] + [b[:, 0].tolist() for b in rest] == torchs_order()
+    assert sizes[:3] == [2, 4, 8] and set(sizes[3:]) <= {8}, sizes
