@@ -102,11 +102,12 @@ def _free_split_coordinators(request):
     closer.drain(wait_s=0)  # the loaders the test dropped hand their actors to the idle pool now, not after the next line
     warm_workers.release_idle()  # the warm actors dropped loaders and pipelines left in the process's idle pool
     if _cpus_held() > TEST_CPUS // 2:
-        # finished executions left in reference cycles (scheduler, pools, launcher: seen with gc's
-        # DEBUG_SAVEALL) keep their actors' handles, so the actors hold their CPUs until the collector's next
-        # full pass, rare in a long session: later tests then wait for CPUs that do not come back (seen: a
-        # test_mix and a test_stateful_hang_shapes test hung after the IterableDataset files). Collect them
-        # now (one pass, only when more than half the CPUs are held).
+        # epochs the closer finished a moment ago hand their actors over now; and anything a test left in a
+        # reference cycle that holds actor handles (an execution's scheduler and its outputs did, fixed in
+        # sbloader/executor/outputs.py) would keep their CPUs until the collector's next full pass, rare in a
+        # long session: later tests then wait for CPUs that do not come back (seen: a test_mix and a
+        # test_stateful_hang_shapes test hung after the IterableDataset files). One more pass, and a
+        # collection, only when more than half the CPUs are held.
         gc.collect()
         closer.drain(wait_s=0)
         warm_workers.release_idle()

@@ -7,6 +7,7 @@ replaces, never adds.
 """
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from typing import Callable, Optional
 
@@ -18,12 +19,14 @@ class Outputs:
 
     Args:
         deterministic: hand them out in plan order.
-        dropped: called with a block nobody will take (an empty one in plan order).
+        dropped: called with a block nobody will take (an empty one in plan order). A bound
+            method is held weakly: its owner (the scheduler) holds this, and a cycle would keep the
+            execution, its pools and their actors' CPUs, until the collector's next full pass.
     """
 
     def __init__(self, deterministic: bool, dropped: Callable[[OutputBlock], None]) -> None:
         self.deterministic = deterministic
-        self._dropped = dropped
+        self._dropped = weakref.WeakMethod(dropped) if hasattr(dropped, "__self__") else (lambda: dropped)
         self._fifo: deque[OutputBlock] = deque()
         self._ordered: dict[int, OutputBlock] = {}
         self._next_seq = 0
@@ -54,7 +57,9 @@ class Outputs:
             self._next_seq += 1
             if item.meta.num_rows > 0:
                 return item
-            self._dropped(item)
+            dropped = self._dropped()
+            if dropped is not None:
+                dropped(item)
         return None
 
     def ready(self) -> bool:

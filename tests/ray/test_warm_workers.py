@@ -296,3 +296,38 @@ def test_a_dropped_loaders_running_epoch_still_holds_its_cpus():
     proc = subprocess.run([sys.executable, "-c", DROPPED_RUNNING_SCRIPT], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+def test_a_finished_or_dropped_epoch_frees_its_pools_without_the_collector(ray_session, monkeypatch):
+    """An execution's scheduler, pools and actor handles are freed by reference counting when the
+    loader lets it go: with the cyclic collector off, no pool of the test outlives it (a cycle held
+    them, and their actors' CPUs, until the collector's next full pass)."""
+    import gc
+    import weakref
+
+    from sbloader.executor import pools as pools_mod
+    from sbloader.loaders import closer, warm_workers
+
+    made = []
+    init = pools_mod.ActorPools.__init__
+
+    def recording(self, *args, **kwargs):
+        made.append(weakref.ref(self))
+        init(self, *args, **kwargs)
+    monkeypatch.setattr(pools_mod.ActorPools, "__init__", recording)
+    gc.collect()
+    gc.disable()
+    try:
+        loader = sbloader.DataLoader(list(range(400)), num_workers=2, batch_size=4, local_start=False)
+        assert len([b for b in loader]) == 100  # an epoch run to its end
+        it = iter(loader)
+        next(it)
+        del it, loader  # an epoch dropped in its middle, then its loader
+        closer.drain(wait_s=10)
+        warm_workers.release_idle()
+        deadline = time.monotonic() + 20
+        while any(r() is not None for r in made) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert made and all(r() is None for r in made), "an execution's pools outlived it (a reference cycle)"
+    finally:
+        gc.enable()
