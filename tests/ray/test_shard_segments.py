@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+from test_stateful_contract import OwnIterator  # a dataset that is its own iterator
 from torch.utils.data import IterableDataset, get_worker_info
 
 import sbloader
@@ -106,22 +107,6 @@ def test_a_segment_holds_at_most_its_batches_in_the_worker(ray_session, monkeypa
     stats = loader.stats()  # the epoch's, every round's together, not the last round's
     assert stats.operators[0].blocks == len(seen), (stats.operators[0].blocks, len(seen))
 
-
-
-class OwnIterator(IterableDataset):
-    """``__iter__`` returns the dataset itself: a copy that was iterated once has moved on for good."""
-
-    def __init__(self, n):
-        self.n, self.i = n, 0
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        if self.i >= self.n:
-            raise StopIteration
-        self.i += 1
-        return self.i - 1
 
 
 def test_an_actor_running_several_shards_keeps_each_and_reopens_a_moved_copy_afresh(ray_session, monkeypatch):
