@@ -4,7 +4,8 @@ ahead now (:meth:`sbloader.sources.fetch.RemoteFiles.prefetch`).
 A read task fetches the next partitions' objects into the node's cache and does not wait
 for them. The GET of an object fetched ahead for a ``read_images`` task is counted by the read
 that takes the entry (:data:`~sbloader.sources.cache.COUNT_MARK`, :func:`count_get_at_take`);
-the other counts of a fetch ahead (retries; the GETs of Parquet and video files fetched ahead)
+and its retries (:data:`~sbloader.sources.cache.RETRY_MARK`); the other counts of a fetch
+ahead (the retries and GETs of Parquet and video files fetched ahead, of an entry not admitted)
 wait here for the next read of this process (:func:`add_background`, :func:`take_background`).
 An object being fetched ahead now is not looked up or asked for again by the next task
 (:func:`not_in_flight`): before #47 it was submitted again and held a fetch thread waiting on
@@ -16,7 +17,7 @@ import os
 import threading
 from typing import Iterable
 
-from sbloader.sources.cache import COUNT_MARK
+from sbloader.sources.cache import COUNT_MARK, RETRY_MARK, owed_retries
 from sbloader.sources.inflight import BYTES
 
 _LOCK = threading.Lock()
@@ -70,9 +71,12 @@ def done(cache_dir: str, uri: str, nbytes: int) -> None:
         _IN_FLIGHT.discard((cache_dir, uri))
 
 
-def count_get_at_take(counts: dict, marks: int, nbytes: int) -> None:
-    """Add to a read's ``counts`` the GET of an entry a read task fetched ahead of it
-    (:data:`~sbloader.sources.cache.COUNT_MARK` among the ``marks`` it took off)."""
+def count_get_at_take(counts: dict, marks: int, nbytes: int, path: str = "") -> None:
+    """Add to a read's ``counts`` the GET of an entry (at ``path``) a read task fetched ahead of
+    it (:data:`~sbloader.sources.cache.COUNT_MARK` among the ``marks`` it took off), and that
+    fetch's retries (:data:`~sbloader.sources.cache.RETRY_MARK`)."""
     if marks & COUNT_MARK:
         for k, v in (("objects_read", 1), ("bytes_read", nbytes), ("prefetched", 1)):
             counts[k] = counts.get(k, 0) + v
+    if marks & RETRY_MARK and path:
+        counts["retries"] = counts.get("retries", 0) + owed_retries(path)

@@ -54,7 +54,14 @@ AHEAD_MARK = 0o100
 #: ``bytes_read``, ``prefetched``), so the task that fetched it need not wait for it to count it.
 COUNT_MARK = 0o010
 
-_MARKS = AHEAD_MARK | COUNT_MARK
+#: The mode bit (the others' execute bit) marking an entry beside :data:`COUNT_MARK` whose fetch
+#: ahead retried: the count waits in a hidden file beside the entry (:func:`owed_retries`), so
+#: the read that takes the entry counts the retries too, in whichever process it runs. Before,
+#: they waited for the fetching process's next read, and a fetch ahead that retried after that
+#: process's last read of the epoch went uncounted.
+RETRY_MARK = 0o001
+
+_MARKS = AHEAD_MARK | COUNT_MARK | RETRY_MARK
 
 
 def default_cache_dir() -> str:
@@ -169,13 +176,16 @@ class DiskCache:
         or None when the cache is full of entries read too recently to evict."""
         return self.put_at(self.path_for(uri, version), data)
 
-    def put_at(self, p: str, data: bytes, ahead: bool = False, count: bool = False) -> Optional[str]:
+    def put_at(self, p: str, data: bytes, ahead: bool = False, count: bool = False,
+               retries: int = 0) -> Optional[str]:
         """:meth:`put` into the entry at ``p``. The bytes are reserved in the directory's
         ledger before the first is written (:mod:`sbloader.sources.cache_ledger`), so the
         processes sharing the directory never hold more than ``max_bytes`` on disk together.
         ``ahead``: fetched ahead of its reader, marked so (:data:`AHEAD_MARK`, see :meth:`check`);
-        ``count``: its reader counts the GET too (:data:`COUNT_MARK`)."""
+        ``count``: its reader counts the GET too (:data:`COUNT_MARK`), and the fetch's
+        ``retries`` (:data:`RETRY_MARK`)."""
         n = len(data)
+        retries = retries if ahead and count else 0
         d = os.path.dirname(p)
         self._makedirs(d)
         tmp = f"{d}/{tmp_name(n)}"  # unique to this process and thread (the entry's lock is held)
@@ -192,11 +202,14 @@ class DiskCache:
             if room is None:
                 return None
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)  # the reservation, on disk
-            if ahead:
-                os.fchmod(fd, 0o644 | AHEAD_MARK | (COUNT_MARK if count else 0))  # fchmod: the umask cannot drop it
+            if ahead:  # fchmod: the umask cannot drop the marks
+                os.fchmod(fd, 0o644 | AHEAD_MARK | (COUNT_MARK if count else 0) | (RETRY_MARK if retries else 0))
             self._ledger.write(room + n)
         try:
             try:
+                if retries:  # before the entry appears: its reader finds the count
+                    with open(_owed_path(p), "w") as f:
+                        f.write(str(retries))
                 view = memoryview(data)
                 while view:  # one write for a file; a loop for the rare short write
                     view = view[os.write(fd, view):]
@@ -337,6 +350,25 @@ def cache_here(config: CacheConfig) -> Optional[DiskCache]:
         if c is None:
             c = _CACHES[key] = DiskCache(root, config.max_bytes)
         return c
+
+
+def _owed_path(p: str) -> str:
+    """The hidden file beside the entry at ``p`` holding its fetch ahead's retries (a name the
+    ledger's scan skips: :func:`sbloader.sources.cache_ledger.scan`)."""
+    d, name = os.path.split(p)
+    return os.path.join(d, f".{name}.retries")
+
+
+def owed_retries(p: str) -> int:
+    """The retries of the fetch ahead that wrote the entry at ``p`` (:data:`RETRY_MARK`), for
+    the one reader that took the mark; the file holding them is removed (0 when it is gone)."""
+    try:
+        with open(_owed_path(p)) as f:
+            n = int(f.read() or 0)
+        os.unlink(_owed_path(p))
+        return n
+    except (OSError, ValueError):
+        return 0
 
 
 def _take_mark(p: str) -> int:

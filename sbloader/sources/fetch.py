@@ -146,7 +146,7 @@ class RemoteFiles:
                     p, got.ahead = cache.check(entry, size, not ahead)
                     if p is None:
                         got.data = self._download(uri, size, got)
-                        p = cache.put_at(entry, got.data, ahead, count)
+                        p = cache.put_at(entry, got.data, ahead, count, got.retries)
                         got.admitted = p is not None
                         got.path = p
                         return got
@@ -175,7 +175,7 @@ class RemoteFiles:
         if got.error is None:
             if got.hit:  # fetched ahead of this read: a miss (from the store for it), read from the cache
                 counts.update(cache_bytes=n, **{"cache_misses" if got.ahead else "cache_hits": 1})
-                ahead_counts.count_get_at_take(counts, got.ahead, n)
+                ahead_counts.count_get_at_take(counts, got.ahead, n, got.path or "")
             else:  # a miss only where there is a cache to miss (cache=False: no hit ratio)
                 counts.update(cache_misses=1 if self.cache.enabled else 0, not_admitted=0 if got.admitted else 1,
                               objects_read=counts.get("objects_read", 0) + 1,
@@ -264,7 +264,7 @@ class RemoteFiles:
         if got.error is None and got.hit:
             counts = {"cache_misses" if got.ahead else "cache_hits": 1, "cache_bytes": os.path.getsize(got.path),
                       "store_wait_ms": 1000 * waited}
-            ahead_counts.count_get_at_take(counts, got.ahead, counts["cache_bytes"])
+            ahead_counts.count_get_at_take(counts, got.ahead, counts["cache_bytes"], got.path)
             report_counters(counts)
             return got.path
         self._report(got, waited)
@@ -342,6 +342,8 @@ class RemoteFiles:
         got = self._get(uri, True, ahead=True, count=count)
         if got.error is None and not got.hit and got.data is not None and not (count and got.path is not None):
             return {"prefetched": 1, "objects_read": 1, "bytes_read": len(got.data), "retries": got.retries}
+        if count and got.path is not None and not got.hit:
+            return {}  # the entry carries its GET and retries to the read that takes it
         return {"retries": got.retries}
 
 
