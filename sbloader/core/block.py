@@ -22,6 +22,11 @@ ROW_COLUMN = "_sb_row"
 #: loader's row is a collated batch); :attr:`BlockMeta.batch_rows` carries it.
 BATCH_ROWS_COLUMN = "_sb_batch_rows"
 
+#: The column of a block of an ``IterableDataset``'s worker shard holding, per batch, ``(shard,
+#: snapshot after it)`` (:mod:`sbloader.loaders.iterable_resume`); its last entry is also in the
+#: block's metadata (``BlockMeta.shard_state``).
+SHARD_STATE_COLUMN = "shard_state"
+
 #: Key of the boolean mask a padded batch carries (True = a repeated row that only
 #: evens out the ranks' batch counts; train on the others).
 PADDING_KEY = "sbloader_padding"
@@ -68,6 +73,9 @@ class BlockMeta:
             ``BATCH_ROWS_COLUMN``); empty otherwise.
         counters: ``(name, count)`` pairs the read reported (remote sources: cache
             hits and misses, bytes read, retries); empty otherwise.
+        shard_state: (a block of an ``IterableDataset``'s worker shard) ``(shard, snapshot)``
+            after its last batch (its ``SHARD_STATE_COLUMN``'s last entry): where the shard's
+            next segment starts, known without fetching the block; None otherwise.
     """
 
     epoch: int
@@ -83,6 +91,7 @@ class BlockMeta:
     pid: int = 0
     batch_rows: tuple = ()
     counters: tuple = ()
+    shard_state: Any = None
 
     def __post_init__(self) -> None:
         if self.num_rows < 0 or self.nbytes < 0:

@@ -46,11 +46,13 @@ def epoch_spec(run: Any, fingerprint: dict, worker_op: Any, options: ExecutionOp
 
 
 def stream_spec(epoch: int, epoch_seed: int, shards: int, fingerprint: dict, worker_op: Any,
-                options: ExecutionOptions, drop_last: bool) -> EpochSpec:
-    """Rank 0's epoch of a stream: the dataset iterated once for the job, one shard per worker."""
+                options: ExecutionOptions, drop_last: bool, segment: Optional[int] = None) -> EpochSpec:
+    """Rank 0's epoch of a stream: the dataset iterated once for the job, one shard per worker, in
+    segments of ``segment`` batches round after round (None: each shard whole)."""
     source = ShardSource(shards, fingerprint)
     plan = make_epoch_plan([p.id for p in source.partitions(epoch, epoch_seed)], epoch, epoch_seed, shuffle=False)
-    return EpochSpec(epoch, epoch_seed, source, (worker_op,), plan, options, None, drop_last=drop_last)
+    return EpochSpec(epoch, epoch_seed, source, (worker_op,), plan, options, None, drop_last=drop_last,
+                     segment=segment)
 
 
 def join(coord: Any, rank: int, epoch: int, spec: Callable[[], EpochSpec]) -> int:

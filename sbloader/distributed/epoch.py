@@ -17,7 +17,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from sbloader.core import ledger as _ledger
 from sbloader.core.runs import RunLog
@@ -107,12 +107,18 @@ class Epoch:
                 self.executor = spec.executor_factory(spec.source, spec.plan)
                 self.executor.start()
                 return True
-            self.executor = StreamingExecutor(
-                spec.source, build_stages(spec.source.name, list(spec.ops)), spec.plan, spec.options,
-                actor_cache=self._actor_cache, estimates=estimates,
-            )
-            self.executor.start()
+            self.executor = self._new_executor(estimates)
         return True
+
+    def _new_executor(self, estimates: Optional[list]) -> Any:
+        """(Pump, executor lock held) The started execution of the epoch's spec."""
+        spec = self.spec
+        return self.run_source(spec.source, spec.plan, estimates)
+
+    def run_source(self, source: Any, plan: Any, estimates: Optional[list]) -> StreamingExecutor:
+        """A started execution of ``source`` in ``plan``'s order through the epoch's operators, on its actors."""
+        return StreamingExecutor(source, build_stages(source.name, list(self.spec.ops)), plan, self.spec.options,
+                                 actor_cache=self._actor_cache, estimates=estimates).start()
 
     def stop_executor(self) -> None:
         """Stop the executor (idempotent, thread-safe): its cached actors return to the cache once."""

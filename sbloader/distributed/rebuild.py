@@ -181,13 +181,14 @@ class RebuildProtocol:
         if not isinstance(ep, StreamEpoch):
             raise SbloaderError(f"block {ref_hex} of epoch {epoch} cannot be made again: that epoch of an "
                                 f"IterableDataset is not running on this coordinator (known: {sorted(self._epochs)})")
-        return ep.remake(ref_hex, lambda seq, pid: make_again(ep, seq, pid))
+        return ep.remake(ref_hex, lambda seq, pid, source: make_again(ep, seq, pid, source))
 
 
-def make_again(ep: Epoch, seq: int, pid: int) -> Any:
+def make_again(ep: Epoch, seq: int, pid: int, source: Any = None) -> Any:
     """Partition ``pid`` (at ``seq`` in the epoch's plan) run again through every stage of the
     epoch's pipeline: its block ref (the drop-in's one reading stage, or a native pipeline's
-    read, functions and callable classes, in order).
+    read, functions and callable classes, in order). ``source``: where the partition is (a
+    segment of a stream's round); None: the epoch's source.
 
     Each call runs on a task or an actor of its own (the pool's actors belong to the epoch's
     executor); the actors are built, used once and killed. None of them asks for a CPU or a
@@ -201,7 +202,8 @@ def make_again(ep: Epoch, seq: int, pid: int) -> Any:
     from sbloader.executor.tasks import EpochInfo, MapActor, block_stage_task, pack, read_stage_task
 
     spec = ep.spec
-    part = next(p for p in spec.source.partitions(spec.epoch, spec.plan.epoch_seed, shuffle=spec.plan.shuffle)
+    source = spec.source if source is None else source
+    part = next(p for p in source.partitions(spec.epoch, spec.plan.epoch_seed, shuffle=spec.plan.shuffle)
                 if p.id == pid)
     info = EpochInfo(spec.epoch, spec.plan.epoch_seed, spec.plan.shuffle)
     actors: list = []
@@ -213,8 +215,8 @@ def make_again(ep: Epoch, seq: int, pid: int) -> Any:
         actors.append(MapActor.options(num_cpus=0, **opts(stage)).remote(stage.ops[-1], 0, 1, before))
         return actors[-1]
 
-    stages = build_stages(spec.source.name, list(spec.ops))
-    first, reading = stages[0], (shared_arg((spec.source.reader(), spec.source.shared())), (part,))
+    stages = build_stages(source.name, list(spec.ops))
+    first, reading = stages[0], (shared_arg((source.reader(), source.shared())), (part,))
     try:
         if first.kind == "actor":
             block, meta = actor(first, first.ops[:-1]).read_process.options(num_returns=2).remote(
@@ -232,6 +234,6 @@ def make_again(ep: Epoch, seq: int, pid: int) -> Any:
     finally:
         for a in actors:
             ray.kill(a, no_restart=True)
-    if ep.executor is not None:
-        ep.executor.stats().rerun_partitions += 1
+    if ep.executor is not None:  # (a stream's rounds: the round running now, counted in the epoch's)
+        getattr(ep.executor, "current_stats", ep.executor.stats)().rerun_partitions += 1
     return block

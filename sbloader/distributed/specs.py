@@ -30,6 +30,10 @@ class EpochSpec:
             means the identity.
         drop_last: (unknown total) drop the batches left after the equal whole
             batches instead of spreading their rows as short last batches.
+        segment: (an ``IterableDataset``'s stream) each worker shard runs in segments of this
+            many batches, round after round (:class:`~sbloader.executor.shard_rounds.ShardRounds`):
+            the first batch waits for a short segment, not a whole shard, and a stream that never
+            ends keeps yielding. None: each shard in one piece.
         executor_factory: None runs the streaming executor; a simulation
             (:mod:`sbloader.distributed.sim_epoch`) passes ``factory(source, plan)``
             returning an object with the executor's consumer API that hands out
@@ -48,6 +52,7 @@ class EpochSpec:
     prior: tuple = ()
     batch_index: tuple = ()
     drop_last: bool = False
+    segment: Optional[int] = None
     executor_factory: Optional[Callable[[Any, EpochPlan], Any]] = None
 
     def index_of(self, seq: int) -> int:

@@ -7,9 +7,16 @@ Once production ended, every rank's count is ``produced // world_size`` whole
 batches, and the rows of the batches left over are spread as one short last
 batch per rank (:func:`~sbloader.core.split.stream_tail`), or dropped with ``drop_last``.
 
+With a ``segment`` in its spec, each worker shard runs in segments, round after round
+(:class:`~sbloader.executor.shard_rounds.ShardRounds`, told where each shard stands by its
+blocks' metadata: the coordinator never fetches a block): the ranks' first batches wait for
+a short segment, not a whole shard, and a stream that never ends keeps yielding. The bytes
+the ranks still hold count against each new round's budget.
+
 A block lost with the node that made it before every rank fetched its batches is made
-again from its worker shard, once (:meth:`StreamEpoch.remake`): the ranks that ask get
-the new block, and what the ranks take afterwards names it instead of the lost one.
+again from its worker shard, once (:meth:`StreamEpoch.remake`): a segment from the snapshot
+its round started it at, for as many batches; the ranks that ask get the new block, and
+what the ranks take afterwards names it instead of the lost one.
 """
 from __future__ import annotations
 
@@ -20,10 +27,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from sbloader.core.errors import SbloaderError
+from sbloader.core.plan import make_epoch_plan
 from sbloader.core.split import pick_local, stream_allowance, stream_tail
 from sbloader.distributed.epoch import Epoch
 from sbloader.distributed.specs import EpochSpec, StreamBatch
 from sbloader.executor.options import OutputBlock
+from sbloader.executor.shard_rounds import ShardRounds
 
 
 @dataclass(frozen=True)
@@ -46,9 +55,24 @@ class StreamEpoch(Epoch):
         super().__init__(spec, world_size, actor_cache, estimates, earlier, ledger=ledger)
         self.produced = 0  # batches produced so far
         self.tail: Optional[list] = None  # per rank its short last batch, once production ended
-        self.made: dict[str, tuple[int, int]] = {}  # block ref hex -> (seq, partition id) it was made from
+        self.made: dict[str, tuple] = {}  # block ref hex -> (seq, partition id, its round's source or None)
         self.remade: dict[str, Any] = {}  # a lost block's ref hex -> the ref of the block made again
         self._remake_lock = threading.Lock()  # one remake at a time: a block lost is made again once
+
+    def _new_executor(self, estimates: Optional[list]) -> Any:
+        """The epoch's shards in segments, round after round (``spec.segment``), or whole."""
+        spec = self.spec
+        if spec.segment is None:
+            return super()._new_executor(estimates)
+
+        def start(resume: dict, segment: int) -> Any:
+            source = spec.source.segment(resume, segment)
+            plan = make_epoch_plan([p.id for p in source.partitions(spec.epoch, spec.epoch_seed)], spec.epoch,
+                                   spec.epoch_seed, shuffle=False)
+            return self.run_source(source, plan, estimates)
+
+        n = len(spec.source.partitions(spec.epoch, spec.epoch_seed))
+        return ShardRounds(start, {}, n, spec.segment, fetch_blocks=False)
 
     def _deliver(self, item: OutputBlock) -> None:
         self._add_batches(item)
@@ -61,7 +85,11 @@ class StreamEpoch(Epoch):
         meta = item.meta
         rows = meta.batch_rows or (1,) * meta.num_rows
         n = len(rows)
-        self.made[item.ref.hex()] = (meta.seq, meta.partition_id)
+        source = None
+        if isinstance(self.executor, ShardRounds):  # the segment: where its round started the shard, how long
+            at, segment = self.executor.round_start(meta.partition_id)
+            source = self.spec.source.segment({meta.partition_id: at}, segment)
+        self.made[item.ref.hex()] = (meta.seq, meta.partition_id, source)
         if n == 0:  # a shard that yielded nothing: no rank will acknowledge its bytes
             self.executor.release(meta.nbytes)
         for pos, r in enumerate(rows):
@@ -150,9 +178,10 @@ class StreamEpoch(Epoch):
         pieces = tuple((self._ref(ref), pos, a, z) for ref, pos, a, z in batch.pieces)
         return StreamBatch(pieces, batch.rows, batch.pad, batch.whole)
 
-    def remake(self, ref_hex: str, make: Callable[[int, int], Any]) -> Any:
-        """The block ``ref_hex`` made again by ``make(seq, partition id)``, once: a rank that asks
-        after another did gets the same new ref (a new one only if that one was lost too).
+    def remake(self, ref_hex: str, make: Callable[[int, int, Any], Any]) -> Any:
+        """The block ``ref_hex`` made again by ``make(seq, partition id, source)`` (``source``: the
+        segment of its round, None for the epoch's own source), once: a rank that asks after another
+        did gets the same new ref (a new one only if that one was lost too).
 
         Raises:
             SbloaderError: no block of this epoch has that ref.
@@ -163,9 +192,9 @@ class StreamEpoch(Epoch):
             if ref_hex not in self.made:
                 raise SbloaderError(f"epoch {self.spec.epoch} made no block {ref_hex}: it cannot be made again "
                                     f"({len(self.made)} blocks made here; was the coordinator replaced?)")
-            seq, pid = self.made[ref_hex]
-            new = make(seq, pid)
-            self.made[new.hex()] = (seq, pid)
+            seq, pid, source = self.made[ref_hex]
+            new = make(seq, pid, source)
+            self.made[new.hex()] = (seq, pid, source)
             with self.cond:  # take() reads remade under cond
                 self.remade[ref_hex] = new
             return new

@@ -132,6 +132,14 @@ class StreamingExecutor:
             self._loop.budget.release(nbytes)
             self._lock.notify_all()
 
+    def charge(self, nbytes: int) -> None:
+        """Count ``nbytes`` the consumer still holds from an earlier execution as held from this one
+        (a round of segments, :class:`~sbloader.executor.shard_rounds.ShardRounds`): this one makes
+        only what the budget leaves beside them, and :meth:`release` frees them here."""
+        if nbytes > 0:
+            with self._lock:
+                self._loop.budget.consumer += nbytes
+
     def release_block(self, meta: BlockMeta) -> None:
         """The consumer is done with the block of ``meta`` (:meth:`release` of its bytes)."""
         self.release(meta.nbytes)

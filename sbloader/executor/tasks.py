@@ -16,7 +16,8 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import ray
 
-from sbloader.core.block import BATCH_ROWS_COLUMN, ROW_COLUMN, Block, BlockMeta, block_nbytes, num_rows, take
+from sbloader.core.block import (BATCH_ROWS_COLUMN, ROW_COLUMN, SHARD_STATE_COLUMN, Block, BlockMeta, block_nbytes,
+                                 num_rows, take)
 from sbloader.core.context import TaskCounts, merge_counters, task_context
 from sbloader.core.errors import SourceReadError, UserFunctionError, picklable
 from sbloader.core.ops import Op, apply_op
@@ -151,7 +152,18 @@ def make_meta(block: Block, info: EpochInfo, partition_id: int, seq: int, t0: fl
         pid=os.getpid(),
         batch_rows=tuple(int(n) for n in block[BATCH_ROWS_COLUMN]) if BATCH_ROWS_COLUMN in block else (),
         counters=tuple(sorted(counters.items())) if counters else (),
+        shard_state=_last_state(block.get(SHARD_STATE_COLUMN)),
     )
+
+
+def _last_state(snaps: Any) -> Any:
+    """The last ``(shard, snapshot)`` of a shard block's column (None: no column, or no snapshot)."""
+    if snaps is None:
+        return None
+    for snap in reversed(snaps):
+        if snap is not None:
+            return tuple(snap)
+    return None
 
 
 def apply_ops(ops: Sequence[Op], block: Block, info: EpochInfo, partition_id: int,

@@ -23,21 +23,21 @@ from typing import Any, Callable, Iterator, Optional, Union
 
 import ray
 
+from sbloader.core.block import SHARD_STATE_COLUMN
 from sbloader.core.context import seed_globals, task_context
 from sbloader.core.plan import make_epoch_plan
 from sbloader.core.stats import StallStats
 from sbloader.distributed import dropin_client, pipeline_client
 from sbloader.executor.launch import arena_here, options_here, start_execution
+from sbloader.executor.shard_rounds import ShardRounds, segment_size
 from sbloader.loaders.dropin_settings import _CARRIES, DropinCarry, DropinSettings
 from sbloader.loaders.dropin_state import EpochRun
 from sbloader.loaders.epoch import Delivery, EpochIterator
 from sbloader.loaders.failed_batch import FailedBatch, translate
 from sbloader.loaders.iterable_resume import IterableRun, batches_before, first_snapshot, iterate_shard, open_shard
 from sbloader.loaders.shard_order import RoundRobin, shard_positions
-from sbloader.loaders.shard_segments import ShardRounds, segment_size
 from sbloader.loaders import warm_workers
 from sbloader.loaders.tensors import pin_batch, wire_as_tensors
-from sbloader.loaders.worker import SHARD_STATE_COLUMN
 from sbloader.sources.batches import ReadyBatchSource, ShardSource
 
 
@@ -147,8 +147,8 @@ def open_pool(s: DropinSettings, carry: DropinCarry, run: Optional[Union[EpochRu
         resume = shard_resume if shard_resume is not None else run.resume if run is not None else {}
         resume = {w: r for w, r in resume.items() if r is not None}
         segment = segment_size(s.batches_per_partition)
-        executor: Any = ShardRounds(lambda at, n: execute(ShardSource(s.num_workers, fp, at, n, sorted(at))),
-                                    resume, s.num_workers, segment, SHARD_STATE_COLUMN)
+        executor: Any = ShardRounds(lambda at, n: execute(ShardSource(s.num_workers, fp).segment(at, n)),
+                                    resume, s.num_workers, segment)
     else:
         bpp = s.batches_per_partition
         ids = run.ids[start:] if run is not None else [j // bpp for j in range(start, len(items))]
@@ -331,7 +331,7 @@ def stream_epoch(s: DropinSettings, carry: DropinCarry, rank: int, epoch: int, e
     coord = carry.coordinator
     dropin_client.join(coord, rank, epoch, lambda: dropin_client.stream_spec(
         epoch, epoch_seed, max(1, s.num_workers), s.source_fingerprint(), s.worker_op(), s.coordinator_options(),
-        s.drop_last))
+        s.drop_last, segment_size(s.batches_per_partition)))
     stalls = StallStats()
 
     def produce() -> Iterator[Delivery]:

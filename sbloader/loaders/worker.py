@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from sbloader.core.batch_slice import mark_padding
-from sbloader.core.block import BATCH_ROWS_COLUMN
+from sbloader.core.block import BATCH_ROWS_COLUMN, SHARD_STATE_COLUMN
 from sbloader.core.context import actor_info, get_context
 from sbloader.core.wire import to_wire
 from sbloader.loaders.failed_batch import WORKER_INIT_FN, FailedBatch
@@ -23,7 +23,6 @@ from sbloader.loaders.iterable_resume import iterate_shard
 from sbloader.loaders.shard_segments import LiveShards
 from sbloader.sources.batches import PaddedBatch
 
-SHARD_STATE_COLUMN = "shard_state"  # per batch of an IterableDataset shard: (shard, snapshot after it)
 
 
 def _set_torch_worker_info(worker_id: int, num_workers: int, seed: int, dataset: Any) -> None:

@@ -112,6 +112,10 @@ class ShardSource:
     def shared(self) -> Any:
         return None
 
+    def segment(self, resume: dict, segment: int) -> "ShardSource":
+        """The shards in ``resume`` (each from its snapshot, None: its start), ``segment`` batches each."""
+        return ShardSource(self._n, self._fp, resume, segment, sorted(resume))
+
     def partitions(self, epoch: int, epoch_seed: int, shuffle: bool = False) -> list[Partition]:
         return [Partition(w, None, [self._task(w)], f"worker shard {w}", affinity=w) for w in self._shards]
 

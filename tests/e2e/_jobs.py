@@ -112,11 +112,12 @@ def kill_busiest_node_after(cluster: Cluster, out: Path, procs: list, batches: i
     return victim, ran
 
 
-def kill_unfetched_shard_node(cluster: Cluster, out: Path, procs: list, hold_at: int) -> tuple[str, int]:
+def kill_unfetched_shard_node(cluster: Cluster, out: Path, procs: list, hold_at: int) -> tuple[str, int, float]:
     """(``node_loss_job.py --mode iter --hold-at N``) Once both ranks hold after their ``N``-th batch of
-    epoch 0 and both worker shards were made (``shards.jsonl``), SIGKILL the CPU node that made the
-    shard no rank has had a sample of: its block, made and not yet fetched, lives only there.
-    Returns (its id, the shard)."""
+    epoch 0 and both worker shards were made to their end (``shards.jsonl``; the coordinator makes each
+    in segments, round after round, on the actor that holds its generator), SIGKILL the CPU node that
+    made the shard with the most batches no rank has fetched: its last segments' blocks, made and not
+    yet fetched, live only there. Returns (its id, the shard, the time of the kill)."""
     deadline = time.monotonic() + 240
     shards: dict = {}
     while True:
@@ -129,10 +130,13 @@ def kill_unfetched_shard_node(cluster: Cluster, out: Path, procs: list, hold_at:
             break
         time.sleep(0.2)
     time.sleep(2.0)  # not an assert: a margin for the last shard's block to be stored after its last sample
-    consumed = {i % 2 for b in progress(out) for i in b["ids"]}  # shard w has the ids w, w + 2, ...
-    unfetched = sorted(set(shards) - consumed)
-    assert len(unfetched) == 1, f"the ranks had samples of shards {sorted(consumed)}: no block to lose"
-    victim = shards[unfetched[0]]
-    assert victim in cluster.node_raylets, f"shard {unfetched[0]} was made on {victim}, not a CPU node"
+    consumed = [0, 0]  # shard w has the ids w, w + 2, ...
+    for b in progress(out):
+        for i in b["ids"]:
+            consumed[i % 2] += 1
+    on_cpu_nodes = [w for w in sorted(shards) if shards[w] in cluster.node_raylets]
+    assert on_cpu_nodes, f"both shards were made on the head node, not a CPU node: {shards}"
+    shard = min(on_cpu_nodes, key=lambda w: consumed[w])  # its rows all made (its end written), fewest fetched
+    victim = shards[shard]
     cluster.kill_node(victim)
-    return victim, unfetched[0]
+    return victim, shard, time.time()

@@ -227,22 +227,33 @@ def _no_leftovers_and_dead(cluster: Cluster, victim: str) -> None:
 def test_an_iterable_dataset_split_across_ranks_goes_on_exactly_once_when_a_node_with_unfetched_blocks_dies(
         small_cluster, tmp_path):
     """``split=True`` over an ``IterableDataset`` (issue #46, the soak's run 2): the coordinator iterates
-    it once, one block per worker shard. Both ranks hold after 4 batches of epoch 0 (all of one
-    shard) until both shards were made; then the node that made the other shard is killed, its block
-    fetched by no rank yet, and a node is added. The lost block is made again from its shard (as a
-    map-style batch is): every sample exactly once per epoch, equal counts. Before the fix a rank
-    failed with ``ActorDiedError`` fetching it."""
+    it once, each worker shard in segments round after round (#44). Both ranks hold after 4 batches of
+    epoch 0 until both shards were made to their end; then the node that made a shard is killed, the
+    blocks of its later segments fetched by no rank yet, and a node is added. Each lost block is made
+    again from the snapshot its round started the shard at (as a map-style batch is made again):
+    every sample exactly once per epoch, equal counts, and none fetched after the kill from the killed
+    node. Before the fix a rank failed with ``ActorDiedError`` fetching it."""
     procs = torchrun_agents(small_cluster, tmp_path, NODE_LOSS_JOB, "--mode", "iter", "--hold-at", "4")
     try:
-        victim, shard = kill_unfetched_shard_node(small_cluster, tmp_path, procs, 4)
+        victim, shard, killed_at = kill_unfetched_shard_node(small_cluster, tmp_path, procs, 4)
         small_cluster.add_node(2, temp_dir=f"{small_cluster.root}/node-iter")
         (tmp_path / "go").touch()
         out = _finish(procs, tmp_path)
     finally:
         _kill(procs)
     epochs = _exactly_once_per_epoch(tmp_path)
-    made = {n for b in progress(tmp_path) if b["epoch"] == 0 for i, n in zip(b["ids"], b["nodes"]) if i % 2 == shard}
-    assert victim not in made, f"a sample of shard {shard} came from the killed node: its block was fetched before the kill"
+    remade = False
+    for r in range(2):  # each rank's batches after the kill: the shard's nodes in each, in order
+        lines = (tmp_path / f"progress{r}.jsonl").read_text().splitlines()
+        tags = [{n for i, n in zip(b["ids"], b["nodes"]) if i % 2 == shard} for b in map(json.loads, lines)
+                if b["epoch"] == 0 and b["t"] > killed_at]
+        # the batches a rank had fetched ahead before the kill come first; none from the killed node after
+        # the first one made elsewhere (a lost block made again)
+        first_elsewhere = next((k for k, t in enumerate(tags) if t - {victim}), len(tags))
+        assert not any(victim in t for t in tags[first_elsewhere:]), \
+            f"rank {r}: a sample of shard {shard} came from the killed node after one made again elsewhere"
+        remade = remade or first_elsewhere < len(tags)
+    assert remade, f"no sample of shard {shard} was made elsewhere after the kill"
     reruns = [int(m) for r in epochs[0] for m in re.findall(r"(\d+) partition\(s\) re-run elsewhere", r["stats"])]
     assert reruns and max(reruns) >= 1, f"stats() counted no shard made again: {[r['stats'] for r in epochs[0]]}"
     lost = [line for line in out.splitlines() if "lost node" in line]

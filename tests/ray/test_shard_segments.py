@@ -1,4 +1,5 @@
-"""An ``IterableDataset``'s shards on the pool in segments (``sbloader.loaders.shard_segments``).
+"""An ``IterableDataset``'s shards on the pool in segments (``sbloader.executor.shard_rounds``,
+``sbloader.loaders.shard_segments``).
 
 Shards longer than a segment run round after round; the batches, their order and their random
 draws are those of each shard run in one piece, and a state taken in any round resumes exactly
@@ -14,7 +15,8 @@ from test_stateful_contract import OwnIterator  # a dataset that is its own iter
 from torch.utils.data import IterableDataset, get_worker_info
 
 import sbloader
-from sbloader.loaders import local_start, shard_segments
+from sbloader.executor import shard_rounds
+from sbloader.loaders import local_start
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")  # 3 workers on 2 cores
 
@@ -50,7 +52,7 @@ class Counted(IterableDataset):
 
 
 def run(monkeypatch, segment, dataset=Long, in_order=True):
-    monkeypatch.setattr(shard_segments, "SHARD_SEGMENT_MIN", segment)
+    monkeypatch.setattr(shard_rounds, "SHARD_SEGMENT_MIN", segment)
     monkeypatch.delenv(local_start.HANDOVER_AT_ENV, raising=False)
     loader = sbloader.DataLoader(dataset(), batch_size=2, num_workers=3, seed=11, local_start=False,
                                  in_order=in_order)
@@ -78,7 +80,7 @@ def test_segments_out_of_order_give_every_sample_once(ray_session, monkeypatch):
 @pytest.mark.parametrize("dataset", [Long, Counted])
 @pytest.mark.parametrize("taken", [2, 10, 26])
 def test_a_state_taken_in_any_round_resumes_exactly_once(ray_session, monkeypatch, dataset, taken):
-    monkeypatch.setattr(shard_segments, "SHARD_SEGMENT_MIN", 3)
+    monkeypatch.setattr(shard_rounds, "SHARD_SEGMENT_MIN", 3)
     want = torchs_order()
     loader = sbloader.DataLoader(dataset(), batch_size=2, num_workers=3, seed=11, local_start=False)
     it = iter(loader)
@@ -92,15 +94,15 @@ def test_a_state_taken_in_any_round_resumes_exactly_once(ray_session, monkeypatc
 
 def test_a_segment_holds_at_most_its_batches_in_the_worker(ray_session, monkeypatch):
     """A long shard never comes back as one block: the pool ran several rounds."""
-    monkeypatch.setattr(shard_segments, "SHARD_SEGMENT_MIN", 4)
+    monkeypatch.setattr(shard_rounds, "SHARD_SEGMENT_MIN", 4)
     seen = []
-    original = shard_segments.ShardRounds.fetch
+    original = shard_rounds.ShardRounds.fetch
 
     def fetch(self, item):
         block = original(self, item)
         seen.append(len(block["batch"]))
         return block
-    monkeypatch.setattr(shard_segments.ShardRounds, "fetch", fetch)
+    monkeypatch.setattr(shard_rounds.ShardRounds, "fetch", fetch)
     loader = sbloader.DataLoader(Long(), batch_size=2, num_workers=3, seed=11, local_start=False)
     assert sum(len(b) for b in loader) == sum(LENGTHS)
     assert max(seen) <= 4 and len(seen) >= 23 // 4, seen
@@ -114,7 +116,7 @@ def test_an_actor_running_several_shards_keeps_each_and_reopens_a_moved_copy_afr
     # several shards each, round after round. Each shard's generator is kept between its segments
     # (keyed by the epoch, not by a partition's seed), and a shard reopened on an actor that already
     # iterated its copy this epoch gets a fresh copy: every loader gives each worker's 9 items once.
-    monkeypatch.setattr(shard_segments, "SHARD_SEGMENT_MIN", 3)
+    monkeypatch.setattr(shard_rounds, "SHARD_SEGMENT_MIN", 3)
     monkeypatch.delenv(local_start.HANDOVER_AT_ENV, raising=False)
     for _ in range(4):
         got = [int(x) for x in sbloader.DataLoader(OwnIterator(9), num_workers=4, local_start=False)]
@@ -126,14 +128,14 @@ def test_the_next_round_is_made_while_the_loop_is_still_in_this_one(ray_session,
     its first block; the first rounds are short (a quarter, then half a segment)."""
     import time
 
-    monkeypatch.setattr(shard_segments, "SHARD_SEGMENT_MIN", 8)
+    monkeypatch.setattr(shard_rounds, "SHARD_SEGMENT_MIN", 8)
     rounds, sizes = [], []
-    original_init = shard_segments.ShardRounds.__init__
+    original_init = shard_rounds.ShardRounds.__init__
 
     def init(self, start, *args, **kwargs):
         rounds.append(self)
         original_init(self, lambda resume, n: sizes.append(n) or start(resume, n), *args, **kwargs)
-    monkeypatch.setattr(shard_segments.ShardRounds, "__init__", init)
+    monkeypatch.setattr(shard_rounds.ShardRounds, "__init__", init)
     loader = sbloader.DataLoader(Long(), batch_size=2, num_workers=3, seed=11, local_start=False, prefetch_factor=1)
     it = iter(loader)
     first = next(it)  # round 1: 2 batches of each of 3 shards; the loop took 1 of its 6, at most 2 more are ahead

@@ -240,3 +240,49 @@ def test_drop_last_equal_counts_of_whole_batches(ray_session, ws):
     rows = [i for b in ranks for ids, _ in b for i in ids]
     assert len(rows) == len(set(rows)) and set(rows) <= set(expected_ids(n))
     assert all(len(ids) == bs for b in ranks for ids, _ in b), "drop_last gave a short batch"
+
+
+class Endless(IterableDataset):
+    """Ids without end, sharded over the worker shards by get_worker_info()."""
+
+    def __iter__(self):
+        info = get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        i = wid
+        while True:
+            yield {"id": i, "x": torch.full((3,), float(i))}
+            i += nw
+
+
+def test_an_endless_stream_split_across_ranks_keeps_yielding_and_stops_with_the_ranks(ray_session):
+    # Each worker shard runs in segments at the coordinator, round after round (2, 4, then 8 batches):
+    # 30 batches per rank need 4 rounds of 2 shards. Before, each shard ran whole as one block, so no
+    # rank of an endless stream ever got a batch.
+    ws, want = 2, 30
+    loaders = [sbloader.DataLoader(Endless(), rank=r, world_size=ws, job_id="test-stream-endless", name="endless",
+                                   split=True, batch_size=4, num_workers=2) for r in range(ws)]
+    out: list = [None] * ws
+    errors: list = []
+
+    def rank_loop(r: int) -> None:
+        try:
+            got = []
+            for batch in loaders[r]:
+                got.append(batch["id"].tolist())
+                if len(got) == want:
+                    break
+            out[r] = got
+        except BaseException as e:  # surfaced in the test thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank_loop, args=(r,)) for r in range(ws)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a rank got no batch of the endless stream within 120 s"
+    if errors:
+        raise errors[0]
+    ids = [i for got in out for b in got for i in b]
+    assert [len(got) for got in out] == [want] * ws and all(len(b) == 4 for got in out for b in got)
+    assert len(ids) == len(set(ids)), "a sample reached two ranks"

@@ -49,8 +49,8 @@ def test_a_lost_block_is_made_again_once_for_every_rank_that_asks_and_then_hande
     ep = _epoch()
     made = []
 
-    def make(seq: int, pid: int) -> Ref:
-        made.append((seq, pid))
+    def make(seq: int, pid: int, source) -> Ref:
+        made.append((seq, pid, source))
         time.sleep(0.2)  # both ranks ask while it runs
         return Ref(f"b{len(made) + 1}")
 
@@ -60,15 +60,15 @@ def test_a_lost_block_is_made_again_once_for_every_rank_that_asks_and_then_hande
         t.start()
     for t in askers:
         t.join()
-    assert made == [(1, 1)] and got == ["b2", "b2"], "the shard ran again once; both ranks got its block"
+    assert made == [(1, 1, None)] and got == ["b2", "b2"], "the shard ran again once; both ranks got its block"
     assert _refs(ep.take(0, 2, None, 0.0, 60.0)) == ["a", "a"]
     assert _refs(ep.take(1, 2, None, 0.0, 60.0)) == ["a", "b2"], "a batch of the lost block names the new one"
     assert _refs(ep.take(0, 1, None, 0.0, 60.0)) == ["b2"] and _refs(ep.take(1, 1, None, 0.0, 60.0)) == ["b2"], \
         "the ranks' short last batches (cut from the lost block) name the new one"
-    assert ep.remake("b", make).hex() == "b2" and made == [(1, 1)], "a late ask gets the block made again"
+    assert ep.remake("b", make).hex() == "b2" and made == [(1, 1, None)], "a late ask gets the block made again"
     assert ep.remake("b2", make).hex() == "b3" and ep.remake("b", make).hex() == "b3", "lost again: made again"
 
 
 def test_a_block_the_epoch_never_made_is_refused_naming_the_epoch():
     with pytest.raises(SbloaderError, match="epoch 3 made no block zz"):
-        _epoch().remake("zz", lambda seq, pid: Ref("never"))
+        _epoch().remake("zz", lambda seq, pid, source: Ref("never"))
