@@ -12,6 +12,7 @@ import collections
 import os
 import random
 import threading
+from typing import Any
 
 import numpy as np
 import pytest
@@ -139,12 +140,14 @@ def expected_ids(n: int) -> list:
     return [i for i in range(n) if i % 7]
 
 
-def run_ranks(name: str, ws: int, keep: list | None = None, **kwargs) -> list:
+def run_ranks(name: str, ws: int, keep: list | None = None, dataset: Any = None, take: int | None = None,
+              **kwargs) -> list:
     """Iterate one epoch on ``ws`` ranks (a thread each); per rank, its batches as (ids, padding flags).
-    ``keep``: receives the loaders."""
-    n = kwargs.pop("n")
-    loaders = [sbloader.DataLoader(Filtered(n), rank=r, world_size=ws, job_id=f"test-stream-{name}", name=name,
-                                   split=True, **kwargs) for r in range(ws)]
+    ``keep``: receives the loaders; ``dataset``: makes each rank's dataset (default ``Filtered(n)``);
+    ``take``: each rank stops after that many batches."""
+    n = kwargs.pop("n", None)
+    loaders = [sbloader.DataLoader(dataset() if dataset is not None else Filtered(n), rank=r, world_size=ws,
+                                   job_id=f"test-stream-{name}", name=name, split=True, **kwargs) for r in range(ws)]
     out = [None] * ws
     errors = []
 
@@ -156,6 +159,8 @@ def run_ranks(name: str, ws: int, keep: list | None = None, **kwargs) -> list:
                 ids = batch["id"].tolist()
                 assert batch["x"][:, 0].tolist() == [float(i) for i in ids]  # rows stay aligned across keys
                 got.append((ids, pad.tolist() if pad is not None else [False] * len(ids)))
+                if len(got) == take:
+                    break
             out[r] = got
         except BaseException as e:  # surfaced in the test thread
             errors.append(e)
@@ -167,7 +172,7 @@ def run_ranks(name: str, ws: int, keep: list | None = None, **kwargs) -> list:
         t.start()
     for t in threads:
         t.join(timeout=120)
-    assert not any(t.is_alive() for t in threads), "a rank did not finish the epoch within 120 s (deadlock?)"
+    assert not any(t.is_alive() for t in threads), "a rank did not finish within 120 s (deadlock?)"
     if errors:
         raise errors[0]
     with pytest.raises(TypeError, match="has no len()"):
@@ -256,33 +261,10 @@ class Endless(IterableDataset):
 
 def test_an_endless_stream_split_across_ranks_keeps_yielding_and_stops_with_the_ranks(ray_session):
     # Each worker shard runs in segments at the coordinator, round after round (2, 4, then 8 batches):
-    # 30 batches per rank need 4 rounds of 2 shards. Before, each shard ran whole as one block, so no
+    # 30 batches per rank need 5 rounds of 2 shards. Before, each shard ran whole as one block, so no
     # rank of an endless stream ever got a batch.
     ws, want = 2, 30
-    loaders = [sbloader.DataLoader(Endless(), rank=r, world_size=ws, job_id="test-stream-endless", name="endless",
-                                   split=True, batch_size=4, num_workers=2) for r in range(ws)]
-    out: list = [None] * ws
-    errors: list = []
-
-    def rank_loop(r: int) -> None:
-        try:
-            got = []
-            for batch in loaders[r]:
-                got.append(batch["id"].tolist())
-                if len(got) == want:
-                    break
-            out[r] = got
-        except BaseException as e:  # surfaced in the test thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=rank_loop, args=(r,)) for r in range(ws)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not any(t.is_alive() for t in threads), "a rank got no batch of the endless stream within 120 s"
-    if errors:
-        raise errors[0]
-    ids = [i for got in out for b in got for i in b]
-    assert [len(got) for got in out] == [want] * ws and all(len(b) == 4 for got in out for b in got)
+    out = run_ranks("endless", ws, dataset=Endless, take=want, batch_size=4, num_workers=2)
+    ids = [i for got in out for b, _ in got for i in b]
+    assert [len(got) for got in out] == [want] * ws and all(len(b) == 4 for got in out for b, _ in got)
     assert len(ids) == len(set(ids)), "a sample reached two ranks"
