@@ -6,7 +6,9 @@ batches from its own forked workers, issue #44), the same without it
 (``SBLOADER_SPLIT_LOCAL_BATCHES=0``: the coordinator's from the first batch), and unseeded (each
 rank's shuffle is its own draw, so the ranks wait for rank 0's at the coordinator), against
 torch's DataLoader over a ``DistributedSampler``; and a native pipeline's ``to_dataloader(32, shuffle=True,
-seed=0)`` with and without its split local start. The figure: the
+seed=0)`` with and without its split local start; an ``IterableDataset`` of the same ids split by the
+coordinator (``split=True``; each worker shard in segments, round after round) against torch's over the same
+stream sharded by rank. The figure: the
 job's first step, the slowest rank's seconds from its import to its first batch (DDP's first
 step waits for every rank); the whole epoch's seconds beside it."""
 from __future__ import annotations
@@ -25,7 +27,9 @@ from benchmarks.harness import ROOT, Outcome, Plan, run_interleaved
 ORDER = 6
 TITLE = "torchrun, 2 ranks: import to the job's first batch"
 PARAMS = {"rows": 20000, "rounds": 3, "leave_out": []}
-QUICK = {"rows": 4000, "rounds": 3, "leave_out": ["sbloader unseeded", "sbloader native seed=0, no local start"]}  # report --quick: 2 rounds in its share
+QUICK = {"rows": 4000, "rounds": 3,  # report --quick: 2 rounds in its share
+         "leave_out": ["sbloader unseeded", "sbloader native seed=0, no local start", "sbloader IterableDataset, split",
+                       "torch IterableDataset, sharded by rank"]}
 SCRIPT = """
 import json, os, sys, time
 t0 = time.perf_counter()
@@ -39,6 +43,24 @@ if kind == "torch":
 elif kind == "native":
     import sbloader
     loader = sbloader.range({rows}, rows_per_partition=500).to_dataloader(32, shuffle=True, seed=0)
+elif kind.endswith("_iter"):
+    from torch.utils.data import IterableDataset, get_worker_info
+    rank, ws = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    class Stream(IterableDataset):
+        def __init__(self, by_rank):
+            self.by_rank = by_rank
+        def __iter__(self):
+            info = get_worker_info()
+            wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+            if self.by_rank:  # torch: each rank reads its own share, as a user shards a stream by rank
+                wid, nw = rank * nw + wid, ws * nw
+            return iter(range(wid, {rows}, nw))
+    if kind == "torch_iter":
+        from torch.utils.data import DataLoader
+        loader = DataLoader(Stream(True), batch_size=32, num_workers=2)
+    else:
+        import sbloader
+        loader = sbloader.DataLoader(Stream(False), batch_size=32, num_workers=2, split=True)
 else:
     import sbloader
     seed = 0 if kind == "sbloader_seed" else None
@@ -56,7 +78,9 @@ CONTENDERS = {"sbloader seed=0": ("sbloader_seed", {}),
               "sbloader seed=0, no local start": ("sbloader_seed", {"SBLOADER_SPLIT_LOCAL_BATCHES": "0"}),
               "sbloader unseeded": ("sbloader", {}), "torch": ("torch", {}),
               "sbloader native seed=0": ("native", {}),
-              "sbloader native seed=0, no local start": ("native", {"SBLOADER_SPLIT_LOCAL_BATCHES": "0"})}
+              "sbloader native seed=0, no local start": ("native", {"SBLOADER_SPLIT_LOCAL_BATCHES": "0"}),
+              "sbloader IterableDataset, split": ("sbloader_iter", {}),
+              "torch IterableDataset, sharded by rank": ("torch_iter", {})}
 
 
 def plan(**p: Any) -> Plan:
