@@ -34,6 +34,11 @@ from sbloader.distributed.specs import EpochSpec, StreamBatch
 from sbloader.executor.options import OutputBlock
 from sbloader.executor.shard_rounds import ShardRounds
 
+#: At the coordinator a shard's segments double from the spec's ``segment`` up to this many times
+#: it: a long shard runs in a few rounds (each an execution's start; 40 rounds per shard of 313
+#: batches cost a cheap stream's epoch ~10%), its blocks held against the ranks' budget.
+SEGMENT_GROWTH = 8
+
 
 @dataclass(frozen=True)
 class _Produced:
@@ -72,7 +77,7 @@ class StreamEpoch(Epoch):
             return self.run_source(source, plan, estimates)
 
         n = len(spec.source.partitions(spec.epoch, spec.epoch_seed))
-        return ShardRounds(start, {}, n, spec.segment, fetch_blocks=False)
+        return ShardRounds(start, {}, n, spec.segment, fetch_blocks=False, largest=SEGMENT_GROWTH * spec.segment)
 
     def _deliver(self, item: OutputBlock) -> None:
         self._add_batches(item)

@@ -28,14 +28,17 @@ def segment_size(batches_per_partition: int) -> int:
     return max(int(batches_per_partition), SHARD_SEGMENT_MIN)
 
 
-def segments(segment: int) -> Iterator[int]:
+def segments(segment: int, largest: Optional[int] = None) -> Iterator[int]:
     """Each round's batches per shard: a quarter, a half, then ``segment`` from the third round on
     (the epoch's first batch waits for a short segment; later rounds are made while the loop
-    consumes the one before)."""
+    consumes the one before); with ``largest``, twice the last one each round after, up to it
+    (fewer rounds, each an execution's start, for a long shard)."""
     yield max(1, segment // 4)
     yield max(1, segment // 2)
+    n = segment
     while True:
-        yield segment
+        yield n
+        n = min(2 * n, largest) if largest is not None and largest > n else n
 
 
 class _Round:
@@ -67,6 +70,8 @@ class ShardRounds:
         resume: per shard, where the epoch resumes it (absent or None: from its start).
         num_shards: the loader's ``num_workers``.
         segment: batches per shard per round, once the rounds are full size.
+        largest: the segments double from ``segment`` up to this many batches (None: they stay at
+            ``segment``).
         fetch_blocks: the thread also fetches each block, ahead of the consumer (the trainer's loader;
             its bytes are then released on the round that made it: :meth:`owner`). Off (the split
             coordinator, which hands the refs to the ranks): each new round is charged the bytes the
@@ -75,9 +80,9 @@ class ShardRounds:
     """
 
     def __init__(self, start: Callable[[dict, int], Any], resume: dict, num_shards: int, segment: int,
-                 fetch_blocks: bool = True) -> None:
+                 fetch_blocks: bool = True, largest: Optional[int] = None) -> None:
         self._start, self._fetch_blocks = start, fetch_blocks
-        self._sizes = segments(segment)
+        self._sizes = segments(segment, largest)
         self.positions = {w: resume.get(w) for w in range(max(1, num_shards)) if not (resume.get(w) or {}).get("ended")}
         self._lock = threading.Lock()
         self._stopped = False

@@ -260,8 +260,8 @@ class Endless(IterableDataset):
 
 
 def test_an_endless_stream_split_across_ranks_keeps_yielding_and_stops_with_the_ranks(ray_session):
-    # Each worker shard runs in segments at the coordinator, round after round (2, 4, then 8 batches):
-    # 30 batches per rank need 5 rounds of 2 shards. Before, each shard ran whole as one block, so no
+    # Each worker shard runs in segments at the coordinator, round after round (2, 4, 8, then 16 batches):
+    # 30 batches per rank need 4 rounds of 2 shards. Before, each shard ran whole as one block, so no
     # rank of an endless stream ever got a batch.
     ws, want = 2, 30
     out = run_ranks("endless", ws, dataset=Endless, take=want, batch_size=4, num_workers=2)

@@ -87,3 +87,13 @@ def test_a_stopped_coordinator_round_raises_instead_of_ending_the_stream():
     with pytest.raises(ExecutorShutdownError, match="shut down"):
         while True:  # blocks put before the stop may still come out first
             assert rounds.get_next() is not None
+
+
+def test_segments_grow_to_the_largest_only_when_asked():
+    from itertools import islice
+
+    from sbloader.executor.shard_rounds import segments
+
+    assert list(islice(segments(8), 6)) == [2, 4, 8, 8, 8, 8]  # the trainer's loader: full size from round 3
+    assert list(islice(segments(8, 64), 8)) == [2, 4, 8, 16, 32, 64, 64, 64]  # the coordinator's: doubling
+    assert list(islice(segments(1, 1), 4)) == [1, 1, 1, 1]
