@@ -151,6 +151,18 @@ def stream_allowance(produced: int, delivered: Sequence[int], rank: int, ended: 
     return more
 
 
+def local_allowance(made: int, delivered: int, world_size: int) -> int:
+    """How many more batches a rank may deliver from its own shards' local workers, before the
+    coordinator knows of any (a split stream's local start, :mod:`~sbloader.loaders.stream_start`).
+
+    Every batch its workers made is one the job's stream has (the coordinator makes again those
+    not delivered), so the stream's total is at least ``made`` and every rank's final share of
+    whole batches (``total // world_size``) at least ``made // world_size``: delivering no more
+    than that keeps the counts equal with no word between the ranks.
+    """
+    return max(0, made // world_size - delivered)
+
+
 @dataclass(frozen=True)
 class StreamTail:
     """How the rows of the batches left after the equal whole batches are spread over the ranks.

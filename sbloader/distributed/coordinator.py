@@ -27,7 +27,7 @@ import ray
 
 from sbloader.core.errors import SbloaderError
 from sbloader.distributed.epoch import Epoch
-from sbloader.distributed.job_watch import DRIVER_CHECK_S, JobWatch, check_ranks_alive
+from sbloader.distributed.job_watch import DRIVER_CHECK_S, JobWatch, check_ranks_alive, process_info
 from sbloader.distributed.late_ranks import JOIN_TIMEOUT_S, MAX_HELD_EPOCHS, EndedEpochs, overflow, unknown_epoch
 from sbloader.distributed.partition_epoch import PartitionEpoch
 from sbloader.distributed.rebuild import RebuildProtocol
@@ -104,24 +104,27 @@ class SplitCoordinator(RebuildProtocol):
                 return {**refused, "reason": "rank", "holder": holder}
         return {"ok": True}
 
-    def prewarm(self, source_name: str, ops: tuple, options: ExecutionOptions) -> int:
-        """Start the worker pool before the first epoch (rank 0, right after creating this).
+    def prewarm(self, source_name: str, ops: tuple, options: ExecutionOptions, wait_s: float = 0.0) -> int:
+        """Start the worker pool before the first epoch (rank 0 right after creating this; any rank may ask).
 
         The actors start and construct their callable class (import torch, unpickle
         the dataset) while the ranks plan their epoch; ``start_epoch``'s executor
-        adopts them. A no-op once any epoch started or actors are cached.
+        adopts them. Nothing is started once any epoch started or actors are cached.
 
         Returns:
-            The number of actors started.
+            How many actors started ahead are still starting after waiting at most ``wait_s``
+            (0: the pool is up, or an epoch took it).
         """
         self._last_call = time.monotonic()
         with self._lock:
-            if self._epochs or any(self._actor_cache.values()):
-                return 0
-            return prestart_pools(source_name, ops, options, self._actor_cache)
+            if not self._epochs and not any(self._actor_cache.values()):
+                prestart_pools(source_name, ops, options, self._actor_cache)
+            refs = [h.ready_ref for hs in self._actor_cache.values() for h in hs if hasattr(h, "ready_ref")]
+        return len(refs) - len(ray.wait(refs, num_returns=len(refs), timeout=wait_s)[0]) if refs else 0
 
-    def start_epoch(self, spec: EpochSpec) -> int:
+    def start_epoch(self, spec: EpochSpec, report: Optional[tuple] = None) -> int:
         """Rank 0 starts an epoch (idempotent); returns the per-rank batch count (-1: unknown).
+        ``report``: rank 0's ``(delivered, positions)`` of a stream's local phase (:meth:`StreamEpoch.report`).
 
         An earlier epoch still being rebuilt (this coordinator replaced a dead one
         while other ranks were in that epoch) goes first: its pool must get the
@@ -137,6 +140,8 @@ class SplitCoordinator(RebuildProtocol):
                 self._epochs[spec.epoch] = ep
                 ep.start()
                 self._started.notify_all()
+            if report is not None:
+                self._epochs[spec.epoch].report(0, *report)
             return _count(self._epochs[spec.epoch].spec.per_rank)
 
     def agree_seed(self, epoch: int, seed: int) -> int:
@@ -204,9 +209,10 @@ class SplitCoordinator(RebuildProtocol):
         self._collect()
         return {"refs": refs, "done": ep.done(rank)}
 
-    def wait_epoch(self, epoch: int, timeout: float, rank: Optional[int] = None) -> Optional[int]:
+    def wait_epoch(self, epoch: int, timeout: float, rank: Optional[int] = None,
+                   report: Optional[tuple] = None) -> Optional[int]:
         """Wait until rank 0 started ``epoch``; its per-rank count (-1: unknown; also for an
-        epoch that already ended here), or None on timeout.
+        epoch that already ended here), or None on timeout. ``report``: as :meth:`start_epoch`'s, ``rank``'s.
 
         Raises:
             SbloaderError: on timeout when ``rank`` is given: who asked for what, and what rank 0 does.
@@ -218,6 +224,8 @@ class SplitCoordinator(RebuildProtocol):
             if rank is None:
                 return None
             raise
+        if report is not None and ep is not None:
+            ep.report(rank, *report)
         return _count(ep.spec.per_rank if ep is not None else self._ended.per_rank(epoch))
 
     def _held(self, epoch: int, rank: Optional[int], timeout: float = JOIN_TIMEOUT_S) -> Optional[Epoch]:
@@ -327,16 +335,7 @@ class SplitCoordinator(RebuildProtocol):
     def process_info(self) -> dict:
         """The coordinator process's pid, resident memory (bytes) and, per epoch held here, the
         bytes of its delivery logs as compact JSON (``ledger_bytes``), for monitoring."""
-        import os
-
-        rss = 0
-        try:
-            with open(f"/proc/{os.getpid()}/statm") as f:
-                rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        except OSError:
-            pass
-        ledgers = {e: ep.ledger_bytes() for e, ep in list(self._epochs.items())}
-        return {"pid": os.getpid(), "rss": rss, "ledger_bytes": ledgers}
+        return process_info({e: ep.ledger_bytes() for e, ep in list(self._epochs.items())})
 
     def _reap_when_idle(self) -> None:
         """(Thread) Kill the pool and this actor once the job is over.

@@ -46,17 +46,20 @@ def epoch_spec(run: Any, fingerprint: dict, worker_op: Any, options: ExecutionOp
 
 
 def stream_spec(epoch: int, epoch_seed: int, shards: int, fingerprint: dict, worker_op: Any,
-                options: ExecutionOptions, drop_last: bool, segment: Optional[int] = None) -> EpochSpec:
+                options: ExecutionOptions, drop_last: bool, segment: Optional[int] = None,
+                reports: bool = False) -> EpochSpec:
     """Rank 0's epoch of a stream: the dataset iterated once for the job, one shard per worker, in
-    segments of ``segment`` batches round after round (None: each shard whole)."""
+    segments of ``segment`` batches round after round (None: each shard whole); ``reports``: the
+    ranks started it on local workers (production waits for their reports)."""
     source = ShardSource(shards, fingerprint)
     plan = make_epoch_plan([p.id for p in source.partitions(epoch, epoch_seed)], epoch, epoch_seed, shuffle=False)
     return EpochSpec(epoch, epoch_seed, source, (worker_op,), plan, options, None, drop_last=drop_last,
-                     segment=segment)
+                     segment=segment, reports=reports)
 
 
-def join(coord: Any, rank: int, epoch: int, spec: Callable[[], EpochSpec]) -> int:
-    """Rank 0 starts the epoch (``spec()`` built only there); the others wait for it.
+def join(coord: Any, rank: int, epoch: int, spec: Callable[[], EpochSpec], report: Optional[tuple] = None) -> int:
+    """Rank 0 starts the epoch (``spec()`` built only there); the others wait for it. ``report``: this
+    rank's ``(delivered, positions)`` after a stream's local phase (``StreamEpoch.report``).
 
     Returns:
         The per-rank batch count (-1: unknown until the stream ends).
@@ -65,8 +68,8 @@ def join(coord: Any, rank: int, epoch: int, spec: Callable[[], EpochSpec]) -> in
         SbloaderError: rank 0 did not start the epoch within 300 s.
     """
     if rank == 0:
-        return ray.get(coord.start_epoch.remote(spec()))
-    per_rank = ray.get(coord.wait_epoch.remote(epoch, 300.0, rank))  # raises on timeout, saying what rank 0 does
+        return ray.get(coord.start_epoch.remote(spec(), report))
+    per_rank = ray.get(coord.wait_epoch.remote(epoch, 300.0, rank, report))  # raises on timeout, saying what rank 0 does
     if per_rank is None:
         raise SbloaderError(f"rank 0 did not start epoch {epoch} within 300 s; is rank 0 iterating this loader?")
     return per_rank
@@ -275,13 +278,13 @@ def stream_batch(item: Any, pin: bool, copy: bool, blocks: Optional[dict] = None
 
 
 def pull_stream(coord: Any, rank: int, epoch: int, ask: int, pin: bool, copy: bool,
-                consumed: Callable[[], int], timeout: Optional[float] = None) -> Iterator[Any]:
+                consumed: Callable[[], int], timeout: Optional[float] = None, start: int = 0) -> Iterator[Any]:
     """(Fetch thread) This rank's batches of a stream epoch, one request ahead, until the
-    coordinator says this rank has its share. A block lost with the node that made it before
+    coordinator says this rank has its share (``start``: the batches it delivered before, locally). A block lost with the node that made it before
     this rank fetched it is made again from its worker shard by the coordinator
     (``SplitCoordinator.remake_block``; once for all ranks), as a map-style batch is."""
     node = ray.get_runtime_context().get_node_id()
-    fetched = 0  # batches made (copies: their blocks are no longer needed)
+    fetched = start  # batches made (copies: their blocks are no longer needed)
 
     def fetch(ref: Any) -> Any:
         lost = [ref]

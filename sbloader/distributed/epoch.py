@@ -99,6 +99,7 @@ class Epoch:
             if prev.executor is not None:
                 estimates = prev.executor.estimates()
         self._earlier = ()
+        self._await_start()
         with self._executor_lock:
             if self._executor_stopped:
                 return False
@@ -109,6 +110,9 @@ class Epoch:
                 return True
             self.executor = self._new_executor(estimates)
         return True
+
+    def _await_start(self) -> None:
+        """(Pump) Wait for what the epoch's start needs besides the earlier epochs' actors (nothing here)."""
 
     def _new_executor(self, estimates: Optional[list]) -> Any:
         """(Pump, executor lock held) The started execution of the epoch's spec."""

@@ -115,3 +115,16 @@ def check_ranks_alive(watch: JobWatch, ep: Any, asking: int) -> None:
             "lost, or it crashed): the training job has lost a rank, which the loader cannot replace. Restart "
             "the job (torchrun's --max-restarts); it resumes exactly once from the last checkpoint's loader state"
         )
+
+
+def process_info(ledgers: dict) -> dict:
+    """This process's pid and resident memory (bytes), with ``ledgers`` (per epoch, its delivery logs' bytes)."""
+    import os
+
+    rss = 0
+    try:
+        with open(f"/proc/{os.getpid()}/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        pass
+    return {"pid": os.getpid(), "rss": rss, "ledger_bytes": ledgers}

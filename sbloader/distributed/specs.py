@@ -34,6 +34,10 @@ class EpochSpec:
             many batches, round after round (:class:`~sbloader.executor.shard_rounds.ShardRounds`):
             the first batch waits for a short segment, not a whole shard, and a stream that never
             ends keeps yielding. None: each shard in one piece.
+        reports: (an ``IterableDataset``'s stream started on the ranks' local workers:
+            :mod:`~sbloader.loaders.stream_start`) production waits for every rank's report of
+            the batches it delivered and where its shards stand
+            (:meth:`~sbloader.distributed.stream_epoch.StreamEpoch.report`).
         executor_factory: None runs the streaming executor; a simulation
             (:mod:`sbloader.distributed.sim_epoch`) passes ``factory(source, plan)``
             returning an object with the executor's consumer API that hands out
@@ -53,6 +57,7 @@ class EpochSpec:
     batch_index: tuple = ()
     drop_last: bool = False
     segment: Optional[int] = None
+    reports: bool = False
     executor_factory: Optional[Callable[[Any, EpochPlan], Any]] = None
 
     def index_of(self, seq: int) -> int:

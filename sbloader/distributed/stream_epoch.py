@@ -13,6 +13,10 @@ blocks' metadata: the coordinator never fetches a block): the ranks' first batch
 a short segment, not a whole shard, and a stream that never ends keeps yielding. The bytes
 the ranks still hold count against each new round's budget.
 
+A stream the ranks started on their local workers (``spec.reports``) starts production once
+every rank said how many batches it delivered and where its shards stand (:meth:`StreamEpoch.report`):
+each rank's count starts at its local one, each shard resumes from its snapshot.
+
 A block lost with the node that made it before every rank fetched its batches is made
 again from its worker shard, once (:meth:`StreamEpoch.remake`): a segment from the snapshot
 its round started it at, for as many batches; the ranks that ask get the new block, and
@@ -20,6 +24,7 @@ what the ranks take afterwards names it instead of the lost one.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -33,6 +38,8 @@ from sbloader.distributed.epoch import Epoch
 from sbloader.distributed.specs import EpochSpec, StreamBatch
 from sbloader.executor.options import OutputBlock
 from sbloader.executor.shard_rounds import ShardRounds
+
+logger = logging.getLogger(__name__)
 
 #: At the coordinator a shard's segments double from the spec's ``segment`` up to this many times
 #: it: a long shard runs in a few rounds (each an execution's start; 40 rounds per shard of 313
@@ -63,6 +70,41 @@ class StreamEpoch(Epoch):
         self.made: dict[str, tuple] = {}  # block ref hex -> (seq, partition id, its round's source or None)
         self.remade: dict[str, Any] = {}  # a lost block's ref hex -> the ref of the block made again
         self._remake_lock = threading.Lock()  # one remake at a time: a block lost is made again once
+        self.reports: dict[int, dict] = {}  # rank -> its shards' snapshots after its local phase (spec.reports)
+        self._said_missing = False  # the ranks that never reported were named once
+
+    def report(self, rank: int, delivered: int, positions: dict) -> None:
+        """Rank ``rank`` delivered ``delivered`` batches from its own shards on local workers
+        (:mod:`~sbloader.loaders.stream_start`); ``positions``: each of those shards' snapshot after
+        its last delivered batch. Its count starts there, ``produced`` counts them, and production
+        resumes each shard from its snapshot once every rank reported (a repeated report is ignored)."""
+        with self.cond:
+            if rank in self.reports:
+                return
+            self.reports[rank] = dict(positions)
+            log = self.logs[rank]
+            log.count = log.acked = int(delivered)
+            self.produced += int(delivered)
+            self.cond.notify_all()
+
+    def _await_start(self) -> None:
+        """(Pump) With ``spec.reports``, every rank's report of its local phase (or the epoch's stop)."""
+        if not self.spec.reports:
+            return
+        with self.cond:
+            while len(self.reports) < self.world_size and not self._executor_stopped:
+                self.cond.wait(timeout=0.2)
+
+    def _check_stuck(self, rank: int, stall_report_s: float) -> None:
+        missing = [r for r in range(self.world_size) if r not in self.reports] if self.spec.reports else []
+        if not missing:
+            super()._check_stuck(rank, stall_report_s)
+        elif time.monotonic() - self.logs[missing[0]].last_seen > stall_report_s and not self._said_missing:
+            self._said_missing = True
+            logger.warning("sbloader epoch %d: rank(s) %s have not begun the loader's first epoch for %.0f s while "
+                           "rank %d waits: each rank starts its own shards locally, and the stream goes on once every "
+                           "rank has; every rank must iterate this loader", self.spec.epoch, missing, stall_report_s,
+                           rank)
 
     def _new_executor(self, estimates: Optional[list]) -> Any:
         """The epoch's shards in segments, round after round (``spec.segment``), or whole."""
@@ -77,7 +119,8 @@ class StreamEpoch(Epoch):
             return self.run_source(source, plan, estimates)
 
         n = len(spec.source.partitions(spec.epoch, spec.epoch_seed))
-        return ShardRounds(start, {}, n, spec.segment, fetch_blocks=False, largest=SEGMENT_GROWTH * spec.segment)
+        resume = {w: snap for positions in self.reports.values() for w, snap in positions.items()}
+        return ShardRounds(start, resume, n, spec.segment, fetch_blocks=False, largest=SEGMENT_GROWTH * spec.segment)
 
     def _deliver(self, item: OutputBlock) -> None:
         self._add_batches(item)

@@ -328,15 +328,26 @@ def open_split(s: DropinSettings, carry: DropinCarry, run: EpochRun, rank: int, 
 
 def stream_epoch(s: DropinSettings, carry: DropinCarry, rank: int, epoch: int, epoch_seed: int) -> EpochIterator:
     """This rank's share of an ``IterableDataset`` the job's coordinator iterates once."""
+    stalls = StallStats()
+    produce, closed = open_stream(s, carry, rank, epoch, epoch_seed, stalls)
+    return EpochIterator(produce, None, ahead=s.ahead, stalls=stalls, to_device=s.device_copy(), translate=translate,
+                         on_close=closed)
+
+
+def open_stream(s: DropinSettings, carry: DropinCarry, rank: int, epoch: int, epoch_seed: int, stalls: StallStats,
+                report: Optional[tuple] = None) -> tuple[Iterator[Delivery], Callable[[], None]]:
+    """Join the coordinator's stream epoch (rank 0 starts it): this rank's batches and what the epoch does
+    when it ends. ``report``: ``(delivered, positions)`` after a local phase (:mod:`~sbloader.loaders.stream_start`)."""
     coord = carry.coordinator
+    start = report[0] if report is not None else 0
     dropin_client.join(coord, rank, epoch, lambda: dropin_client.stream_spec(
         epoch, epoch_seed, max(1, s.num_workers), s.source_fingerprint(), s.worker_op(), s.coordinator_options(),
-        s.drop_last, segment_size(s.batches_per_partition)))
-    stalls = StallStats()
+        s.drop_last, segment_size(s.batches_per_partition), reports=report is not None), report)
 
     def produce() -> Iterator[Delivery]:
         for batch in dropin_client.pull_stream(coord, rank, epoch, s.ahead, s.pin, not s.zero_copy,
-                                               consumed=lambda: stalls.batches, timeout=s.timeout or None):
+                                               consumed=lambda: stalls.batches, timeout=s.timeout or None,
+                                               start=start):
             yield Delivery(batch)
 
     def closed() -> None:
@@ -345,5 +356,4 @@ def stream_epoch(s: DropinSettings, carry: DropinCarry, rank: int, epoch: int, e
         stalls.note_failures(carry.stats)
         s.reporter(f"rank {rank} epoch {epoch}", stalls)()
 
-    return EpochIterator(produce(), None, ahead=s.ahead, stalls=stalls, to_device=s.device_copy(), translate=translate,
-                         on_close=closed)
+    return produce(), closed

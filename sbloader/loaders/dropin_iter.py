@@ -2,7 +2,8 @@
 
 - split across ranks by the job's coordinator (:func:`~sbloader.loaders.dropin_epoch.split_epoch`,
   or :func:`~sbloader.loaders.dropin_epoch.stream_epoch` for an ``IterableDataset``), a loader's
-  first such epoch starting on local processes (:mod:`~sbloader.loaders.split_start`);
+  first such epoch starting on local processes (:mod:`~sbloader.loaders.split_start`,
+  :mod:`~sbloader.loaders.stream_start`);
 - in this process (``num_workers=0``, or nothing left to load);
 - on local worker processes, handed over to the pool once its actors are up
   (:mod:`~sbloader.loaders.local_start`: the pool is not up yet);
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sbloader.loaders import dropin_checkpoint, dropin_state, local_start, split_start
+from sbloader.loaders import dropin_checkpoint, dropin_state, local_start, split_start, stream_start
 from sbloader.loaders.dropin_settings import DropinSettings
 from sbloader.loaders.epoch import EpochIterator
 
@@ -24,9 +25,12 @@ def start_epoch(loader: Any, s: DropinSettings) -> EpochIterator:
     arguments ``s`` it has now."""
     w, carry = loader.world, loader._carry
     if loader.split and loader._iterable:
+        epoch, epoch_seed = loader._next_epoch()
+        loader._split_epochs += 1
+        if stream_start.enabled(s, loader._split_epochs == 1):
+            return stream_start.stream_start_epoch(loader, s, w.rank, epoch, epoch_seed)
         from sbloader.loaders.dropin_epoch import stream_epoch
 
-        epoch, epoch_seed = loader._next_epoch()
         loader._coordinator(stream=True)
         return stream_epoch(s, carry, w.rank, epoch, epoch_seed)
     if loader.split:

@@ -5,7 +5,7 @@ an ``IterableDataset`` has no partitions, only worker shards (``get_worker_info(
 the handover is per shard and at a batch:
 
 1. **local**: ``num_workers`` processes made by torch's own worker machinery each iterate
-   shard ``id`` as a pool actor would (:class:`_LocalShards`: the same seeds, dataset copy,
+   shard ``id`` as a pool actor would (:class:`LocalShards`: the same seeds, dataset copy,
    ``get_worker_info()`` and ``worker_init_fn``), sending each batch with the shard's
    snapshot after it (:func:`~sbloader.loaders.iterable_resume.iterate_shard`); the loop
    receives them in torch's round-robin (:class:`~sbloader.loaders.shard_order.RoundRobin`,
@@ -36,12 +36,12 @@ from sbloader.loaders.handover import Handover, hold, phased_iterator, start_pre
 from sbloader.loaders.local_start import LOCAL_WORKER, WorkerInit, forced_handover, identity, local_order, unwrap
 from sbloader.loaders.shard_order import RoundRobin, shard_positions
 
-_END = "end"  # a local worker's last item: its shard has no more batches
+END = "end"  # a local worker's last item: its shard has no more batches
 
 
-class _LocalShards(IterableDataset):
+class LocalShards(IterableDataset):
     """What a local worker iterates: its shard ``get_worker_info().id`` of the user's dataset, as
-    ``("batch", shard, batch, snapshot)`` items, then ``("end", shard)``."""
+    ``("batch", shard, batch, snapshot, samples)`` items, then ``("end", shard)``."""
 
     def __init__(self, dataset: Any, collate_fn: Any, batch_size: Optional[int], drop_last: bool, num_workers: int,
                  resume: dict, epoch: int, epoch_seed: int) -> None:
@@ -55,8 +55,8 @@ class _LocalShards(IterableDataset):
 
         shard = get_worker_info().id
         if LOCAL_WORKER["init_error"] is not None:  # worker_init_fn failed: raised at this shard's first batch
-            yield "batch", shard, LOCAL_WORKER["init_error"], None
-            yield _END, shard
+            yield "batch", shard, LOCAL_WORKER["init_error"], None, 0
+            yield END, shard
             return
         with task_context(self.epoch, self.epoch_seed, shard, "LoaderWorker", 0) as ctx:  # the pool's shard seed
             own = LOCAL_WORKER["own_states"]
@@ -65,12 +65,12 @@ class _LocalShards(IterableDataset):
                 _set_rng_states(own)
                 seed = (self.epoch_seed + shard) % 2**63
             _set_torch_worker_info(shard, self.num_workers, seed, self.dataset)
-            for batch, _, snap in iterate_shard(self.dataset, self.batch_size, self.drop_last, self.collate_fn,
+            for batch, n, snap in iterate_shard(self.dataset, self.batch_size, self.drop_last, self.collate_fn,
                                                 self.resume.get(shard)):
-                yield "batch", shard, batch, snap
+                yield "batch", shard, batch, snap, n
             if own is not None:
                 LOCAL_WORKER["own_states"] = _rng_states()
-        yield _END, shard
+        yield END, shard
 
 
 def iterable_start_epoch(s: Any, carry: Any, run: IterableRun, epoch: int, epoch_seed: int) -> EpochIterator:
@@ -106,7 +106,7 @@ def _local_phase(s: Any, run: IterableRun, epoch: int, epoch_seed: int, handover
 
     TorchLoader = torch_loader()
 
-    shards = _LocalShards(s.dataset, s.collate_fn, s.batch_size, s.drop_last, s.num_workers, dict(positions),
+    shards = LocalShards(s.dataset, s.collate_fn, s.batch_size, s.drop_last, s.num_workers, dict(positions),
                           epoch, epoch_seed)
     with warnings.catch_warnings():  # torch's too-many-workers warning was given at the loader's creation
         warnings.simplefilter("ignore", UserWarning)
@@ -123,19 +123,19 @@ def _local_phase(s: Any, run: IterableRun, epoch: int, epoch_seed: int, handover
     order = RoundRobin(shard_positions(positions, s.num_workers)) if s.in_order else None
     delivered = 0
     try:
-        for item in _items(it, phase):
+        for item in worker_items(it, phase):
             if isinstance(item, Delivery):  # torch's error: the epoch ends
                 yield item
                 return
             if order is None:
-                ready = [] if item[0] == _END else [item]
+                ready = [] if item[0] == END else [item]
             else:
-                if item[0] == _END:
+                if item[0] == END:
                     order.end(item[1])
                 else:
                     order.add(item[1], int(item[3]["batches"]) - 1 if item[3] else 0, item)
                 ready = list(order.pop_ready())
-            for _, shard, batch, snap in ready:
+            for _, shard, batch, snap, _ in ready:
                 if snap is not None:
                     positions[shard] = snap
                 yield Delivery(unwrap(batch, s.pin), (shard, snap) if snap is not None else None)
@@ -147,7 +147,7 @@ def _local_phase(s: Any, run: IterableRun, epoch: int, epoch_seed: int, handover
         it._shutdown_workers()
 
 
-def _items(it: Iterator, phase: dict) -> Iterator[Any]:
+def worker_items(it: Iterator, phase: dict) -> Iterator[Any]:
     """The local workers' items; torch's error (a dataset's ``__iter__``/``__next__`` or a worker's death) as a
     fatal :class:`Delivery`, after which there is nothing more."""
     while True:

@@ -97,19 +97,23 @@ class WorkerInit:
     does in a remote one: seed ``epoch_seed + id``, ``get_worker_info()`` naming the user's dataset, then the
     user's ``worker_init_fn`` (whose changes to the RNGs, if any, the worker keeps from then on)."""
 
-    def __init__(self, dataset: Any, epoch_seed: int, user_fn: Any, s: Any) -> None:
+    def __init__(self, dataset: Any, epoch_seed: int, user_fn: Any, s: Any, shards: Optional[list] = None) -> None:
         self.dataset, self.epoch_seed, self.user_fn = dataset, epoch_seed, user_fn
         self.inits = _init_flags(s)  # worker w sets byte w once its init ran: ``timeout`` counts from then on
+        self.shards = shards  # local worker i is the pool's worker ``shards[i]`` of ``num_workers`` (None: i of them)
+        self.num_workers = s.num_workers
 
     def __call__(self, worker_id: int) -> None:
         from torch.utils.data import get_worker_info
 
         from sbloader.loaders.worker import _rng_states, _same_states, _seed_all, _set_torch_worker_info
 
-        info = get_worker_info()
+        local_id, n = worker_id, get_worker_info().num_workers
+        if self.shards is not None:
+            worker_id, n = self.shards[local_id], self.num_workers
         seed = (self.epoch_seed + worker_id) % 2**63
         _seed_all(seed)
-        _set_torch_worker_info(worker_id, info.num_workers, seed, self.dataset)
+        _set_torch_worker_info(worker_id, n, seed, self.dataset)
         LOCAL_WORKER["own_states"] = LOCAL_WORKER["init_error"] = None
         if self.user_fn is not None:
             before = _rng_states()
@@ -120,7 +124,7 @@ class WorkerInit:
             after = _rng_states()
             if not _same_states(before, after):
                 LOCAL_WORKER["own_states"] = after
-        self.inits[worker_id] = 1
+        self.inits[local_id] = 1
 
 
 def _init_flags(s: Any) -> Any:

@@ -46,8 +46,11 @@ def _one_after_the_other(loaders: list, states: dict | None = None) -> list:
 
 
 def _stream(name: str, n: int, **kwargs) -> list:
+    # local_start=False: a stream's first epoch started locally waits for every rank's report of its
+    # local phase before the coordinator produces anything (loaders/stream_start.py), so no rank can end
+    # it before the others arrived; a later epoch (or no local start) can, and that is this race
     return [sbloader.DataLoader(Filtered(n), rank=r, world_size=2, job_id=f"test-late-{name}", name=name,
-                                split=True, **kwargs) for r in range(2)]
+                                split=True, local_start=False, **kwargs) for r in range(2)]
 
 
 def test_an_empty_stream_ends_on_a_rank_that_arrives_after_the_epoch_ended(ray_session):

@@ -377,6 +377,7 @@ def test_an_idle_coordinator_retires_itself(ray_session, monkeypatch):
                              job_id="test-idle", name="idle")
     fp = {"dataset": "x"}
     coord = get_coordinator("test-idle", "idle", 2, fp)
+    # one actor started, still starting (its process and constructor take far longer than the call)
     assert ray.get(coord.prewarm.remote("Batches", (lo._settings().worker_op(),), ExecutionOptions())) == 1
     pool = ray.get(coord.__ray_call__.remote(lambda self: [a.handle for a in self._actor_cache[0]]))
     for _ in range(4):  # calls keep it alive past the idle time
