@@ -7,8 +7,8 @@ batches from its own forked workers, issue #44), the same without it
 rank's shuffle is its own draw, so the ranks wait for rank 0's at the coordinator), against
 torch's DataLoader over a ``DistributedSampler``; and a native pipeline's ``to_dataloader(32, shuffle=True,
 seed=0)`` with and without its split local start; an ``IterableDataset`` of the same ids split by the
-coordinator (``split=True``; each worker shard in segments, round after round) against torch's over the same
-stream sharded by rank. The figure: the
+coordinator (``split=True``: each rank's first batches from its own worker shards on forked workers, then
+the coordinator's, each shard in segments) against torch's over the same stream sharded by rank. The figure: the
 job's first step, the slowest rank's seconds from its import to its first batch (DDP's first
 step waits for every rank); the whole epoch's seconds beside it."""
 from __future__ import annotations
