@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import collections
 import os
-import threading
 
 import pytest
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 import sbloader
+from harness import in_rank_threads
 
 INIT: dict = {}  # in a worker: the id worker_init_fn was called with
 
@@ -46,27 +46,16 @@ def run(name: str, ws: int, sizes: list, stop_at: dict | None = None, **kwargs) 
     loaders = [sbloader.DataLoader(Sized(sizes), rank=r, world_size=ws, job_id=f"test-stream-start-{name}",
                                    name=name, split=True, **kwargs) for r in range(ws)]
     out: list = [None] * ws
-    errors: list = []
 
     def loop(r: int) -> None:
-        try:
-            got = []
-            for batch in loaders[r]:
-                got.append({k: v.tolist() for k, v in batch.items()})
-                if (stop_at or {}).get(r) == len(got):
-                    break
-            out[r] = got
-        except BaseException as e:  # surfaced in the test thread
-            errors.append(e)
+        got = []
+        for batch in loaders[r]:
+            got.append({k: v.tolist() for k, v in batch.items()})
+            if (stop_at or {}).get(r) == len(got):
+                break
+        out[r] = got
 
-    threads = [threading.Thread(target=loop, args=(r,)) for r in range(ws)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=150)
-    assert not any(t.is_alive() for t in threads), "a rank did not finish within 150 s (deadlock?)"
-    if errors:
-        raise errors[0]
+    in_rank_threads(loop, ws, timeout=150)
     return out
 
 
