@@ -81,6 +81,8 @@ class FetchAhead:
             for item in self._produce:
                 if not self._put((item, None)):
                     return
+                item = None  # not held while the next one is made: a failed batch's error, once raised in
+                # the loop, references the loop's frames (its iterator), a cycle through this thread's frame
             self._put((_END, None))
         except BaseException as e:  # carried to the consumer
             self._put((_END, e))

@@ -124,7 +124,8 @@ def _local_phase(s: Any, run: IterableRun, epoch: int, epoch_seed: int, handover
     delivered = 0
     try:
         for item in worker_items(it, phase):
-            if isinstance(item, Delivery):  # torch's error: the epoch ends
+            if isinstance(item, Delivery):  # torch's error: the epoch ends, its workers go before the loop sees it
+                it._shutdown_workers()  # (nothing resumes this generator after a fatal batch: no finally would run)
                 yield item
                 return
             if order is None:

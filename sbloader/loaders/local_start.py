@@ -256,6 +256,7 @@ def deliveries(s: Any, local: Any, phase: dict, record: Any) -> Iterator[Deliver
             return
         except Exception as e:  # worker_init_fn failed or a worker died: torch's error, the epoch ends
             phase["failed"] = True
+            it._shutdown_workers()  # now: nothing resumes this generator after a fatal batch
             yield Delivery(FailedBatch(e, fatal=True), None)
             return
         phase["up"] = True  # the workers are up: ``timeout`` counts from here, ``start_timeout`` is over
@@ -273,5 +274,7 @@ def unwrap(batch: Any, pin: bool) -> Any:
         try:
             batch.reraise()
         except Exception as e:  # raised at this batch; the loop may catch it and go on, as under torch
-            return FailedBatch(e)
+            # without reraise's frame (its local ``exception`` and the error's traceback form a cycle that, once
+            # the loop raised it, would keep the loop's iterator and its local workers until a garbage collection)
+            return FailedBatch(e.with_traceback(None))
     return pin_batch(batch) if pin else batch
