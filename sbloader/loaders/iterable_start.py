@@ -124,8 +124,7 @@ def _local_phase(s: Any, run: IterableRun, epoch: int, epoch_seed: int, handover
     delivered = 0
     try:
         for item in worker_items(it, phase):
-            if isinstance(item, Delivery):  # torch's error: the epoch ends, its workers go before the loop sees it
-                it._shutdown_workers()  # (nothing resumes this generator after a fatal batch: no finally would run)
+            if isinstance(item, Delivery):  # torch's error: the epoch ends (its workers are shut down)
                 yield item
                 return
             if order is None:
@@ -150,7 +149,8 @@ def _local_phase(s: Any, run: IterableRun, epoch: int, epoch_seed: int, handover
 
 def worker_items(it: Iterator, phase: dict) -> Iterator[Any]:
     """The local workers' items; torch's error (a dataset's ``__iter__``/``__next__`` or a worker's death) as a
-    fatal :class:`Delivery`, after which there is nothing more."""
+    fatal :class:`Delivery`, after which there is nothing more: the workers are shut down before it goes (nothing
+    resumes the consumer's generator after a fatal batch, so its ``finally`` would not run)."""
     while True:
         try:
             item = next(it)
@@ -158,6 +158,7 @@ def worker_items(it: Iterator, phase: dict) -> Iterator[Any]:
             return
         except Exception as e:
             phase["failed"] = True
+            it._shutdown_workers()
             yield Delivery(FailedBatch(e, fatal=True), None)
             return
         phase["up"] = True

@@ -158,8 +158,7 @@ def _local_phase(s: Any, own: list, epoch: int, epoch_seed: int, tally: LocalTal
     ready: deque = deque()
     try:
         for item in worker_items(it, phase):
-            if isinstance(item, Delivery):  # torch's error: the epoch ends, its workers go before the loop sees it
-                it._shutdown_workers()  # (nothing resumes this generator after a fatal batch: no finally would run)
+            if isinstance(item, Delivery):  # torch's error: the epoch ends (its workers are shut down)
                 yield item
                 return
             if item[0] == END:
