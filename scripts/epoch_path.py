@@ -11,7 +11,8 @@ reading of the code.
     python scripts/epoch_path.py iterable   # an IterableDataset of 100 ints, batch_size=8, num_workers=2
 
 At 7356819~1 (before #44's local start): map 27 visits (19 returns), iterable 31 (22). At 2b899ea:
-map 59 (47), iterable 57 (45).
+map 59 (47), iterable 57 (45). With the epoch as three stages (plan, producer, iterator): map 25 (16),
+iterable 23 (13).
 """
 from __future__ import annotations
 

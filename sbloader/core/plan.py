@@ -80,6 +80,19 @@ def draw_epoch_seed(seed: Optional[int], epoch: int, generator: Any = None) -> i
     return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item()) & _SEED_MASK
 
 
+def loader_epoch_seed(seed: Optional[int], epoch: int, generator: Any, base_seed: Optional[int],
+                      persistent: bool) -> tuple[int, Optional[int]]:
+    """A drop-in loader's seed for ``epoch``, and its base seed from then on: ``f(seed, epoch)`` when ``seed``
+    is given; with ``persistent`` workers the base seed is drawn once (torch draws it once per persistent
+    iterator, later epochs reset it without a draw), then derived per epoch; else drawn as torch draws each
+    iterator's (:func:`draw_epoch_seed`)."""
+    if seed is None and persistent:
+        if base_seed is None:
+            base_seed = draw_epoch_seed(None, epoch, generator)
+        return epoch_seed_from(base_seed, epoch), base_seed
+    return draw_epoch_seed(seed, epoch, generator), base_seed
+
+
 def partition_seed(epoch_seed: int, partition_id: int, salt: int = 0) -> int:
     """The seed of one partition (and one operator ``salt``) in an epoch."""
     return _seed(epoch_seed, partition_id, salt)

@@ -50,7 +50,11 @@ def stream_spec(epoch: int, epoch_seed: int, shards: int, fingerprint: dict, wor
                 reports: bool = False) -> EpochSpec:
     """Rank 0's epoch of a stream: the dataset iterated once for the job, one shard per worker, in
     segments of ``segment`` batches round after round (None: each shard whole); ``reports``: the
-    ranks started it on local workers (production waits for their reports)."""
+    ranks started it on local workers (production waits for their reports, then resumes each shard
+    from its reported snapshot: only segments resume a shard)."""
+    if reports and segment is None:
+        raise ValueError("stream_spec(reports=True) needs a segment: a stream started on the ranks' local workers "
+                         "resumes each shard from their reports, which only a segmented epoch does")
     source = ShardSource(shards, fingerprint)
     plan = make_epoch_plan([p.id for p in source.partitions(epoch, epoch_seed)], epoch, epoch_seed, shuffle=False)
     return EpochSpec(epoch, epoch_seed, source, (worker_op,), plan, options, None, drop_last=drop_last,
@@ -280,9 +284,10 @@ def stream_batch(item: Any, pin: bool, copy: bool, blocks: Optional[dict] = None
 def pull_stream(coord: Any, rank: int, epoch: int, ask: int, pin: bool, copy: bool,
                 consumed: Callable[[], int], timeout: Optional[float] = None, start: int = 0) -> Iterator[Any]:
     """(Fetch thread) This rank's batches of a stream epoch, one request ahead, until the
-    coordinator says this rank has its share (``start``: the batches it delivered before, locally). A block lost with the node that made it before
-    this rank fetched it is made again from its worker shard by the coordinator
-    (``SplitCoordinator.remake_block``; once for all ranks), as a map-style batch is."""
+    coordinator says this rank has its share (``start``: the batches it delivered before, locally).
+    A block lost with the node that made it before this rank fetched it is made again from its
+    worker shard by the coordinator (``SplitCoordinator.remake_block``; once for all ranks), as a
+    map-style batch is."""
     node = ray.get_runtime_context().get_node_id()
     fetched = start  # batches made (copies: their blocks are no longer needed)
 

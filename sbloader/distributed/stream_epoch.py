@@ -109,7 +109,7 @@ class StreamEpoch(Epoch):
     def _new_executor(self, estimates: Optional[list]) -> Any:
         """The epoch's shards in segments, round after round (``spec.segment``), or whole."""
         spec = self.spec
-        if spec.segment is None:
+        if spec.segment is None:  # (``stream_spec`` gives a locally started epoch segments: its shards resume)
             return super()._new_executor(estimates)
 
         def start(resume: dict, segment: int) -> Any:

@@ -13,14 +13,15 @@ import warnings
 import weakref
 from typing import Any, Callable, Generic, Optional, TypeVar
 
-from sbloader.core.plan import draw_epoch_seed, epoch_seed_from
+from sbloader.core.plan import loader_epoch_seed
 from sbloader.core.split import split_epoch as split_positions
 from sbloader.core.stats import ExecutionStats, StallStats
 from sbloader.loaders import closer, dropin_args, dropin_checkpoint, dropin_state
 from sbloader.loaders import torch_loader  # noqa: F401  (torch's DataLoader class as it is at sbloader's import)
 from sbloader.loaders.dropin_args import check_torch_args, decide_split, is_iterable_dataset
-from sbloader.loaders.dropin_settings import DropinCarry, DropinSettings, cpus_held_by_loaders, safe_len
+from sbloader.loaders.dropin_settings import DropinCarry, DropinSettings, resolve, safe_len, warn_excess_workers
 from sbloader.loaders.epoch import EpochIterator
+from sbloader.loaders.iterable_resume import IterableRun, run_from_state
 from sbloader.runtime.world import World
 
 _LOADER_COUNTER = itertools.count()
@@ -153,7 +154,7 @@ class DataLoader(Generic[T_co]):
                              shuffle_target=dataset)
         dropin_args.check_multiprocessing_context(multiprocessing_context, num_workers)
         dataset = dropin_args.datapipe_with_shuffle(dataset, shuffle)
-        dropin_args.warn_excess_workers(num_workers, worker_num_cpus)
+        warn_excess_workers(num_workers, worker_num_cpus)
         self.world = World.detect(rank=rank, world_size=world_size, job_id=job_id)
         self.split = decide_split(split, self.world, dataset, self._iterable, sampler, batch_sampler)
         if self.split and self._iterable and b.batch_size is None:
@@ -325,47 +326,49 @@ class DataLoader(Generic[T_co]):
         previous = self._iterator() if self._iterator is not None else None
         if previous is not None:  # a new epoch while the last one's iterator lives on: end that one
             previous.close()
-        from sbloader.loaders.dropin_iter import start_epoch
+        from sbloader.loaders import dropin_iter
 
-        it = start_epoch(self, self._settings())
-        if self._iterable and not self.split and self._len_reported is not None:
-            it.after_batch = dropin_args.length_check(self.dataset, self._len_reported, self.num_workers)
+        s = self._settings()
+        if self.split:
+            it = dropin_iter.split_start_epoch(self, s)
+        else:
+            it = dropin_iter.start_epoch(s, self._carry, *self._begin())
+            if self._iterable and self._len_reported is not None:
+                it.after_batch = dropin_args.length_check(self.dataset, self._len_reported, self.num_workers)
         self._stalls, self._iterator = it.stalls, weakref.ref(it)
         return it
 
+    def _begin(self) -> tuple:
+        """The next epoch of a loader that is not split, and this loader's bookkeeping of it: ``(run,
+        sampler, epoch, epoch_seed)``. ``run``: the epoch's plan and the loop's record (an ``EpochRun``, or
+        an ``IterableRun`` of the shards' snapshots; None where no state is kept); ``sampler``: what a run
+        without a plan iterates (the index sampler, or the keys it drew)."""
+        sampler, self._unreplayable = self._index_sampler, None
+        if self._iterable:  # where a loaded state left its shards, or fresh
+            resume, self._resume = self._resume, None
+            if resume is None:
+                run = IterableRun(*self._next_epoch())
+            else:
+                run = run_from_state(resume["iterable"], self._next_epoch)
+                self._epoch = run.epoch + 1
+        else:
+            try:
+                run = self._start_run(1) if self._stateful else None
+            except dropin_state.KeysNotIndices as keys:  # batch_size=None, a sampler of lists (say): run them as drawn
+                run, sampler, self._unreplayable = None, keys.keys, str(keys)
+        self._run = run
+        epoch, epoch_seed = (run.epoch, run.epoch_seed) if run is not None else self._next_epoch()
+        return run, sampler, epoch, epoch_seed
+
     def _settings(self) -> DropinSettings:
         """The arguments this epoch runs with, as they are now."""
-        pin = False
-        if self.pin_memory:
-            pin = self._torch.accelerator.is_available()
-            if not pin:
-                warnings.warn("'pin_memory' argument is set as true but no accelerator is found, "
-                              "then device pinned memory won't be used.", stacklevel=3)
-        return DropinSettings(
-            dataset=self.dataset, collate_fn=self.collate_fn, auto_collation=self._auto_collation,
-            iterable=self._iterable, batch_size=self.batch_size, drop_last=self.drop_last,
-            num_workers=self.num_workers, worker_init_fn=self.worker_init_fn, prefetch_factor=self.prefetch_factor,
-            in_order=self.in_order, timeout=self.timeout, pin=pin, zero_copy=self.zero_copy, device=self.device,
-            memory_budget=self.memory_budget, batches_per_partition=self.batches_per_partition,
-            worker_num_cpus=dropin_args.fitted_worker_cpus(
-                self.num_workers, self.worker_num_cpus, dropin_args.available_cpus(),
-                None if self.split else dropin_args.free_cpus(cpus_held_by_loaders(self._carry))),
-            worker_resources=self.worker_resources,
-            allow_trainer_node=self.allow_trainer_node, persistent_workers=self.persistent_workers, seed=self.seed,
-            dataset_id=self.dataset_id, report_stalls=self.report_stalls, start_timeout=self.start_timeout,
-            local_start=self.local_start, multiprocessing_context=self.multiprocessing_context)
+        return resolve(self, self._auto_collation)
 
     def _next_epoch(self) -> tuple[int, int]:
         """The next epoch and its seed (drawn as torch draws its base seed, or ``f(seed, epoch)``)."""
         epoch = self._epoch
-        if self.seed is None and self.persistent_workers and self.num_workers > 0:
-            # torch draws the base seed once per persistent iterator (later epochs reset it
-            # without a draw): draw it once too, then derive per epoch.
-            if self._base_seed is None:
-                self._base_seed = draw_epoch_seed(None, epoch, self.generator)
-            seed = epoch_seed_from(self._base_seed, epoch)
-        else:
-            seed = draw_epoch_seed(self.seed, epoch, self.generator)
+        seed, self._base_seed = loader_epoch_seed(self.seed, epoch, self.generator, self._base_seed,
+                                                  self.persistent_workers and self.num_workers > 0)
         if self._seeded_sampler:
             self.sampler.generator = self._torch.Generator().manual_seed(seed)
         self._epoch = epoch + 1

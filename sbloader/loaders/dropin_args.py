@@ -5,7 +5,6 @@ Kept apart from the loader class so its constructor reads as what it stores.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -177,84 +176,6 @@ def check_multiprocessing_context(context: Any, num_workers: int) -> None:
     elif not isinstance(context, multiprocessing.context.BaseContext):
         raise TypeError("multiprocessing_context option should be a valid context object or a string specifying "
                         f"the start method, but got multiprocessing_context={context}")
-
-
-def ray_is_up() -> bool:
-    """Whether Ray is initialized in this process, without importing it (a loader's construction
-    never does: Ray is imported and started in the background)."""
-    import sys
-
-    ray = sys.modules.get("ray")
-    is_initialized = getattr(ray, "is_initialized", None)  # None while another thread imports it
-    return is_initialized is not None and bool(is_initialized())
-
-
-def available_cpus() -> Optional[float]:
-    """CPUs the workers can run on: the Ray cluster's when Ray is up, this machine's (its CPU
-    affinity) when the embedded Ray would start here, None when a cluster is named but not joined."""
-    import os
-
-    if ray_is_up():
-        from sbloader.runtime import cluster_state
-
-        return cluster_state.cpus()
-    if os.environ.get("RAY_ADDRESS"):
-        return None
-    try:
-        return float(len(os.sched_getaffinity(0)))
-    except AttributeError:
-        return float(os.cpu_count() or 1)
-
-
-def excess_workers_message(num_workers: int, worker_num_cpus: float, cpus: Optional[float]) -> Optional[str]:
-    """torch's warning for more workers than the CPUs can run (None when they fit or are unknown)."""
-    if num_workers <= 0 or cpus is None or num_workers * worker_num_cpus <= cpus:
-        return None
-    return (f"This DataLoader will create {num_workers} worker processes in total (Ray actors of "
-            f"{worker_num_cpus:g} CPU each). Our suggested max number of worker in current system is "
-            f"{int(cpus // max(worker_num_cpus, 1e-9))} ({cpus:g} CPUs in the Ray cluster or on this machine), "
-            "which is smaller than what this DataLoader is going to create. Please be aware that excessive worker "
-            "creation might get DataLoader running slow or even freeze, lower the worker number to avoid "
-            "potential slowness/freeze if necessary (they all start: each asks Ray for an equal share of the CPUs).")
-
-
-def fitted_worker_cpus(num_workers: int, worker_num_cpus: float, cpus: Optional[float],
-                       free: Optional[float] = None) -> float:
-    """CPUs each worker actor asks Ray for: ``worker_num_cpus``, or an equal share of the ``cpus``
-    (the cluster's) or of the ``free`` ones (not held by other loaders' workers) when ``num_workers``
-    of them would not fit; 0 when none is free. torch's worker processes share the cores the same
-    way: every worker starts, none waits for a CPU another loader (a live one, or one an exception's
-    traceback keeps) holds."""
-    if num_workers <= 0 or cpus is None:
-        return worker_num_cpus
-    room = cpus if free is None else max(0.0, min(cpus, free))
-    if num_workers * worker_num_cpus <= room:
-        return worker_num_cpus
-    return math.floor(room / num_workers * 1e4) / 1e4
-
-
-def free_cpus(held_here: float = 0.0) -> Optional[float]:
-    """CPUs of the Ray cluster less ``held_here`` (what this process's other live loaders' workers
-    asked for: a loader kept alive by a traceback keeps its actors). Before Ray is up, this machine's
-    CPUs (what the embedded Ray will have) less the same: a loader whose epoch started locally holds
-    its pool's CPUs already, and a second loader built meanwhile must not ask for them too (its pool
-    would wait for good: CI, test_a_script_prints_nothing_at_exit); None when a cluster is named but
-    not joined yet.
-
-    Not Ray's momentary ``available_resources()``: the tasks and actors of a pipeline that just
-    ended still show there for a moment, and a share of 0 would let the workers run unreserved
-    (anywhere, the trainer's node included)."""
-    cpus = available_cpus()
-    return None if cpus is None else max(0.0, cpus - held_here)
-
-
-def warn_excess_workers(num_workers: int, worker_num_cpus: float) -> None:
-    """Warn as torch does when the workers ask for more CPUs than there are (:func:`excess_workers_message`)."""
-    import warnings
-
-    msg = excess_workers_message(num_workers, worker_num_cpus, available_cpus())
-    if msg is not None:
-        warnings.warn(msg, stacklevel=3)
 
 
 def length_check(dataset: Any, reported: int, num_workers: int) -> Callable[[int], None]:

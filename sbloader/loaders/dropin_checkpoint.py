@@ -23,7 +23,7 @@ from typing import Any, Optional
 from sbloader.core import ledger
 from sbloader.core.errors import StateDictError
 from sbloader.loaders import dropin_state, torchdata_state
-from sbloader.loaders.iterable_resume import IterableRun, first_snapshot, is_stateful, open_shard, run_from_state
+from sbloader.loaders.iterable_resume import first_snapshot, is_stateful, open_shard
 
 _TORCH_SAMPLERS = ("RandomSampler", "SequentialSampler", "DistributedSampler", "SubsetRandomSampler")
 
@@ -227,14 +227,3 @@ def _generator_after(order: dict, n: int) -> str:
     for _ in RandomSampler(range(n), generator=gen):
         pass
     return dropin_state.encode_generator(gen)
-
-
-def start_iterable_run(dl: Any) -> IterableRun:
-    """The run of an ``IterableDataset``'s next epoch: where a loaded state left it, or fresh."""
-    resume, dl._resume = dl._resume, None
-    if resume is not None:
-        run = run_from_state(resume["iterable"], dl._next_epoch)
-        dl._epoch = run.epoch + 1
-        return run
-    epoch, seed = dl._next_epoch()
-    return IterableRun(epoch, seed)

@@ -97,7 +97,7 @@ def local_epoch(s: DropinSettings, run: Optional[Union[EpochRun, IterableRun]], 
         if run is not None:  # a state taken before the first batch holds the iterator's state already
             run.took((0, first_snapshot(s.dataset, *opened, batches_before(resume))))
     stalls = StallStats()
-    return EpochIterator(produce(), run, ahead=0, stalls=stalls, to_device=s.device_copy(),
+    return EpochIterator(produce(), run, ahead=0, stalls=stalls, to_device=s.to_device,
                          on_close=s.reporter(f"epoch {epoch}", stalls))
 
 
@@ -260,7 +260,7 @@ def pool_epoch(s: DropinSettings, carry: DropinCarry, run: Optional[Union[EpochR
         pool.closed()
         s.reporter(f"epoch {epoch}", stalls)()
 
-    return EpochIterator(pool.produce, run, ahead=s.ahead, stalls=stalls, to_device=s.device_copy(), translate=translate,
+    return EpochIterator(pool.produce, run, ahead=s.ahead, stalls=stalls, to_device=s.to_device, translate=translate,
                          timeout=s.timeout or None, wake=pool.executor.shutdown, on_close=closed,
                          started=pool.executor.pools_up, start_timeout=s.start_timeout)
 
@@ -270,7 +270,7 @@ def split_epoch(s: DropinSettings, carry: DropinCarry, run: EpochRun, rank: int,
     """This rank's share of an epoch the job's coordinator runs (every rank the same count)."""
     stalls = StallStats()
     produce, closed = open_split(s, carry, run, rank, reconnect, stalls)
-    return EpochIterator(produce, run, ahead=s.ahead, stalls=stalls, to_device=s.device_copy(), translate=translate,
+    return EpochIterator(produce, run, ahead=s.ahead, stalls=stalls, to_device=s.to_device, translate=translate,
                          on_close=closed)
 
 
@@ -330,7 +330,7 @@ def stream_epoch(s: DropinSettings, carry: DropinCarry, rank: int, epoch: int, e
     """This rank's share of an ``IterableDataset`` the job's coordinator iterates once."""
     stalls = StallStats()
     produce, closed = open_stream(s, carry, rank, epoch, epoch_seed, stalls)
-    return EpochIterator(produce, None, ahead=s.ahead, stalls=stalls, to_device=s.device_copy(), translate=translate,
+    return EpochIterator(produce, None, ahead=s.ahead, stalls=stalls, to_device=s.to_device, translate=translate,
                          on_close=closed)
 
 

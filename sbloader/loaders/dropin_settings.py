@@ -6,6 +6,10 @@ Both are plain data, importable without Ray: ``import sbloader`` and building a
 from __future__ import annotations
 
 import weakref
+import math
+import os
+import sys
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional, Tuple
 
@@ -54,11 +58,12 @@ class DropinSettings:
     start_timeout: Optional[float] = None
     local_start: bool = True
     multiprocessing_context: Any = None
+    ahead: int = field(init=False)  # batches made ahead of the loop (torch's ``prefetch_factor``)
+    to_device: Any = field(init=False)  # the copy of each batch to ``device`` (None: batches stay on the CPU)
 
-    @property
-    def ahead(self) -> int:
-        """Batches made ahead of the loop (torch's ``prefetch_factor``)."""
-        return max(1, self.prefetch_factor or 2)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ahead", max(1, self.prefetch_factor or 2))
+        object.__setattr__(self, "to_device", self._device_copy() if self.device is not None else None)
 
     def worker_op(self, base_seed: Optional[int] = None) -> Op:
         """The pool of ``num_workers`` remote workers that fetch and collate (``base_seed``: the
@@ -94,11 +99,10 @@ class DropinSettings:
             return run.batches if self.auto_collation else [b[0] for b in run.batches]  # batch_size=None
         return [list(b) if self.auto_collation else b for b in index_sampler]
 
-    def device_copy(self) -> Any:
-        """The copy of each batch to ``device`` (None: batches stay on the CPU)."""
+    def _device_copy(self) -> Any:
         from sbloader.loaders.tensors import DeviceCopy
 
-        return DeviceCopy(self.device, self.pin) if self.device is not None else None
+        return DeviceCopy(self.device, self.pin)
 
     def reporter(self, what: str, stalls: Any) -> Callable[[], None]:
         """Prints the epoch's stall instrument at its end when ``report_stalls`` is set."""
@@ -116,6 +120,30 @@ class DropinSettings:
         from sbloader.loaders.tensors import TensorOptions
 
         return TensorOptions(pin=self.pin, zero_copy=self.zero_copy)
+
+
+def resolve(loader: Any, auto_collation: bool) -> DropinSettings:
+    """The arguments ``loader``'s next epoch runs with, as they are now (``auto_collation``: it batches): ``pin`` only with an accelerator
+    (torch's warning otherwise), and each worker's CPUs fitted to what the cluster (or this machine) has
+    free of the process's other loaders (:func:`fitted_worker_cpus`; a split loader's pool is the job's)."""
+    pin = False
+    if loader.pin_memory:
+        pin = loader._torch.accelerator.is_available()
+        if not pin:
+            warnings.warn("'pin_memory' argument is set as true but no accelerator is found, "
+                          "then device pinned memory won't be used.", stacklevel=4)
+    free = None if loader.split else free_cpus(cpus_held_by_loaders(loader._carry))
+    return DropinSettings(
+        dataset=loader.dataset, collate_fn=loader.collate_fn, auto_collation=auto_collation,
+        iterable=loader._iterable, batch_size=loader.batch_size, drop_last=loader.drop_last,
+        num_workers=loader.num_workers, worker_init_fn=loader.worker_init_fn, prefetch_factor=loader.prefetch_factor,
+        in_order=loader.in_order, timeout=loader.timeout, pin=pin, zero_copy=loader.zero_copy, device=loader.device,
+        memory_budget=loader.memory_budget, batches_per_partition=loader.batches_per_partition,
+        worker_num_cpus=fitted_worker_cpus(loader.num_workers, loader.worker_num_cpus, available_cpus(), free),
+        worker_resources=loader.worker_resources, allow_trainer_node=loader.allow_trainer_node,
+        persistent_workers=loader.persistent_workers, seed=loader.seed, dataset_id=loader.dataset_id,
+        report_stalls=loader.report_stalls, start_timeout=loader.start_timeout, local_start=loader.local_start,
+        multiprocessing_context=loader.multiprocessing_context)
 
 
 @dataclass(eq=False)  # hashed by identity (kept in a WeakSet)
@@ -183,3 +211,75 @@ def safe_len(x: Any) -> Optional[int]:
         return len(x)
     except TypeError:
         return None
+
+
+def ray_is_up() -> bool:
+    """Whether Ray is initialized in this process, without importing it (a loader's construction
+    never does: Ray is imported and started in the background)."""
+    ray = sys.modules.get("ray")
+    is_initialized = getattr(ray, "is_initialized", None)  # None while another thread imports it
+    return is_initialized is not None and bool(is_initialized())
+
+
+def available_cpus() -> Optional[float]:
+    """CPUs the workers can run on: the Ray cluster's when Ray is up, this machine's (its CPU
+    affinity) when the embedded Ray would start here, None when a cluster is named but not joined."""
+    if ray_is_up():
+        from sbloader.runtime import cluster_state
+
+        return cluster_state.cpus()
+    if os.environ.get("RAY_ADDRESS"):
+        return None
+    try:
+        return float(len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return float(os.cpu_count() or 1)
+
+
+def excess_workers_message(num_workers: int, worker_num_cpus: float, cpus: Optional[float]) -> Optional[str]:
+    """torch's warning for more workers than the CPUs can run (None when they fit or are unknown)."""
+    if num_workers <= 0 or cpus is None or num_workers * worker_num_cpus <= cpus:
+        return None
+    return (f"This DataLoader will create {num_workers} worker processes in total (Ray actors of "
+            f"{worker_num_cpus:g} CPU each). Our suggested max number of worker in current system is "
+            f"{int(cpus // max(worker_num_cpus, 1e-9))} ({cpus:g} CPUs in the Ray cluster or on this machine), "
+            "which is smaller than what this DataLoader is going to create. Please be aware that excessive worker "
+            "creation might get DataLoader running slow or even freeze, lower the worker number to avoid "
+            "potential slowness/freeze if necessary (they all start: each asks Ray for an equal share of the CPUs).")
+
+
+def fitted_worker_cpus(num_workers: int, worker_num_cpus: float, cpus: Optional[float],
+                       free: Optional[float] = None) -> float:
+    """CPUs each worker actor asks Ray for: ``worker_num_cpus``, or an equal share of the ``cpus``
+    (the cluster's) or of the ``free`` ones (not held by other loaders' workers) when ``num_workers``
+    of them would not fit; 0 when none is free. torch's worker processes share the cores the same
+    way: every worker starts, none waits for a CPU another loader (a live one, or one an exception's
+    traceback keeps) holds."""
+    if num_workers <= 0 or cpus is None:
+        return worker_num_cpus
+    room = cpus if free is None else max(0.0, min(cpus, free))
+    if num_workers * worker_num_cpus <= room:
+        return worker_num_cpus
+    return math.floor(room / num_workers * 1e4) / 1e4
+
+
+def free_cpus(held_here: float = 0.0) -> Optional[float]:
+    """CPUs of the Ray cluster less ``held_here`` (what this process's other live loaders' workers
+    asked for: a loader kept alive by a traceback keeps its actors). Before Ray is up, this machine's
+    CPUs (what the embedded Ray will have) less the same: a loader whose epoch started locally holds
+    its pool's CPUs already, and a second loader built meanwhile must not ask for them too (its pool
+    would wait for good: CI, test_a_script_prints_nothing_at_exit); None when a cluster is named but
+    not joined yet.
+
+    Not Ray's momentary ``available_resources()``: the tasks and actors of a pipeline that just
+    ended still show there for a moment, and a share of 0 would let the workers run unreserved
+    (anywhere, the trainer's node included)."""
+    cpus = available_cpus()
+    return None if cpus is None else max(0.0, cpus - held_here)
+
+
+def warn_excess_workers(num_workers: int, worker_num_cpus: float) -> None:
+    """Warn as torch does when the workers ask for more CPUs than there are (:func:`excess_workers_message`)."""
+    msg = excess_workers_message(num_workers, worker_num_cpus, available_cpus())
+    if msg is not None:
+        warnings.warn(msg, stacklevel=3)

@@ -76,6 +76,19 @@ class Handover:
 PRESTART_LOCK = threading.Lock()
 
 
+def begin(s: Any, carry: Any, epoch_seed: int, total: int, at: Optional[int]) -> Handover:
+    """A local start's handover for its ``total`` partitions (``at``: forced there, tests): the loader counted
+    as holding its pool's CPUs now (a loader built meanwhile leaves them), and the pool's actors started
+    ahead in the background (:func:`prestart`)."""
+    carry.stats = None  # an earlier epoch's are not this one's (the pool's, if it takes over, replace them)
+    handover = Handover(total, at)
+    carry.starts += 1
+    hold(s, carry)
+    start_prestart(s, carry, epoch_seed, handover)
+    return handover
+
+
+
 def start_prestart(s: Any, carry: Any, epoch_seed: int, handover: Handover) -> None:
     """Run :func:`prestart` for this epoch (``carry.starts``) in the background (the exit waits for it)."""
     from sbloader.runtime.background import spawn
@@ -172,7 +185,7 @@ def phased_iterator(s: Any, carry: Any, run: Any, epoch: int, stalls: StallStats
                 keep_prestarted(s, carry, handover)
         s.reporter(f"epoch {epoch}", stalls)()
 
-    return EpochIterator(produce, run, ahead=s.ahead, stalls=stalls, to_device=s.device_copy(), translate=translate,
+    return EpochIterator(produce, run, ahead=s.ahead, stalls=stalls, to_device=s.to_device, translate=translate,
                          timeout=s.timeout or None, wake=wake, on_close=closed,
                          started=lambda: workers_up(phase), start_timeout=s.start_timeout)
 

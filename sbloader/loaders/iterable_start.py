@@ -32,7 +32,7 @@ from sbloader.loaders.epoch import Delivery, EpochIterator
 from sbloader.loaders.failed_batch import FailedBatch
 from sbloader.loaders.fork_safe import ForkGate
 from sbloader.loaders.iterable_resume import IterableRun, iterate_shard
-from sbloader.loaders.handover import Handover, hold, phased_iterator, start_prestart
+from sbloader.loaders.handover import Handover, begin, phased_iterator
 from sbloader.loaders.local_start import LOCAL_WORKER, WorkerInit, forced_handover, identity, local_order, unwrap
 from sbloader.loaders.shard_order import RoundRobin, shard_positions
 
@@ -76,12 +76,8 @@ class LocalShards(IterableDataset):
 def iterable_start_epoch(s: Any, carry: Any, run: IterableRun, epoch: int, epoch_seed: int) -> EpochIterator:
     """An ``IterableDataset`` epoch that starts on local worker processes and hands its shards to the pool."""
     stalls = StallStats()
-    carry.stats = None
-    handover = Handover(0, forced_handover())
-    positions = {w: run.shard_resume(w) for w in range(s.num_workers)}  # each shard's last delivered snapshot
-    carry.starts += 1
-    hold(s, carry)
-    start_prestart(s, carry, epoch_seed, handover)
+    handover = begin(s, carry, epoch_seed, 0, forced_handover())
+    positions = {w: run.resume.get(w) for w in range(s.num_workers)}  # each shard's last delivered snapshot
     phase: dict = {}
 
     def produce() -> Iterator[Delivery]:

@@ -39,7 +39,7 @@ from sbloader.core.stats import StallStats
 from sbloader.loaders.epoch import Delivery, EpochIterator
 from sbloader.loaders.failed_batch import WORKER_INIT_FN, FailedBatch
 from sbloader.loaders.fork_safe import ForkGate
-from sbloader.loaders.handover import Handover, hold, phased_iterator, start_prestart
+from sbloader.loaders.handover import begin, phased_iterator
 from sbloader.loaders.tensors import pin_batch
 
 LOCAL_START_ENV = "SBLOADER_LOCAL_START"  # 0: never start an epoch on local processes
@@ -60,6 +60,11 @@ def forced_handover() -> Optional[int]:
     """The partition at which ``SBLOADER_HANDOVER_AT`` forces the handover (tests), or None."""
     value = os.environ.get(HANDOVER_AT_ENV)
     return int(value) if value not in (None, "") else None
+
+
+def wanted(s: Any, carry: Any) -> bool:
+    """Whether an epoch starts on local processes: :func:`enabled`, and the pool is not up (:func:`pool_is_up`)."""
+    return enabled(s) and not pool_is_up(s, carry)
 
 
 def pool_is_up(s: Any, carry: Any) -> bool:
@@ -187,20 +192,16 @@ class _Partitions:
 
 def local_start_epoch(s: Any, carry: Any, run: Any, epoch: int, epoch_seed: int,
                       index_sampler: Any) -> EpochIterator:
-    """A map-style epoch that starts on local worker processes and hands over to the pool."""
+    """A map-style epoch started on local worker processes and handed over to the pool."""
     stalls = StallStats()
-    carry.stats = None  # an earlier epoch's are not this one's (the pool's, if it takes over, replace them)
     items = s.epoch_items(run, index_sampler)
     bpp = s.batches_per_partition
-    ids = run.ids if run is not None else [j // bpp for j in range(len(items))]
-    handover = Handover(math.ceil(len(items) / bpp), forced_handover())
-    local = torch_workers(s, items, ids, epoch, epoch_seed, handover)
-    carry.starts += 1
-    hold(s, carry)  # counted now, not once the background start gets there: a loader built meanwhile leaves them
-    start_prestart(s, carry, epoch_seed, handover)
+    handover = begin(s, carry, epoch_seed, math.ceil(len(items) / bpp), forced_handover())
     phase: dict = {}
 
     def produce() -> Iterator[Delivery]:
+        ids = run.ids if run is not None else [j // bpp for j in range(len(items))]
+        local = torch_workers(s, items, ids, epoch, epoch_seed, handover)
         yield from deliveries(s, local, phase, (lambda j: j) if run is not None else (lambda j: None))
         k = handover.stopped_at
         if k is None or phase.get("failed"):  # the local workers made the whole epoch (or it failed)

@@ -136,7 +136,7 @@ def split_start_epoch(loader: Any, s: Any, run: Any, rank: int) -> EpochIterator
             s.reporter(f"rank {rank} epoch {run.epoch}", stalls)()
 
     return EpochIterator(produce(), _Phases(loader, run, rest, k), ahead=s.ahead, stalls=stalls,
-                         to_device=s.device_copy(), translate=translate, on_close=closed,
+                         to_device=s.to_device, translate=translate, on_close=closed,
                          started=lambda: workers_up(phase), start_timeout=s.start_timeout)
 
 

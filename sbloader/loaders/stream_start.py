@@ -129,7 +129,7 @@ def stream_start_epoch(loader: Any, s: Any, rank: int, epoch: int, epoch_seed: i
                          daemon=True, name="sbloader-stream-leave").start()
         s.reporter(f"rank {rank} epoch {epoch}", stalls)()
 
-    return EpochIterator(produce(), None, ahead=s.ahead, stalls=stalls, to_device=s.device_copy(),
+    return EpochIterator(produce(), None, ahead=s.ahead, stalls=stalls, to_device=s.to_device,
                          translate=translate, on_close=closed,
                          started=lambda: workers_up(phase) or "closed" in phase or not own,
                          start_timeout=s.start_timeout)

@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
 
 import sbloader
-from sbloader.loaders.dropin_args import fitted_worker_cpus
+from sbloader.loaders.dropin_settings import fitted_worker_cpus
 
 HANG_S = 120  # far above any start-up here: past it, a hang
 

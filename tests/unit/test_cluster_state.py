@@ -84,12 +84,13 @@ def test_cpus_held_by_a_loader_count_before_ray_is_up(monkeypatch):
     actors take), and a named cluster not joined yet is unknown."""
     import os
 
-    from sbloader.loaders import dropin_args
+    from sbloader.loaders import dropin_settings
 
-    monkeypatch.setattr(dropin_args, "ray_is_up", lambda: False)
+    monkeypatch.setattr(dropin_settings, "ray_is_up", lambda: False)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    assert dropin_args.free_cpus(2.0) == 0.0 and dropin_args.free_cpus(0.5) == 1.5
-    assert dropin_args.fitted_worker_cpus(2, 1.0, dropin_args.available_cpus(), dropin_args.free_cpus(2.0)) == 0.0
+    assert dropin_settings.free_cpus(2.0) == 0.0 and dropin_settings.free_cpus(0.5) == 1.5
+    cpus, free = dropin_settings.available_cpus(), dropin_settings.free_cpus(2.0)
+    assert dropin_settings.fitted_worker_cpus(2, 1.0, cpus, free) == 0.0
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
-    assert dropin_args.free_cpus(2.0) is None
+    assert dropin_settings.free_cpus(2.0) is None

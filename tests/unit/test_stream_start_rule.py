@@ -62,3 +62,14 @@ def test_local_deliveries_never_exceed_a_ranks_final_share(ws, nw):
         delivered, local, total = _epoch(rng, ws, nw)
         assert all(n <= total // ws for n in local), (local, total)
         assert delivered == [total // ws] * ws, (delivered, local, total)
+
+
+def test_a_locally_started_stream_epoch_without_segments_is_refused():
+    """A stream started on the ranks' local workers resumes each shard from their reports, which only a
+    segmented epoch does: a spec that asks for reports without a segment says so at once."""
+    from sbloader.distributed.dropin_client import stream_spec
+    from sbloader.executor.options import ExecutionOptions
+
+    with pytest.raises(ValueError, match="needs a segment"):
+        stream_spec(0, 1, 2, {}, None, ExecutionOptions(), False, segment=None, reports=True)
+    assert stream_spec(0, 1, 2, {}, None, ExecutionOptions(), False, segment=8, reports=True).reports
