@@ -25,7 +25,6 @@ QUICK = {"keyword": "test_sampler or test_worker_init_fn or test_len"}
 # What differs on purpose or by the design of remote workers (docs/user_guide.md lists them too).
 WHY = {"test_partial_workers": "reads torch's private `it._workers` (worker process objects)",
        "test_iterable_style_dataset": "reads torch's private `it._workers` (worker process objects)",
-       "test_segfault": "a worker's segfault is reported as sbloader's error, not torch's 'killed by signal' text",
        "test_worker_seed": "an mp.Value in the dataset: the pool's actors are not forked from the trainer"}
 
 

@@ -3,6 +3,8 @@ swapped for sbloader's (torch's own test file under the swap: each local start t
 own local start took another, each starting a pool of actors ahead, without end)."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch.utils.data
 import torch.utils.data.dataloader
@@ -12,14 +14,16 @@ from sbloader.loaders import torch_loader as tl
 
 
 def test_torchs_class_when_nobody_replaced_it():
-    assert tl.torch_loader() is torch.utils.data.dataloader.DataLoader
+    # torch's class itself, with only the worker-end check below added
+    assert tl.torch_loader().__bases__ == (torch.utils.data.dataloader.DataLoader,)
+    assert tl.torch_loader() is tl.torch_loader()
 
 
 def test_torchs_class_where_torchs_module_was_patched_with_sbloaders(monkeypatch):
     original = torch.utils.data.dataloader.DataLoader
     monkeypatch.setattr(torch.utils.data, "DataLoader", sbloader.DataLoader)
     monkeypatch.setattr(torch.utils.data.dataloader, "DataLoader", sbloader.DataLoader)
-    assert tl.torch_loader() is original
+    assert tl.torch_loader().__bases__ == (original,)
 
 
 def test_replaced_before_sbloader_was_imported_says_what_to_do(monkeypatch):
@@ -30,3 +34,46 @@ def test_replaced_before_sbloader_was_imported_says_what_to_do(monkeypatch):
     monkeypatch.setattr(tl, "_AT_IMPORT", Other)
     with pytest.raises(RuntimeError, match="import sbloader before replacing it"):
         tl.torch_loader()
+
+
+# A fresh process: torch's SIGCHLD handler is not installed there (it is once any torch iterator is made on
+# the main thread), as in the drop-in, whose local workers' iterator runs in its fetch thread.
+_DIES_OFF_THE_MAIN_THREAD = """
+import ctypes, os, sys, threading, traceback
+import torch.utils.data
+from sbloader.loaders.torch_loader import torch_loader
+
+class Segfaults(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+    def __getitem__(self, i):
+        return ctypes.string_at(0)
+
+def quiet(_):  # torch's worker prints its segfault on stderr
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+
+def load(out):
+    loader = torch_loader()(Segfaults(), num_workers=1, worker_init_fn=quiet, multiprocessing_context="fork")
+    try:
+        next(iter(loader))
+    except Exception:
+        out.append(traceback.format_exc())
+
+out = []
+thread = threading.Thread(target=load, args=(out,))
+thread.start()
+thread.join()
+print(out[0] if out else "no error")
+"""
+
+
+def test_a_killed_worker_off_the_main_thread_names_its_signal_as_torchs():
+    # torch's handler (main thread only) adds "is killed by signal: Segmentation fault" to its "exited
+    # unexpectedly": torch's own test_segfault reads it; off the main thread only "exited unexpectedly" was left
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _DIES_OFF_THE_MAIN_THREAD], capture_output=True, text=True,
+                         timeout=120).stdout
+    assert "RuntimeError: DataLoader worker (pid(s)" in out and "exited unexpectedly" in out, out
+    assert re.search(r"DataLoader worker \(pid \d+\) is killed by signal: Segmentation fault", out), out
