@@ -123,9 +123,10 @@ class DropinSettings:
 
 
 def resolve(loader: Any, auto_collation: bool) -> DropinSettings:
-    """The arguments ``loader``'s next epoch runs with, as they are now (``auto_collation``: it batches): ``pin`` only with an accelerator
-    (torch's warning otherwise), and each worker's CPUs fitted to what the cluster (or this machine) has
-    free of the process's other loaders (:func:`fitted_worker_cpus`; a split loader's pool is the job's)."""
+    """The arguments ``loader``'s next epoch runs with, as they are now (``auto_collation``: it batches):
+    ``pin`` only with an accelerator (torch's warning otherwise), and each worker's CPUs fitted to what the
+    cluster (or this machine) has free of the process's other loaders (:func:`fitted_worker_cpus`; a split
+    loader's pool is the job's)."""
     pin = False
     if loader.pin_memory:
         pin = loader._torch.accelerator.is_available()

@@ -12,22 +12,16 @@ import sys
 
 import pytest
 
+SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+
 _SCRIPT = """
-import ctypes, os, traceback
-import torch.utils.data
+import sys, traceback
+sys.path.insert(0, {scripts!r})
 import sbloader
-
-class Segfaults(torch.utils.data.Dataset):
-    def __len__(self):
-        return 10
-    def __getitem__(self, i):
-        return ctypes.string_at(0)
-
-def quiet(_):  # torch's worker prints its segfault on stderr
-    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+from segfaults import Segfaults, quiet
 
 if __name__ == "__main__":
-    loader = sbloader.DataLoader(Segfaults(), batch_size=2, num_workers=2, worker_init_fn=quiet,
+    loader = sbloader.DataLoader(Segfaults(10), batch_size=2, num_workers=2, worker_init_fn=quiet,
                                  multiprocessing_context={ctx!r})
     try:
         next(iter(loader))
@@ -40,7 +34,7 @@ if __name__ == "__main__":
 @pytest.mark.parametrize("ctx", [None, "spawn"])
 def test_a_segfaulted_local_worker_names_its_signal_as_torchs(tmp_path, ctx):
     script = tmp_path / "segfaults.py"
-    script.write_text(_SCRIPT.format(ctx=ctx))
+    script.write_text(_SCRIPT.format(ctx=ctx, scripts=str(SCRIPTS)))
     env = dict(os.environ, SBLOADER_HANDOVER_AT="100")  # the whole epoch on the local workers
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180, env=env,
                          cwd=tmp_path).stdout

@@ -39,21 +39,13 @@ def test_replaced_before_sbloader_was_imported_says_what_to_do(monkeypatch):
 # A fresh process: torch's SIGCHLD handler is not installed there (it is once any torch iterator is made on
 # the main thread), as in the drop-in, whose local workers' iterator runs in its fetch thread.
 _DIES_OFF_THE_MAIN_THREAD = """
-import ctypes, os, sys, threading, traceback
-import torch.utils.data
+import sys, threading, traceback
+sys.path.insert(0, {scripts!r})
 from sbloader.loaders.torch_loader import torch_loader
-
-class Segfaults(torch.utils.data.Dataset):
-    def __len__(self):
-        return 4
-    def __getitem__(self, i):
-        return ctypes.string_at(0)
-
-def quiet(_):  # torch's worker prints its segfault on stderr
-    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+from segfaults import Segfaults, quiet
 
 def load(out):
-    loader = torch_loader()(Segfaults(), num_workers=1, worker_init_fn=quiet, multiprocessing_context="fork")
+    loader = torch_loader()(Segfaults(4), num_workers=1, worker_init_fn=quiet, multiprocessing_context="fork")
     try:
         next(iter(loader))
     except Exception:
@@ -70,10 +62,12 @@ print(out[0] if out else "no error")
 def test_a_killed_worker_off_the_main_thread_names_its_signal_as_torchs():
     # torch's handler (main thread only) adds "is killed by signal: Segmentation fault" to its "exited
     # unexpectedly": torch's own test_segfault reads it; off the main thread only "exited unexpectedly" was left
+    import os
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", _DIES_OFF_THE_MAIN_THREAD], capture_output=True, text=True,
-                         timeout=120).stdout
+    scripts = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+    out = subprocess.run([sys.executable, "-c", _DIES_OFF_THE_MAIN_THREAD.format(scripts=scripts)],
+                         capture_output=True, text=True, timeout=120).stdout
     assert "RuntimeError: DataLoader worker (pid(s)" in out and "exited unexpectedly" in out, out
     assert re.search(r"DataLoader worker \(pid \d+\) is killed by signal: Segmentation fault", out), out
