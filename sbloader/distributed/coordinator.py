@@ -84,13 +84,14 @@ class SplitCoordinator(RebuildProtocol):
         self._seeds: dict[int, int] = {}  # epoch -> the seed the first rank drew (an unseeded native loader)
 
     def hello(self, world_size: int, fingerprint: dict, token: Optional[str] = None, rank: Optional[int] = None,
-              driver: Optional[str] = None, node: Optional[str] = None) -> dict:
+              driver: Optional[str] = None, node: Optional[str] = None, loader: Optional[str] = None) -> dict:
         """Check that a rank's loader matches this coordinator's, and that the rank belongs to its job.
 
         Args:
             token: the job's token (:mod:`sbloader.runtime.job`); another job's is refused.
             rank, driver, node: the rank, its process's Ray job and node, recorded by a
                 :class:`JobWatch` (a second live process claiming a rank is refused).
+            loader: the id of the rank's loader, until its drop says ``shutdown(rank, loader)``.
         """
         self._last_call = time.monotonic()
         refused = {"ok": False, "world_size": self._world_size, "fingerprint": self._fingerprint}
@@ -102,6 +103,8 @@ class SplitCoordinator(RebuildProtocol):
             holder = self._watch.claim(rank, driver, node)
             if holder is not None:
                 return {**refused, "reason": "rank", "holder": holder}
+        if rank is not None and loader is not None:
+            self._watch.opened(rank, loader)
         return {"ok": True}
 
     def prewarm(self, source_name: str, ops: tuple, options: ExecutionOptions, wait_s: float = 0.0) -> int:
@@ -348,8 +351,8 @@ class SplitCoordinator(RebuildProtocol):
                 logger.warning("sbloader coordinator: no rank called for %.0f s; the job is taken to be over, "
                                "releasing the worker pool and exiting", self._idle_exit_s)
                 break
-            if self._watch.over(world_size=self._world_size):
-                logger.info("sbloader coordinator: every rank's process has exited; releasing the pool")
+            if self._watch.over(world_size=self._world_size) or self._watch.all_dropped(self._world_size, idle):
+                logger.info("sbloader coordinator: every rank's process exited or dropped its loader; releasing pool")
                 break
             time.sleep(min(DRIVER_CHECK_S, max(0.2, self._idle_exit_s - idle)))
         try:
@@ -380,8 +383,11 @@ class SplitCoordinator(RebuildProtocol):
                         self._finished_stats.pop(next(iter(self._finished_stats)))
                 ep.shutdown()
 
-    def shutdown(self) -> None:
-        """Stop every epoch and kill the cached worker actors."""
+    def shutdown(self, rank: Optional[int] = None, loader: Optional[str] = None) -> None:
+        """Stop every epoch and kill the cached worker actors; with ``rank`` and ``loader``: that rank's loader
+        was dropped, and once every rank's were, this coordinator retires (:meth:`_reap_when_idle`)."""
+        if loader is not None:
+            return self._watch.dropped(rank, loader)
         with self._lock:
             for ep in self._epochs.values():
                 ep.shutdown()

@@ -19,6 +19,7 @@ DRIVER_CHECK_S = 1.0
 DRIVERS_GONE_GRACE_S = 2.0
 #: How long a coordinator waits for a rank that never said hello once the others are gone.
 LATE_RANK_GRACE_S = 300.0
+DROPPED_GRACE_S = 2.0  # a coordinator whose every rank dropped its loader retires after no call for this long
 
 
 def job_alive(job_hex: str) -> bool:
@@ -43,6 +44,7 @@ class JobWatch:
         self._gone_since: Optional[float] = None
         self._gone: list[int] = []
         self._checked = 0.0
+        self._loaders: dict[int, set] = {}  # rank -> its live loaders' ids (told by hello and the loaders' drop)
 
     def claim(self, rank: int, driver: str, node: Optional[str] = None) -> Optional[str]:
         """Record ``rank`` as served to ``driver`` (on ``node``); returns another live holder of the
@@ -55,6 +57,24 @@ class JobWatch:
             if node is not None:
                 self._nodes[rank] = node
             return None
+
+    def opened(self, rank: int, loader: str) -> None:
+        """Rank ``rank``'s loader ``loader`` uses the coordinator."""
+        with self._lock:
+            self._loaders.setdefault(rank, set()).add(loader)
+
+    def dropped(self, rank: int, loader: str) -> None:
+        """Rank ``rank``'s loader ``loader`` was dropped (garbage collected): it will not ask again."""
+        with self._lock:
+            self._loaders.get(rank, set()).discard(loader)
+
+    def all_dropped(self, world_size: int, idle: float) -> bool:
+        """Whether every rank of ``world_size`` used the coordinator through a loader, has dropped every
+        such loader, and nobody called for ``idle`` >= :data:`DROPPED_GRACE_S` seconds (a loader built per
+        epoch under torchrun gets a new name, so a new coordinator: nobody asks this one again, and its
+        pool's CPUs go back)."""
+        with self._lock:
+            return len(self._loaders) >= world_size and not any(self._loaders.values()) and idle >= DROPPED_GRACE_S
 
     def node_of(self, rank: int) -> Optional[str]:
         """The node ``rank``'s process said hello from (None: not told)."""

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import ray
 
@@ -46,8 +46,10 @@ def as_identity(job: Union[JobIdentity, str]) -> JobIdentity:
 
 
 def get_coordinator(job: Union[JobIdentity, str], loader_name: str, world_size: int, fingerprint: dict,
-                    restart_count: int = 0, stall_report_s: float = 60.0, rank: int = 0) -> Any:
-    """The job's coordinator for a loader: created by the first rank to ask, found by the rest.
+                    restart_count: int = 0, stall_report_s: float = 60.0, rank: int = 0,
+                    loader: Optional[str] = None) -> Any:
+    """The job's coordinator for a loader: created by the first rank to ask, found by the rest
+    (``loader``: the id of this rank's loader, whose drop tells the coordinator).
 
     It lives in the job's namespace and keeps the job's token: a rank of another job
     that reaches it anyway (the same ``job_id=`` given to two jobs) is refused.
@@ -65,7 +67,8 @@ def get_coordinator(job: Union[JobIdentity, str], loader_name: str, world_size: 
         name=name, namespace=job.namespace, get_if_exists=True, lifetime="detached", scheduling_strategy=here,
     ).remote(world_size, fingerprint, stall_report_s, ledger_enabled(), idle_exit_s(), job.token)
     ctx = ray.get_runtime_context()
-    reply = ray.get(handle.hello.remote(world_size, fingerprint, job.token, rank, ctx.get_job_id(), ctx.get_node_id()))
+    reply = ray.get(handle.hello.remote(world_size, fingerprint, job.token, rank, ctx.get_job_id(), ctx.get_node_id(),
+                                        loader))
     if not reply["ok"]:
         if reply.get("reason") == "token":
             raise SbloaderError(

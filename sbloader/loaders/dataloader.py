@@ -390,7 +390,7 @@ class DataLoader(Generic[T_co]):
             from sbloader.loaders.dropin_epoch import find_coordinator
 
             self._carry.coordinator = find_coordinator(self.world, self.name, fp, self.stall_report_s,
-                                                       self._settings(), stream)
+                                                       self._settings(), stream, self._carry)
             self._carry.lease_interval_s = min(1.0, self.stall_report_s / 4)
         return self._carry.coordinator
 

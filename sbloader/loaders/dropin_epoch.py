@@ -42,9 +42,10 @@ from sbloader.sources.batches import ReadyBatchSource, ShardSource
 
 
 def find_coordinator(world: Any, name: str, fingerprint: dict, stall_report_s: float, settings: DropinSettings,
-                     stream: bool) -> Any:
+                     stream: bool, carry: DropinCarry) -> Any:
     """The job's coordinator of a loader: found, or created by the first rank to ask; rank 0 then
-    has it start the worker pool (not awaited: the pool starts while the ranks plan the epoch)."""
+    has it start the worker pool (not awaited: the pool starts while the ranks plan the epoch).
+    The loader (its ``carry``) is recorded there until its drop (:meth:`DropinCarry.drop`)."""
     from sbloader.distributed.naming import get_coordinator
     from sbloader.runtime.session import ensure_initialized
 
@@ -53,7 +54,8 @@ def find_coordinator(world: Any, name: str, fingerprint: dict, stall_report_s: f
     job = identify(world)
     ensure_initialized()
     coord = get_coordinator(job, name, world.world_size, fingerprint, world.restart_count, stall_report_s,
-                            rank=world.rank)
+                            rank=world.rank, loader=carry.id)
+    carry.rank = world.rank
     if world.rank == 0:
         source = ShardSource.name if stream else ReadyBatchSource.name
         coord.prewarm.remote(source, (settings.worker_op(),), settings.coordinator_options())

@@ -9,6 +9,7 @@ import weakref
 import math
 import os
 import sys
+import uuid
 import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional, Tuple
@@ -177,11 +178,19 @@ class DropinCarry:
     warm_key: Any = None  # what its warm actors were started with (warm_workers.pool_key)
     starts: int = 0  # local-start epochs begun: only the latest one's background start takes the actors
     pool_running: bool = False  # an epoch's pool runs on its actors (their CPUs stay held until it closes)
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)  # the loader's, for its coordinator
+    rank: Optional[int] = None  # the rank it said hello to its coordinator as
 
     def drop(self) -> None:
         """The loader is gone: its kept actors go to the process's idle pool (an epoch still running
-        hands its actors over when it closes)."""
+        hands its actors over when it closes); its coordinator is told (it retires once every rank's
+        loader is gone)."""
         self.dropped = True
+        try:
+            if self.coordinator is not None and self.rank is not None:
+                self.coordinator.shutdown.remote(self.rank, self.id)  # not awaited
+        except Exception:  # the coordinator (or Ray, at exit) is gone: nothing to release
+            pass
         try:
             # never an import here (a __del__, maybe at exit): what killed nothing was never loaded
             pools, warm = loaded("sbloader.executor.pools"), loaded("sbloader.loaders.warm_workers")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import uuid
 import warnings
 import weakref
 from typing import Any, Callable, Iterator, Mapping, Optional
@@ -154,6 +155,12 @@ class PipelineLoader:
                 closer.call_later(lambda cache=carry.actor_cache: kill_cached(cache))
             except Exception:  # the interpreter is tearing down (module globals gone): Ray went before
                 pass
+        coordinator = getattr(self, "_coordinator", None)
+        if coordinator is not None:  # it retires once every rank's loader is gone
+            try:
+                closer.call_later(lambda rank=self.world.rank, me=self._id: coordinator.shutdown.remote(rank, me))
+            except Exception:  # the interpreter is tearing down: the coordinator sees the ranks' processes gone
+                pass
 
     def __len__(self) -> int:
         # One rule, with or without torchrun: without filter/flat_map, operators are
@@ -229,8 +236,9 @@ class PipelineLoader:
             w = self.world
             job = identify(w)
             ensure_initialized()
+            self._id = uuid.uuid4().hex  # this loader, recorded by the coordinator until its drop
             self._coordinator = get_coordinator(job, self.name, w.world_size, self._fingerprint(),
-                                                w.restart_count, rank=w.rank)
+                                                w.restart_count, rank=w.rank, loader=self._id)
         return self._coordinator
 
     def _job_seed(self, base: PipelineRun, coordinator: Any) -> PipelineRun:

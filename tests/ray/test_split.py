@@ -419,3 +419,55 @@ def test_a_closed_epoch_answers_empty_and_a_failed_one_raises(raised, closed):
     else:
         with pytest.raises(RuntimeError, match="decode failed"):
             ep.take(0, 1, None, 0.0, 60.0)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_a_coordinator_retires_once_every_ranks_loader_is_dropped(ray_session, native):
+    """A loader built per epoch under torchrun gets a new name (its creation index), so a new coordinator:
+    the last one's pool must not keep its CPUs for the coordinator's idle hour (the next pools would wait
+    for them). Once every rank's loader of a coordinator is dropped, it releases its pool and exits; while
+    one rank's lives, it stays."""
+    import gc
+
+    import ray
+
+    from harness import in_rank_threads
+    from sbloader.distributed.naming import NAMESPACE, coordinator_name
+
+    import sbloader
+
+    job, name, loaders = f"test-dropped-{native}", "dropped", [None, None]
+
+    def make(rank):
+        if native:
+            return sbloader.from_items([{"x": i} for i in range(16)]).to_dataloader(
+                batch_size=2, seed=1, rank=rank, world_size=2, job_id=job, name=name)
+        return sbloader.DataLoader(list(range(16)), batch_size=2, num_workers=1, rank=rank, world_size=2,
+                                   job_id=job, name=name, local_start=False)
+
+    def rank_loop(rank):
+        loaders[rank] = make(rank)
+        assert len(list(loaders[rank])) == 4
+
+    in_rank_threads(rank_loop, 2)
+
+    def named():
+        return {e["name"]: e["namespace"] for e in ray.util.list_named_actors(all_namespaces=True)
+                if e["namespace"].startswith(NAMESPACE)}
+
+    def alive():
+        return coordinator_name(job, name) in named()
+
+    coord = ray.get_actor(coordinator_name(job, name), namespace=named()[coordinator_name(job, name)])
+    loaders[1] = None
+    gc.collect()
+    time.sleep(5)  # past the grace: one rank's loader lives
+    assert alive(), "the coordinator retired while rank 0's loader still lives"
+    loaders[0] = None
+    gc.collect()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and alive():
+        time.sleep(0.2)
+    assert not alive(), "every rank dropped its loader, and the coordinator (with its pool) stays"
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(coord.hello.remote(2, {}), timeout=10)
