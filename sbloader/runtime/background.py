@@ -5,10 +5,12 @@ first batches never wait for it (:mod:`sbloader.loaders.local_start`). :func:`st
 begins :func:`~sbloader.runtime.session.ensure_initialized` on a daemon thread once per
 process and returns at once; :func:`ready` says, without blocking, whether it is done.
 An error is kept and raised again by whoever calls ``ensure_initialized`` next (it
-retries the start, on the caller's thread, and raises there). At exit, :func:`settle` waits
-for a start still under way, before any ``atexit`` hook runs (Ray's own shutdown among them): a
-daemon thread inside Ray's start (C++ under Cython) when the interpreter finalizes aborts the
-process ("FATAL: exception not rethrown", or a segfault).
+retries the start, on the caller's thread, and raises there). At exit, before any ``atexit`` hook
+runs (Ray's own shutdown among them), :func:`settle` cuts a start still under way short
+(:mod:`sbloader.runtime.start_cut`: it unwinds at its next Python call), waits for it to unwind
+and kills what it had spawned: a daemon thread inside Ray's start (C++ under Cython) when the
+interpreter finalizes aborts the process ("FATAL: exception not rethrown", or a segfault). A
+script that never needed Ray exits without waiting for Ray's start (seconds), then its shutdown.
 """
 from __future__ import annotations
 
@@ -20,9 +22,11 @@ import weakref
 from types import ModuleType
 from typing import Any, Callable, Optional, Sequence
 
+from sbloader.runtime import start_cut
+
 logger = logging.getLogger(__name__)
 
-EXIT_START_WAIT_S = 60.0  # at exit, the longest wait for a background start of Ray still under way
+EXIT_START_WAIT_S = 60.0  # at exit, the longest wait for a background start of Ray to unwind (or end)
 _LOCK = threading.Lock()
 _STATE: dict = {"thread": None, "done": threading.Event(), "error": None, "exiting": False}
 
@@ -55,13 +59,19 @@ def start() -> None:
 
 
 def settle(timeout: float) -> bool:
-    """The process exits: nothing more is started in the background (:func:`exiting`), and a start of
-    Ray still under way and the threads :func:`spawn` started are waited for, together at most
-    ``timeout`` seconds. Returns whether a start had begun (Ray may then be up, with nobody left to
-    stop it: its own exit hooks are registered too late to run)."""
+    """The process exits: nothing more is started in the background (:func:`exiting`), a start of Ray
+    still under way is cut short (:func:`~sbloader.runtime.start_cut.cut`), and it and the threads
+    :func:`spawn` started are waited for, together at most ``timeout`` seconds; what the cut start had
+    spawned is killed (:func:`~sbloader.runtime.start_cut.sweep`). Returns whether a start had begun
+    (Ray may then be up, with nobody left to stop it: its own exit hooks are registered too late to
+    run)."""
     _STATE["exiting"] = True
     started = _STATE["thread"]
+    if started is not None and not _STATE["done"].is_set():
+        start_cut.cut()
     join(timeout, [started] if started is not None else [])
+    if start_cut.was_cut(failed()):
+        start_cut.sweep()
     return started is not None
 
 

@@ -27,6 +27,7 @@ from sbloader.runtime import join as _join
 from sbloader.runtime import ray_chatter as _chatter
 from sbloader.runtime import reaper as _reaper
 from sbloader.runtime import rendezvous as _rendezvous
+from sbloader.runtime import start_cut as _start_cut
 from sbloader.runtime.world import World
 
 logger = logging.getLogger(__name__)
@@ -183,6 +184,9 @@ def init(
                     node_id=ctx.get_node_id(),
                 )
             return _STATE["info"]
+        if _start_cut.asked():  # a pool's prestart that waited for the start the exit cut short
+            raise RuntimeError("sbloader: Ray is not started: the process exits (Python finalizes); "
+                               "start it (sbloader.init()) before the end of the script to use it")
         _check_open_files()
         address = address or os.environ.get("RAY_ADDRESS") or None
         kwargs: dict[str, Any] = dict(
@@ -208,13 +212,13 @@ def init(
 
             def start() -> str:
                 with _Quiet():
-                    on_owner_thread(lambda: ray.init(
+                    on_owner_thread(lambda: _start_cut.cancellable(lambda: ray.init(  # cut short at exit
                         address="local",
                         num_cpus=num_cpus,
                         num_gpus=num_gpus,
                         object_store_memory=object_store_memory,
                         **kwargs,
-                    ))
+                    )))
                 _STATE["reaper"] = _start_reaper()
                 return ray.get_runtime_context().gcs_address
 
