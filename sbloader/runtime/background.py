@@ -18,6 +18,7 @@ import logging
 import sys
 import threading
 import time
+import warnings
 import weakref
 from types import ModuleType
 from typing import Any, Callable, Optional, Sequence
@@ -43,11 +44,24 @@ def _run() -> None:
         _STATE["done"].set()
 
 
+def _quiet_imports() -> None:
+    """Keep the start's imports quiet whatever the other threads do with the warning filters.
+
+    ``import ray`` imports ``requests``, which silences urllib3's warning that PySocks is missing
+    (``warnings.simplefilter``) just before the import that gives it. A ``warnings.catch_warnings()``
+    block on another thread meanwhile (the local start's, around its fork) restores the filters it
+    saw on entry when it ends, dropping that one: the warning was printed, one run in a few on a
+    loaded machine. This filter is in place before any such block begins, so every restore keeps it.
+    """
+    warnings.filterwarnings("ignore", message="SOCKS support in urllib3", module=r"urllib3\.contrib\.socks")
+
+
 def start() -> None:
     """Start (or join) Ray on a background thread, once per process; return at once."""
     with _LOCK:
         if _STATE["thread"] is not None:
             return
+        _quiet_imports()
         thread = threading.Thread(target=_run, name="sbloader-ray-start", daemon=True)
         _STATE["thread"] = thread
         thread.start()
