@@ -46,9 +46,9 @@ def asked() -> bool:
 def cut() -> None:
     """The process exits: a start of Ray under way (:func:`cancellable`) raises :class:`StartCancelled` at
     its next Python call outside an import, and one about to begin raises at once."""
+    _hush_unraisable()
     with _LOCK:
         _STATE["asked"] = True
-    _hush_unraisable()
 
 
 def cancellable(fn: Callable[[], _T]) -> _T:
@@ -57,14 +57,15 @@ def cancellable(fn: Callable[[], _T]) -> _T:
     with _LOCK:
         if _STATE["asked"]:
             raise StartCancelled("sbloader: the process exits: Ray's start was not begun")
-    previous = sys.gettrace()
-    if previous is not None:
+    if sys.gettrace() is not None:
         return fn()
+    _STATE["ident"] = threading.get_ident()
     sys.settrace(_trace)
     try:
         return _inside(fn)
     finally:
         sys.settrace(None)
+        _STATE["ident"] = None
 
 
 def _inside(fn: Callable[[], _T]) -> _T:
@@ -104,8 +105,9 @@ def was_cut(error: Optional[BaseException]) -> bool:
 
 
 def _hush_unraisable() -> None:
-    """A :class:`StartCancelled` that reaches no caller (raised in a weakref callback the collector ran on
-    the start's thread) is not printed: the exit is quiet."""
+    """A :class:`StartCancelled` that reaches no caller (raised in a callback that C code ran on the start's
+    thread, which swallows what it raises) is not printed, and the cut is set again: the start's next call
+    raises it anew (Python removed the trace when it raised)."""
     hook = sys.unraisablehook
     if getattr(hook, "_sbloader_hushed", False):
         return
@@ -113,6 +115,9 @@ def _hush_unraisable() -> None:
     def hushed(unraisable: Any) -> None:
         if not isinstance(unraisable.exc_value, StartCancelled):
             hook(unraisable)
+        elif _STATE.get("ident") == threading.get_ident():
+            _STATE["raised"] = False
+            sys.settrace(_trace)
 
     hushed._sbloader_hushed = True  # type: ignore[attr-defined]
     sys.unraisablehook = hushed
