@@ -80,9 +80,8 @@ def settle(timeout: float) -> bool:
     (Ray may then be up, with nobody left to stop it: its own exit hooks are registered too late to
     run)."""
     _STATE["exiting"] = True
+    start_cut.cut()  # also no start again where one failed (a pool's prestart would retry it)
     started = _STATE["thread"]
-    if started is not None and not _STATE["done"].is_set():
-        start_cut.cut()
     join(timeout, [started] if started is not None else [])
     if start_cut.was_cut(failed()):
         start_cut.sweep()
