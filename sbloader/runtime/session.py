@@ -75,6 +75,10 @@ class _Quiet:
             log.setLevel(level)
 
 
+def _call(fn: Callable[[], _T]) -> _T:
+    return fn()
+
+
 def on_owner_thread(fn: Callable[[], _T]) -> _T:
     """Run ``fn`` on the process's owner thread and return its result (or raise its error).
 
@@ -184,11 +188,14 @@ def init(
                     node_id=ctx.get_node_id(),
                 )
             return _STATE["info"]
-        if _start_cut.asked():  # a pool's prestart that waited for the start the exit cut short
+        address = address or os.environ.get("RAY_ADDRESS") or None
+        world = World.detect() if address is None else None
+        # a torchrun job's ranks share one embedded Ray (the others wait for local rank 0's): never cut short
+        alone = world is None or world.world_size == 1
+        if _start_cut.asked() and alone:  # a pool's prestart that waited for the start the exit cut short
             raise RuntimeError("sbloader: Ray is not started: the process exits (Python finalizes); "
                                "start it (sbloader.init()) before the end of the script to use it")
         _check_open_files()
-        address = address or os.environ.get("RAY_ADDRESS") or None
         kwargs: dict[str, Any] = dict(
             include_dashboard=False,
             log_to_driver=True,
@@ -212,7 +219,7 @@ def init(
 
             def start() -> str:
                 with _Quiet():
-                    on_owner_thread(lambda: _start_cut.cancellable(lambda: ray.init(  # cut short at exit
+                    on_owner_thread(lambda: (_start_cut.cancellable if alone else _call)(lambda: ray.init(
                         address="local",
                         num_cpus=num_cpus,
                         num_gpus=num_gpus,
@@ -222,7 +229,6 @@ def init(
                 _STATE["reaper"] = _start_reaper()
                 return ray.get_runtime_context().gcs_address
 
-            world = World.detect()
             if world.world_size > 1:
                 # torchrun: one embedded Ray per job, started by local rank 0.
                 join_kwargs = {k: v for k, v in kwargs.items() if k != "_system_config"}

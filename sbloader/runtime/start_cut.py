@@ -12,7 +12,8 @@ is inside), and :func:`sweep` kills the processes it had spawned and resets Ray'
 The cut is a trace function (``sys.settrace``, 'call' events only) on the thread that runs
 ``ray.init``, set for the start alone. It never raises inside an import (a module half made),
 a ``__del__`` or an ``__exit__``: it waits for the next call outside them. Nothing starts Ray
-once the cut was asked (:func:`asked`).
+once the cut was asked (:func:`asked`). Only a process's own Ray is cut: the ranks of a torchrun
+job wait for local rank 0's Ray, which therefore starts (and stops) as before.
 """
 from __future__ import annotations
 
