@@ -76,6 +76,7 @@ class _Quiet:
 
 
 def _call(fn: Callable[[], _T]) -> _T:
+    """``fn()``: a start that the exit does not cut short (a torchrun job's shared Ray)."""
     return fn()
 
 
