@@ -5,10 +5,12 @@ first batches never wait for it (:mod:`sbloader.loaders.local_start`). :func:`st
 begins :func:`~sbloader.runtime.session.ensure_initialized` on a daemon thread once per
 process and returns at once; :func:`ready` says, without blocking, whether it is done.
 An error is kept and raised again by whoever calls ``ensure_initialized`` next (it
-retries the start, on the caller's thread, and raises there). At exit, :func:`settle` waits
-for a start still under way, before any ``atexit`` hook runs (Ray's own shutdown among them): a
-daemon thread inside Ray's start (C++ under Cython) when the interpreter finalizes aborts the
-process ("FATAL: exception not rethrown", or a segfault).
+retries the start, on the caller's thread, and raises there). At exit, before any ``atexit`` hook
+runs (Ray's own shutdown among them), :func:`settle` cuts a start still under way short
+(:mod:`sbloader.runtime.start_cut`: it unwinds at its next Python call), waits for it to unwind
+and kills what it had spawned: a daemon thread inside Ray's start (C++ under Cython) when the
+interpreter finalizes aborts the process ("FATAL: exception not rethrown", or a segfault). A
+script that never needed Ray exits without waiting for Ray's start (seconds), then its shutdown.
 """
 from __future__ import annotations
 
@@ -16,13 +18,16 @@ import logging
 import sys
 import threading
 import time
+import warnings
 import weakref
 from types import ModuleType
 from typing import Any, Callable, Optional, Sequence
 
+from sbloader.runtime import start_cut
+
 logger = logging.getLogger(__name__)
 
-EXIT_START_WAIT_S = 60.0  # at exit, the longest wait for a background start of Ray still under way
+EXIT_START_WAIT_S = 60.0  # at exit, the longest wait for a background start of Ray to unwind (or end)
 _LOCK = threading.Lock()
 _STATE: dict = {"thread": None, "done": threading.Event(), "error": None, "exiting": False}
 
@@ -39,11 +44,24 @@ def _run() -> None:
         _STATE["done"].set()
 
 
+def _quiet_imports() -> None:
+    """Keep the start's imports quiet whatever the other threads do with the warning filters.
+
+    ``import ray`` imports ``requests``, which silences urllib3's warning that PySocks is missing
+    (``warnings.simplefilter``) just before the import that gives it. A ``warnings.catch_warnings()``
+    block on another thread meanwhile (the local start's, around its fork) restores the filters it
+    saw on entry when it ends, dropping that one: the warning was printed, one run in a few on a
+    loaded machine. This filter is in place before any such block begins, so every restore keeps it.
+    """
+    warnings.filterwarnings("ignore", message="SOCKS support in urllib3", module=r"urllib3\.contrib\.socks")
+
+
 def start() -> None:
     """Start (or join) Ray on a background thread, once per process; return at once."""
     with _LOCK:
         if _STATE["thread"] is not None:
             return
+        _quiet_imports()
         thread = threading.Thread(target=_run, name="sbloader-ray-start", daemon=True)
         _STATE["thread"] = thread
         thread.start()
@@ -55,13 +73,18 @@ def start() -> None:
 
 
 def settle(timeout: float) -> bool:
-    """The process exits: nothing more is started in the background (:func:`exiting`), and a start of
-    Ray still under way and the threads :func:`spawn` started are waited for, together at most
-    ``timeout`` seconds. Returns whether a start had begun (Ray may then be up, with nobody left to
-    stop it: its own exit hooks are registered too late to run)."""
+    """The process exits: nothing more is started in the background (:func:`exiting`), a start of Ray
+    still under way is cut short (:func:`~sbloader.runtime.start_cut.cut`), and it and the threads
+    :func:`spawn` started are waited for, together at most ``timeout`` seconds; what the cut start had
+    spawned is killed (:func:`~sbloader.runtime.start_cut.sweep`). Returns whether a start had begun
+    (Ray may then be up, with nobody left to stop it: its own exit hooks are registered too late to
+    run)."""
     _STATE["exiting"] = True
+    start_cut.cut()  # also no start again where one failed (a pool's prestart would retry it)
     started = _STATE["thread"]
     join(timeout, [started] if started is not None else [])
+    if start_cut.was_cut(failed()):
+        start_cut.sweep()
     return started is not None
 
 

@@ -58,6 +58,43 @@ def _tree(roots: dict[int, int]) -> dict[int, int]:
     return out
 
 
+def children(pid: int) -> list[int]:
+    """The live child processes of ``pid``."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            st = _stat(int(entry))
+            if st is not None and st[0] == pid:
+                out.append(int(entry))
+    return out
+
+
+def kill_tree(root_pids: list[int]) -> list[int]:
+    """Kill ``root_pids`` and all their descendants (SIGKILL), none able to start another meanwhile:
+    each is stopped (SIGSTOP) as it is found, until a scan finds no new one. Returns the pids killed."""
+    roots = {pid: st[1] for pid in root_pids if (st := _stat(pid)) is not None}
+    found: dict[int, int] = {}
+    while True:
+        new = {pid: start for pid, start in _tree({**roots, **found}).items() if pid not in found}
+        if not new:
+            break
+        for pid in new:
+            _signal(pid, signal.SIGSTOP)
+        found.update(new)
+    for pid, start in found.items():
+        st = _stat(pid)
+        if st is not None and st[1] == start:
+            _signal(pid, signal.SIGKILL)
+    return sorted(found)
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except OSError:  # gone already
+        pass
+
+
 def watch(root_pids: list[int]) -> None:
     """Script entry: follow ``root_pids``' process trees until stdin closes, then kill them."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -27,6 +27,7 @@ from sbloader.runtime import join as _join
 from sbloader.runtime import ray_chatter as _chatter
 from sbloader.runtime import reaper as _reaper
 from sbloader.runtime import rendezvous as _rendezvous
+from sbloader.runtime import start_cut as _start_cut
 from sbloader.runtime.world import World
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,11 @@ class _Quiet:
     def __exit__(self, *exc: Any) -> None:
         for log, level in self._saved:
             log.setLevel(level)
+
+
+def _call(fn: Callable[[], _T]) -> _T:
+    """``fn()``: a start that the exit does not cut short (a torchrun job's shared Ray)."""
+    return fn()
 
 
 def on_owner_thread(fn: Callable[[], _T]) -> _T:
@@ -183,8 +189,14 @@ def init(
                     node_id=ctx.get_node_id(),
                 )
             return _STATE["info"]
-        _check_open_files()
         address = address or os.environ.get("RAY_ADDRESS") or None
+        world = World.detect() if address is None else None
+        # a torchrun job's ranks share one embedded Ray (the others wait for local rank 0's): never cut short
+        alone = world is None or world.world_size == 1
+        if _start_cut.asked() and alone:  # a pool's prestart that waited for the start the exit cut short
+            raise RuntimeError("sbloader: Ray is not started: the process exits (Python finalizes); "
+                               "start it (sbloader.init()) before the end of the script to use it")
+        _check_open_files()
         kwargs: dict[str, Any] = dict(
             include_dashboard=False,
             log_to_driver=True,
@@ -208,17 +220,16 @@ def init(
 
             def start() -> str:
                 with _Quiet():
-                    on_owner_thread(lambda: ray.init(
+                    on_owner_thread(lambda: (_start_cut.cancellable if alone else _call)(lambda: ray.init(
                         address="local",
                         num_cpus=num_cpus,
                         num_gpus=num_gpus,
                         object_store_memory=object_store_memory,
                         **kwargs,
-                    ))
+                    )))
                 _STATE["reaper"] = _start_reaper()
                 return ray.get_runtime_context().gcs_address
 
-            world = World.detect()
             if world.world_size > 1:
                 # torchrun: one embedded Ray per job, started by local rank 0.
                 join_kwargs = {k: v for k, v in kwargs.items() if k != "_system_config"}

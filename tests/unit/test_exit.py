@@ -43,13 +43,87 @@ def test_a_drop_in_left_mid_epoch_on_local_workers_exits_cleanly(tmp_path, attem
     assert report["running"] == []
 
 
-def test_a_job_that_ends_while_ray_still_starts_waits_for_the_start_and_stops_ray(tmp_path):
+def test_a_job_that_ends_while_ray_still_starts_cuts_the_start_short_and_leaves_no_ray(tmp_path):
     """A short job ends on the local workers while the embedded Ray (and the pool's actors) still start
-    in the background: sbloader's exit hook waits for those starts and stops the Ray that came up, so
-    no thread is inside Ray's start when the interpreter finalizes (the Lightning resume on 1 device
-    aborted so: "FATAL: exception not rethrown"), and nothing is printed (Ray's own exit hook, run
-    first, reset Ray's state under the start: "'NoneType' object has no attribute 'internal_kv_get'")."""
+    in the background: sbloader's exit hook cuts Ray's start short and waits for it to unwind (and for
+    the pool's prestart, which starts nothing now), so no thread is inside Ray's start when the
+    interpreter finalizes (the Lightning resume on 1 device aborted so: "FATAL: exception not
+    rethrown"), no Ray is left up, and nothing is printed (Ray's own exit hook, run first, once reset
+    Ray's state under the start: "'NoneType' object has no attribute 'internal_kv_get'")."""
     report = _run(tmp_path, "starting", quiet=True)
     assert report["started_at_exit"], "the epoch ended after Ray was up: nothing to show here"
     assert report["running"] == [], "a background start still ran after sbloader's exit hook"
     assert report["ray_up"] is False, "the Ray that came up during the exit was left running"
+
+
+STARTING = SCRIPT.parent / "exit_ray_starting.py"
+
+
+def _alive_in(sid: int) -> list[str]:
+    """Live processes (not zombies) of session ``sid``, or whose command line names a Ray session that
+    process ``sid`` started (``session_<date>_<pid>``): a Ray daemon that left the session too."""
+    import re
+
+    named = re.compile(rb"session_\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_\d+_%d(?![0-9])" % sid)
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if fields[0] not in ("Z", "X") and (int(fields[3]) == sid or named.search(cmdline)):
+            args = cmdline.replace(b"\0", b" ")[:120].decode(errors="replace")
+            out.append(f"{entry}: {args}")
+    return out
+
+
+@pytest.mark.parametrize("when,tail", [("first", "ok"), ("first", "exit3"), ("first", "raise"),
+                                       ("daemons", "ok"), ("daemons", "exit3"), ("daemons", "raise"), ("up", "ok")])
+def test_a_script_that_ends_while_ray_starts_exits_quietly_with_its_code_and_leaves_no_ray(tmp_path, when, tail):
+    """torch's quick-start snippet on the drop-in ends while the embedded Ray still starts in the background
+    (``first``: at once; ``daemons``: once the start has spawned Ray's daemons): the exit cuts the start short
+    instead of waiting for it (seconds) and for Ray's shutdown. Nothing is printed but the script's own
+    traceback, its exit code stands (0, ``sys.exit(3)``, 1 for an uncaught error), and no process of the
+    start outlives the script (the raylet's agents did for a minute when their raylet was killed alone).
+    ``up``: Ray came up first and stops as before."""
+    out = tmp_path / "report.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "SBLOADER_HANDOVER_AT")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SCRIPT.parents[2]), os.environ.get("PYTHONPATH")) if p)
+    proc = subprocess.Popen([sys.executable, str(STARTING), str(out), when, tail], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"the script did not exit: {stderr[-3000:]}")
+    assert proc.returncode == {"ok": 0, "exit3": 3, "raise": 1}[tail], stderr[-3000:]
+    assert stdout == ""
+    if tail == "raise":  # the script's traceback, and nothing else
+        assert stderr.startswith("Traceback (most recent call last):") and stderr.count("Traceback") == 1, stderr[-3000:]
+        assert stderr.endswith("ValueError: boom\n"), stderr[-3000:]
+    else:
+        assert stderr == "", stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["ray_up"] is False
+    if when == "daemons":
+        assert report["daemons"], "the start had spawned no daemon yet: nothing to show here"
+        assert report["start"] == "cut", report
+    elif when == "first":
+        assert report["start"] in ("cut", "not begun", "up"), report
+    else:
+        assert report["start"] == "up", report
+    left = _alive_in(proc.pid)
+    if when == "up":  # Ray's own shutdown: its daemons go within seconds (parent-death signal, reaper)
+        import time
+
+        deadline = time.monotonic() + 10
+        while left and time.monotonic() < deadline:
+            time.sleep(0.2)
+            left = _alive_in(proc.pid)
+    assert not left, f"processes of the script's Ray outlived it: {left}"
