@@ -21,7 +21,6 @@ the handover is per shard and at a batch:
 from __future__ import annotations
 
 import time
-import warnings
 from typing import Any, Iterator, Optional
 
 from torch.utils.data import IterableDataset
@@ -104,18 +103,16 @@ def _local_phase(s: Any, run: IterableRun, epoch: int, epoch_seed: int, handover
 
     shards = LocalShards(s.dataset, s.collate_fn, s.batch_size, s.drop_last, s.num_workers, dict(positions),
                           epoch, epoch_seed)
-    with warnings.catch_warnings():  # torch's too-many-workers warning was given at the loader's creation
-        warnings.simplefilter("ignore", UserWarning)
-        local = TorchLoader(shards, batch_size=None, num_workers=s.num_workers, collate_fn=identity,
-                            worker_init_fn=WorkerInit(s.dataset, epoch_seed, s.worker_init_fn, s),
-                            multiprocessing_context=s.multiprocessing_context, prefetch_factor=s.prefetch_factor,
-                            generator=torch.Generator().manual_seed(epoch_seed % 2**63), **local_order(s))
-        phase["inits"] = local.worker_init_fn.inits
-        if _hand_over_now(handover, 0):  # forced at batch 0: the pool makes the whole epoch
-            phase["handed_over"] = True
-            return
-        with ForkGate().forking():
-            it = iter(local)  # forks the workers
+    local = TorchLoader(shards, batch_size=None, num_workers=s.num_workers, collate_fn=identity,
+                        worker_init_fn=WorkerInit(s.dataset, epoch_seed, s.worker_init_fn, s),
+                        multiprocessing_context=s.multiprocessing_context, prefetch_factor=s.prefetch_factor,
+                        generator=torch.Generator().manual_seed(epoch_seed % 2**63), **local_order(s))
+    phase["inits"] = local.worker_init_fn.inits
+    if _hand_over_now(handover, 0):  # forced at batch 0: the pool makes the whole epoch
+        phase["handed_over"] = True
+        return
+    with ForkGate().forking():
+        it = iter(local)  # forks the workers
     order = RoundRobin(shard_positions(positions, s.num_workers)) if s.in_order else None
     delivered = 0
     try:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 from typing import Any, Iterator, Optional
 
 from sbloader.core.context import task_context
@@ -226,14 +225,12 @@ def torch_workers(s: Any, items: list, ids: list, epoch: int, epoch_seed: int, s
 
     parts = _Partitions(s.dataset, s.collate_fn, s.auto_collation, items, ids, s.batches_per_partition, epoch,
                         epoch_seed)
-    with warnings.catch_warnings():  # torch's too-many-workers warning was given at the loader's creation
-        warnings.simplefilter("ignore", UserWarning)
-        return TorchLoader(parts, batch_size=None, sampler=ForkGate().wrap(sampler), num_workers=s.num_workers,
-                           collate_fn=identity,  # ``timeout``: the epoch's, counted once the workers are up
-                           worker_init_fn=WorkerInit(s.dataset, epoch_seed, s.worker_init_fn, s),
-                           multiprocessing_context=s.multiprocessing_context,
-                           generator=torch.Generator().manual_seed(epoch_seed % 2**63),  # the trainer's RNG untouched
-                           prefetch_factor=s.prefetch_factor, **local_order(s))
+    return TorchLoader(parts, batch_size=None, sampler=ForkGate().wrap(sampler), num_workers=s.num_workers,
+                       collate_fn=identity,  # ``timeout``: the epoch's, counted once the workers are up
+                       worker_init_fn=WorkerInit(s.dataset, epoch_seed, s.worker_init_fn, s),
+                       multiprocessing_context=s.multiprocessing_context,
+                       generator=torch.Generator().manual_seed(epoch_seed % 2**63),  # the trainer's RNG untouched
+                       prefetch_factor=s.prefetch_factor, **local_order(s))
 
 
 def local_order(s: Any) -> dict:
@@ -247,8 +244,7 @@ def deliveries(s: Any, local: Any, phase: dict, record: Any) -> Iterator[Deliver
     ``phase["inits"]`` says which of them ran their init (:func:`workers_up`)."""
     bpp = s.batches_per_partition
     phase["inits"] = local.worker_init_fn.inits
-    with warnings.catch_warnings(), local.sampler.gate.forking():  # torch's too-many-workers warning: given
-        warnings.simplefilter("ignore", UserWarning)
+    with local.sampler.gate.forking():
         it = iter(local)  # forks the workers
     while True:
         try:

@@ -30,7 +30,6 @@ with no shard of its own (``world_size > num_workers``) reports nothing delivere
 from __future__ import annotations
 
 import threading
-import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -144,16 +143,14 @@ def _local_phase(s: Any, own: list, epoch: int, epoch_seed: int, tally: LocalTal
     from sbloader.loaders.torch_loader import torch_loader
 
     shards = LocalShards(s.dataset, s.collate_fn, s.batch_size, s.drop_last, s.num_workers, {}, epoch, epoch_seed)
-    with warnings.catch_warnings():  # torch's too-many-workers warning was given at the loader's creation
-        warnings.simplefilter("ignore", UserWarning)
-        local = torch_loader()(shards, batch_size=None, num_workers=len(own), collate_fn=local_start.identity,
-                               worker_init_fn=local_start.WorkerInit(s.dataset, epoch_seed, s.worker_init_fn, s,
-                                                                     shards=own),
-                               multiprocessing_context=s.multiprocessing_context, prefetch_factor=s.prefetch_factor,
-                               generator=torch.Generator().manual_seed(epoch_seed % 2**63))
-        phase["inits"] = local.worker_init_fn.inits
-        with ForkGate().forking():
-            it = iter(local)  # forks the workers
+    local = torch_loader()(shards, batch_size=None, num_workers=len(own), collate_fn=local_start.identity,
+                           worker_init_fn=local_start.WorkerInit(s.dataset, epoch_seed, s.worker_init_fn, s,
+                                                                 shards=own),
+                           multiprocessing_context=s.multiprocessing_context, prefetch_factor=s.prefetch_factor,
+                           generator=torch.Generator().manual_seed(epoch_seed % 2**63))
+    phase["inits"] = local.worker_init_fn.inits
+    with ForkGate().forking():
+        it = iter(local)  # forks the workers
     order = RoundRobin({w: 0 for w in own})
     ready: deque = deque()
     try:

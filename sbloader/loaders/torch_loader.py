@@ -59,8 +59,14 @@ def _checking(torch_cls: type) -> type:
                 it._data_queue = _ReportsWorkerEnds(data_queue)
             return it
 
+        def check_worker_number_rationality(self: Any) -> None:
+            """No warning: torch's too-many-workers warning was given at the sbloader loader's creation (a
+            ``warnings.catch_warnings()`` around this one, off the main thread, would drop the filters other
+            threads add meanwhile: it restores the whole list)."""
+
         sub = _CHECKING[torch_cls] = type(torch_cls.__name__, (torch_cls,), {
             "__module__": __name__, "__qualname__": torch_cls.__name__, "_get_iterator": _get_iterator,
+            "check_worker_number_rationality": check_worker_number_rationality,
             "__doc__": "torch's DataLoader; off the main thread, a dead worker's error names its signal, as torch's"})
     return sub
 

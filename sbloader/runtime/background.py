@@ -49,7 +49,7 @@ def _quiet_imports() -> None:
 
     ``import ray`` imports ``requests``, which silences urllib3's warning that PySocks is missing
     (``warnings.simplefilter``) just before the import that gives it. A ``warnings.catch_warnings()``
-    block on another thread meanwhile (the local start's, around its fork) restores the filters it
+    block on another thread meanwhile (a user's or a library's) restores the filters it
     saw on entry when it ends, dropping that one: the warning was printed, one run in a few on a
     loaded machine. This filter is in place before any such block begins, so every restore keeps it.
     """
