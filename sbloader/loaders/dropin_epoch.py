@@ -155,8 +155,8 @@ def open_pool(s: DropinSettings, carry: DropinCarry, run: Optional[Union[EpochRu
         bpp = s.batches_per_partition
         ids = run.ids[start:] if run is not None else [j // bpp for j in range(start, len(items))]
         executor = execute(ReadyBatchSource(items[start:], s.batches_per_partition, fp, ids=ids))
-    carry.held_cpus = s.num_workers * s.worker_num_cpus
-    carry.pool_running = True  # its CPUs count until the epoch closes, even once the loader is dropped
+    cpus = s.num_workers * s.worker_num_cpus  # its actors' CPUs count until the epoch closes, the loader dropped or not
+    carry.pools_running, carry.pool_cpus, carry.held_cpus = carry.pools_running + 1, carry.pool_cpus + cpus, 0.0
     _CARRIES.add(carry)
     tensors = s.tensors()
 
@@ -220,11 +220,12 @@ def open_pool(s: DropinSettings, carry: DropinCarry, run: Optional[Union[EpochRu
         carry.estimates = executor.estimates()
         if s.iterable:  # the epoch's rounds, all of them
             carry.stats = executor.stats()
-        carry.pool_running = False
+        carry.pools_running, carry.pool_cpus = carry.pools_running - 1, max(0.0, carry.pool_cpus - cpus)
         if warm:  # the actors stay warm for the next epoch (an idle timeout kills them)
+            carry.held_cpus = cpus
             warm_workers.keep(carry)
-        elif not s.persistent_workers or carry.dropped:
-            carry.held_cpus = 0.0
+        elif s.persistent_workers and not carry.dropped:
+            carry.held_cpus = cpus
         if carry.dropped:  # the loader went first (its iterator lived on): its persistent actors go now
             warm_workers.hand_to_process(carry)
 

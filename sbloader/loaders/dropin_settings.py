@@ -172,12 +172,13 @@ class DropinCarry:
     last_split_run: Optional[EpochRun] = None
     lease_interval_s: float = 1.0  # seconds one request's lease lasts (below a quarter of stall_report_s)
     dropped: bool = False
-    held_cpus: float = 0.0  # CPUs its pool's actors ask Ray for (running, or kept as persistent workers)
+    held_cpus: float = 0.0  # CPUs its actors kept between epochs (warm or persistent) or started ahead ask for
     warm_cache: dict = field(default_factory=dict)  # persistent_workers=False: actors kept warm (warm_workers)
     warm_timer: Any = None
     warm_key: Any = None  # what its warm actors were started with (warm_workers.pool_key)
     starts: int = 0  # local-start epochs begun: only the latest one's background start takes the actors
-    pool_running: bool = False  # an epoch's pool runs on its actors (their CPUs stay held until it closes)
+    pools_running: int = 0  # its epochs whose pool runs now (an abandoned one may still run beside a new one)
+    pool_cpus: float = 0.0  # CPUs the actors of those pools ask for (held until each epoch closes)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)  # the loader's, for its coordinator
     rank: Optional[int] = None  # the rank it said hello to its coordinator as
 
@@ -210,9 +211,10 @@ _CARRIES: "weakref.WeakSet[DropinCarry]" = weakref.WeakSet()  # the drop-in load
 
 
 def cpus_held_by_loaders(exclude: Optional[DropinCarry] = None) -> float:
-    """CPUs the live drop-in pools of this process ask for (known here before Ray places them), a dropped
-    loader's included while its epoch's pool still runs (its iterator lived on)."""
-    return sum(c.held_cpus for c in list(_CARRIES) if c is not exclude and (not c.dropped or c.pool_running))
+    """CPUs the drop-in pools of this process ask for (known here before Ray places them): every epoch's pool
+    still running (a dropped loader's, or an abandoned iterator's a traceback keeps, included) and the actors
+    live loaders keep between epochs."""
+    return sum(c.pool_cpus + (0.0 if c.dropped else c.held_cpus) for c in list(_CARRIES) if c is not exclude)
 
 
 def safe_len(x: Any) -> Optional[int]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from sbloader.core.stats import StallStats
 from sbloader.loaders.epoch import Delivery, EpochIterator
@@ -164,10 +164,36 @@ def workers_up(phase: dict) -> bool:
     return bool(phase.get("up")) or (inits is not None and all(inits))
 
 
+def pool_batches(handover: Handover, phase: dict, open_pool: Callable[[], Any]) -> Iterator[Delivery]:
+    """The pool's batches after the handover: ``open_pool()`` starts it (on the actors started ahead) and puts
+    it in ``phase["pool"]``, where the epoch's close finds it. An epoch closed while its pool opened (a
+    ``persistent_workers`` pool waits for every actor) found no pool to shut down: it is shut down and closed
+    here, or its rounds would run on, their actors' CPUs held and counted by nobody once the loader is gone."""
+    with PRESTART_LOCK:
+        if handover.closed:  # closed before the pool opened: its actors started ahead were kept warm
+            return
+        phase["opening"] = True
+    try:
+        pool = open_pool()
+    except BaseException:
+        with PRESTART_LOCK:
+            phase.pop("opening", None)
+        raise
+    with PRESTART_LOCK:
+        gone = handover.closed
+        if not gone:
+            phase["pool"] = pool
+    if gone:  # the close found no pool: closed here, once
+        pool.executor.shutdown()
+        pool.closed()
+        return
+    yield from pool.produce
+
+
 def phased_iterator(s: Any, carry: Any, run: Any, epoch: int, stalls: StallStats, handover: Handover, phase: dict,
                     produce: Iterator[Delivery]) -> EpochIterator:
-    """The epoch's iterator over ``produce`` (its local phase, then the pool it puts in ``phase["pool"]``, if
-    any): woken and closed in the phase it is in; a pool that never ran leaves the actors started ahead warm."""
+    """The epoch's iterator over ``produce`` (its local phase, then the pool it opens with :func:`pool_batches`,
+    if any): woken and closed in the phase it is in; a pool that never ran leaves the actors started ahead warm."""
     from sbloader.loaders.failed_batch import translate
 
     def wake() -> None:
@@ -176,13 +202,13 @@ def phased_iterator(s: Any, carry: Any, run: Any, epoch: int, stalls: StallStats
             phase["pool"].executor.shutdown()
 
     def closed() -> None:
-        if "pool" in phase:
+        with PRESTART_LOCK:  # the pool opened (closed here), opening (closed where it opens) or never: one of them
             handover.closed = True
-            phase["pool"].closed()
-        else:  # the pool never ran: its actors started ahead stay warm for the next epoch, as the pool's would
-            with PRESTART_LOCK:  # started now or later (``prestart``), never lost in between
-                handover.closed = True
+            pool = phase.get("pool")
+            if pool is None and not phase.get("opening"):  # its actors started ahead (now or later) stay warm
                 keep_prestarted(s, carry, handover)
+        if pool is not None:
+            pool.closed()
         s.reporter(f"epoch {epoch}", stalls)()
 
     return EpochIterator(produce, run, ahead=s.ahead, stalls=stalls, to_device=s.to_device, translate=translate,

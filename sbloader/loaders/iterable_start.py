@@ -31,7 +31,7 @@ from sbloader.loaders.epoch import Delivery, EpochIterator
 from sbloader.loaders.failed_batch import FailedBatch
 from sbloader.loaders.fork_safe import ForkGate
 from sbloader.loaders.iterable_resume import IterableRun, iterate_shard
-from sbloader.loaders.handover import Handover, begin, phased_iterator
+from sbloader.loaders.handover import Handover, begin, phased_iterator, pool_batches
 from sbloader.loaders.local_start import LOCAL_WORKER, WorkerInit, forced_handover, identity, local_order, unwrap
 from sbloader.loaders.shard_order import RoundRobin, shard_positions
 
@@ -85,9 +85,8 @@ def iterable_start_epoch(s: Any, carry: Any, run: IterableRun, epoch: int, epoch
             return
         from sbloader.loaders.dropin_epoch import open_pool
 
-        pool = phase["pool"] = open_pool(s, carry, run, epoch, epoch_seed, None, stalls, cache=handover.cache,
-                                         shard_resume=positions)
-        yield from pool.produce
+        yield from pool_batches(handover, phase, lambda: open_pool(s, carry, run, epoch, epoch_seed, None, stalls,
+                                                                   cache=handover.cache, shard_resume=positions))
 
     return phased_iterator(s, carry, run, epoch, stalls, handover, phase, produce())
 

@@ -38,7 +38,7 @@ from sbloader.core.stats import StallStats
 from sbloader.loaders.epoch import Delivery, EpochIterator
 from sbloader.loaders.failed_batch import WORKER_INIT_FN, FailedBatch
 from sbloader.loaders.fork_safe import ForkGate
-from sbloader.loaders.handover import begin, phased_iterator
+from sbloader.loaders.handover import begin, phased_iterator, pool_batches
 from sbloader.loaders.tensors import pin_batch
 
 LOCAL_START_ENV = "SBLOADER_LOCAL_START"  # 0: never start an epoch on local processes
@@ -207,9 +207,8 @@ def local_start_epoch(s: Any, carry: Any, run: Any, epoch: int, epoch_seed: int,
             return
         from sbloader.loaders.dropin_epoch import open_pool
 
-        pool = phase["pool"] = open_pool(s, carry, run, epoch, epoch_seed, items, stalls, start=k * bpp,
-                                         cache=handover.cache)
-        yield from pool.produce
+        yield from pool_batches(handover, phase, lambda: open_pool(s, carry, run, epoch, epoch_seed, items, stalls,
+                                                                   start=k * bpp, cache=handover.cache))
 
     return phased_iterator(s, carry, run, epoch, stalls, handover, phase, produce())
 

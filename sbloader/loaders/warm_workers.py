@@ -105,7 +105,7 @@ def _adopt_from(carry: Any, key: Tuple) -> bool:
         for other in list(_CARRIES):
             if other is carry or getattr(other, "warm_key", None) != key:
                 continue
-            if other.dropped and not other.pool_running and any(other.actor_cache.values()):
+            if other.dropped and not other.pools_running and any(other.actor_cache.values()):
                 _move(other.actor_cache, carry.warm_cache)  # a dropped persistent loader's, not yet handed over
                 other.held_cpus = 0.0
                 return True
@@ -204,11 +204,10 @@ def hand_to_process(carry: Any) -> None:
     cache: dict = {}
     with _IDLE_LOCK:
         _move(carry.warm_cache, cache)
-        if not getattr(carry, "pool_running", False):  # else its epoch hands them over when it closes
+        if not getattr(carry, "pools_running", 0):  # else its epoch hands them over when it closes
             _move(carry.actor_cache, cache)
     cache = {k: v for k, v in cache.items() if v}
-    if not getattr(carry, "pool_running", False):  # else its epoch's pool holds them until it closes
-        carry.held_cpus = 0.0
+    carry.held_cpus = 0.0  # a running epoch's pool counts its own (``pool_cpus``) until it closes
     if key is None:
         kill_cached(cache)
     else:

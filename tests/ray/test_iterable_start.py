@@ -4,6 +4,7 @@ the random draws) of a run on the pool alone, wherever the handover falls."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -149,3 +150,60 @@ def test_in_order_false_in_the_local_phase_is_torchs(monkeypatch, tmp_path):
     loader = sbloader.DataLoader(SecondWaits(str(tmp_path / "done")), batch_size=None, num_workers=2, in_order=False)
     got = [int(b) for b in loader]
     assert got == list(range(10))  # as they come, not dealt round-robin
+
+
+class Long(IterableDataset):
+    """Each worker's shard goes on far longer than the test reads."""
+
+    def __iter__(self):
+        info = get_worker_info()
+        w = info.id if info is not None else 0
+        for v in range(10**6):
+            yield torch.tensor([w, v])
+
+
+def test_an_epoch_closed_while_its_pool_opens_shuts_that_pool_down(ray_session, monkeypatch):
+    """The loop leaves the epoch right after its local batches, while the fetch thread opens the pool (a
+    ``persistent_workers`` pool waits there for every actor): the close found no pool to shut down, so its
+    rounds ran on for good, their actors' CPUs held and, once the loader was gone, counted by nobody (torch's
+    suite stalled on the next loaders' pools). The pool is shut down where it opens, and closed once; the
+    loader's next epoch, begun meanwhile, keeps its own pool's CPUs counted."""
+    import threading
+
+    from sbloader.loaders import dropin_epoch
+
+    opening, go = threading.Event(), threading.Event()
+    real = dropin_epoch.open_pool
+
+    def slow_open(*args, **kwargs):
+        if not opening.is_set():  # the first epoch's pool only
+            opening.set()
+            go.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dropin_epoch, "open_pool", slow_open)
+    monkeypatch.setenv(local_start.HANDOVER_AT_ENV, "1")
+    before = {t.ident for t in threading.enumerate()}
+    loader = sbloader.DataLoader(Long(), batch_size=2, num_workers=2, local_start=True)
+    carry = loader._carry
+    first = iter(loader)
+    assert next(first).shape == (2, 2)  # the local batch; then the fetch thread goes on to open the pool
+    assert opening.wait(60)
+    closing = threading.Thread(target=first.close)  # it waits for the fetch thread, in the pool's opening
+    closing.start()
+    second = iter(loader)  # the next epoch begins meanwhile: local batch, then its own pool
+    assert [tuple(next(second).shape) for _ in range(3)] == [(2, 2)] * 3
+    go.set()  # the first epoch's pool opens now, after its close
+    closing.join(60)
+    assert carry.pools_running == 1 and carry.pool_cpus > 0  # the second's pool, still counted
+    assert next(second).shape == (2, 2)
+    second.close()
+
+    def running():
+        return [t.name for t in threading.enumerate() if t.ident not in before and t.name.startswith("sbloader-")
+                and t.name != "sbloader-epoch-closer"]
+    deadline = time.monotonic() + 30
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not running(), "a pool opened after its epoch's close still runs"
+    assert carry.pools_running == 0 and carry.pool_cpus == 0.0
