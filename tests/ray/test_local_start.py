@@ -11,6 +11,7 @@ from torch.utils.data import get_worker_info
 
 import sbloader
 from harness import Tagged
+from own_session import run_script, script_env
 from sbloader.loaders import local_start
 
 
@@ -220,19 +221,9 @@ def test_a_script_exits_at_once_and_prints_nothing(tmp_path, when):
     """A script that ends right after its first batch (Ray still starting in the background), or after the
     epoch: it exits, prints nothing of ours or Ray's, and leaves no process behind."""
     import subprocess
-    import sys
 
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", local_start.HANDOVER_AT_ENV)}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
-        __file__)))), env.get("PYTHONPATH", "")])
-    proc = subprocess.Popen([sys.executable, "-c", EXIT_SCRIPT, when], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        out, err = proc.communicate()
-        raise AssertionError(f"the script did not exit: {err[-2000:]}")
+    proc = run_script(["-c", EXIT_SCRIPT, when], 240, script_env(drop=(local_start.HANDOVER_AT_ENV,)))
+    out, err = proc.stdout, proc.stderr
     assert proc.returncode == 0, err[-3000:]
     assert len(out.splitlines()) == 1
     noise = [line for line in err.splitlines() if "no task finished for" not in line]  # a load notice
@@ -267,14 +258,7 @@ print("ok", flush=True)
 def test_an_epoch_shorter_than_rays_start_leaves_the_actors_for_the_next():
     """A fresh process whose first epoch ends before Ray is up: the background start goes on and its
     actors stay warm, so the next epoch starts on the pool."""
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", local_start.HANDOVER_AT_ENV)}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
-        __file__)))), env.get("PYTHONPATH", "")])
-    r = subprocess.run([sys.executable, "-c", SHORT_EPOCHS_SCRIPT], env=env, capture_output=True, text=True,
-                       timeout=300)
+    r = run_script(["-c", SHORT_EPOCHS_SCRIPT], 300, script_env(drop=(local_start.HANDOVER_AT_ENV,)))
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
 
 

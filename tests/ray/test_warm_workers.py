@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import functools
 import os
-import subprocess
-import sys
 import time
 
 import ray
@@ -13,6 +11,7 @@ import torch
 from torch.utils.data import Dataset
 
 import sbloader
+from own_session import run_script, script_env
 
 
 class Mutating(Dataset):
@@ -200,10 +199,7 @@ assert sum(len(b) for b in dl2) == 16
 
 
 def test_a_script_prints_nothing_at_exit(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
-        __file__)))), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    proc = run_script(["-c", SCRIPT], 600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     noise = [line for line in proc.stderr.splitlines() if "no task finished for" not in line]  # load notice
     assert noise == [], proc.stderr[-3000:]
@@ -263,12 +259,7 @@ print("ok", flush=True)
 def test_idle_actors_of_other_resources_give_way_to_a_new_pool(tmp_path):
     """A dropped loader's idle actors hold every CPU; a new loader with other worker resources starts its
     pool at once (its start_timeout is far below the idle timeout), not after the idle timeout."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["SBLOADER_WARM_IDLE_S"] = "3600"
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
-        __file__)))), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", OTHER_KEY_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = run_script(["-c", OTHER_KEY_SCRIPT], 600, script_env(SBLOADER_WARM_IDLE_S="3600"))
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
@@ -290,11 +281,7 @@ def test_a_dropped_loaders_running_epoch_still_holds_its_cpus():
     """torchdata's tests drop a loader whose iterator lives on, then build the next: the running pool's
     CPUs still count, so the new loader's workers do not ask Ray for CPUs it cannot have (its pool waited
     for its start_timeout)."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
-        __file__)))), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", DROPPED_RUNNING_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = run_script(["-c", DROPPED_RUNNING_SCRIPT], 600)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 

@@ -10,20 +10,17 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from own_session import run_script, script_env
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "exit_open_epoch.py"
 
 
 def _run(tmp_path: Path, *args: str, quiet: bool = False) -> dict:
     out = tmp_path / "report.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(SCRIPT.parents[2]), os.environ.get("PYTHONPATH")) if p)}
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(out), *args], env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = run_script([str(SCRIPT), str(out), *args], 120)
     assert proc.returncode == 0, f"exit code {proc.returncode}:\n{proc.stderr[-3000:]}"
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     if quiet:  # nothing printed that the script did not ask for
@@ -92,16 +89,8 @@ def test_a_script_that_ends_while_ray_starts_exits_quietly_with_its_code_and_lea
     start outlives the script (the raylet's agents did for a minute when their raylet was killed alone).
     ``up``: Ray came up first and stops as before."""
     out = tmp_path / "report.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "SBLOADER_HANDOVER_AT")}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SCRIPT.parents[2]), os.environ.get("PYTHONPATH")) if p)
-    proc = subprocess.Popen([sys.executable, str(STARTING), str(out), when, tail], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        stdout, stderr = proc.communicate()
-        raise AssertionError(f"the script did not exit: {stderr[-3000:]}")
+    proc = run_script([str(STARTING), str(out), when, tail], 180, script_env(drop=("SBLOADER_HANDOVER_AT",)))
+    stdout, stderr = proc.stdout, proc.stderr
     assert proc.returncode == {"ok": 0, "exit3": 3, "raise": 1}[tail], stderr[-3000:]
     assert stdout == ""
     if tail == "raise":  # the script's traceback, and nothing else
