@@ -56,6 +56,7 @@ def find_coordinator(world: Any, name: str, fingerprint: dict, stall_report_s: f
     coord = get_coordinator(job, name, world.world_size, fingerprint, world.restart_count, stall_report_s,
                             rank=world.rank, loader=carry.id)
     carry.rank = world.rank
+    warm_workers.give_way(settings.num_workers * settings.worker_num_cpus)  # the coordinator's pool needs them
     if world.rank == 0:
         source = ShardSource.name if stream else ReadyBatchSource.name
         coord.prewarm.remote(source, (settings.worker_op(),), settings.coordinator_options())

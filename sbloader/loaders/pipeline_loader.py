@@ -231,6 +231,7 @@ class PipelineLoader:
             from sbloader.distributed.naming import get_coordinator
             from sbloader.runtime.session import ensure_initialized
 
+            from sbloader.loaders import warm_workers
             from sbloader.runtime.job import identify
 
             w = self.world
@@ -239,6 +240,7 @@ class PipelineLoader:
             self._id = uuid.uuid4().hex  # this loader, recorded by the coordinator until its drop
             self._coordinator = get_coordinator(job, self.name, w.world_size, self._fingerprint(),
                                                 w.restart_count, rank=w.rank, loader=self._id)
+            warm_workers.give_way(1.0)  # the coordinator runs the pipeline: idle actors here give way
         return self._coordinator
 
     def _job_seed(self, base: PipelineRun, coordinator: Any) -> PipelineRun:

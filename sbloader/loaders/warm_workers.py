@@ -20,7 +20,9 @@ when it is dropped they wait in the same idle pool, and a new ``persistent_worke
 of the same key takes them at its first epoch, rebuilt there as above
 (:func:`adopt_persistent`: a resume builds a second loader right after the first).
 Idle actors, a loader's or the process's, are killed after ``SBLOADER_WARM_IDLE_S``
-seconds without an epoch (60), and at exit (with the embedded Ray). They are this
+seconds without an epoch (60), and at exit (with the embedded Ray); the process's idle actors
+go at once when a new pool needs their CPUs, here or at the coordinator of a split loader
+of this process (:func:`give_way`). They are this
 process's actors in this job's Ray: never shared with another process or job.
 """
 from __future__ import annotations
@@ -235,9 +237,15 @@ def make_room(key: Any) -> None:
     """New actors of ``key`` are about to start: the process's idle actors of other keys (dropped loaders'
     and pipelines', waiting for a user that may never come) are killed now when the cluster has fewer
     free CPUs than the new ones ask for, instead of holding them until their idle timeout."""
-    needed = float(key[0]) * float(key[1]) if isinstance(key, tuple) and len(key) == 4 else 0.0
+    give_way(float(key[0]) * float(key[1]) if isinstance(key, tuple) and len(key) == 4 else 0.0, keep=key)
+
+
+def give_way(needed: float, keep: Any = None) -> None:
+    """A pool that asks for ``needed`` CPUs is about to start (here, or at the split coordinator of a loader
+    of this process): the process's idle actors (but those of ``keep``) are killed now when the cluster has
+    fewer free CPUs than that; else the pool would wait for them until their idle timeout."""
     with _IDLE_LOCK:
-        others = [k for k in _IDLE if k != key]
+        others = [k for k in _IDLE if k != keep]
     if not others or needed <= 0:
         return
     from sbloader.runtime import cluster_state

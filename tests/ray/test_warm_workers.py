@@ -263,6 +263,33 @@ def test_idle_actors_of_other_resources_give_way_to_a_new_pool(tmp_path):
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
+SPLIT_SCRIPT = """
+import threading, sbloader, torch
+sbloader.init(num_cpus=2)
+dl = sbloader.DataLoader(torch.arange(16), batch_size=4, num_workers=2, local_start=False)
+assert sum(len(b) for b in dl) == 16
+del dl  # its 2 actors (1 CPU each) wait in the idle pool for an hour (SBLOADER_WARM_IDLE_S)
+got = [None, None]
+def rank(r):
+    lo = sbloader.DataLoader(torch.arange(16), batch_size=4, num_workers=2, rank=r, world_size=2, job_id="give-way",
+                             name="give-way", local_start=False, start_timeout=60)
+    got[r] = sum(len(b) for b in lo)
+threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(2)]
+[t.start() for t in threads]
+[t.join(150) for t in threads]
+assert got == [8, 8], got  # the coordinator's pool ran on the CPUs the idle actors gave way
+print("ok", flush=True)
+"""
+
+
+def test_idle_actors_give_way_to_the_pool_of_a_split_loaders_coordinator():
+    """The split across ranks runs its pool at the job's coordinator, another process, which cannot kill this
+    process's idle actors: a rank's loader has them give way when it finds its coordinator (the pool waited
+    for their idle timeout: the split-start tests ran 3x slower after test_warm_workers in one session)."""
+    proc = run_script(["-c", SPLIT_SCRIPT], 600, script_env(SBLOADER_WARM_IDLE_S="3600"))
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
 DROPPED_RUNNING_SCRIPT = """
 import sbloader, torch
 sbloader.init(num_cpus=2)
