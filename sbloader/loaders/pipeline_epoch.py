@@ -135,6 +135,7 @@ def local_epoch(pipeline: Pipeline, settings: PipelineSettings, run: PipelineRun
                                allow_trainer_node=settings.allow_trainer_node)
         if warm_key is not None:
             cache = warm_workers.unpark(warm_key)
+        warm_workers.give_way(1.0, keep=warm_key)  # other idle actors of this process, if the CPUs are short
         return start_execution(source, pipeline.ops, rest, options, actor_cache=cache,
                                estimates=carry.estimates, arena=arena_here())
 

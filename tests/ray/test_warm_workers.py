@@ -290,6 +290,31 @@ def test_idle_actors_give_way_to_the_pool_of_a_split_loaders_coordinator():
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
+PIPELINE_SCRIPT = """
+import threading, sbloader, torch
+sbloader.init(num_cpus=2)
+dl = sbloader.DataLoader(torch.arange(16), batch_size=4, num_workers=2, local_start=False)
+assert sum(len(b) for b in dl) == 16
+del dl  # its 2 actors (1 CPU each) wait in the idle pool for an hour (SBLOADER_WARM_IDLE_S)
+got = []
+def epoch():
+    ds = sbloader.from_items([{"x": i} for i in range(40)], num_partitions=4).map_batches(lambda b: b)
+    got.extend(int(x) for b in ds.to_dataloader(8, local_start=False) for x in b["x"])
+t = threading.Thread(target=epoch, daemon=True)
+t.start()
+t.join(120)
+assert sorted(got) == list(range(40)), len(got)  # its tasks ran on the CPUs the idle actors gave way
+print("ok", flush=True)
+"""
+
+
+def test_idle_actors_give_way_to_a_new_native_pipeline():
+    """A native pipeline's tasks need CPUs a dropped drop-in loader's idle actors hold: they give way at the
+    pipeline's start, not after their idle timeout."""
+    proc = run_script(["-c", PIPELINE_SCRIPT], 600, script_env(SBLOADER_WARM_IDLE_S="3600"))
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
 DROPPED_RUNNING_SCRIPT = """
 import sbloader, torch
 sbloader.init(num_cpus=2)
