@@ -6,6 +6,7 @@ import functools
 import os
 import time
 
+import pytest
 import ray
 import torch
 from torch.utils.data import Dataset
@@ -243,75 +244,52 @@ def test_a_new_pipelines_class_stage_takes_warm_actors(ray_session, tmp_path):
     assert created == 1 and constructions("b") == 1 and not (third & first)
 
 
-OTHER_KEY_SCRIPT = """
-import os, sbloader, torch
-from sbloader.runtime import cluster_state
-sbloader.init(num_cpus=2)
-dl = sbloader.DataLoader(torch.arange(16), batch_size=4, num_workers=2, local_start=False)
-assert sum(len(b) for b in dl) == 16
-del dl  # its 2 actors (1 CPU each) wait in the idle pool for an hour (SBLOADER_WARM_IDLE_S)
-dl3 = sbloader.DataLoader(torch.arange(16), batch_size=4, num_workers=1, local_start=False, start_timeout=120)
-assert sum(len(b) for b in dl3) == 16  # another key: the idle actors give their CPUs way
-print("ok", flush=True)
-"""
-
-
-def test_idle_actors_of_other_resources_give_way_to_a_new_pool(tmp_path):
-    """A dropped loader's idle actors hold every CPU; a new loader with other worker resources starts its
-    pool at once (its start_timeout is far below the idle timeout), not after the idle timeout."""
-    proc = run_script(["-c", OTHER_KEY_SCRIPT], 600, script_env(SBLOADER_WARM_IDLE_S="3600"))
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
-
-
-SPLIT_SCRIPT = """
-import threading, sbloader, torch
-sbloader.init(num_cpus=2)
-dl = sbloader.DataLoader(torch.arange(16), batch_size=4, num_workers=2, local_start=False)
-assert sum(len(b) for b in dl) == 16
-del dl  # its 2 actors (1 CPU each) wait in the idle pool for an hour (SBLOADER_WARM_IDLE_S)
-got = [None, None]
-def rank(r):
-    lo = sbloader.DataLoader(torch.arange(16), batch_size=4, num_workers=2, rank=r, world_size=2, job_id="give-way",
-                             name="give-way", local_start=False, start_timeout=60)
-    got[r] = sum(len(b) for b in lo)
-threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(2)]
-[t.start() for t in threads]
-[t.join(150) for t in threads]
-assert got == [8, 8], got  # the coordinator's pool ran on the CPUs the idle actors gave way
-print("ok", flush=True)
-"""
-
-
-def test_idle_actors_give_way_to_the_pool_of_a_split_loaders_coordinator():
-    """The split across ranks runs its pool at the job's coordinator, another process, which cannot kill this
-    process's idle actors: a rank's loader has them give way when it finds its coordinator (the pool waited
-    for their idle timeout: the split-start tests ran 3x slower after test_warm_workers in one session)."""
-    proc = run_script(["-c", SPLIT_SCRIPT], 600, script_env(SBLOADER_WARM_IDLE_S="3600"))
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
-
-
-PIPELINE_SCRIPT = """
+IDLE_HOLDS_THE_CPUS = """
 import threading, sbloader, torch
 sbloader.init(num_cpus=2)
 dl = sbloader.DataLoader(torch.arange(16), batch_size=4, num_workers=2, local_start=False)
 assert sum(len(b) for b in dl) == 16
 del dl  # its 2 actors (1 CPU each) wait in the idle pool for an hour (SBLOADER_WARM_IDLE_S)
 got = []
+def bounded(*loops):  # each in a thread, waited for at most 150 s
+    threads = [threading.Thread(target=loop, daemon=True) for loop in loops]
+    [t.start() for t in threads]
+    [t.join(150) for t in threads]
+"""
+NEW_POOLS = {
+    "other worker resources": """
+def epoch():
+    dl3 = sbloader.DataLoader(torch.arange(16), batch_size=4, num_workers=1, local_start=False, start_timeout=120)
+    got.append(sum(len(b) for b in dl3))
+bounded(epoch)
+assert got == [16], got
+""",
+    "a split loader's coordinator": """
+def rank(r):
+    lo = sbloader.DataLoader(torch.arange(16), batch_size=4, num_workers=2, rank=r, world_size=2, job_id="give-way",
+                             name="give-way", local_start=False, start_timeout=60)
+    got.append(sum(len(b) for b in lo))
+bounded(lambda: rank(0), lambda: rank(1))
+assert got == [8, 8], got
+""",
+    "a native pipeline": """
 def epoch():
     ds = sbloader.from_items([{"x": i} for i in range(40)], num_partitions=4).map_batches(lambda b: b)
-    got.extend(int(x) for b in ds.to_dataloader(8, local_start=False) for x in b["x"])
-t = threading.Thread(target=epoch, daemon=True)
-t.start()
-t.join(120)
-assert sorted(got) == list(range(40)), len(got)  # its tasks ran on the CPUs the idle actors gave way
-print("ok", flush=True)
-"""
+    got.append(sorted(int(x) for b in ds.to_dataloader(8, local_start=False) for x in b["x"]))
+bounded(epoch)
+assert got == [list(range(40))], got
+""",
+}
 
 
-def test_idle_actors_give_way_to_a_new_native_pipeline():
-    """A native pipeline's tasks need CPUs a dropped drop-in loader's idle actors hold: they give way at the
-    pipeline's start, not after their idle timeout."""
-    proc = run_script(["-c", PIPELINE_SCRIPT], 600, script_env(SBLOADER_WARM_IDLE_S="3600"))
+@pytest.mark.parametrize("pool", list(NEW_POOLS))
+def test_idle_actors_give_way_to_a_new_pool(pool):
+    """A dropped loader's idle actors hold every CPU; a new pool starts at once (far below the idle timeout):
+    a loader's with other worker resources; the one a split loader's coordinator runs in another process,
+    which cannot kill them (a rank's loader has them give way when it finds its coordinator: the split-start
+    tests ran 3x slower after this file in one session); a native pipeline's tasks. Before, each waited."""
+    script = IDLE_HOLDS_THE_CPUS + NEW_POOLS[pool] + 'print("ok", flush=True)\n'
+    proc = run_script(["-c", script], 600, script_env(SBLOADER_WARM_IDLE_S="3600"))
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
