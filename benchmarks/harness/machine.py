@@ -16,7 +16,7 @@ BENCH_DIR = Path(__file__).resolve().parents[1]
 ROOT = BENCH_DIR.parent
 RESULTS_DIR = BENCH_DIR / "results"
 VERSIONED = ("sbloader", "torch", "ray", "numpy", "pyarrow", "pillow", "simplejpeg", "nvidia-dali-cuda120",
-             "spdl", "boto3", "moto")
+             "spdl", "tensorflow-cpu", "boto3", "moto")
 
 
 def ray_worker_env() -> None:

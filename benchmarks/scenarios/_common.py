@@ -22,7 +22,7 @@ def installed(module: str) -> bool:
 def missing_peers(peers: dict[str, str]) -> dict[str, str]:
     """Of ``{contender: module}``, those whose module is not installed -> why, with how to install it."""
     extra = {"ray.data": "pip install 'ray[data]' (the bench extra)", "spdl.io": "pip install spdl (the bench extra) and FFmpeg's libraries: apt-get install libavformat59 libavfilter8 libavdevice59",
-             "nvidia.dali": "pip install .[bench-dali]", "boto3": "pip install boto3 (the bench extra)",
+             "nvidia.dali": "pip install .[bench-dali]", "tensorflow": "pip install tensorflow-cpu (the bench-tf extra)", "boto3": "pip install boto3 (the bench extra)",
              "moto": "pip install 'moto[server]' (the test extra)"}
     return {name: f"{mod} is not installed ({extra.get(mod, 'pip install ' + mod)})"
             for name, mod in peers.items() if not installed(mod)}

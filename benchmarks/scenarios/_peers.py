@@ -1,4 +1,4 @@
-"""The crop workload's native peers (Ray Data, DALI CPU, SPDL), each an epoch factory over
+"""The crop workload's native peers (Ray Data, DALI CPU, SPDL, tf.data), each an epoch factory over
 the same JPEG paths: read, random-resized-crop 224 (scale 0.08–1, ratio 3/4–4/3), random
 flip, uint8 CHW, batches of 64. Imported only when the peer is installed."""
 from __future__ import annotations
@@ -87,3 +87,31 @@ def spdl_epochs(paths: list[str], cores: int) -> Callable[[], Iterator[Any]]:
             yield from pipe
 
     return epoch
+
+
+def tf_data_epochs(paths: list[str], cores: int) -> Callable[[], Iterator[Any]]:
+    """tf.data as its users write the Inception crop: shuffled paths, ``decode_and_crop_jpeg`` of a
+    ``sample_distorted_bounding_box`` window (decodes the window only), antialiased resize, flip,
+    CHW uint8, batches of 64, ``cores`` parallel calls on a private pool of ``cores`` threads."""
+    import os
+
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # its start-up lines would drown the report's log
+    import tensorflow as tf
+
+    def one(path: Any, label: Any) -> tuple:
+        data = tf.io.read_file(path)
+        shape = tf.image.extract_jpeg_shape(data)
+        begin, size, _ = tf.image.sample_distorted_bounding_box(
+            shape, tf.zeros([0, 0, 4]), area_range=(0.08, 1.0), aspect_ratio_range=(3 / 4, 4 / 3),
+            max_attempts=10, use_image_if_no_bounding_boxes=True)
+        window = tf.stack([begin[0], begin[1], size[0], size[1]])
+        img = tf.image.decode_and_crop_jpeg(data, window, channels=3)
+        img = tf.image.resize(img, (SIZE, SIZE), antialias=True)
+        img = tf.image.random_flip_left_right(tf.cast(tf.clip_by_value(img, 0, 255), tf.uint8))
+        return tf.transpose(img, (2, 0, 1)), label
+
+    options = tf.data.Options()
+    options.threading.private_threadpool_size = cores
+    ds = (tf.data.Dataset.from_tensor_slices((paths, [label_of(p) for p in paths])).shuffle(len(paths))
+          .map(one, num_parallel_calls=cores).batch(BATCH).prefetch(tf.data.AUTOTUNE).with_options(options))
+    return lambda: (img.numpy() for img, _ in ds)

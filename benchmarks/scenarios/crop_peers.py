@@ -2,8 +2,8 @@
 batches of 64, 2 workers/threads on 2 cores) through sbloader and its native peers, a
 new epoch per run after one warm-up epoch each: sbloader's pipeline, torch's DataLoader
 (``persistent_workers=True``) with Pillow's whole decode as a torch user writes it and
-with sbloader's window decode, Ray Data, DALI CPU and SPDL (the last three only where
-installed). Images/s and CPU ms per image of the whole process tree."""
+with sbloader's window decode, Ray Data, DALI CPU, SPDL and tf.data (the last four only
+where installed). Images/s and CPU ms per image of the whole process tree."""
 from __future__ import annotations
 
 import gc
@@ -14,10 +14,10 @@ from benchmarks.harness import Outcome, Plan, run_interleaved
 from ._common import batch_len, jpeg_paths, missing_peers, time_epoch
 
 ORDER = 30
-TITLE = "The crop workload: sbloader vs torch, Ray Data, DALI CPU, SPDL"
+TITLE = "The crop workload: sbloader vs torch, Ray Data, DALI CPU, SPDL, tf.data"
 PARAMS = {"images": 2048, "cores": 2, "rounds": 3}
 QUICK = {"images": 384, "rounds": 3}
-PEERS = {"Ray Data": "ray.data", "DALI CPU": "nvidia.dali", "SPDL": "spdl.io"}
+PEERS = {"Ray Data": "ray.data", "DALI CPU": "nvidia.dali", "SPDL": "spdl.io", "tf.data": "tensorflow"}
 BASE = ("sbloader", "torch (Pillow decode)", "torch (window decode)")
 
 
@@ -46,7 +46,8 @@ def build(paths: list[str], cores: int) -> tuple[dict[str, Callable[[], Any]], d
     skipped = missing_peers(PEERS)
     from . import _peers
 
-    makers = {"Ray Data": _peers.ray_data_epochs, "DALI CPU": _peers.dali_epochs, "SPDL": _peers.spdl_epochs}
+    makers = {"Ray Data": _peers.ray_data_epochs, "DALI CPU": _peers.dali_epochs, "SPDL": _peers.spdl_epochs,
+              "tf.data": _peers.tf_data_epochs}
     for name, make in makers.items():
         if name in skipped:
             continue
@@ -87,5 +88,5 @@ def run(**p: Any) -> Outcome:
                    notes=["sbloader, torch (window decode) and Ray Data run sbloader.transforms.decode_crop_flip "
                           "(decodes only the crop window); torch (Pillow decode) decodes the whole JPEG, as a torch "
                           "user's Dataset does; DALI decodes the crop window too; SPDL decodes through FFmpeg with a "
-                          "crop+scale filter.",
+                          "crop+scale filter; tf.data decodes the crop window (decode_and_crop_jpeg).",
                           "CPU ms per image: this process and all its descendants (workers, Ray, threads)."])
