@@ -110,14 +110,14 @@ def main(argv=None) -> int:
     rep.add_argument("--all", action="store_true", help="also the component benchmarks (REPORT = False)")
     rep.add_argument("--timeout-s", type=float, default=900.0, help="at most this per scenario")
     rep.add_argument("--budget-s", type=float, default=0.0,
-                     help="share this many seconds among the scenarios (0: no total budget; --quick: 570)")
+                     help="share this many seconds among the scenarios (0: no total budget; --quick: 480)")
     a, rest = p.parse_known_args(argv)
     if rest and (a.cmd != "run" or any("=" not in x or x.startswith("-") for x in rest)):
         p.error(f"unrecognized arguments: {' '.join(rest)}")
     if a.cmd == "run":
         a.params = list(a.params) + rest
     if a.cmd == "report" and a.quick and not a.budget_s:
-        a.budget_s = 570.0
+        a.budget_s = 480.0
     return {"list": cmd_list, "run": cmd_run, "report": cmd_report}[a.cmd](a)
 
 

@@ -70,6 +70,15 @@ def gcs_server():
     server.stop()
 
 
+@pytest.fixture
+def no_idle_actors(ray_session):
+    """The process's idle warm actors (earlier tests' loaders') killed before the test: it counts actors."""
+    from sbloader.loaders import warm_workers
+
+    warm_workers.release_idle()
+    yield
+
+
 def _cpus_held() -> float:
     """The session Ray's CPUs held now (by actors and running tasks)."""
     import ray
@@ -79,7 +88,7 @@ def _cpus_held() -> float:
 
 @pytest.fixture(autouse=True)
 def _free_split_coordinators(request):
-    """Kill the split coordinators (and idle warm actors) a test left in the session's Ray.
+    """Kill the split coordinators a test left in the session's Ray, and free what its loaders still hold.
 
     A coordinator is a detached actor that keeps its worker pool for the rest of
     its job; in this one-Ray session every test's job ends with the test, and
@@ -87,6 +96,12 @@ def _free_split_coordinators(request):
     (the executor then warns and waits). A ``unit/`` test uses no Ray unless it asks for
     ``ray_session``: its teardown skips the cluster's listing (thousands of them, once the
     session's Ray is up, cost minutes of the suite).
+
+    The process's idle warm actors stay, as in a user's process that builds one loader after
+    another: the next test's loader of the same shape takes them (no new worker processes: a
+    quarter of ``tests/ray``'s time went to starting them), and a pool of another shape makes
+    them give way when it needs their CPUs (``warm_workers.give_way``). A test that counts
+    actors starts from none with the ``no_idle_actors`` fixture.
     """
     yield
     import ray
@@ -100,17 +115,15 @@ def _free_split_coordinators(request):
 
     background.join(60)  # pool prestarts the test began park their actors now, not after the next lines
     closer.drain(wait_s=0)  # the loaders the test dropped hand their actors to the idle pool now, not after the next line
-    warm_workers.release_idle()  # the warm actors dropped loaders and pipelines left in the process's idle pool
-    if _cpus_held() > 0:
+    if _cpus_held() > warm_workers.idle_actors():
         # epochs the closer finished a moment ago hand their actors over now; and anything a test left in a
         # reference cycle that holds actor handles (an execution's scheduler and its outputs did, fixed in
         # sbloader/executor/outputs.py) would keep their CPUs until the collector's next full pass, rare in a
         # long session: later tests then wait for CPUs that do not come back (seen: a test_mix and a
         # test_stateful_hang_shapes test hung, one of them in CI's order: its 4 + 4 persistent workers need all 8
-        # CPUs). One more pass and a collection whenever a CPU is still held.
+        # CPUs). One more pass and a collection whenever a CPU is held by more than the idle actors.
         gc.collect()
         closer.drain(wait_s=0)
-        warm_workers.release_idle()
     from sbloader.distributed.naming import NAMESPACE
 
     for entry in ray.util.list_named_actors(all_namespaces=True):

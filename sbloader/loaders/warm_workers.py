@@ -264,6 +264,12 @@ def give_way(needed: float, keep: Any = None) -> None:
             kill_cached(entry[0])
 
 
+def idle_actors() -> int:
+    """How many actors wait in the process's idle pool now (each holds its CPUs until taken or killed)."""
+    with _IDLE_LOCK:
+        return sum(len(handles) for cache, _ in _IDLE.values() for handles in cache.values())
+
+
 def release_idle() -> None:
     """Kill every actor waiting in the process's idle pool now (a test's job ends with the test)."""
     with _IDLE_LOCK:

@@ -350,7 +350,7 @@ LEAK_PLAN = ([(1, False, 1), (1, True, 4), (1, True, 2), (2, True, 1)]
              + [(0, False, fate % 5) for fate in range(96)])
 
 
-def test_hundred_loaders_created_iterated_and_dropped_leak_nothing(ray_session, monkeypatch):
+def test_hundred_loaders_created_iterated_and_dropped_leak_nothing(no_idle_actors, monkeypatch):
     monkeypatch.setenv("SBLOADER_WARM_IDLE_S", "0")  # a dropped loader's warm actors are not kept for the next
     # on the pool (not local workers, which a short epoch may end on): Ray's connections and the process's
     # slot arena (an shm file, kept for the process) exist from here on
