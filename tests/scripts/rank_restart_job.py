@@ -4,7 +4,8 @@
         [--loader dropin|native] [--die-rank 1] [--die-at 10] [--ckpt-every 3]
 
 The ranks step in lockstep (a gloo barrier ends every step, as DDP's all-reduce does);
-rank 0 saves ``{"step", "loader"}`` to FILE after every ``--ckpt-every`` steps. In the
+rank 0 saves ``{"step", "loader"}`` to FILE after every ``--ckpt-every`` steps, and every
+rank waits at a second barrier until it is saved (a checkpoint is collective). In the
 first attempt (``TORCHELASTIC_RESTART_COUNT=0``) rank ``--die-rank`` SIGKILLs its own
 process at step ``--die-at``, after logging it and before that step's barrier; torchrun
 stops the other rank and starts the job again, which loads FILE. Each rank appends one
@@ -50,6 +51,9 @@ def main() -> None:
             state = loader.state_dict()
             if rank == 0:
                 save_checkpoint(args.ckpt, step, state)
+            # every rank waits for the save, as a trainer's collective checkpoint makes it: else rank 1 could
+            # reach its death at step 10 while rank 0 still wrote step 9's, and a loaded machine resumed from 6
+            dist.barrier()
     log.close()
     dist.destroy_process_group()
 
