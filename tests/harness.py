@@ -156,7 +156,8 @@ def free_coordinators(name: str) -> None:
 
 def check_resume_everywhere(make: MakeLoader, epoch_ids: list, *, key: str = "id", world_size: int = 1,
                             resume_world_sizes: tuple = (), same_order: bool = False,
-                            steps: Optional[list] = None, end_state: str = "next") -> None:
+                            steps: Optional[list] = None, end_state: str = "next",
+                            rotate_sizes: bool = False) -> None:
     """Save at every step of an epoch and resume from each; see the module's docstring.
 
     Args:
@@ -169,16 +170,23 @@ def check_resume_everywhere(make: MakeLoader, epoch_ids: list, *, key: str = "id
         steps: the steps to save at (default: every step, 0 and the last included).
         end_state: what a state taken after the epoch's last batch resumes: ``"next"`` (the
             next epoch) or ``"empty"`` (an empty remainder, then the next epoch).
+        rotate_sizes: resume each step onto one of ``resume_world_sizes`` in turn (step ``i`` of
+            ``steps`` onto the ``i``-th, round robin) instead of onto each: every step still
+            changes the world size and every size is still resumed onto, in fewer runs (each run
+            is a job: a coordinator and its pool).
     """
     base = f"resume{next(_NAMES)}"
     whole, _ = run_ranks(make, world_size, f"{base}-whole", key)
     per_rank = len(whole[0].batches)
     assert all(len(t.batches) == per_rank for t in whole), "ranks got different batch counts"
     assert sorted(i for t in whole for i in t.ids) == sorted(epoch_ids)
-    for k in (steps if steps is not None else range(per_rank + 1)):
+    for n, k in enumerate(steps if steps is not None else range(per_rank + 1)):
         head, state = run_ranks(make, world_size, f"{base}-head{k}", key, take=k)
         taken = [i for t in head for i in t.ids]
-        for ws in (world_size,) + tuple(resume_world_sizes):
+        others = tuple(resume_world_sizes)
+        if rotate_sizes and others:
+            others = (others[n % len(others)],)
+        for ws in (world_size,) + others:
             rest, _ = run_ranks(make, ws, f"{base}-rest{k}-{ws}", key, state=state,
                                 then_next=k == per_rank and end_state == "empty")
             if k == per_rank:  # a state taken after the epoch's last batch starts the next epoch

@@ -42,7 +42,8 @@ def test_the_drop_in_in_one_process(ray_session, workers):
 
 def test_the_drop_in_split_across_ranks(ray_session):
     check_resume_everywhere(lambda r, w, n: IdsLoader(_dropin(1)(r, w, n)), list(range(N)), key="id", world_size=2,
-                            resume_world_sizes=(1, 3), same_order=True, steps=[0, 1, 2, 3], end_state="empty")
+                            resume_world_sizes=(1, 3), same_order=True, steps=[0, 1, 2, 3], end_state="empty",
+                            rotate_sizes=True)
 
 
 @pytest.mark.parametrize("window", [1, 3])
@@ -55,7 +56,7 @@ def test_the_native_loader_in_one_process(ray_session, window):
 def test_the_native_loader_split_across_ranks(ray_session, local):
     """``local``: each rank's first batches made here (the whole of this small epoch), or the coordinator's."""
     check_resume_everywhere(_native(shuffle_window=3, local_start=local), list(range(N)), key="id", world_size=2,
-                            resume_world_sizes=(1, 3), same_order=True, steps=[0, 1, 2, 3])
+                            resume_world_sizes=(1, 3), same_order=True, steps=[0, 1, 2, 3], rotate_sizes=True)
 
 
 def test_the_native_loader_with_a_budget_shuffle_window(ray_session, tmp_path):
