@@ -67,8 +67,44 @@ def start_job(cluster: Cluster, tmp_path_factory, name: str, nproc: int, *args) 
     return name, nproc, out, cmd, proc, time.monotonic()
 
 
-def finish_job(started: tuple) -> Job:
-    """Wait (bounded) for a started job; the ranks' logs.
+def start_group(cluster: Cluster, tmp_path_factory, specs: dict, names: list) -> tuple:
+    """Start one job that runs the scenarios ``names`` of ``specs`` (``{name: (nproc, *args)}``, all of one
+    ``nproc``) in turn (``split_job.py --scenarios``): one torchrun and one set of rank processes for them."""
+    sizes = {specs[n][0] for n in names}
+    assert len(sizes) == 1, f"a job's scenarios {names} need one world size, found {sorted(sizes)}"
+    scenarios = json.dumps([[n, [str(a) for a in specs[n][1:]]] for n in names])
+    return start_job(cluster, tmp_path_factory, "+".join(names), sizes.pop(), "--scenarios", scenarios)
+
+
+def finish_group(started: tuple, names: list) -> dict:
+    """``{scenario: Job or JobFailed}`` of a job started by :func:`start_group` (its time: the whole job's)."""
+    try:
+        whole = finish_job(started, timeout_s=JOB_TIMEOUT_S * len(names), logs=False)
+    except JobFailed as e:
+        return {n: e for n in names}
+    results = {}
+    for n in names:
+        try:
+            results[n] = Job(n, _rank_logs(n, whole.out / n, started[1], whole.output), whole.output,
+                             whole.seconds, whole.out / n)
+        except JobFailed as e:
+            results[n] = e
+    return results
+
+
+def _rank_logs(name: str, out: Path, nproc: int, output: str) -> list:
+    logs = []
+    for r in range(nproc):
+        path = out / f"rank{r}.json"
+        if not path.exists():
+            raise JobFailed(f"job {name}: rank {r} wrote no log; output tail:\n{output[-4000:]}")
+        logs.append(json.loads(path.read_text()))
+    assert [lg["rank"] for lg in logs] == list(range(nproc)), f"job {name}: ranks {[lg['rank'] for lg in logs]}"
+    return logs
+
+
+def finish_job(started: tuple, timeout_s: float = JOB_TIMEOUT_S, logs: bool = True) -> Job:
+    """Wait (bounded) for a started job; the ranks' logs (``logs=False``: none read, an empty list).
 
     Raises:
         JobFailed: the job ran past the timeout (killed), failed, or left no log.
@@ -79,7 +115,7 @@ def finish_job(started: tuple) -> Job:
         return (out / "output.txt").read_text(errors="replace")[-4000:]
 
     try:
-        proc.wait(timeout=max(1.0, JOB_TIMEOUT_S - (time.monotonic() - t0)))
+        proc.wait(timeout=max(1.0, timeout_s - (time.monotonic() - t0)))
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -87,38 +123,31 @@ def finish_job(started: tuple) -> Job:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        raise JobFailed(f"job {name} ({' '.join(cmd[3:])}) did not finish within {JOB_TIMEOUT_S} s "
+        raise JobFailed(f"job {name} ({' '.join(cmd[3:])}) did not finish within {timeout_s:.0f} s "
                         f"(deadlock?); output tail:\n{tail()}") from None
     seconds = time.monotonic() - t0
     if proc.returncode != 0:
         raise JobFailed(f"job {name} failed with exit code {proc.returncode}; output tail:\n{tail()}")
-    logs = []
-    for r in range(nproc):
-        path = out / f"rank{r}.json"
-        if not path.exists():
-            raise JobFailed(f"job {name}: rank {r} wrote no log; output tail:\n{tail()}")
-        logs.append(json.loads(path.read_text()))
-    assert [lg["rank"] for lg in logs] == list(range(nproc)), f"job {name}: ranks {[lg['rank'] for lg in logs]}"
-    return Job(name, logs, (out / "output.txt").read_text(errors="replace"), seconds, out)
+    output = (out / "output.txt").read_text(errors="replace")
+    return Job(name, _rank_logs(name, out, nproc, output) if logs else [], output, seconds, out)
 
 
-def run_jobs(cluster: Cluster, tmp_path_factory, specs: dict, parallel: int = 2) -> dict:
-    """Run jobs ``{name: (nproc, *args)}``, ``parallel`` at a time; ``{name: Job or JobFailed}``."""
-    pending = list(specs.items())
+def run_jobs(cluster: Cluster, tmp_path_factory, specs: dict, groups: list, parallel: int = 2) -> dict:
+    """Run the scenarios ``{name: (nproc, *args)}``, one job per group of ``groups`` (lists of names, each
+    of one world size, together every name once), ``parallel`` jobs at a time; ``{name: Job or JobFailed}``."""
+    assert sorted(n for g in groups for n in g) == sorted(specs), "every scenario in exactly one group"
+    pending = list(groups)
     running: list = []
     results: dict = {}
     while pending or running:
         while pending and len(running) < parallel:
-            name, (nproc, *args) = pending.pop(0)
-            running.append(start_job(cluster, tmp_path_factory, name, nproc, *args))
-        done = [st for st in running if st[4].poll() is not None
-                or time.monotonic() - st[5] > JOB_TIMEOUT_S]
-        for st in done:
-            running.remove(st)
-            try:
-                results[st[0]] = finish_job(st)
-            except JobFailed as e:
-                results[st[0]] = e
+            names = pending.pop(0)
+            running.append((names, start_group(cluster, tmp_path_factory, specs, names)))
+        done = [(names, st) for names, st in running if st[4].poll() is not None
+                or time.monotonic() - st[5] > JOB_TIMEOUT_S * len(names)]
+        for names, st in done:
+            running.remove((names, st))
+            results.update(finish_group(st, names))
         time.sleep(0.2)
     return results
 

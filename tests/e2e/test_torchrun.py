@@ -2,9 +2,11 @@
 
 Every test reads the per-rank JSON logs of a job: the ids of every batch (rows
 marked by ``sbloader_padding`` flagged), arrival times, the coordinator's actor
-ids and, for the memory test, the coordinator's RSS. Each job runs once per module
-and several tests check it; the jobs run two at a time (no check depends on timing:
-the slow rank and the straggler wait on the other ranks' progress, not on sleeps).
+ids and, for the memory test, the coordinator's RSS. Each scenario runs once per module
+and several tests check it; the scenarios run in four torchrun jobs (``JOB_GROUPS``: a
+job's start, torchrun and its rank processes importing torch, costs more than most
+scenarios), two jobs at a time (no check depends on timing: the slow rank and the
+straggler wait on the other ranks' progress, not on sleeps).
 
 Every job joins one ``ray start`` cluster of the module with ``RAY_ADDRESS`` (as
 docs/torchrun.md says for several machines): one Ray start instead of one per job.
@@ -68,9 +70,15 @@ UNTIMED_JOBS = {  # name: (ranks, *split_job.py arguments)
 }
 
 
+# The scenarios run in four torchrun jobs (one torchrun and its rank processes for several scenarios, each
+# later one a job of its own to sbloader): the two in-order runs in different jobs, side by side.
+JOB_GROUPS = [["in_order_0", "dist_sampler_drop_last"], ["in_order_1", "iterable_split"],
+              ["two_loaders", "memory", "dist_sampler", "break_early"], ["coordinator_killed", "slow_rank", "straggler"]]
+
+
 @pytest.fixture(scope="module")
 def untimed_jobs(cluster, tmp_path_factory):
-    return run_jobs(cluster, tmp_path_factory, UNTIMED_JOBS, parallel=2)
+    return run_jobs(cluster, tmp_path_factory, UNTIMED_JOBS, JOB_GROUPS, parallel=2)
 
 
 def _job(jobs: dict, name: str) -> Job:

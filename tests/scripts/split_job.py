@@ -5,9 +5,11 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import time
+from typing import Optional
 
 import torch
 from torch.utils.data import Dataset, DistributedSampler, IterableDataset, get_worker_info
@@ -110,9 +112,12 @@ def job_coordinators(own_ids: list) -> list:
     return sorted(a["name"] for a in entries if a["namespace"] in ours)
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
+    p.add_argument("--scenarios", default="",
+                   help="a JSON list of [name, [arguments]]: run each in turn in this job (its logs in OUT/name), "
+                        "each after the first with a job id of its own (its own coordinators' namespace)")
     # --rows: torchrun's own parser rejects "--n" after the script (ambiguous prefix of its options).
     p.add_argument("--n", "--rows", dest="n", type=int, default=103)
     p.add_argument("--batch-size", type=int, default=10)
@@ -147,8 +152,27 @@ def main() -> None:
                    help="every rank leaves epoch 0 after this many batches (a step limit)")
     p.add_argument("--iterable", type=int, default=0,
                    help="an IterableDataset (FilteredIds) with split=True: len(loader) is logged as None")
-    args = p.parse_args()
+    return p
 
+
+def main() -> None:
+    p = _parser()
+    args = p.parse_args()
+    if not args.scenarios:
+        run(args)
+        return
+    for k, (name, argv) in enumerate(json.loads(args.scenarios)):
+        out = os.path.join(args.out, name)
+        os.makedirs(out, exist_ok=True)
+        # one torchrun job for several scenarios (the process starts are most of a small job's cost); each
+        # later scenario is a job of its own to sbloader, as a separate torchrun job would be
+        run(p.parse_args(["--out", out, *map(str, argv)]),
+            job_id=None if k == 0 else f"{os.environ.get('TORCHELASTIC_RUN_ID', 'split')}-{name}")
+        gc.collect()  # the scenario's loaders dropped: their coordinators retire, their pools' CPUs free
+
+
+def run(args: argparse.Namespace, job_id: Optional[str] = None) -> None:
+    """One scenario: its loaders' epochs, each rank's log in ``args.out``."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     ds = Ids(args.n, delay=args.sample_s, straggler=args.straggler, straggler_s=args.straggler_s,
              payload=args.payload, hold_dir=args.out if args.straggler_release_after > 0 else "",
@@ -158,6 +182,8 @@ def main() -> None:
     kwargs = dict(batch_size=args.batch_size, num_workers=args.workers, drop_last=bool(args.drop_last),
                   in_order=bool(args.in_order), seed=args.seed, persistent_workers=True,
                   worker_num_cpus=args.worker_cpus)
+    if job_id is not None:
+        kwargs["job_id"] = job_id
     sampler = None
     if args.iterable:
         loader = sbloader.DataLoader(FilteredIds(args.n, args.payload), split=True, **kwargs)
