@@ -105,20 +105,6 @@ def test_invalid_budget_is_rejected(ray_session):
         list(sbloader.range(4).iter_batches(2, memory_budget=0))
 
 
-def test_sbloader_never_imports_ray_data(ray_session):
-    """In a process of its own: other tests of this session (Ray Train, Ray Data comparisons) may import it."""
-    import subprocess
-
-    code = ("import sys, sbloader\n"
-            "rows = list(sbloader.range(50).map_batches(lambda b: {'id': b['id'] * 2}).iter_rows())\n"
-            "assert len(rows) == 50\n"
-            "print('RAYDATA', 'ray.data' in sys.modules)\n")
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
-                          env=dict(env, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0"))
-    assert "RAYDATA False" in proc.stdout, proc.stdout[-1000:] + proc.stderr[-3000:]
-
-
 def _delayed_identity(batch):
     time.sleep(int.from_bytes(os.urandom(2), "little") / 65535 * 0.05)  # not seeded: real jitter
     return batch
