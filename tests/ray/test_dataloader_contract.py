@@ -334,6 +334,8 @@ def held() -> dict:
 
 
 def back_to(baseline: dict, within_s: float = 10.0) -> dict:
+    """What the process holds once nothing is above `baseline` (or after `within_s`): fewer is fine (a
+    connection or pipe open at the baseline may close later), more is a leak."""
     deadline = time.monotonic() + within_s
     while True:
         now = held()
@@ -356,7 +358,11 @@ def test_hundred_loaders_created_iterated_and_dropped_leak_nothing(no_idle_actor
     # slot arena (an shm file, kept for the process) exist from here on
     warm = sbloader.DataLoader(Ids(8), batch_size=2, num_workers=1, local_start=False)
     assert flat_ids(warm) == list(range(8))
-    del warm
+    # and one local start: its workers' init flags are a RawArray in Python's multiprocessing heap, whose
+    # first arena (an unlinked /dev/shm file, two fds) is kept for the process
+    local = sbloader.DataLoader(Ids(8), batch_size=2, num_workers=1)
+    assert next(iter(local)).tolist() == [0, 1]
+    del warm, local
     gc.collect()
     baseline = back_to(held())
     for k, (workers, persistent, fate) in enumerate(LEAK_PLAN):
@@ -372,10 +378,11 @@ def test_hundred_loaders_created_iterated_and_dropped_leak_nothing(no_idle_actor
             del lo  # the loader goes first; its epoch, still running, then hands its actors back
         lo = it = None  # dropped, not closed: what a user's loop does when it moves on
     now = back_to(baseline)
-    assert now == baseline, f"after 100 loaders dropped: {now}, at the start: {baseline}"
+    assert all(now[k] <= baseline[k] for k in baseline), f"after 100 loaders dropped: {now}, at the start: {baseline}"
     # the 101st starts as the first did: nothing left behind that its workers would wait for
     lo = sbloader.DataLoader(Ids(8), batch_size=2, num_workers=2, persistent_workers=True,
                              start_timeout=120)
     assert flat_ids(lo) == list(range(8))
     del lo
-    assert back_to(baseline) == baseline
+    now = back_to(baseline)
+    assert all(now[k] <= baseline[k] for k in baseline), f"after the 101st: {now}, at the start: {baseline}"
