@@ -22,13 +22,17 @@ of the same key takes them at its first epoch, rebuilt there as above
 Idle actors, a loader's or the process's, are killed after ``SBLOADER_WARM_IDLE_S``
 seconds without an epoch (60), and at exit (with the embedded Ray); the process's idle actors
 go at once when a new pool needs their CPUs, here or at the coordinator of a split loader
-of this process (:func:`give_way`). They are this
+of this process (:func:`give_way`), and whenever the cluster has CPU work that waits for free CPUs
+(a pool started where :func:`give_way` was not asked or read a free-CPU figure that lagged, another
+process's, a user's own Ray tasks: :func:`watch`). A live loader's warm actors between its epochs
+are not: its next epoch takes them, and a new loader's workers share the CPUs they hold. They are this
 process's actors in this job's Ray: never shared with another process or job.
 """
 from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Any, Optional, Tuple
 
 import ray
@@ -46,6 +50,8 @@ def idle_s() -> float:
     return float(os.environ.get("SBLOADER_WARM_IDLE_S", "60"))
 
 
+WATCH_S = 0.5  # how often the idle actors look for CPU work that waits for them
+WATCH_READINGS = 2  # readings in a row that must show waiting work (not a task queued for a moment)
 DRAIN_S = 2.0  # at most this long a new pool waits for a dropped epoch's close to hand its actors over
 _IDLE_LOCK = threading.Lock()
 _IDLE: dict = {}  # key -> (actor cache, its idle timer): the warm actors of dropped loaders
@@ -65,6 +71,7 @@ def park(key: Any, cache: dict) -> None:
         timer.daemon = True
         _IDLE[key] = (cache, timer)
         timer.start()
+    watch()
 
 
 def unpark(key: Any) -> dict:
@@ -277,17 +284,55 @@ def release_idle() -> None:
         _IDLE.clear()
     for cache, timer in entries:
         timer.cancel()
-        try:
-            kill_cached(cache)
-        except Exception:  # Ray is shutting down
-            pass
+        _kill_quietly(cache)
 
 
 def _expire(key: Tuple) -> None:
     with _IDLE_LOCK:
         entry = _IDLE.pop(key, None)
     if entry is not None:
+        _kill_quietly(entry[0])
+
+
+_WATCHER: list = []  # the watcher thread, while one runs
+
+
+def watch() -> None:
+    """Idle actors wait in this process's idle pool: a thread reads the cluster's waiting CPU work every
+    :data:`WATCH_S` until none are left, and when :data:`WATCH_READINGS` readings in a row show work that waits for free CPUs, the idle actors are
+    killed (:func:`give_way` decides when a pool starts, from a free-CPU figure that lags; this sees
+    what waits, whoever asked)."""
+    with _IDLE_LOCK:
+        if _WATCHER:
+            return
+        thread = threading.Thread(target=_watch, name="sbloader-idle-watch", daemon=True)
+        _WATCHER.append(thread)
+    thread.start()
+
+
+def _watch() -> None:
+    from sbloader.runtime import cluster_state
+
+    seen = 0
+    while True:
+        time.sleep(WATCH_S)
+        with _IDLE_LOCK:
+            if not _IDLE or not ray.is_initialized():
+                _WATCHER.clear()
+                return
         try:
-            kill_cached(entry[0])
-        except Exception:  # Ray is shutting down
-            pass
+            waiting = cluster_state.cpus_waiting()
+        except Exception:  # the GCS did not answer, or Ray is shutting down: read again next time
+            continue
+        seen = seen + 1 if waiting > 0 else 0
+        if seen < WATCH_READINGS:
+            continue
+        seen = 0
+        release_idle()
+
+
+def _kill_quietly(cache: dict) -> None:
+    try:
+        kill_cached(cache)
+    except Exception:  # Ray is shutting down
+        pass

@@ -107,6 +107,20 @@ def available_resources(exclude: Sequence[str] = ()) -> dict:
     return sum_resources({k: v for k, v in per_node.items() if k in alive}, exclude)
 
 
+def cpus_waiting(timeout: float = 2.0) -> float:
+    """CPUs that tasks and actors queued on the nodes ask for and wait to get (feasible requests not placed
+    yet for want of free CPUs: the raylets' resource load, reported within about a second). One GCS call
+    with a ``timeout``; raises when the GCS does not answer (no last answer stands in: a stale demand
+    would be acted on)."""
+    reply = _client().get_all_resource_usage(timeout=timeout)
+    total = 0.0
+    for node in reply.resource_usage_data.batch:
+        for demand in node.resource_load_by_shape.resource_demands:
+            queued = demand.num_ready_requests_queued + demand.backlog_size
+            total += float(demand.shape.get("CPU", 0.0)) * queued
+    return total
+
+
 def cpus(exclude: Sequence[str] = ()) -> float:
     """The live nodes' CPUs (all but ``exclude``)."""
     return float(total_resources(exclude).get("CPU", 0.0))

@@ -278,6 +278,14 @@ def rank(r):
 bounded(lambda: rank(0), lambda: rank(1))
 assert got == [8, 8], got
 """,
+    "a user's own Ray task (no sbloader pool: the idle actors see it wait)": """
+import ray
+@ray.remote(num_cpus=1)
+def one():
+    return 1
+got.append(ray.get(one.remote(), timeout=60))  # else it waits the idle hour
+assert got == [1], got
+""",
     "a native pipeline": """
 def epoch():
     ds = sbloader.from_items([{"x": i} for i in range(40)], num_partitions=4).map_batches(lambda b: b)
