@@ -79,7 +79,7 @@ def start_group(cluster: Cluster, tmp_path_factory, specs: dict, names: list) ->
 def finish_group(started: tuple, names: list) -> dict:
     """``{scenario: Job or JobFailed}`` of a job started by :func:`start_group` (its time: the whole job's)."""
     try:
-        whole = finish_job(started, timeout_s=JOB_TIMEOUT_S * len(names), logs=False)
+        whole = finish_job(started, timeout_s=JOB_TIMEOUT_S * len(names))
     except JobFailed as e:
         return {n: e for n in names}
     results = {}
@@ -103,13 +103,13 @@ def _rank_logs(name: str, out: Path, nproc: int, output: str) -> list:
     return logs
 
 
-def finish_job(started: tuple, timeout_s: float = JOB_TIMEOUT_S, logs: bool = True) -> Job:
-    """Wait (bounded) for a started job; the ranks' logs (``logs=False``: none read, an empty list).
+def finish_job(started: tuple, timeout_s: float = JOB_TIMEOUT_S) -> Job:
+    """Wait (bounded) for a started job (its scenarios' rank logs are read by :func:`finish_group`).
 
     Raises:
         JobFailed: the job ran past the timeout (killed), failed, or left no log.
     """
-    name, nproc, out, cmd, proc, t0 = started
+    name, _, out, cmd, proc, t0 = started
 
     def tail() -> str:
         return (out / "output.txt").read_text(errors="replace")[-4000:]
@@ -129,7 +129,7 @@ def finish_job(started: tuple, timeout_s: float = JOB_TIMEOUT_S, logs: bool = Tr
     if proc.returncode != 0:
         raise JobFailed(f"job {name} failed with exit code {proc.returncode}; output tail:\n{tail()}")
     output = (out / "output.txt").read_text(errors="replace")
-    return Job(name, _rank_logs(name, out, nproc, output) if logs else [], output, seconds, out)
+    return Job(name, [], output, seconds, out)
 
 
 def run_jobs(cluster: Cluster, tmp_path_factory, specs: dict, groups: list, parallel: int = 2) -> dict:
