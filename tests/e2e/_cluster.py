@@ -74,6 +74,13 @@ def _kill(pids: list[int]) -> None:
             pass
 
 
+# The head's GCS checks each raylet every second and counts a node dead after 3 failed checks in a row (Ray's
+# defaults, 3 s and 5, take ~15 s: a test that kills a node waited that long for its blocks to be made again).
+# A check times out after Ray's default 10 s, so a raylet alive but slow on this loaded machine is not taken for
+# dead; a killed one refuses the check at once. docs/multinode.md gives users the same settings.
+HEALTH_CHECKS = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3"}
+
+
 class Cluster:
     """The head and the CPU nodes: address, env for jobs, and the pids to stop.
 
@@ -95,7 +102,8 @@ class Cluster:
         head = subprocess.run(
             ["ray", "start", "--head", "--node-ip-address=127.0.0.1", f"--port={self.port}", f"--num-cpus={head_cpus}",
              "--include-dashboard=false", f"--temp-dir={self.root}/head"],
-            env=dict(base, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0"), capture_output=True, text=True, timeout=120)
+            env=dict(base, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", **HEALTH_CHECKS), capture_output=True, text=True,
+            timeout=120)
         assert head.returncode == 0, head.stdout[-2000:] + head.stderr[-2000:]
         self.head_raylet = set(self._raylets()) - self.raylets_before
         try:
