@@ -11,7 +11,8 @@ is inside), and :func:`sweep` kills the processes it had spawned and resets Ray'
 
 The cut is a trace function (``sys.settrace``, 'call' events only) on the thread that runs
 ``ray.init``, set for the start alone. It never raises inside an import (a module half made),
-a ``__del__`` or an ``__exit__``: it waits for the next call outside them. Nothing starts Ray
+a ``__del__``, an ``__exit__`` or the standard library (``logging`` lets its lock go with a call
+that a raise would skip): it waits for the next call outside them. Nothing starts Ray
 once the cut was asked (:func:`asked`). Only a process's own Ray is cut: the ranks of a torchrun
 job wait for local rank 0's Ray, which therefore starts (and stops) as before.
 """
@@ -88,13 +89,32 @@ _INSIDE_CODE = _inside.__code__
 _HELD_NAMES = ("<module>", "__del__", "__exit__", "__aexit__")
 
 
+def _stdlib_dirs() -> tuple:
+    """The standard library's folders, and the site-packages folders inside them (those are not it)."""
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    std = tuple({os.path.join(paths[k], "") for k in ("stdlib", "platstdlib") if paths.get(k)})
+    site = tuple({os.path.join(paths[k], "") for k in ("purelib", "platlib") if paths.get(k)})
+    return std, site
+
+
+_STDLIB, _SITE = _stdlib_dirs()
+
+
+def _in_stdlib(filename: str) -> bool:
+    """Whether code of ``filename`` is the standard library's (frozen modules included)."""
+    return filename.startswith("<frozen ") or (filename.startswith(_STDLIB) and not filename.startswith(_SITE))
+
+
 def _unwindable(frame: Any) -> bool:
     """Whether no frame between ``frame`` and :func:`_inside` is an import (a module's body, importlib),
-    a finalizer or a context's exit: an exception there would leave a module half made or a lock held."""
+    a finalizer, a context's exit or the standard library's code: an exception there would leave a module
+    half made or a lock held (``logging`` lets its lock go with a call, often outside a ``finally``)."""
     f = frame
     while f is not None and f.f_code is not _INSIDE_CODE:
         code = f.f_code
-        if code.co_name in _HELD_NAMES or code.co_filename.startswith("<frozen importlib"):
+        if code.co_name in _HELD_NAMES or _in_stdlib(code.co_filename):
             return False
         f = f.f_back
     return f is not None

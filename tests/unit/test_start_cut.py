@@ -77,6 +77,41 @@ def test_the_cut_waits_for_an_import_under_way_to_finish(tmp_path, monkeypatch):
     assert log == []
 
 
+def test_the_cut_never_raises_inside_the_standard_library_where_a_lock_may_be_held():
+    """``logging`` takes its module lock and lets it go with a call (``_releaseLock``), often outside a
+    ``finally`` (``Manager._clear_cache``): a cut raised at that call left the lock held, and the exiting
+    process hung in its next log call (seen once: a Lightning job that raised while Ray started). The cut
+    waits for the start's next call outside the standard library."""
+    import logging
+    import threading
+
+    log: list = []
+
+    def start() -> None:
+        logging._acquireLock()  # as logging's own code does, then...
+        start_cut.cut()  # ...the exit asks for the cut while the lock is held
+        logging._releaseLock()
+        _step(log, "outside the standard library")
+
+    with pytest.raises(start_cut.StartCancelled):
+        start_cut.cancellable(start)
+    assert log == []
+    got = []
+
+    def other_thread_logs() -> None:
+        free = logging._lock.acquire(timeout=5)
+        if free:
+            logging._lock.release()
+        got.append(free)
+
+    other = threading.Thread(target=other_thread_logs)
+    other.start()
+    other.join()
+    if got != [True]:
+        logging._releaseLock()  # this thread's: let the rest of the session log
+    assert got == [True], "the logging module's lock was left held by the cut"
+
+
 def test_a_cut_swallowed_by_a_callback_is_raised_again_and_not_printed(capsys):
     class Obj:
         pass
