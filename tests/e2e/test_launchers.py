@@ -100,7 +100,7 @@ def mixture_runs(tmp_path_factory) -> tuple[list[dict], list[dict], Path]:
 
 
 @pytest.mark.parametrize("resume_devices", [2, pytest.param(1, marks=pytest.mark.xfail(
-    strict=True, reason="issue #49: a mixture's state taken while a source is partway through a batch resumes "
+    strict=True, raises=AssertionError, reason="issue #49: a mixture's state taken while a source is partway through a batch resumes "
                         "exactly only on the same world size (StateDictError names it); row-level credit in "
                         "each source's state is not built yet"))])
 def test_lightning_mixture_resumed_through_its_checkpoint_repeats_the_uninterrupted_epochs(tmp_path, mixture_runs,
