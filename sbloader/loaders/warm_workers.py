@@ -299,9 +299,9 @@ _WATCHER: list = []  # the watcher thread, while one runs
 
 def watch() -> None:
     """Idle actors wait in this process's idle pool: a thread reads the cluster's waiting CPU work every
-    :data:`WATCH_S` until none are left, and when :data:`WATCH_READINGS` readings in a row show work that waits for free CPUs, the idle actors are
-    killed (:func:`give_way` decides when a pool starts, from a free-CPU figure that lags; this sees
-    what waits, whoever asked)."""
+    :data:`WATCH_S` until none are left, and when :data:`WATCH_READINGS` readings in a row show work
+    that waits for free CPUs, the idle actors are killed (:func:`give_way` decides when a pool starts,
+    from a free-CPU figure that lags; this sees what waits, whoever asked)."""
     with _IDLE_LOCK:
         if _WATCHER:
             return
