@@ -156,7 +156,7 @@ def batches(link: Any, run: Any) -> Iterator[tuple[Batch, int]]:
                     waited = time.monotonic()
             for pid in now:
                 if pid not in blocks:
-                    blocks[pid] = _checked(_fetch(link, run, pid, refs.pop(pid), j), pid, run, offset)
+                    blocks[pid] = _checked(_fetch(link, run, pid, refs.pop(pid), j), pid, run)
         except (ray.exceptions.RayActorError, ray.exceptions.OwnerDiedError) as e:
             # The coordinator died, and with it the blocks it owned that this rank had not
             # fetched (those fetched stay in this process): the epoch is rebuilt from batch j.
@@ -234,10 +234,11 @@ def _call(send: Any, patience_s: float = 30.0) -> Any:
             time.sleep(0.5)
 
 
-def _checked(block: dict, pid: int, run: Any, offset: dict) -> dict:
-    """The block, once its row count is the plan's (:func:`~sbloader.core.cut.checked_rows`)."""
+def _checked(block: dict, pid: int, run: Any) -> dict:
+    """The block, once its row count is the plan's (:func:`~sbloader.core.cut.checked_rows`), without the rows
+    consumed ahead of its prefix."""
     place = run.pids.index(pid)
-    return checked_rows(block, pid, offset[place] + run.rows[place])
+    return run.strip(place, checked_rows(block, pid, run.whole(place)))
 
 
 def report_done(coord: Any, run: Any, spec: Optional[PartitionEpochSpec]) -> None:

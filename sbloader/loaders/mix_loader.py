@@ -235,9 +235,11 @@ class MixLoader:
         """Resume from :meth:`state_dict`: every source goes on after the rows the loop took from it.
 
         ``weights``: new weights from the resumed position on (as :meth:`set_weights`).
-        ``strict=False`` loads a state of other sources' fingerprints, and one taken on another
-        world size while a source was partway through a batch (warning: the used rows of that
-        batch on every old rank come again).
+        On another world size, every source the ranks were partway through a batch of resumes
+        after the rows they had used (its loader credits them, row by row); a source that cannot
+        (an ``IterableDataset``'s loader counts batches) is refused unless ``strict=False``
+        (warning: the used rows of that batch on every old rank come again). ``strict=False``
+        also loads a state of other sources' fingerprints.
         """
         state = mix_state.FORMAT.check(state_dict, self._fingerprint(), strict)
         mix_state.check_body(state, self.names)
@@ -246,8 +248,11 @@ class MixLoader:
             raise mix_state.StateDictError(f"mix state history: its first change is at {history[0].position}, "
                                            "expected 0")
         cursors = {n: CursorState.from_json(n, state["sources"][n]) for n in self.names}
+        found = int(state.get("world_size", 1))
+        if found != self.world_size:  # the sources' batches are cut anew: credit the rows used in rows
+            cursors = {n: self._credited(n, c, found, strict) for n, c in cursors.items()}
         mix_state.check_world(state, self.world_size, {n: c.used for n, c in cursors.items()}, strict)
-        if int(state.get("world_size", 1)) != self.world_size:  # batches cut anew: their used rows come again
+        if found != self.world_size:  # strict=False: a source that could not credit its rows repeats them
             cursors = {n: dataclasses.replace(c, used=0) for n, c in cursors.items()}
         for n, c in self._cursors.items():
             c.load(cursors[n])
@@ -257,6 +262,16 @@ class MixLoader:
         self._epoch = int(state["epoch"])
         if weights is not None:
             self.set_weights(weights)
+
+    def _credited(self, name: str, cursor: CursorState, world_size: int, strict: bool) -> CursorState:
+        """A source's cursor taken on ``world_size`` ranks partway through a batch, as one between
+        batches: its loader's state with the used rows of every old rank's batch consumed (a loader
+        that counts rows, :meth:`~sbloader.loaders.pipeline_loader.PipelineLoader.credit_rows`)."""
+        loader = self._cursors[name].loader
+        if not cursor.used or cursor.loader is None or not hasattr(loader, "credit_rows"):
+            return cursor
+        credited = loader.credit_rows(cursor.loader, cursor.used, world_size, strict)
+        return dataclasses.replace(cursor, loader=credited, used=0)
 
     def _fingerprint(self) -> dict:
         return {"sources": {n: self._fingerprints.get(n) for n in self.names}, "seed": self.seed,

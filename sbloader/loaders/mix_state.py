@@ -36,12 +36,14 @@ def check_body(state: dict, names: list) -> None:
 
 
 def check_world(state: dict, world_size: int, used: dict, strict: bool = True) -> None:
-    """Refuse a state whose sources are partway through a batch when the world size changed.
+    """Refuse a state whose sources are still partway through a batch when the world size changed.
 
     A source's state is its loader's state before the batch it is in plus the rows of that
     batch used, the same on every rank. On the same world size the batch comes again and its
-    used rows are skipped; on another the source's batches are cut anew, so those rows cannot
-    be told apart (issue #49: row-level credit in the source's own state is not built yet).
+    used rows are skipped; on another the source's batches are cut anew. A native source's
+    loader credits the used rows of every old rank's batch in its own state first (``used``
+    is then 0); one whose loader counts batches, not rows (an ``IterableDataset`` through the
+    drop-in), cannot tell those rows apart.
     """
     found = int(state.get("world_size", 1))
     partway = sorted(n for n, u in used.items() if u)
@@ -56,9 +58,10 @@ def check_world(state: dict, world_size: int, used: dict, strict: bool = True) -
     if found != world_size and partway:
         raise StateDictError(
             f"mix state world_size: found {found}, expected {world_size} (this job's), and sources {partway} "
-            "were partway through a batch when it was taken; such a state resumes exactly only on "
-            f"{found} rank(s). Resume on {found} rank(s), from a state taken where every source's "
-            "'used' is 0, or pass strict=False to resume anyway (those rows of each old rank come again)")
+            "were partway through a batch when it was taken; their loaders count batches, not rows (an "
+            f"IterableDataset's), so such a state resumes exactly only on {found} rank(s). Resume on {found} "
+            "rank(s), from a state taken where those sources' 'used' is 0, or pass strict=False to resume "
+            "anyway (those rows of each old rank come again)")
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,7 @@ def enabled(pipeline: Any, settings: Any, base: PipelineRun, seeded: bool, keeps
     (``seeded``: the loader's ``seed``; or a loaded state's), every stage a plain function, no kept
     actors, local starts allowed (:func:`~sbloader.loaders.native_start.enabled`), and a memory
     budget known before Ray (given, or the embedded Ray's: no ``RAY_ADDRESS``)."""
-    resumed = bool(base.done or base.taken or base.batches)
+    resumed = bool(base.done or base.taken or base.ahead or base.batches)
     return ((seeded or resumed) and local_count(1) > 0
             and (settings.memory_budget is not None or not os.environ.get("RAY_ADDRESS"))
             and native_start.enabled(pipeline, settings.local_start, keeps_actors, forced=True))
@@ -116,7 +116,7 @@ def split_start_epoch(loader: Any, run: SplitRun, k: int,
     mine = run.plan.for_rank(run.rank)[:k]
     order, last = _needed(run, k)
     offset = {place: run.base.taken.get(pid, 0) for place, pid in enumerate(run.pids)}
-    expect = {pid: offset[place] + run.rows[place] for place, pid in enumerate(run.pids)}
+    places_of = {pid: place for place, pid in enumerate(run.pids)}
     plan = EpochPlan(run.epoch, run.base.epoch_seed, list(run.base.order), settings.shuffle)
     finder = threading.Thread(target=_find_coordinator, args=(loader,), daemon=True,
                               name="sbloader-coordinator-start")
@@ -134,7 +134,8 @@ def split_start_epoch(loader: Any, run: SplitRun, k: int,
                 for p in places(b):
                     while run.pids[p.key] not in blocks:
                         pid, block = next(made)
-                        blocks[pid] = checked_rows(block, pid, expect[pid])
+                        at = places_of[pid]
+                        blocks[pid] = run.strip(at, checked_rows(block, pid, run.whole(at)))
                         closing["made"] += 1
                 batch = assemble(b, run.pids, run.epoch, blocks, offset)
                 for pid in [pid for pid, at in last.items() if at == j]:

@@ -16,6 +16,7 @@ import warnings
 import weakref
 from typing import Any, Callable, Iterator, Mapping, Optional
 
+from sbloader.core.errors import StateDictError
 from sbloader.core.ops import rows_changing
 from sbloader.core.plan import draw_epoch_seed
 from sbloader.core.split import split_epoch
@@ -208,6 +209,37 @@ class PipelineLoader:
         self._run = None
         self._epoch = int(state["epoch"])
 
+    def credit_rows(self, state_dict: dict, rows: int, world_size: int, strict: bool = True) -> dict:
+        """``state_dict`` (taken on ``world_size`` ranks between two batches) with the first ``rows`` rows
+        of every rank's next batch counted as consumed, as a state that resumes on any world size.
+
+        A mixture resumed on another world size asks it of each source its ranks were partway
+        through (:mod:`~sbloader.loaders.mix_loader`): the batches are cut from the plan every rank
+        computes, so which rows those were is arithmetic. Needs partition sizes known up front (as a
+        split epoch does) and, for a state between epochs, the loader's ``seed``.
+        """
+        state = pipeline_state.FORMAT.check(state_dict, self._fingerprint(), strict)
+        if rows <= 0:
+            return dict(state)
+        source, epoch = self.dataset.source, int(state["epoch"])
+        if state.get("epoch_seed") is not None:
+            plan = epoch_plan(source, epoch, int(state["epoch_seed"]), self.shuffle)
+            base = pipeline_state.run_from_state(state, plan.order)
+        elif self.seed is not None:
+            plan = epoch_plan(source, epoch, draw_epoch_seed(self.seed, epoch, self.generator), self.shuffle)
+            base = PipelineRun(plan.epoch, plan.epoch_seed, order=plan.order)
+        else:
+            raise StateDictError(
+                "credit_rows: found a state between epochs of an unseeded loader, expected a seeded one: the "
+                "next epoch's order is drawn at random; pass seed= to the loader")
+        spec = self.settings.window
+        budget = shuffle_window.default_budget(self.settings.memory_budget) if spec.partitions is None else 0
+        window = shuffle_window.split_window(spec, base, source, budget)
+        sizes = sizes_of(source, base.epoch, base.epoch_seed, self.shuffle)
+        run = plan_split(base, sizes, rows_changing(self.dataset.ops), self.batch_size, world_size, 0,
+                         self.settings.drop_last, window)
+        return pipeline_state.make_state(self._fingerprint(), epoch, run.progress(0, rows))
+
     def _fingerprint(self) -> dict:
         return pipeline_state.fingerprint(self.dataset, self.batch_size, self.shuffle)
 
@@ -246,7 +278,7 @@ class PipelineLoader:
     def _job_seed(self, base: PipelineRun, coordinator: Any) -> PipelineRun:
         """A fresh unseeded epoch with the seed every rank uses (the first rank's draw): the ranks
         cut their batches from one plan, and each rank's torch RNG may draw another seed."""
-        if self.seed is not None or base.done or base.taken or base.batches:
+        if self.seed is not None or base.done or base.taken or base.ahead or base.batches:
             return base  # seeded, or resumed from a state every rank loaded alike
         import ray
 

@@ -8,8 +8,11 @@ of the few partly consumed) and ``batches`` (batches taken, so a resumed epoch's
 shuffle window draws as the uninterrupted one would) and, for a budget shuffle window,
 ``window`` (``[cap, unit]``: the window the epoch started with). Over 64 partly
 consumed partitions (a wide window), their counts are packed (``partial_packed``,
-:func:`~sbloader.core.ledger.pack_counts`). Version 3 (version 2 had neither
-optional key and loads as is); version 2; version 1 named
+:func:`~sbloader.core.ledger.pack_counts`). A state that credited the first rows of
+every rank's pending batch (a mixture resumed on another world size) also has
+``ahead`` (place -> ranges of rows consumed past its ``partial`` count,
+:mod:`~sbloader.core.row_ledger`). Version 4 (versions 2 and 3 had none of the
+optional keys newer than them and load as they are); version 1 named
 partition ids, which an unshuffled epoch's places are (read as version 2), and a
 shuffled one's are not (refused with the reason).
 """
@@ -22,7 +25,7 @@ from sbloader.core.errors import StateDictError
 from sbloader.core.state import StateFormat
 from sbloader.loaders.pipeline_run import PipelineRun
 
-STATE_VERSION = 3
+STATE_VERSION = 4
 
 
 def _upgrade_v1(state: dict) -> dict:
@@ -44,7 +47,13 @@ def _upgrade_v2(state: dict) -> dict:
     return {**state, "version": 3}
 
 
-FORMAT = StateFormat("sbloader.PipelineLoader", STATE_VERSION, ("done", "partial"), {1: _upgrade_v1, 2: _upgrade_v2})
+def _upgrade_v3(state: dict) -> dict:
+    """Version 4 only adds the optional ``ahead``: a version-3 state means the same."""
+    return {**state, "version": 4}
+
+
+FORMAT = StateFormat("sbloader.PipelineLoader", STATE_VERSION, ("done", "partial"),
+                     {1: _upgrade_v1, 2: _upgrade_v2, 3: _upgrade_v3})
 
 
 def fingerprint(pipeline: Any, batch_size: Optional[int], shuffle: bool) -> dict:
@@ -67,7 +76,9 @@ def make_state(fp: dict, epoch: int, run: Optional[PipelineRun]) -> dict:
     return {**FORMAT.header(fp), "epoch": run.epoch, "epoch_seed": run.epoch_seed,
             "done": [list(r) for r in ledger.from_positions(place[pid] for pid in run.done)],
             **counts, "batches": int(run.batches),
-            **({"window": list(run.window)} if run.window else {})}
+            **({"window": list(run.window)} if run.window else {}),
+            **({"ahead": {str(place[pid]): [list(r) for r in ranges] for pid, ranges in sorted(run.ahead.items())
+                          if pid not in run.done}} if run.ahead else {})}
 
 
 def run_from_state(state: dict, order: tuple) -> PipelineRun:
@@ -79,7 +90,8 @@ def run_from_state(state: dict, order: tuple) -> PipelineRun:
     except Exception as e:  # a damaged string: say so rather than resume wrongly
         raise StateDictError(f"state partial_packed: found a value that does not unpack ({e}); expected what "
                              "state_dict() wrote") from None
-    named = [int(p) for p in places] + list(partial)
+    ahead = _ahead(state.get("ahead"))
+    named = [int(p) for p in places] + list(partial) + list(ahead)
     if named and max(named) >= len(order):
         raise StateDictError(
             f"the state names place {max(named)} of an epoch of {len(order)} partitions; load it into a loader "
@@ -93,6 +105,7 @@ def run_from_state(state: dict, order: tuple) -> PipelineRun:
         order=tuple(order),
         batches=int(state.get("batches", 0)),
         window=_window(state.get("window")),
+        ahead={order[k]: v for k, v in ahead.items()},
     )
 
 
@@ -104,3 +117,17 @@ def _window(value: Any) -> Optional[list]:
             or value[0] < 1 or value[1] not in ("rows", "bytes")):
         raise StateDictError(f"state window: found {value!r}, expected [cap >= 1, 'rows' or 'bytes'] or no window")
     return [int(value[0]), str(value[1])]
+
+
+def _ahead(value: Any) -> dict:
+    """A state's ``ahead`` (place -> ``[[start, stop], ...]``) checked, as place -> ranges."""
+    if value is None:
+        return {}
+    try:
+        out = {int(k): [(int(a), int(b)) for a, b in v] for k, v in value.items()}
+    except (AttributeError, TypeError, ValueError):
+        out = None
+    if out is None or any(a < 0 or b <= a for v in out.values() for a, b in v):
+        raise StateDictError(f"state ahead: found {value!r}, expected {{place: [[start, stop], ...]}} with "
+                             "0 <= start < stop, as state_dict() wrote it")
+    return out

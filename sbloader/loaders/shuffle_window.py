@@ -81,7 +81,7 @@ def block_weight(window: Window, run: Any) -> Callable[[BlockMeta], int]:
     block holds the rows consumed before too)."""
     if window.unit == "bytes":
         return lambda meta: int(meta.nbytes)
-    return lambda meta: int(meta.num_rows) + int(run.taken.get(meta.partition_id, 0))
+    return lambda meta: int(meta.num_rows) + int(run.consumed(meta.partition_id))
 
 
 class Report:

@@ -99,23 +99,34 @@ def mixture_runs(tmp_path_factory) -> tuple[list[dict], list[dict], Path]:
     return _seen(whole, 2), _seen(stopped, 2), stopped
 
 
-@pytest.mark.parametrize("resume_devices", [2, pytest.param(1, marks=pytest.mark.xfail(
-    strict=True, raises=AssertionError, reason="issue #49: a mixture's state taken while a source is partway through a batch resumes "
-                        "exactly only on the same world size (StateDictError names it); row-level credit in "
-                        "each source's state is not built yet"))])
+@pytest.mark.parametrize("resume_devices", [2, 1])
 def test_lightning_mixture_resumed_through_its_checkpoint_repeats_the_uninterrupted_epochs(tmp_path, mixture_runs,
                                                                                            resume_devices):
-    """Resumed through Lightning's checkpoint on ``resume_devices``: the rest of epoch 0 draws the
-    samples the uninterrupted 2-device run drew (the schedule is the seed's, not the world size's),
-    none twice and none lost across the preemption; then a whole epoch 1 (the same as the
-    uninterrupted run's on 2 devices)."""
+    """Resumed through Lightning's checkpoint on ``resume_devices``. On 2 devices the rest of epoch 0
+    draws the samples the uninterrupted run drew (the schedule is the seed's), none twice and none
+    lost across the preemption, then the same epoch 1. On 1 device (the checkpoint was taken while
+    the ranks were partway through their sources' batches: each source's loader credits the rows
+    the two ranks had used) every source's epochs are read whole, each sample once per epoch, and
+    each epoch of the mixture has its ``num_samples``."""
     full, before, stopped = mixture_runs
     _lightning(tmp_path, "ddp", resume_devices, "--mix", "--resume", str(stopped / "mid.ckpt"))
     after = _seen(tmp_path, resume_devices, "-resumed")
     expected = sorted(i for r in full for i in r["0"])
     assert len(expected) == 2 * N and any(i >= 1000 for i in expected) and any(i < 1000 for i in expected)
     got = sorted(i for r in before + after for i in r.get("0", []))
-    assert got == expected, f"epoch 0: lost {sorted(set(expected) - set(got))}, extra {sorted(set(got) - set(expected))}"
+    if resume_devices == 1:
+        assert len(after[0]["0"]) == N - len(before[0]["0"])
+        stream = [i for r in before for i in r["0"]] + after[0]["0"] + after[0]["1"]
+        for offset, n in ((0, 60), (1000, 30)):
+            ids = [i for i in stream if offset <= i < offset + n]
+            assert len(ids) > 2 * n  # the source ran past its first epoch boundaries
+            for lo in range(0, len(ids), n):  # the ranks' rows before the stop lie in the first epoch
+                chunk = ids[lo:lo + n]
+                assert len(set(chunk)) == len(chunk), f"source at {offset}: a sample twice in one epoch"
+                if len(chunk) == n:
+                    assert sorted(chunk) == list(range(offset, offset + n)), f"source at {offset}: lost samples"
+    else:
+        assert got == expected, f"epoch 0: lost {sorted(set(expected) - set(got))}, extra {sorted(set(got) - set(expected))}"
     epoch1 = sorted(i for r in after for i in r["1"])
     if resume_devices == 2:
         assert epoch1 == sorted(i for r in full for i in r["1"])

@@ -169,3 +169,20 @@ def test_close_then_read_on_goes_on_where_it_was():
     head = [_rows(next(it)) for _ in range(5)]
     loader.close()  # every source's epoch stopped partway
     assert head + [_rows(b) for b in loader] == whole
+
+
+def test_on_another_world_size_a_source_that_counts_batches_is_refused_partway_and_lenient_warns():
+    """A source whose loader cannot credit rows (as an ``IterableDataset``'s drop-in, counting batches)
+    cannot resume partway through a batch on another world size: refused, or with ``strict=False``
+    resumed with a warning that those rows come again. Between batches it loads anywhere."""
+    loader = _loader(5, src_batch=7)
+    it = iter(loader)
+    next(it)
+    state = {**loader.state_dict(), "world_size": 2}  # as if taken on 2 ranks
+    assert any(s["used"] for s in state["sources"].values())
+    with pytest.raises(StateDictError, match="count batches, not rows"):
+        _loader(5, src_batch=7).load_state_dict(state)
+    with pytest.warns(UserWarning, match="come again"):
+        _loader(5, src_batch=7).load_state_dict(state, strict=False)
+    between = {**state, "sources": {n: {**s, "used": 0} for n, s in state["sources"].items()}}
+    _loader(5, src_batch=7).load_state_dict(between)
