@@ -73,20 +73,52 @@ def test_lightning_mid_epoch_resume_through_its_checkpoint_is_exactly_once(tmp_p
         assert before[0]["0"] + after[0]["0"] != after[0]["1"], "shuffle=True: another order each epoch"
 
 
+def _accelerate(out: Path, processes: int, *args: str) -> None:
+    pytest.importorskip("accelerate")
+    script = SCRIPT.parent / "accelerate_job.py"
+    multi = ["--multi_gpu"] if processes > 1 else []
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *multi, "--num_processes", str(processes),
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script), str(out), *args]
+    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=420, cwd=str(out))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+
+
 def test_accelerate_launch_two_processes_through_prepare(tmp_path):
     """``accelerate launch --multi_gpu --num_processes 2`` (torchrun's static rendezvous underneath, run id
     "none") with ``accelerator.prepare(loader)`` on the CPU: every sample once per epoch, equal counts."""
-    pytest.importorskip("accelerate")
-    script = SCRIPT.parent / "accelerate_job.py"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script), str(tmp_path)]
-    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=420, cwd=str(tmp_path))
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text())["epochs"] for r in range(2)]
+    _accelerate(tmp_path, 2)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["type"] == "DataLoader"  # prepare() leaves sbloader's loader as it is
     for e in range(2):
-        assert len(ranks[0][e]) == len(ranks[1][e]) == 48
-        assert sorted(ranks[0][e] + ranks[1][e]) == list(range(96))
+        assert len(ranks[0]["epochs"][e]) == len(ranks[1]["epochs"][e]) == 48
+        assert sorted(ranks[0]["epochs"][e] + ranks[1]["epochs"][e]) == list(range(96))
 
+
+def _each_source_epoch_once(stream: list, sources: tuple = ((0, 60), (1000, 30))) -> None:
+    """Per source of the mixture jobs, the ids in the order read: every run of its size is one whole
+    epoch of it (the last, short, has no repeats); ``stream`` starts with the ranks' rows before a
+    preemption, which lie in each source's first epoch."""
+    for offset, n in sources:
+        ids = [i for i in stream if offset <= i < offset + n]
+        assert len(ids) > 2 * n  # the source ran past its first epoch boundaries
+        for lo in range(0, len(ids), n):
+            chunk = ids[lo:lo + n]
+            assert len(set(chunk)) == len(chunk), f"source at {offset}: a sample twice in one epoch"
+            if len(chunk) == n:
+                assert sorted(chunk) == list(range(offset, offset + n)), f"source at {offset}: lost samples"
+
+
+def test_accelerate_mixture_saved_on_two_processes_resumes_on_one_through_save_and_load_state(tmp_path):
+    """A mixture registered with ``accelerator.register_for_checkpointing``: ``save_state`` at step 2 of
+    epoch 0 on 2 processes (a hard exit after it), ``load_state`` on 1: the ranks were partway
+    through their sources' batches, and every source's epochs are read whole, each sample once."""
+    _accelerate(tmp_path, 2, "--mix", "--stop-at", "2")
+    before = [json.loads((tmp_path / f"rank{r}.json").read_text())["epochs"] for r in range(2)]
+    assert all(len(b) == 1 and len(b[0]) == 24 for b in before)
+    _accelerate(tmp_path, 1, "--mix", "--resume", str(tmp_path / "ckpt"))
+    after = json.loads((tmp_path / "rank0-resumed.json").read_text())
+    assert after["type"] == "MixDataLoader" and [len(e) for e in after["epochs"]] == [N - 24, N]
+    _each_source_epoch_once(before[0][0] + before[1][0] + after["epochs"][0] + after["epochs"][1])
 
 
 @pytest.fixture(scope="module")
@@ -116,15 +148,7 @@ def test_lightning_mixture_resumed_through_its_checkpoint_repeats_the_uninterrup
     got = sorted(i for r in before + after for i in r.get("0", []))
     if resume_devices == 1:
         assert len(after[0]["0"]) == N - len(before[0]["0"])
-        stream = [i for r in before for i in r["0"]] + after[0]["0"] + after[0]["1"]
-        for offset, n in ((0, 60), (1000, 30)):
-            ids = [i for i in stream if offset <= i < offset + n]
-            assert len(ids) > 2 * n  # the source ran past its first epoch boundaries
-            for lo in range(0, len(ids), n):  # the ranks' rows before the stop lie in the first epoch
-                chunk = ids[lo:lo + n]
-                assert len(set(chunk)) == len(chunk), f"source at {offset}: a sample twice in one epoch"
-                if len(chunk) == n:
-                    assert sorted(chunk) == list(range(offset, offset + n)), f"source at {offset}: lost samples"
+        _each_source_epoch_once([i for r in before for i in r["0"]] + after[0]["0"] + after[0]["1"])
     else:
         assert got == expected, f"epoch 0: lost {sorted(set(expected) - set(got))}, extra {sorted(set(got) - set(expected))}"
     epoch1 = sorted(i for r in after for i in r["1"])

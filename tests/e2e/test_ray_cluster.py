@@ -111,25 +111,50 @@ def test_two_static_torchrun_jobs_at_once_each_get_all_their_data(cluster, tmp_p
             assert sorted(i for r in ranks for i in r["ids"]) == list(range(rows))
 
 
-def test_three_ray_train_jobs_at_once_each_get_all_their_data(cluster, tmp_path):
+def test_three_ray_train_jobs_at_once_each_get_all_their_data_and_a_mixture_resumes_on_three(cluster, tmp_path):
     """Three Ray Train jobs side by side: two of the same size (their loaders alike, only each job's
     identity from its process group tells them apart) and one of another size (what were two runs of
-    two jobs, sizes (240, 240) and (240, 120): one round of jobs instead of two)."""
+    two jobs, sizes (240, 240) and (240, 120): one round of jobs instead of two).
+
+    Beside them (one round of start-ups for all), a ``sbloader.mix`` job (issue #49): rank 0's loader
+    state in a Ray Train checkpoint at step 2 of epoch 0 on 2 workers (the ranks partway through
+    their sources' batches), the same run again on 3 (Ray Train restores its latest checkpoint):
+    every source's epochs read whole, each sample once, each mixture epoch its ``num_samples`` per rank."""
     pytest.importorskip("ray.train.torch")
     procs, outs = [], []
-    for k, n in enumerate((240, 240, 120)):
+    for k, n in enumerate((240, 240, 120, 0)):
         out = tmp_path / f"job{k}"
         out.mkdir()
         outs.append((out, n))
-        procs.append(subprocess.Popen([sys.executable, str(RAY_TRAIN_JOB), str(out), str(n)],
+        procs.append(subprocess.Popen([sys.executable, str(RAY_TRAIN_JOB), str(out), str(n)] + (["--mix"] if not n else []),
                                       env=dict(cluster.env, RAY_ADDRESS=cluster.address),
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     wait_ranks(procs, timeout=420)
-    for out, n in outs:
+    for out, n in outs[:3]:
         ranks = [json.loads((out / f"rank{r}.json").read_text())["epochs"] for r in range(2)]
         for e in range(2):
             assert len(ranks[0][e]) == len(ranks[1][e])
             assert sorted(ranks[0][e] + ranks[1][e]) == list(range(n)), f"job {out.name} epoch {e}"
+    _mixture_resumed_on_three(outs[3][0])
+
+
+def _mixture_resumed_on_three(out: Path) -> None:
+    before = [json.loads((out / f"rank{r}.json").read_text())["epochs"] for r in range(2)]
+    after = [json.loads((out / f"rank{r}-resumed.json").read_text())["epochs"] for r in range(3)]
+    assert all(len(b) == 1 and len(b[0]) == 24 for b in before)
+    assert all([len(e) for e in a] == [96 - 24, 96] for a in after)
+    # Every rank draws the same schedule, so a source's epoch ends at the same place of every rank's
+    # stream: the ranks' rows place by place are the order the job read them in.
+    stream = [i for row in zip(*(b[0] for b in before)) for i in row]
+    stream += [i for e in (0, 1) for row in zip(*(a[e] for a in after)) for i in row]
+    for offset, n in ((0, 60), (1000, 30)):
+        ids = [i for i in stream if offset <= i < offset + n]
+        assert len(ids) > 2 * n
+        for lo in range(0, len(ids), n):
+            chunk = ids[lo:lo + n]
+            assert len(set(chunk)) == len(chunk), f"source at {offset}: a sample twice in one epoch"
+            if len(chunk) == n:
+                assert sorted(chunk) == list(range(offset, offset + n)), f"source at {offset}: lost samples"
 
 
 # ----- a CPU node lost, and one added, mid-epoch (issue #35) --------------------------------------------------------

@@ -1,7 +1,14 @@
 """Hugging Face Accelerate with the drop-in: ``accelerate launch --num_processes 2 accelerate_job.py OUT``.
 
+    accelerate_job.py OUT [--mix] [--stop-at STEP] [--resume DIR]
+
 The loader goes through ``accelerator.prepare(loader)``; each process writes
-``OUT/rank{R}.json`` (per epoch, the ids it got).
+``OUT/rank{R}.json`` (per epoch, the ids it got, and the loader's type). ``--mix``:
+the loader reads ``sbloader.mix`` of two sources (ids from 0 and from 1000, weights
+2:1, 96 samples per epoch), registered with ``accelerator.register_for_checkpointing``;
+``--stop-at``: at that step of epoch 0, ``accelerator.save_state(OUT/ckpt)`` and a hard
+exit (a preemption); ``--resume``: ``accelerator.load_state(DIR)``, then the rest of
+epoch 0 and epoch 1.
 """
 from __future__ import annotations
 
@@ -13,13 +20,16 @@ import torch
 
 
 class Ids(torch.utils.data.Dataset):
-    """Sample ``i`` is its id."""
+    """Sample ``i`` is its id (``offset + i``)."""
+
+    def __init__(self, n: int = 96, offset: int = 0) -> None:
+        self.n, self.offset = n, offset
 
     def __len__(self) -> int:
-        return 96
+        return self.n
 
     def __getitem__(self, i: int) -> int:
-        return i
+        return self.offset + i
 
 
 def main() -> None:
@@ -27,11 +37,31 @@ def main() -> None:
 
     import sbloader
 
-    out = sys.argv[1]
+    out, args = sys.argv[1], sys.argv[2:]
+    stop_at = int(args[args.index("--stop-at") + 1]) if "--stop-at" in args else None
+    resume = args[args.index("--resume") + 1] if "--resume" in args else None
     accelerator = Accelerator(cpu=True)
-    loader = accelerator.prepare(sbloader.DataLoader(Ids(), batch_size=8, shuffle=True, num_workers=2))
-    epochs = [[int(i) for batch in loader for i in batch] for _ in range(2)]
-    with open(os.path.join(out, f"rank{accelerator.process_index}.json"), "w") as f:
+    if "--mix" in args:
+        mixed = sbloader.mix({"a": Ids(60, 0), "b": Ids(30, 1000)}, weights={"a": 2, "b": 1}, seed=5)
+        loader = accelerator.prepare(sbloader.DataLoader(mixed, batch_size=8, shuffle=True, num_samples=96))
+        accelerator.register_for_checkpointing(loader)
+    else:
+        loader = accelerator.prepare(sbloader.DataLoader(Ids(), batch_size=8, shuffle=True, num_workers=2))
+    if resume is not None:
+        accelerator.load_state(resume)
+    epochs: list = []
+    name = os.path.join(out, f"rank{accelerator.process_index}{'-resumed' if resume else ''}.json")
+    for _ in range(2):
+        epochs.append([])
+        for step, batch in enumerate(loader):
+            epochs[-1] += [int(i) for i in batch]
+            if stop_at is not None and step == stop_at:
+                accelerator.save_state(os.path.join(out, "ckpt"))
+                accelerator.wait_for_everyone()
+                with open(name, "w") as f:
+                    json.dump({"epochs": epochs, "type": type(loader).__name__}, f)
+                os._exit(0)  # a preemption right after the checkpoint
+    with open(name, "w") as f:
         json.dump({"epochs": epochs, "type": type(loader).__name__}, f)
 
 

@@ -1,12 +1,19 @@
 """A Ray Train ``TorchTrainer`` job whose train function builds the drop-in (``tests/e2e/test_ray_cluster.py``).
 
-    RAY_ADDRESS=127.0.0.1:PORT python raytrain_job.py OUT N [--epochs 2]
+    RAY_ADDRESS=127.0.0.1:PORT python raytrain_job.py OUT N [--epochs 2] [--mix]
 
 Two workers (Ray actors with a gloo process group, set up by Ray Train) each build
 ``sbloader.DataLoader(ds, batch_size=8, shuffle=True, num_workers=2)`` over an
 N-sample dataset; each writes ``OUT/rank{R}.json``: per epoch, the ids it got. The
 job's identity comes from the process group's store: two such jobs on one cluster
 never share a coordinator.
+
+``--mix``: the loader reads ``sbloader.mix`` of two sources (ids from 0 and from
+1000, weights 2:1, 96 samples per epoch); a first ``fit`` on 2 workers reports
+rank 0's loader state in a Ray Train checkpoint at step 2 of epoch 0 and stops (each
+rank writes ``rank{R}.json``); the same run again (its name and storage) on 3 workers
+resumes from that checkpoint (``ray.train.get_checkpoint()``) and reads the rest of
+epoch 0 and epoch 1 (``rank{R}-resumed.json``).
 """
 from __future__ import annotations
 
@@ -20,14 +27,14 @@ import torch
 class Ids(torch.utils.data.Dataset):
     """Sample ``i`` is its id."""
 
-    def __init__(self, n: int) -> None:
-        self.n = n
+    def __init__(self, n: int, offset: int = 0) -> None:
+        self.n, self.offset = n, offset
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> int:
-        return i
+        return self.offset + i
 
 
 def train_func(config: dict) -> None:
@@ -43,6 +50,54 @@ def train_func(config: dict) -> None:
         json.dump({"epochs": epochs}, f)
 
 
+def mix_func(config: dict) -> None:
+    import tempfile
+
+    import ray.train
+    import torch.distributed as dist
+
+    import sbloader
+
+    mixed = sbloader.mix({"a": Ids(60, 0), "b": Ids(30, 1000)}, weights={"a": 2, "b": 1}, seed=5)
+    loader = sbloader.DataLoader(mixed, batch_size=8, shuffle=True, num_samples=96)
+    rank, resumed = dist.get_rank(), ray.train.get_checkpoint()
+    if resumed is not None:
+        with resumed.as_directory() as d, open(os.path.join(d, "loader.json")) as f:
+            loader.load_state_dict(json.load(f))
+    epochs: list = []
+    for _ in range(2):
+        epochs.append([])
+        for step, batch in enumerate(loader):
+            epochs[-1] += [int(i) for i in batch]
+            if resumed is None and step == 2:  # a checkpoint, then the job stops (a preemption)
+                with tempfile.TemporaryDirectory() as d:
+                    if rank == 0:
+                        with open(os.path.join(d, "loader.json"), "w") as f:
+                            json.dump(loader.state_dict(), f)
+                    ray.train.report({"step": step}, checkpoint=ray.train.Checkpoint.from_directory(d)
+                                     if rank == 0 else None)
+                with open(os.path.join(config["out"], f"rank{rank}.json"), "w") as f:
+                    json.dump({"epochs": epochs}, f)
+                return
+    with open(os.path.join(config["out"], f"rank{rank}-resumed.json"), "w") as f:
+        json.dump({"epochs": epochs}, f)
+
+
+def _mix(out: str) -> None:
+    """The ``--mix`` job: stopped on 2 workers, then the same run (its name and storage: Ray Train
+    resumes it from its latest checkpoint) on 3."""
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    for workers in (2, 3):
+        trainer = TorchTrainer(mix_func, train_loop_config={"out": out},
+                               scaling_config=ScalingConfig(num_workers=workers, use_gpu=False,
+                                                            resources_per_worker={"CPU": 0.25}),
+                               run_config=RunConfig(name="mix", storage_path=os.path.join(out, "ray_results")))
+        result = trainer.fit()
+        assert result.checkpoint is not None, "the stopped run reported no checkpoint"
+
+
 def main() -> None:
     import ray
     from ray.train import RunConfig, ScalingConfig
@@ -53,6 +108,10 @@ def main() -> None:
     import sbloader
 
     sbloader.init()  # joins RAY_ADDRESS (token mode on when a token is available)
+    if "--mix" in sys.argv:
+        _mix(out)
+        ray.shutdown()
+        return
     trainer = TorchTrainer(train_func, train_loop_config={"out": out, "n": n, "epochs": epochs},
                            scaling_config=ScalingConfig(num_workers=2, use_gpu=False,
                                                         resources_per_worker={"CPU": 0.25}),
