@@ -35,15 +35,6 @@ def jpeg_paths(n: int) -> list[str]:
     return write_jpeg_folder(str(DATA / "jpeg"), n, seed=0)
 
 
-def jpeg_dir(n: int) -> Path:
-    """A folder holding exactly ``n`` such JPEGs (for loaders that list a folder or bucket)."""
-    from sbloader.datagen import write_jpeg_folder
-
-    root = DATA / f"jpeg_{n}"
-    write_jpeg_folder(str(root), n, seed=0)
-    return root
-
-
 def time_epoch(make_iter: Callable[[], Iterable[Any]], count: Callable[[Any], int],
                consume: Optional[Callable[[Any], None]] = None) -> dict[str, float]:
     """One epoch as a user runs it: iterator created, first batch, all batches.
