@@ -50,11 +50,11 @@ def quality(paths: list[str]) -> dict:
 
 def function_cpu_ms(paths: list[str], exact: bool, seed: int) -> float:
     """CPU ms per image of the function alone in this process."""
-    from benchmarks._image_workload import load_file_as
+    from benchmarks._image_workload import load_file
 
     rng, t = np.random.default_rng(seed), time.process_time()
     for x in paths:
-        load_file_as(x, rng, exact)
+        load_file(x, rng, exact)
     return (time.process_time() - t) * 1e3 / len(paths)
 
 
@@ -70,7 +70,7 @@ def run(**p: Any) -> Outcome:
     sbloader.init(num_cpus=2)
     chunks = [paths[i:i + w.BATCH] for i in range(0, len(paths), w.BATCH)]
     pool = mp.get_context("spawn").Pool(2)
-    tl = torch.utils.data.DataLoader(w.ExactImageFolderDataset(paths), batch_size=w.BATCH, shuffle=True,
+    tl = torch.utils.data.DataLoader(w.ImageFolderDataset(paths, exact=True), batch_size=w.BATCH, shuffle=True,
                                      num_workers=2, persistent_workers=True)
     before = (sbloader.read_images(paths, decode=False).map_batches(w.sbl_decode_files_exact_batch)
               .to_dataloader(w.BATCH, shuffle=True, seed=0))
@@ -78,7 +78,7 @@ def run(**p: Any) -> Outcome:
              .to_dataloader(w.BATCH, shuffle=True, seed=0))
     makers: dict[str, Callable[[], Any]] = dict(zip(BASE, (
         lambda: pool.imap_unordered(w.preprocess_paths_exact, chunks),
-        lambda: pool.imap_unordered(w.preprocess_paths_window, chunks),
+        lambda: pool.imap_unordered(w.preprocess_paths, chunks),
         lambda: iter(tl), lambda: iter(before), lambda: iter(after))))
     skipped = missing_peers({"DALI CPU": "nvidia.dali"})
     if not skipped:

@@ -39,7 +39,7 @@ def build(paths: list[str], cores: int) -> tuple[dict[str, Callable[[], Any]], d
     sbl = (sbloader.read_images(paths, decode=False).map_batches(w.sbl_decode_files_window_batch)
            .to_dataloader(w.BATCH, shuffle=True, seed=0))
     kw = {"batch_size": w.BATCH, "shuffle": True, "num_workers": cores, "persistent_workers": True}
-    tp = torch.utils.data.DataLoader(w.ExactImageFolderDataset(paths), **kw)
+    tp = torch.utils.data.DataLoader(w.ImageFolderDataset(paths, exact=True), **kw)
     tw = torch.utils.data.DataLoader(w.ImageFolderDataset(paths), **kw)
     out = {"sbloader": lambda: iter(sbl), "torch (Pillow decode)": lambda: iter(tp),
            "torch (window decode)": lambda: iter(tw)}
