@@ -51,11 +51,12 @@ def label_of(path: str) -> int:
     return int(os.path.basename(os.path.dirname(str(path))).rsplit("_", 1)[1])
 
 
-def load_file(path: str, rng: np.random.Generator) -> np.ndarray:
-    """Read one JPEG and apply the augmentation: ``3x224x224`` uint8."""
+def load_file(path: str, rng: np.random.Generator, exact: bool = False) -> np.ndarray:
+    """Read one JPEG and apply the augmentation: ``3x224x224`` uint8; the window decode, or
+    with ``exact=True`` the whole Pillow decode (before #29)."""
     with open(path, "rb") as f:
         data = f.read()
-    return T.decode_crop_flip(data, SIZE, rng)
+    return T.decode_crop_flip(data, SIZE, rng, exact=exact)
 
 
 def crop_flip(arr: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -72,19 +73,25 @@ def labels_of(paths: Sequence[str]) -> np.ndarray:
 
 # ----- the function alone (ceiling) and the Pool --------------------------------
 
-def preprocess_paths(paths: Sequence[str]) -> dict[str, np.ndarray]:
-    """One batch as every loader delivers it: stacked images and labels."""
+def preprocess_paths(paths: Sequence[str], exact: bool = False) -> dict[str, np.ndarray]:
+    """One batch as every loader delivers it: stacked images and labels (the function alone)."""
     rng = process_rng()
-    return {"image": np.stack([load_file(p, rng) for p in paths]), "label": labels_of(paths)}
+    return {"image": np.stack([load_file(p, rng, exact) for p in paths]), "label": labels_of(paths)}
+
+
+def preprocess_paths_exact(paths: Sequence[str]) -> dict[str, np.ndarray]:
+    """The function alone, whole decode (the Pillow ceiling)."""
+    return preprocess_paths(paths, True)
 
 
 # ----- torch map-style Dataset (torch's DataLoader and sbloader's drop-in) ----------
 
 class ImageFolderDataset:
-    """A map-style Dataset as users write one: ``(image tensor, label)`` per index."""
+    """A map-style Dataset as users write one: ``(image tensor, label)`` per index; ``exact=True``:
+    the whole Pillow decode, as before #29."""
 
-    def __init__(self, paths: Sequence[str]) -> None:
-        self.paths = list(paths)
+    def __init__(self, paths: Sequence[str], exact: bool = False) -> None:
+        self.paths, self.exact = list(paths), exact
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -93,7 +100,7 @@ class ImageFolderDataset:
         import torch
 
         p = self.paths[i]
-        return torch.from_numpy(load_file(p, process_rng())), label_of(p)
+        return torch.from_numpy(load_file(p, process_rng(), self.exact)), label_of(p)
 
 
 def shm_stacking_collate(samples: Sequence[Any]) -> Any:
@@ -113,65 +120,21 @@ def shm_stacking_collate(samples: Sequence[Any]) -> Any:
         fn_map[torch.Tensor] = saved
 
 
-# ----- sbloader native pipelines --------------------------------------------------
+# ----- sbloader native pipelines: ``read_images(..., decode=False).map_batches(f)`` --------
 
-def decode_stack(encoded: Sequence[Any], rng: np.random.Generator) -> np.ndarray:
-    """Decode, crop and flip every encoded image of a batch: ``Nx3x224x224`` uint8."""
-    return np.stack([T.decode_crop_flip(b, SIZE, rng) for b in encoded])
-
-
-def sbl_decode_files_batch(batch: dict) -> dict:
-    """``read_images(..., decode=False).map_batches(this)``: decode, crop, flip in one pass."""
-    import sbloader
-
-    return {"image": decode_stack(batch["image"], sbloader.get_context().rng), "label": labels_of(batch["path"])}
-
-
-# ----- the crop decode (issue #29): before (whole decode) and after (window decode) ----
-
-def load_file_as(path: str, rng: np.random.Generator, exact: bool) -> np.ndarray:
-    """:func:`load_file` with the whole Pillow decode (``exact=True``, before #29) or the
-    window decode (``exact=False``)."""
-    with open(path, "rb") as f:
-        data = f.read()
-    return T.decode_crop_flip(data, SIZE, rng, exact=exact)
-
-
-def preprocess_paths_exact(paths: Sequence[str]) -> dict[str, np.ndarray]:
-    """The function alone, whole decode (the Pillow ceiling)."""
-    rng = process_rng()
-    return {"image": np.stack([load_file_as(p, rng, True) for p in paths]), "label": labels_of(paths)}
-
-
-def preprocess_paths_window(paths: Sequence[str]) -> dict[str, np.ndarray]:
-    """The function alone, window decode."""
-    rng = process_rng()
-    return {"image": np.stack([load_file_as(p, rng, False) for p in paths]), "label": labels_of(paths)}
-
-
-class ExactImageFolderDataset(ImageFolderDataset):
-    """:class:`ImageFolderDataset` with the whole Pillow decode, as before #29."""
-
-    def __getitem__(self, i: int) -> tuple[Any, int]:
-        import torch
-
-        p = self.paths[i]
-        return torch.from_numpy(load_file_as(p, process_rng(), True)), label_of(p)
-
-
-def sbl_decode_files_exact_batch(batch: dict) -> dict:
-    """``read_images(..., decode=False).map_batches(this)`` before #29: whole decode, crop, flip."""
+def _sbl_batch(batch: dict, exact: bool) -> dict:
     import sbloader
 
     rng = sbloader.get_context().rng
-    return {"image": np.stack([T.decode_crop_flip(b, SIZE, rng, exact=True) for b in batch["image"]]),
+    return {"image": np.stack([T.decode_crop_flip(b, SIZE, rng, exact=exact) for b in batch["image"]]),
             "label": labels_of(batch["path"])}
 
 
 def sbl_decode_files_window_batch(batch: dict) -> dict:
-    """The same after #29: the window decode."""
-    import sbloader
+    """Decode (the crop window only, #29), crop, flip in one pass."""
+    return _sbl_batch(batch, False)
 
-    rng = sbloader.get_context().rng
-    return {"image": np.stack([T.decode_crop_flip(b, SIZE, rng) for b in batch["image"]]),
-            "label": labels_of(batch["path"])}
+
+def sbl_decode_files_exact_batch(batch: dict) -> dict:
+    """The same before #29: whole decode, crop, flip."""
+    return _sbl_batch(batch, True)

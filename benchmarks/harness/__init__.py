@@ -14,13 +14,12 @@
 from .load import QUIET_OUTSIDE_FRAC, LoadWindow, cpu_account, is_quiet, load_line, loadavg, machine_busy_ticks
 from .machine import (BENCH_DIR, RESULTS_DIR, ROOT, command_line, git_state, machine_info, ray_worker_env,
                       version)
-from .measure import Measurement, ObjectStoreSampler, Result, TreeSampler, measure
+from .measure import Measurement, Result, TreeSampler, measure
 from .procs import (CLASSES, CLK_TCK, ProcTree, _ppid_map, _read_stat, adopt_orphans, classify, cmdline, descendants,
                     is_ray_process, left_behind, pss_bytes, ray_session_roots, reap, reaped_children_ticks, snapshot,
                     wait_gone)
-from .render import markdown_table, mib, publish, pyplot, ratio_words, save_figure, write_results
-from .rounds import (cpu_ms_per_item, fmt_range, interleave, interleave_order, median, paused, quiet, summarize,
-                     timed_calls, wait_quiet)
+from .render import markdown_table, publish, pyplot, ratio_words, write_results
+from .rounds import fmt_range, interleave, interleave_order, median, quiet, summarize
 from .scenario import Outcome, Plan
 from .trials import Trial, Trials, paired_ratios, run_interleaved, table_rows
 

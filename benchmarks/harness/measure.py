@@ -1,13 +1,9 @@
-"""Measure one run: wall time, time to first item, peak PSS of the process tree and CPU
-seconds per process class (sampled from /proc in a thread), the machine's other load,
-optionally Ray's peak object-store bytes.
+"""Measure one run: wall time, peak PSS of the process tree and CPU seconds per process
+class (sampled from /proc in a thread), the machine's other load::
 
-Example::
-
-    with measure("sbloader", object_store=True) as m:
-        for batch in m.watch(lambda: ds.iter_batches(64)):
-            m.add_items(len(batch["y"]))
-    m.result.as_dict()   # wall_s, first_item_s, peak_pss_bytes, cpu_s_by_class, ...
+    with measure("sbloader") as m:
+        run_epoch()
+    m.result.as_dict()   # wall_s, peak_pss_bytes, cpu_s_by_class, outside_cpu_frac, ...
 """
 from __future__ import annotations
 
@@ -49,30 +45,6 @@ class _Sampler(threading.Thread):
     def stop(self) -> None:
         self._stop_event.set()
         self.join()
-
-
-class ObjectStoreSampler:
-    """Peak object-store bytes from Ray's own accounting (the raylets' store stats).
-
-    Args:
-        address: the GCS address (default: the connected Ray's).
-    """
-
-    def __init__(self, address: Optional[str] = None) -> None:
-        import ray
-        from ray._private import internal_api
-
-        self._api = internal_api
-        self._state = internal_api.get_state_from_address(address or ray.get_runtime_context().gcs_address)
-        self.peak_bytes = 0
-        self.samples = 0
-
-    def step(self) -> None:
-        """Take one sample."""
-        reply = self._api.get_memory_info_reply(self._state)
-        used = int(reply.store_stats.object_store_bytes_used)
-        self.peak_bytes = max(self.peak_bytes, used)
-        self.samples += 1
 
 
 class TreeSampler:
@@ -149,9 +121,6 @@ class Result:
 
     label: str
     wall_s: float = 0.0
-    first_item_s: Optional[float] = None
-    items: int = 0
-    items_per_s: Optional[float] = None
     peak_pss_bytes: int = 0
     peak_pss_by_class: dict = field(default_factory=dict)
     processes_at_peak: int = 0
@@ -160,7 +129,6 @@ class Result:
     cpu_s_tree: float = 0.0
     machine_cpu_frac: float = 0.0
     outside_cpu_frac: float = 0.0
-    peak_object_store_bytes: Optional[int] = None
     sampler_cpu_s: float = 0.0
     samples: int = 0
     loadavg: list = field(default_factory=list)
@@ -179,48 +147,21 @@ class Measurement:
         self.result = Result(label)
         self._t0 = time.perf_counter()
 
-    def add_items(self, n: int = 1) -> None:
-        """Count ``n`` items (rows, images) towards ``items_per_s``."""
-        self.result.items += n
-
-    def mark_first(self, t_start: Optional[float] = None) -> None:
-        """Record the first item now (seconds since ``t_start``, default the block's start)."""
-        if self.result.first_item_s is None:
-            self.result.first_item_s = time.perf_counter() - (self._t0 if t_start is None else t_start)
-
-    def watch(self, iterable: Any) -> Iterator[Any]:
-        """Iterate ``iterable`` (or call it first, if it is a zero-argument factory),
-        recording the time from this call to the first item in ``first_item_s``.
-
-        Pass a factory (``lambda: ds.iter_batches(64)``) when creating the iterator
-        already starts work: its start-up then counts.
-        """
-        t0 = time.perf_counter()
-        it = iter(iterable() if callable(iterable) else iterable)
-        return self._watch(it, t0)
-
-    def _watch(self, it: Iterator[Any], t0: float) -> Iterator[Any]:
-        for item in it:
-            self.mark_first(t0)
-            yield item
-
 
 @contextmanager
-def measure(label: str, *, tree: Optional[ProcTree] = None, object_store: bool = False,
-            interval_s: float = 0.25, store_interval_s: float = 0.25, pss: bool = True) -> Iterator[Measurement]:
+def measure(label: str, *, tree: Optional[ProcTree] = None, interval_s: float = 0.25,
+            pss: bool = True) -> Iterator[Measurement]:
     """Measure the enclosed block: wall time, peak PSS and CPU by class, machine load.
 
     Args:
         label: the contender's name.
         tree: the processes to account for (default: this process, its
             descendants and the Ray session's daemons).
-        object_store: also sample Ray's object-store bytes (needs a connected Ray).
         interval_s: PSS/CPU sampling period.
         pss: read each process's PSS at every sample. Reading PSS costs milliseconds
             per Ray process (~15 ms of CPU for an 11-process Ray tree, against ~1.3 ms
             for the CPU ticks); ``False`` samples CPU ticks only, for throughput runs
             that PSS sampling would slow (``peak_pss_bytes`` is then 0).
-        store_interval_s: object-store sampling period.
 
     Yields:
         A :class:`Measurement`; read ``m.result`` after the block.
@@ -228,10 +169,6 @@ def measure(label: str, *, tree: Optional[ProcTree] = None, object_store: bool =
     tree = tree or ProcTree()
     ts = TreeSampler(tree, pss=pss)
     samplers = [_Sampler(ts.step, interval_s, "harness-tree")]
-    store = None
-    if object_store:
-        store = ObjectStoreSampler()
-        samplers.append(_Sampler(store.step, store_interval_s, "harness-store"))
     busy0, total0 = machine_busy_ticks()
     avg0 = loadavg()
     m = Measurement(label)
@@ -246,7 +183,6 @@ def measure(label: str, *, tree: Optional[ProcTree] = None, object_store: bool =
         busy1, total1 = machine_busy_ticks()
         r = m.result
         r.wall_s = wall
-        r.items_per_s = r.items / wall if r.items and wall > 0 else None
         r.peak_pss_bytes, r.peak_pss_by_class = ts.peak_pss, ts.peak_by_class
         r.processes_at_peak, r.max_processes, r.samples = ts.peak_processes, ts.max_processes, ts.samples
         r.sampler_cpu_s = round(sum(s.cpu_s for s in samplers), 3)
@@ -259,8 +195,6 @@ def measure(label: str, *, tree: Optional[ProcTree] = None, object_store: bool =
         r.machine_cpu_frac, r.outside_cpu_frac = acc["machine_cpu_frac"], acc["outside_cpu_frac"]
         r.loadavg = [list(avg0), list(loadavg())]
         r.quiet = is_quiet(r.outside_cpu_frac)
-        if store is not None:
-            r.peak_object_store_bytes = store.peak_bytes
         errors = [repr(s.error) for s in samplers if s.error is not None]
         if errors:
             r.extra["sampler_errors"] = errors

@@ -31,11 +31,6 @@ def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Optional[Sequence
     return "\n".join(lines)
 
 
-def mib(nbytes: Optional[float]) -> str:
-    """Bytes as MiB text."""
-    return "–" if nbytes is None else f"{nbytes / 2**20:.0f}"
-
-
 def pyplot() -> Any:
     """``matplotlib.pyplot`` on the non-interactive Agg backend; None without matplotlib
     (the benchmarks then write no figure)."""
@@ -47,16 +42,6 @@ def pyplot() -> Any:
     except ImportError:
         return None
     return plt
-
-
-def save_figure(fig: Any, path: Path) -> Path:
-    """Lay out, save (110 dpi) and close a matplotlib figure; returns ``path``."""
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 def write_results(name: str, payload: Mapping[str, Any], markdown: str, *,

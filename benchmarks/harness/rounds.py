@@ -1,18 +1,14 @@
 """Rounds and their summaries: contenders interleaved (A B C A B C ...), rounds re-run
-when others disturbed them, medians with min–max; a function's CPU cost alone.
+when others disturbed them, medians with min–max.
 
 :func:`interleave_order` and :func:`summarize` are pure; :func:`interleave` runs them.
 """
 from __future__ import annotations
 
-import os
-import signal
 import statistics
-import time
-from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
-from .load import QUIET_OUTSIDE_FRAC, machine_busy_ticks
+from .load import QUIET_OUTSIDE_FRAC
 from .measure import Result
 
 
@@ -32,39 +28,6 @@ def interleave_order(names: Sequence[str], rounds: int, rotate: bool = False) ->
     return out
 
 
-def cpu_ms_per_item(fn: Callable[[Sequence[Any]], Any], items: Sequence[Any], batch: int, batches: int = 6, *,
-                    warm: bool = True, outputs: Optional[list] = None) -> float:
-    """Thread CPU ms per item of ``fn`` alone, called on ``batches`` chunks of ``batch`` items.
-
-    The chunks are the ones after the first chunk of ``items``; ``fn`` is called on that
-    first one beforehand to warm it up (imports, page cache) unless ``warm=False``.
-
-    Args:
-        outputs: a list that receives what ``fn`` returned for each timed chunk (else
-            each is dropped at once).
-    """
-    chunks = [items[s:s + batch] for s in range(0, min(len(items), (batches + 1) * batch), batch)]
-    if warm:
-        fn(chunks[0])
-    n = sum(len(c) for c in chunks[1:])
-    t = time.thread_time()
-    if outputs is None:
-        for c in chunks[1:]:
-            fn(c)
-    else:
-        outputs.extend(fn(c) for c in chunks[1:])
-    return (time.thread_time() - t) * 1e3 / n
-
-
-def timed_calls(fn: Callable[[], Any], reps: int) -> tuple[float, float]:
-    """(thread CPU s, wall s) per call of ``fn()`` over ``reps`` calls, after one call to warm up."""
-    fn()
-    c, w = time.thread_time(), time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.thread_time() - c) / reps, (time.perf_counter() - w) / reps
-
-
 def interleave(contenders: Mapping[str, Callable[[], Any]], rounds: int, *,
                accept: Optional[Callable[[Any], bool]] = None, max_retries: int = 2,
                before_round: Optional[Callable[[], Any]] = None,
@@ -78,7 +41,7 @@ def interleave(contenders: Mapping[str, Callable[[], Any]], rounds: int, *,
             is run again, up to ``max_retries`` times, and the attempt with the
             most accepted results is kept (the later one on a tie).
         max_retries: extra attempts per round.
-        before_round: called before each round and retry (e.g. :func:`wait_quiet`).
+        before_round: called before each round and retry.
         on_result: called with (name, round, result) after each run (progress).
 
     Returns:
@@ -108,54 +71,6 @@ def interleave(contenders: Mapping[str, Callable[[], Any]], rounds: int, *,
                 v.extra["round_attempts"] = attempt + 1
             out[name].append(v)
     return out
-
-
-def wait_quiet(max_busy_frac: float = 0.05, window_s: float = 1.0, timeout_s: float = 20.0) -> float:
-    """Wait (at most ``timeout_s``) until the machine's CPUs were busy at most
-    ``max_busy_frac`` over a ``window_s`` window; returns the last window's busy fraction."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        b0, t0 = machine_busy_ticks()
-        time.sleep(window_s)
-        b1, t1 = machine_busy_ticks()
-        frac = (b1 - b0) / max(1, t1 - t0)
-        if frac <= max_busy_frac or time.monotonic() >= deadline:
-            return frac
-
-
-@contextmanager
-def paused(pids: Iterable[int]) -> Iterator[int]:
-    """Stop the processes ``pids`` (``SIGSTOP``) for the block, then continue them;
-    yields how many were stopped.
-
-    A benchmark that keeps every contender alive for interleaved rounds (idle Rays,
-    persistent workers) pauses the contenders it is not measuring: an idle Ray's
-    timers and polls wake a dozen threads all the time, and even at idle priority
-    (``SCHED_IDLE``) they took ~1% of a busy 2-core machine from the measured
-    contender, as if it were not alone (side by side: alone-by-pausing +2.7%, at idle
-    priority +1%, over leaving them as they are). Stops last one run (seconds); Ray's
-    health checks (5 misses of 3 s each) and connections ride them out. Processes that
-    are gone by the end are skipped.
-
-    Never pause processes of the caller's own process group: if the group becomes
-    orphaned while one is stopped (the shell that started it exits), the kernel sends
-    the whole group SIGHUP. Put what you pause in a session of its own (``setsid``).
-    """
-    stopped = []
-    for pid in sorted(set(pids)):
-        try:
-            os.kill(pid, signal.SIGSTOP)
-            stopped.append(pid)
-        except OSError:
-            continue
-    try:
-        yield len(stopped)
-    finally:
-        for pid in stopped:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except OSError:
-                pass
 
 
 def quiet(result: Result, max_outside_frac: float = QUIET_OUTSIDE_FRAC) -> bool:

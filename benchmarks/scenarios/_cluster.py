@@ -122,11 +122,6 @@ class Cluster:
                 pass
         self.killed.append(node)
 
-    def kill_node2(self) -> None:
-        """The first CPU node, at once."""
-        node = next(n for n, pids in self.nodes.items() if pids == self.node2)
-        self.kill_node(node)
-
     def _run(self, cmd: list[str], **env: str) -> None:
         r = subprocess.run(cmd, env=dict(self.env, **env), capture_output=True, text=True, timeout=180)
         if r.returncode != 0:

@@ -35,15 +35,6 @@ def jpeg_paths(n: int) -> list[str]:
     return write_jpeg_folder(str(DATA / "jpeg"), n, seed=0)
 
 
-def jpeg_dir(n: int) -> Path:
-    """A folder holding exactly ``n`` such JPEGs (for loaders that list a folder or bucket)."""
-    from sbloader.datagen import write_jpeg_folder
-
-    root = DATA / f"jpeg_{n}"
-    write_jpeg_folder(str(root), n, seed=0)
-    return root
-
-
 def time_epoch(make_iter: Callable[[], Iterable[Any]], count: Callable[[Any], int],
                consume: Optional[Callable[[Any], None]] = None) -> dict[str, float]:
     """One epoch as a user runs it: iterator created, first batch, all batches.
@@ -60,6 +51,45 @@ def time_epoch(make_iter: Callable[[], Iterable[Any]], count: Callable[[Any], in
             consume(batch)
     return {"first_batch_s": first if first is not None else float("nan"),
             "epoch_s": time.perf_counter() - t0, "items": items}
+
+
+def why(e: BaseException) -> str:
+    """An exception in one line for the report: its type and last line (200 characters)."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[-1][:200] if lines else ''}"
+
+
+def start_peers(makers: dict[str, Callable[..., Any]], skipped: dict[str, str], *args: Any) -> dict[str, Any]:
+    """``{name: make(*args)}`` of the makers not in ``skipped``; one that raises (installed but does
+    not start here) goes to ``skipped`` with why, as the report says."""
+    out = {}
+    for name, make in makers.items():
+        if name not in skipped:
+            try:
+                out[name] = make(*args)
+            except Exception as e:  # noqa: BLE001 - said in the report
+                skipped[name] = why(e)
+    return out
+
+
+def epoch_contenders(epochs: dict[str, Callable[[], Iterable[Any]]], skipped: dict[str, str]) -> dict[str, Any]:
+    """A contender per epoch factory, after one warm-up epoch each (start-up, workers, imports; one
+    that fails goes to ``skipped``): a run is one epoch, ``images_per_s``, ``first_batch_s``, ``images``."""
+    out = {}
+    for name, make in epochs.items():
+        try:
+            time_epoch(make, batch_len)
+        except Exception as e:  # noqa: BLE001
+            skipped[name] = "warm-up epoch failed: " + why(e)
+            continue
+
+        def one(make: Callable[[], Iterable[Any]] = make) -> dict[str, float]:
+            r = time_epoch(make, batch_len)
+            return {"images_per_s": r["items"] / r["epoch_s"], "first_batch_s": r["first_batch_s"],
+                    "images": r["items"]}
+
+        out[name] = one
+    return out
 
 
 def built_epoch(build: Callable[[], Any], count: Callable[[Any], int]) -> dict[str, float]:

@@ -1,13 +1,14 @@
-"""The crop workload's native peers (Ray Data, DALI CPU, SPDL, tf.data), each an epoch factory over
-the same JPEG paths: read, random-resized-crop 224 (scale 0.08–1, ratio 3/4–4/3), random
-flip, uint8 CHW, batches of 64. Imported only when the peer is installed."""
+"""The crop workload's native peers (Ray Data, DALI CPU, SPDL, tf.data; the mixture's litdata and
+torchdata), each an epoch factory over the same JPEG paths: read, random-resized-crop 224 (scale
+0.08–1, ratio 3/4–4/3), random flip, uint8 CHW, batches of 64. Each peer's module is imported only
+when it is built."""
 from __future__ import annotations
 
 from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from benchmarks._image_workload import BATCH, SIZE, T, label_of, labels_of, process_rng
+from benchmarks._image_workload import BATCH, SIZE, T, label_of, labels_of, load_file, process_rng
 
 
 def rd_window_batch(batch: dict) -> dict:
@@ -115,3 +116,70 @@ def tf_data_epochs(paths: list[str], cores: int) -> Callable[[], Iterator[Any]]:
     ds = (tf.data.Dataset.from_tensor_slices((paths, [label_of(p) for p in paths])).shuffle(len(paths))
           .map(one, num_parallel_calls=cores).batch(BATCH).prefetch(tf.data.AUTOTUNE).with_options(options))
     return lambda: (img.numpy() for img, _ in ds)
+
+
+# ----- the mixture's peers (scenario ``mixture``): the same sources, weights and crop ----------
+
+def lit_item(path: str) -> dict:
+    """What ``litdata.optimize`` writes per image: the JPEG's bytes and its label."""
+    with open(path, "rb") as f:
+        return {"image": f.read(), "label": label_of(path)}
+
+
+def lit_crop(sample: dict) -> tuple:
+    """litdata's ``transform``: the window decode, crop, flip (as sbloader's)."""
+    return T.decode_crop_flip(sample["image"], SIZE, process_rng()), sample["label"]
+
+
+def litdata_mix_epochs(parts: dict, weights: dict, cores: int, tmp: str) -> Callable[[], Iterator[Any]]:
+    """Each source written once by ``litdata.optimize`` under ``tmp`` (before the timed runs) and read by
+    a shuffled ``StreamingDataset`` with the crop as its ``transform``; ``CombinedStreamingDataset`` at
+    the weights (which needs ``iterate_over_all=False``: its epoch ends when a worker's share of a
+    source runs out); ``StreamingDataLoader`` of ``cores`` persistent workers; a run is one epoch."""
+    import os
+
+    import litdata as ld
+
+    streams = []
+    for name, paths in parts.items():
+        out = os.path.join(tmp, name)
+        ld.optimize(fn=lit_item, inputs=paths, output_dir=out, chunk_bytes="16MB", num_workers=1, verbose=False)
+        streams.append(ld.StreamingDataset(out, shuffle=True, seed=0, transform=lit_crop))
+    mixed = ld.CombinedStreamingDataset(streams, seed=0, weights=[weights[k] for k in parts], iterate_over_all=False)
+    loader = ld.StreamingDataLoader(mixed, batch_size=BATCH, num_workers=cores, persistent_workers=True)
+    return lambda: iter(loader)
+
+
+class Shuffled:
+    """A source's paths, in a new order on each pass (torchdata's ``IterableWrapper`` calls ``iter``
+    on every reset)."""
+
+    def __init__(self, paths: list, seed: int) -> None:
+        self.paths, self.rng = list(paths), np.random.default_rng(seed)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([self.paths[i] for i in self.rng.permutation(len(self.paths))])
+
+
+def td_crop(path: str) -> tuple:
+    """torchdata's map function: read, the window decode, crop, flip (as sbloader's)."""
+    return load_file(path, process_rng()), label_of(path)
+
+
+def td_stack(items: list) -> tuple:
+    """A batch of ``(image, label)`` pairs as two arrays."""
+    return np.stack([x for x, _ in items]), np.array([y for _, y in items], dtype=np.int64)
+
+
+def torchdata_mix_epochs(parts: dict, weights: dict, cores: int, method: str) -> Callable[[], Iterator[Any]]:
+    """``torchdata.nodes`` as its docs compose them: a node per source over its shuffled paths,
+    ``MultiNodeWeightedSampler`` at the weights (``ALL_DATASETS_EXHAUSTED``: every source's epoch once,
+    as sbloader's ``on_exhausted="drop"``), the crop in a ``ParallelMapper`` of ``cores`` workers
+    (``method``: threads or processes), ``Batcher``, the batch stacked, a ``Loader``; a run is one epoch."""
+    import torchdata.nodes as tn
+
+    sources = {k: tn.IterableWrapper(Shuffled(v, i)) for i, (k, v) in enumerate(parts.items())}
+    node = tn.MultiNodeWeightedSampler(sources, dict(weights), stop_criteria="ALL_DATASETS_EXHAUSTED", seed=0)
+    node = tn.ParallelMapper(node, td_crop, num_workers=cores, method=method)
+    loader = tn.Loader(tn.Mapper(tn.Batcher(node, BATCH, drop_last=False), td_stack))
+    return lambda: iter(loader)

@@ -13,7 +13,7 @@ from typing import Any
 
 from benchmarks.harness import Outcome, Plan, run_interleaved
 
-from ._common import batch_len, jpeg_paths, time_epoch
+from ._common import epoch_contenders, jpeg_paths
 
 ORDER = 230
 REPORT = False
@@ -40,19 +40,13 @@ def run(**p: Any) -> Outcome:
     loaders = {NAMES[0]: sbloader.DataLoader(w.ImageFolderDataset(paths), **kw),
                NAMES[1]: sbloader.DataLoader(w.ImageFolderDataset(paths), collate_fn=w.shm_stacking_collate, **kw)}
 
-    def one(loader: Any):
-        def go() -> dict:
-            r = time_epoch(lambda: iter(loader), batch_len)
-            return {"images_per_s": r["items"] / r["epoch_s"]}
-        return go
-
-    for ld in loaders.values():  # warm: actors started
-        time_epoch(lambda ld=ld: iter(ld), batch_len)
-    trials = run_interleaved({k: one(v) for k, v in loaders.items()}, p["rounds"], by_class=True)
+    skipped: dict = {}  # a loader whose warm-up epoch failed, with why
+    trials = run_interleaved(epoch_contenders({k: (lambda ld=ld: iter(ld)) for k, ld in loaders.items()}, skipped),
+                             p["rounds"], by_class=True)
     classes = ("trainer", "workers", "raylet")
     for t in trials.trials:
         for c in classes:
             t.metrics[f"{c}_cpu_us_per_image"] = 1e6 * t.metrics.get(f"cpu_s_{c}", 0.0) / p["images"]
-    return Outcome(trials, "images_per_s", "images/s", baseline=NAMES[1],
+    return Outcome(trials, "images_per_s", "images/s", baseline=NAMES[1], skipped=skipped,
                    extra=tuple(f"{c}_cpu_us_per_image" for c in classes),
                    notes=[f"{cores} persistent workers per loader; CPU by process class from CPU-tick sampling"])

@@ -16,7 +16,7 @@ import numpy as np
 
 from benchmarks.harness import Outcome, Plan, run_interleaved, summarize
 
-from ._common import batch_len, jpeg_paths, missing_peers, time_epoch
+from ._common import epoch_contenders, jpeg_paths, missing_peers, start_peers
 
 ORDER = 220
 REPORT = False
@@ -50,11 +50,11 @@ def quality(paths: list[str]) -> dict:
 
 def function_cpu_ms(paths: list[str], exact: bool, seed: int) -> float:
     """CPU ms per image of the function alone in this process."""
-    from benchmarks._image_workload import load_file_as
+    from benchmarks._image_workload import load_file
 
     rng, t = np.random.default_rng(seed), time.process_time()
     for x in paths:
-        load_file_as(x, rng, exact)
+        load_file(x, rng, exact)
     return (time.process_time() - t) * 1e3 / len(paths)
 
 
@@ -70,7 +70,7 @@ def run(**p: Any) -> Outcome:
     sbloader.init(num_cpus=2)
     chunks = [paths[i:i + w.BATCH] for i in range(0, len(paths), w.BATCH)]
     pool = mp.get_context("spawn").Pool(2)
-    tl = torch.utils.data.DataLoader(w.ExactImageFolderDataset(paths), batch_size=w.BATCH, shuffle=True,
+    tl = torch.utils.data.DataLoader(w.ImageFolderDataset(paths, exact=True), batch_size=w.BATCH, shuffle=True,
                                      num_workers=2, persistent_workers=True)
     before = (sbloader.read_images(paths, decode=False).map_batches(w.sbl_decode_files_exact_batch)
               .to_dataloader(w.BATCH, shuffle=True, seed=0))
@@ -78,33 +78,20 @@ def run(**p: Any) -> Outcome:
              .to_dataloader(w.BATCH, shuffle=True, seed=0))
     makers: dict[str, Callable[[], Any]] = dict(zip(BASE, (
         lambda: pool.imap_unordered(w.preprocess_paths_exact, chunks),
-        lambda: pool.imap_unordered(w.preprocess_paths_window, chunks),
+        lambda: pool.imap_unordered(w.preprocess_paths, chunks),
         lambda: iter(tl), lambda: iter(before), lambda: iter(after))))
     skipped = missing_peers({"DALI CPU": "nvidia.dali"})
-    if not skipped:
-        try:
-            from ._peers import dali_epochs
+    from ._peers import dali_epochs
 
-            makers["DALI CPU"] = dali_epochs(paths, 2)
-        except Exception as e:  # noqa: BLE001 - installed but its codec library does not load here
-            skipped["DALI CPU"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}"
+    makers.update(start_peers({"DALI CPU": dali_epochs}, skipped, paths, 2))
     torch.set_num_threads(1)
-    for make in makers.values():  # warm-up epoch (start-up, workers, imports, page cache)
-        time_epoch(make, batch_len)
-
-    def one(make: Callable[[], Any]):
-        def go() -> dict:
-            r = time_epoch(make, batch_len)
-            return {"images_per_s": r["items"] / r["epoch_s"]}
-        return go
-
     fn_ms: dict[str, list] = {"whole": [], "window": []}
 
     def alone(r: int) -> None:  # the function alone, once per round, outside the measured runs
         for k in fn_ms:
             fn_ms[k].append(function_cpu_ms(paths, k == "whole", r))
 
-    trials = run_interleaved({k: one(m) for k, m in makers.items()}, p["rounds"], before_round=alone)
+    trials = run_interleaved(epoch_contenders(makers, skipped), p["rounds"], before_round=alone)
     for t in trials.trials:
         t.metrics["cpu_ms_per_image"] = 1e3 * t.metrics["cpu_s"] / p["images"]
     pool.close()

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from benchmarks.harness import Outcome, Plan, run_interleaved
 
-from ._common import batch_len, jpeg_paths, missing_peers, time_epoch
+from ._common import epoch_contenders, jpeg_paths, missing_peers, start_peers
 
 ORDER = 30
 TITLE = "The crop workload: sbloader vs torch, Ray Data, DALI CPU, SPDL, tf.data"
@@ -39,7 +39,7 @@ def build(paths: list[str], cores: int) -> tuple[dict[str, Callable[[], Any]], d
     sbl = (sbloader.read_images(paths, decode=False).map_batches(w.sbl_decode_files_window_batch)
            .to_dataloader(w.BATCH, shuffle=True, seed=0))
     kw = {"batch_size": w.BATCH, "shuffle": True, "num_workers": cores, "persistent_workers": True}
-    tp = torch.utils.data.DataLoader(w.ExactImageFolderDataset(paths), **kw)
+    tp = torch.utils.data.DataLoader(w.ImageFolderDataset(paths, exact=True), **kw)
     tw = torch.utils.data.DataLoader(w.ImageFolderDataset(paths), **kw)
     out = {"sbloader": lambda: iter(sbl), "torch (Pillow decode)": lambda: iter(tp),
            "torch (window decode)": lambda: iter(tw)}
@@ -48,13 +48,7 @@ def build(paths: list[str], cores: int) -> tuple[dict[str, Callable[[], Any]], d
 
     makers = {"Ray Data": _peers.ray_data_epochs, "DALI CPU": _peers.dali_epochs, "SPDL": _peers.spdl_epochs,
               "tf.data": _peers.tf_data_epochs}
-    for name, make in makers.items():
-        if name in skipped:
-            continue
-        try:
-            out[name] = make(paths, cores)
-        except Exception as e:  # noqa: BLE001 - installed but does not start here: said in the report
-            skipped[name] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}"
+    out.update(start_peers(makers, skipped, paths, cores))
     torch.set_num_threads(1)
     return out, skipped, [sbl, tp, tw]
 
@@ -65,20 +59,7 @@ def run(**p: Any) -> Outcome:
     for f in paths:  # the page cache
         open(f, "rb").read()
     epochs, skipped, keep = build(paths, p["cores"])
-    contenders = {}
-    for name, make in epochs.items():
-        try:
-            time_epoch(make, batch_len)  # warm-up: start-up, workers, imports
-        except Exception as e:  # noqa: BLE001
-            skipped[name] = f"warm-up epoch failed: {type(e).__name__}: {str(e)[:200]}"
-            continue
-
-        def one(make: Callable[[], Any] = make) -> dict[str, float]:
-            r = time_epoch(make, batch_len)
-            return {"images_per_s": r["items"] / r["epoch_s"], "first_batch_s": r["first_batch_s"]}
-
-        contenders[name] = one
-    trials = run_interleaved(contenders, p["rounds"])
+    trials = run_interleaved(epoch_contenders(epochs, skipped), p["rounds"])
     for t in trials.trials:
         t.metrics["cpu_ms_per_image"] = 1e3 * t.metrics["cpu_s"] / p["images"]
     del keep

@@ -56,7 +56,7 @@ def run(**p: Any) -> Outcome:
 
     out, notes = Trials(), []
     for ph in PHASES:
-        loader = (sbloader.read_images(paths, decode=False).map_batches(w.sbl_decode_files_batch)
+        loader = (sbloader.read_images(paths, decode=False).map_batches(w.sbl_decode_files_window_batch)
                   .to_dataloader(w.BATCH, shuffle=True) if ph == "pipeline" else
                   sbloader.DataLoader(w.ImageFolderDataset(paths), batch_size=w.BATCH, shuffle=True,
                                       num_workers=cores, persistent_workers=True))
