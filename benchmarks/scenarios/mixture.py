@@ -83,7 +83,8 @@ def run(**p: Any) -> Outcome:
             t.metrics["cpu_ms_per_image"] = 1e3 * t.metrics["cpu_s"] / t.metrics["images"]
     shares = ", ".join(f"{k} {s.share:.3f}" for k, s in stats.sources.items())
     return Outcome(trials, "images_per_s", "images/s", baseline=ALONE, skipped=skipped,
-                   extra=("images", "cpu_ms_per_image", "first_batch_s"), raw={"sources": {k: len(v) for k, v in parts.items()}},
+                   extra=("images", "cpu_ms_per_image", "first_batch_s"),
+                   raw={"sources": {k: len(v) for k, v in parts.items()}},
                    notes=[f"Target (#49): `{MIX}` within 3% of `{ALONE}` (its ratio >= 0.97) on a quiet machine.",
                           f"Sources {', '.join(f'{k} {len(v)}' for k, v in parts.items())} images, weights "
                           f"{', '.join(f'{k} {v}' for k, v in WEIGHTS.items())}; the mixture's shares over all its "

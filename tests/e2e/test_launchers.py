@@ -150,7 +150,8 @@ def test_lightning_mixture_resumed_through_its_checkpoint_repeats_the_uninterrup
         assert len(after[0]["0"]) == N - len(before[0]["0"])
         _each_source_epoch_once([i for r in before for i in r["0"]] + after[0]["0"] + after[0]["1"])
     else:
-        assert got == expected, f"epoch 0: lost {sorted(set(expected) - set(got))}, extra {sorted(set(got) - set(expected))}"
+        lost, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
+        assert got == expected, f"epoch 0: lost {lost}, extra {extra}"
     epoch1 = sorted(i for r in after for i in r["1"])
     if resume_devices == 2:
         assert epoch1 == sorted(i for r in full for i in r["1"])

@@ -126,7 +126,8 @@ def test_three_ray_train_jobs_at_once_each_get_all_their_data_and_a_mixture_resu
         out = tmp_path / f"job{k}"
         out.mkdir()
         outs.append((out, n))
-        procs.append(subprocess.Popen([sys.executable, str(RAY_TRAIN_JOB), str(out), str(n)] + (["--mix"] if not n else []),
+        mix = [] if n else ["--mix"]
+        procs.append(subprocess.Popen([sys.executable, str(RAY_TRAIN_JOB), str(out), str(n)] + mix,
                                       env=dict(cluster.env, RAY_ADDRESS=cluster.address),
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     wait_ranks(procs, timeout=420)
