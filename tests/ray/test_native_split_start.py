@@ -96,7 +96,7 @@ def test_states_before_at_and_after_the_kth_batch_resume_exactly_once_on_one_two
         ray_session, monkeypatch):
     local_batches(monkeypatch, 2)
     check_resume_everywhere(make, list(range(ROWS)), key="id", world_size=2, resume_world_sizes=(1, 3),
-                            same_order=True, steps=[0, 1, 2, 3, 8], rotate_sizes=True)
+                            same_order=True, steps=[0, 1, 2, 3, 8], rotate_sizes=True, states_in_one_run=True)
 
 
 def test_an_unseeded_epoch_waits_for_the_coordinators_seed(ray_session, monkeypatch):

@@ -100,7 +100,8 @@ def test_states_at_every_step_resume_exactly_once_on_one_two_and_three_ranks(ray
                                              rank=rank, world_size=world_size, name=name, job_id="split-start"))
 
     check_resume_everywhere(make, list(range(24)), key="id", world_size=2, resume_world_sizes=(1, 3),
-                            same_order=True, steps=[0, 1, 2, 3], end_state="empty", rotate_sizes=True)
+                            same_order=True, steps=[0, 1, 2, 3], end_state="empty", rotate_sizes=True,
+                            states_in_one_run=True)
 
 
 def bad_init(worker_id):
