@@ -6,6 +6,10 @@ loader in one process and split across ranks) :func:`check_resume_everywhere`
 runs one uninterrupted epoch, then for every step ``k`` of it: a fresh loader per
 rank takes its first ``k`` batches, rank 0's ``state_dict()`` goes through JSON,
 and fresh loaders (of the same or another world size) load it and run the rest.
+With ``states_in_one_run`` the uninterrupted epoch's rank 0 saves its state at every
+step instead, every rank waiting meanwhile: the same states as those runs cut at each
+step (key for key, for the drop-in and the native loader, local starts included), in
+one run instead of one per step.
 The ids the first part took plus every id of the rest must be the epoch, each
 exactly once; with ``same_order`` (a deterministic loader, the same world size) the
 resumed run must repeat the uninterrupted one batch for batch. A state taken after
@@ -88,15 +92,39 @@ def in_rank_threads(rank_loop: Callable[[int], None], world_size: int, timeout: 
 
 
 def run_ranks(make: MakeLoader, world_size: int, name: str, key: str, take: Optional[int] = None,
-              state: Optional[dict] = None, timeout: float = 240.0,
-              then_next: bool = False) -> tuple[list[Taken], Optional[dict]]:
+              state: Optional[dict] = None, timeout: float = 240.0, then_next: bool = False,
+              save_at: Any = None) -> tuple[list[Taken], Any]:
     """Every rank's loader in a thread: load ``state`` if given, take ``take`` batches (None: the
     epoch; with ``then_next``, the epoch and then the next one, which must come after an empty
-    first). Returns what each rank took and rank 0's state after it (JSON round-tripped)."""
+    first). Returns what each rank took and rank 0's state after it (JSON round-tripped).
+
+    ``save_at``: steps (batches every rank has taken: a list, or ``"every"`` step) at which
+    rank 0 saves its state during the epoch while every other rank waits, as after a run cut
+    at that step; the epoch then goes on. The state returned is ``{step: state}``.
+    """
     out: list = [None] * world_size
-    saved: list = [None]
+    saved: list = [None] if save_at is None else [{}]
     errors: list = []
-    barrier = threading.Barrier(world_size)
+    at: list = [None] * world_size  # where each rank waits: a step of save_at, or "end"
+
+    def same_place() -> None:
+        assert len(set(at)) == 1, f"{name}: the ranks met at different steps {at} (different batch counts)"
+
+    barrier = threading.Barrier(world_size, action=same_place)
+
+    def save(rank: int, loader: Any, step: Any) -> None:
+        """At ``step``: every rank waits while rank 0 saves its state (JSON round-tripped); at
+        ``"end"`` every rank waits for the others' last batch."""
+        if step != "end" and save_at != "every" and step not in save_at:
+            return
+        at[rank] = step
+        try:
+            barrier.wait(timeout)
+            if rank == 0 and step != "end":
+                saved[0][step] = json.loads(json.dumps(loader.state_dict()))
+            barrier.wait(timeout)
+        except threading.BrokenBarrierError as e:  # a rank failed, or stopped at another step
+            raise AssertionError(f"{name}: rank {rank} at step {step}: another rank failed or never reached it") from e
 
     def rank_loop(rank: int) -> None:
         try:
@@ -104,6 +132,15 @@ def run_ranks(make: MakeLoader, world_size: int, name: str, key: str, take: Opti
             if state is not None:
                 loader.load_state_dict(json.loads(json.dumps(state)))
             it = iter(loader)
+            if save_at is not None:
+                batches: list = []
+                save(rank, loader, 0)
+                for batch in it:
+                    batches.append(ids_of(batch, key))
+                    save(rank, loader, len(batches))
+                save(rank, loader, "end")
+                out[rank] = Taken(batches)
+                return
             batches = [ids_of(batch, key) for batch in (itertools.islice(it, take) if take is not None else it)]
             if then_next:
                 assert not batches, f"rank {rank}: a state taken after the epoch's last batch resumed {len(batches)} batch(es), not an empty remainder"
@@ -157,7 +194,7 @@ def free_coordinators(name: str) -> None:
 def check_resume_everywhere(make: MakeLoader, epoch_ids: list, *, key: str = "id", world_size: int = 1,
                             resume_world_sizes: tuple = (), same_order: bool = False,
                             steps: Optional[list] = None, end_state: str = "next",
-                            rotate_sizes: bool = False) -> None:
+                            rotate_sizes: bool = False, states_in_one_run: bool = False) -> None:
     """Save at every step of an epoch and resume from each; see the module's docstring.
 
     Args:
@@ -174,14 +211,23 @@ def check_resume_everywhere(make: MakeLoader, epoch_ids: list, *, key: str = "id
             ``steps`` onto the ``i``-th, round robin) instead of onto each: every step still
             changes the world size and every size is still resumed onto, in fewer runs (each run
             is a job: a coordinator and its pool).
+        states_in_one_run: take every step's state from the uninterrupted epoch (rank 0 saves it
+            at each step while every rank waits) instead of from a run of its own cut at that
+            step: the same states, every one from fresh loaders' first epoch on a fresh
+            coordinator, in one job instead of one per step.
     """
     base = f"resume{next(_NAMES)}"
-    whole, _ = run_ranks(make, world_size, f"{base}-whole", key)
+    save_at = (list(steps) if steps is not None else "every") if states_in_one_run else None
+    whole, states = run_ranks(make, world_size, f"{base}-whole", key, save_at=save_at)
     per_rank = len(whole[0].batches)
     assert all(len(t.batches) == per_rank for t in whole), "ranks got different batch counts"
     assert sorted(i for t in whole for i in t.ids) == sorted(epoch_ids)
     for n, k in enumerate(steps if steps is not None else range(per_rank + 1)):
-        head, state = run_ranks(make, world_size, f"{base}-head{k}", key, take=k)
+        if states_in_one_run:  # every rank's first k batches of the epoch, and rank 0's state then
+            assert k in states, f"no step {k}: the epoch has {per_rank} batches per rank"
+            head, state = [Taken(t.batches[:k]) for t in whole], states[k]
+        else:
+            head, state = run_ranks(make, world_size, f"{base}-head{k}", key, take=k)
         taken = [i for t in head for i in t.ids]
         others = tuple(resume_world_sizes)
         if rotate_sizes and others:

@@ -73,9 +73,16 @@ def _cols(batches, *names):
     return [[b.get(n) for n in names] for b in batches]
 
 
-def test_each_ranks_first_k_batches_are_made_here_and_the_epoch_is_the_coordinators(ray_session, monkeypatch):
-    local_batches(monkeypatch, None)
-    reference, _ = epoch(2)
+@pytest.fixture(scope="module")
+def reference(ray_session):
+    """Every rank's batches of the split epoch from the coordinator alone (no local start): one run,
+    the reference of both tests that compare a local start with it."""
+    with pytest.MonkeyPatch.context() as env:
+        local_batches(env, None)
+        return epoch(2)[0]
+
+
+def test_each_ranks_first_k_batches_are_made_here_and_the_epoch_is_the_coordinators(reference, monkeypatch):
     assert sorted(x for r in reference for b in r for x, p in zip(b["x"], b.get("sbloader_padding") or
                                                                     [False] * len(b["x"])) if not p) == \
         list(range(ROWS))
@@ -96,7 +103,7 @@ def test_states_before_at_and_after_the_kth_batch_resume_exactly_once_on_one_two
         ray_session, monkeypatch):
     local_batches(monkeypatch, 2)
     check_resume_everywhere(make, list(range(ROWS)), key="id", world_size=2, resume_world_sizes=(1, 3),
-                            same_order=True, steps=[0, 1, 2, 3, 8], rotate_sizes=True)
+                            same_order=True, steps=[0, 1, 2, 3, 8], rotate_sizes=True, states_in_one_run=True)
 
 
 def test_an_unseeded_epoch_waits_for_the_coordinators_seed(ray_session, monkeypatch):
@@ -115,9 +122,7 @@ def test_an_unseeded_epoch_waits_for_the_coordinators_seed(ray_session, monkeypa
 
 
 @pytest.mark.parametrize("k", [2])
-def test_a_state_taken_in_the_local_phase_resumes_the_rest_exactly(ray_session, monkeypatch, k):
-    local_batches(monkeypatch, None)
-    reference, _ = epoch(2)
+def test_a_state_taken_in_the_local_phase_resumes_the_rest_exactly(reference, monkeypatch, k):
     local_batches(monkeypatch, k + 2)
     head, state = epoch(2, take=k, state=None)
     assert state is not None

@@ -4,7 +4,8 @@ The drop-in loader in this process (``num_workers=0``), on a pool of workers, an
 split across two ranks by its coordinator; the native loader in one process (with
 and without a shuffle window) and split across two ranks. Each: exactly once from
 every step, onto the same and another world size; the same batches again where the
-loader is deterministic and the world size the same.
+loader is deterministic and the world size the same. Every step's state is saved during
+the uninterrupted epoch (the harness's ``states_in_one_run``).
 """
 from __future__ import annotations
 
@@ -37,26 +38,28 @@ def test_the_drop_in_in_one_process(ray_session, workers):
     def make(rank, world_size, name):
         loader = _dropin(workers)(rank, world_size, name)
         return IdsLoader(loader)
-    check_resume_everywhere(make, list(range(N)), key="id", same_order=True, end_state="empty")
+    check_resume_everywhere(make, list(range(N)), key="id", same_order=True, end_state="empty",
+                            states_in_one_run=True)
 
 
 def test_the_drop_in_split_across_ranks(ray_session):
     check_resume_everywhere(lambda r, w, n: IdsLoader(_dropin(1)(r, w, n)), list(range(N)), key="id", world_size=2,
                             resume_world_sizes=(1, 3), same_order=True, steps=[0, 1, 2, 3], end_state="empty",
-                            rotate_sizes=True)
+                            rotate_sizes=True, states_in_one_run=True)
 
 
 @pytest.mark.parametrize("window", [1, 3])
 def test_the_native_loader_in_one_process(ray_session, window):
     check_resume_everywhere(_native(shuffle_window=window), list(range(N)), key="id", resume_world_sizes=(2,),
-                            same_order=True)
+                            same_order=True, states_in_one_run=True)
 
 
 @pytest.mark.parametrize("local", [True, False])
 def test_the_native_loader_split_across_ranks(ray_session, local):
     """``local``: each rank's first batches made here (the whole of this small epoch), or the coordinator's."""
     check_resume_everywhere(_native(shuffle_window=3, local_start=local), list(range(N)), key="id", world_size=2,
-                            resume_world_sizes=(1, 3), same_order=True, steps=[0, 1, 2, 3], rotate_sizes=True)
+                            resume_world_sizes=(1, 3), same_order=True, steps=[0, 1, 2, 3], rotate_sizes=True,
+                            states_in_one_run=True)
 
 
 def test_the_native_loader_with_a_budget_shuffle_window(ray_session, tmp_path):
@@ -76,7 +79,7 @@ def test_the_native_loader_with_a_budget_shuffle_window(ray_session, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # the 12-row window says the file does not fit it
         check_resume_everywhere(make, list(range(N)), key="id", resume_world_sizes=(2,), same_order=True,
-                                steps=[0, 1, 3, 5, 6])
+                                steps=[0, 1, 3, 5, 6], states_in_one_run=True)
 
 
 

@@ -51,10 +51,17 @@ def test_the_plans_rest_after_every_ranks_first_k_is_the_resumed_plan():
                     assert [i for i in rest.ids if i < n] == [i for i in resumed.ids if i < n]
 
 
+@pytest.fixture(scope="module")
+def reference(ray_session):
+    """Every rank's batches of the split epoch from the coordinator's workers alone (no local start):
+    one run, the reference of every ``k`` below."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(split_start.SPLIT_LOCAL_ENV, "0")
+        return both_ranks("ref")[0]
+
+
 @pytest.mark.parametrize("k", [1, 2, 4])
-def test_each_ranks_first_k_batches_are_local_and_the_epoch_is_the_split_one(ray_session, monkeypatch, k):
-    monkeypatch.setenv(split_start.SPLIT_LOCAL_ENV, "0")
-    reference, _ = both_ranks(f"ref{k}")  # the coordinator's workers alone
+def test_each_ranks_first_k_batches_are_local_and_the_epoch_is_the_split_one(reference, monkeypatch, k):
     ray_pids = {int(p) for batches in reference for b in batches for p in b[:, 2]}
     assert len(reference[0]) == len(reference[1]) == 4  # 30 rows, batch 4, 2 ranks: 3 full rounds and a tail
     monkeypatch.setenv(split_start.SPLIT_LOCAL_ENV, str(k))
@@ -100,7 +107,8 @@ def test_states_at_every_step_resume_exactly_once_on_one_two_and_three_ranks(ray
                                              rank=rank, world_size=world_size, name=name, job_id="split-start"))
 
     check_resume_everywhere(make, list(range(24)), key="id", world_size=2, resume_world_sizes=(1, 3),
-                            same_order=True, steps=[0, 1, 2, 3], end_state="empty", rotate_sizes=True)
+                            same_order=True, steps=[0, 1, 2, 3], end_state="empty", rotate_sizes=True,
+                            states_in_one_run=True)
 
 
 def bad_init(worker_id):

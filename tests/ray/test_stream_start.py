@@ -81,11 +81,14 @@ def local_counts(ranks: list) -> list:
     return counts
 
 
-@pytest.mark.parametrize("h", [0, 1, 3, 5, 8])
+@pytest.mark.parametrize("h", [0, 1])
 def test_the_handover_after_each_ranks_hth_local_batch_gives_every_sample_once_in_equal_counts(
         ray_session, monkeypatch, h):
     # 2 ranks, 2 shards of 40 ids in batches of 4: 10 batches each; rank r runs shard r locally and
-    # may deliver made // 2 of its batches there (at most 5: the rule that keeps counts equal)
+    # may deliver made // 2 of its batches there (at most 5: the rule that keeps counts equal).
+    # h: none, or one (below the bound). Every sample once in equal counts with h at the bound is
+    # checked by the four-worker test (h = 4, its bound 4), with h past it by the three-rank test
+    # (h = 6, bound 3) and the long-shard test (h = 8, rank 0's bound 5)
     monkeypatch.setenv("SBLOADER_HANDOVER_AT", str(h))
     ranks = run(f"every-{h}", 2, [40, 40], batch_size=4, num_workers=2)
     assert ids(ranks) == expected([40, 40])
