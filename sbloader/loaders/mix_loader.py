@@ -133,6 +133,10 @@ class MixLoader:
 
     def _batches(self) -> Iterator[dict]:
         start = self._start
+        last = self._history[-1]
+        for n, w in last.weights:  # every source drawn from starts at once, not at its first draw
+            if w > 0 and n not in last.dropped:
+                self._cursors[n].start()
         while start is not None and self._start == start:  # a newer iteration ends this one
             want = self.batch_size
             if self.num_samples is not None:

@@ -97,6 +97,15 @@ class SourceCursor:
             have = sum(rows_of(b) for _, b in self._buf) - self.state.used  # a resumed first batch skips rows
         return min(n, have)
 
+    def start(self) -> None:
+        """Start the source's epoch now, so its pipeline works ahead while the others start too
+        (the first batch of a mixture needs rows of every source it draws)."""
+        if self._it is None and not self.state.ended:
+            t0 = time.perf_counter()
+            self._it = iter(self.loader)
+            self._fresh = None
+            self.wait_s += time.perf_counter() - t0
+
     def take(self, n: int) -> list:
         """The next ``n`` rows as slices of batches (``n`` at most :meth:`available`)."""
         pieces = []
