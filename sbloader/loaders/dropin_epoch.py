@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 import ray
 
 from sbloader.core.block import SHARD_STATE_COLUMN
-from sbloader.core.context import seed_globals, task_context
+from sbloader.core.context import task_context
 from sbloader.core.plan import make_epoch_plan
 from sbloader.core.stats import StallStats
 from sbloader.distributed import dropin_client, pipeline_client
@@ -33,6 +33,7 @@ from sbloader.executor.shard_rounds import ShardRounds, segment_size
 from sbloader.loaders.dropin_settings import _CARRIES, DropinCarry, DropinSettings
 from sbloader.loaders.dropin_state import EpochRun
 from sbloader.loaders.epoch import Delivery, EpochIterator
+from sbloader.loaders.fork_safe import seed_here
 from sbloader.loaders.failed_batch import FailedBatch, translate
 from sbloader.loaders.iterable_resume import IterableRun, batches_before, first_snapshot, iterate_shard, open_shard
 from sbloader.loaders.shard_order import RoundRobin, shard_positions
@@ -67,7 +68,7 @@ def local_epoch(s: DropinSettings, run: Optional[Union[EpochRun, IterableRun]], 
                 index_sampler: Any) -> EpochIterator:
     """``num_workers=0``: fetch and collate in this process, exactly as torch does."""
     if s.seed is not None:  # only when asked: without it the trainer's RNGs stay as torch leaves them
-        seed_globals(epoch_seed)
+        seed_here(epoch_seed)
 
     def collate(item: Any, auto: bool) -> Any:
         try:
@@ -85,7 +86,7 @@ def local_epoch(s: DropinSettings, run: Optional[Union[EpochRun, IterableRun]], 
                 if s.seed is not None and j % s.batches_per_partition == 0:
                     # Seeded per partition as a remote worker is (the pool is operator 0): a resumed
                     # epoch replays a batch with the same draws as the uninterrupted run.
-                    seed_globals(task_context(epoch, epoch_seed, run.ids[j], "LoaderWorker", 0).ctx.seed)
+                    seed_here(task_context(epoch, epoch_seed, run.ids[j], "LoaderWorker", 0).ctx.seed)
                 # batch_size=None: each "batch" is one index, fetched and converted alone, as torch does
                 yield Delivery(collate(indices if s.auto_collation else indices[0], s.auto_collation), j)
         else:

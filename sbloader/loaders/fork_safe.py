@@ -69,6 +69,28 @@ def forget_foreign_imports() -> list[str]:
 def _after_fork_in_child() -> None:
     if _forking:
         forget_foreign_imports()
+        _free_torch_seed_lock()
+
+
+def _free_torch_seed_lock() -> None:
+    """(In a child just forked) A fresh ``torch.cuda._initialization_lock`` if another thread of the
+    parent held it at the fork (inside ``torch.manual_seed``): the child's own seeding would wait
+    for good."""
+    cuda = sys.modules.get("torch.cuda")
+    lock = getattr(cuda, "_initialization_lock", None)
+    if lock is not None and lock.locked():
+        cuda._initialization_lock = threading.Lock()
+
+
+def seed_here(seed: int) -> None:
+    """Seed this process's global RNGs (:func:`~sbloader.core.context.seed_globals`), never while
+    local workers are being forked: ``torch.manual_seed`` takes torch's locks, and a worker forked
+    while another thread held one waited forever in its own seeding (a mixture's ``IterableDataset``
+    source seeding in the loop's thread while another source forked its local workers)."""
+    from sbloader.core.context import seed_globals
+
+    with FORK_LOCK:
+        seed_globals(seed)
 
 
 if hasattr(os, "register_at_fork"):

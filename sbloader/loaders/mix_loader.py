@@ -240,10 +240,12 @@ class MixLoader:
 
         ``weights``: new weights from the resumed position on (as :meth:`set_weights`).
         On another world size, every source the ranks were partway through a batch of resumes
-        after the rows they had used (its loader credits them, row by row); a source that cannot
-        (an ``IterableDataset``'s loader counts batches) is refused unless ``strict=False``
-        (warning: the used rows of that batch on every old rank come again). ``strict=False``
-        also loads a state of other sources' fingerprints.
+        after the rows they had used: a split source's loader credits them, row by row; an
+        ``IterableDataset`` source (every rank iterates it) makes that batch again and skips them,
+        from the position the state holds (rank 0's, on every rank: see the user guide). A loader
+        that can do neither is refused unless ``strict=False`` (warning: the used rows of that batch
+        on every old rank come again). ``strict=False`` also loads a state of other sources'
+        fingerprints.
         """
         state = mix_state.FORMAT.check(state_dict, self._fingerprint(), strict)
         mix_state.check_body(state, self.names)
@@ -253,11 +255,8 @@ class MixLoader:
                                            "expected 0")
         cursors = {n: CursorState.from_json(n, state["sources"][n]) for n in self.names}
         found = int(state.get("world_size", 1))
-        if found != self.world_size:  # the sources' batches are cut anew: credit the rows used in rows
+        if found != self.world_size:  # a split source's batches are cut anew: credit the rows used
             cursors = {n: self._credited(n, c, found, strict) for n, c in cursors.items()}
-        mix_state.check_world(state, self.world_size, {n: c.used for n, c in cursors.items()}, strict)
-        if found != self.world_size:  # strict=False: a source that could not credit its rows repeats them
-            cursors = {n: dataclasses.replace(c, used=0) for n, c in cursors.items()}
         for n, c in self._cursors.items():
             c.load(cursors[n])
         self._history = history
@@ -268,14 +267,24 @@ class MixLoader:
             self.set_weights(weights)
 
     def _credited(self, name: str, cursor: CursorState, world_size: int, strict: bool) -> CursorState:
-        """A source's cursor taken on ``world_size`` ranks partway through a batch, as one between
-        batches: its loader's state with the used rows of every old rank's batch consumed (a loader
-        that counts rows, :meth:`~sbloader.loaders.pipeline_loader.PipelineLoader.credit_rows`)."""
+        """A source's cursor taken on ``world_size`` ranks partway through a batch, for this world size.
+
+        A loader that splits its epoch across ranks credits the used rows of every old rank's batch
+        (:meth:`~sbloader.loaders.pipeline_loader.PipelineLoader.credit_rows`): the cursor is then
+        between batches. A loader every rank iterates whole (an ``IterableDataset``'s drop-in,
+        ``split=False``) makes the same batches on any world size: its batch comes again and the
+        used rows are skipped, as on the same world size. Any other is refused
+        (:func:`~sbloader.loaders.mix_state.refuse_partway`)."""
         loader = self._cursors[name].loader
-        if not cursor.used or cursor.loader is None or not hasattr(loader, "credit_rows"):
+        if not cursor.used or cursor.loader is None:
             return cursor
-        credited = loader.credit_rows(cursor.loader, cursor.used, world_size, strict)
-        return dataclasses.replace(cursor, loader=credited, used=0)
+        if hasattr(loader, "credit_rows"):
+            return dataclasses.replace(cursor, loader=loader.credit_rows(cursor.loader, cursor.used, world_size,
+                                                                         strict), used=0)
+        if getattr(loader, "split", True) is False:
+            return cursor
+        mix_state.refuse_partway(name, cursor.used, world_size, self.world_size, strict)
+        return dataclasses.replace(cursor, used=0)
 
     def _fingerprint(self) -> dict:
         return {"sources": {n: self._fingerprints.get(n) for n in self.names}, "seed": self.seed,

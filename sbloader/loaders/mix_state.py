@@ -35,33 +35,29 @@ def check_body(state: dict, names: list) -> None:
                              "Load it into a mixture of the same sources")
 
 
-def check_world(state: dict, world_size: int, used: dict, strict: bool = True) -> None:
-    """Refuse a state whose sources are still partway through a batch when the world size changed.
+def refuse_partway(name: str, used: int, found: int, world_size: int, strict: bool = True) -> None:
+    """Refuse (or, with ``strict=False``, warn of) a source a state of ``found`` ranks was partway
+    through a batch of, resumed on ``world_size`` ranks by a loader that cuts its batches anew for
+    the world size but cannot credit the used rows (it counts batches, not rows).
 
-    A source's state is its loader's state before the batch it is in plus the rows of that
-    batch used, the same on every rank. On the same world size the batch comes again and its
-    used rows are skipped; on another the source's batches are cut anew. A native source's
-    loader credits the used rows of every old rank's batch in its own state first (``used``
-    is then 0); one whose loader counts batches, not rows (an ``IterableDataset`` through the
-    drop-in), cannot tell those rows apart.
+    A native source's loader credits the used rows of every old rank's batch in its own state
+    (``credit_rows``); an ``IterableDataset`` source is iterated by every rank, its batches the
+    same on any world size, so its batch comes again and the used rows are skipped. Neither
+    comes here.
     """
-    found = int(state.get("world_size", 1))
-    partway = sorted(n for n, u in used.items() if u)
-    if found != world_size and partway and not strict:
+    if not strict:
         import warnings
 
-        repeats = {n: used[n] * found for n in partway}
-        warnings.warn(f"mix state of world size {found} resumed on {world_size} rank(s) with strict=False: sources "
-                      f"{partway} were partway through a batch, so up to {repeats} of their samples come again "
-                      "in their current epoch", stacklevel=3)
+        warnings.warn(f"mix state of world size {found} resumed on {world_size} rank(s) with strict=False: source "
+                      f"{name!r} was partway through a batch, so up to {used * found} of its samples come again "
+                      "in its current epoch", stacklevel=4)
         return
-    if found != world_size and partway:
-        raise StateDictError(
-            f"mix state world_size: found {found}, expected {world_size} (this job's), and sources {partway} "
-            "were partway through a batch when it was taken; their loaders count batches, not rows (an "
-            f"IterableDataset's), so such a state resumes exactly only on {found} rank(s). Resume on {found} "
-            "rank(s), from a state taken where those sources' 'used' is 0, or pass strict=False to resume "
-            "anyway (those rows of each old rank come again)")
+    raise StateDictError(
+        f"mix state world_size: found {found}, expected {world_size} (this job's), and source {name!r} was "
+        f"partway through a batch ({used} rows used) when it was taken; its loader cuts its batches anew for "
+        f"the world size and counts batches, not rows, so such a state resumes exactly only on {found} "
+        f"rank(s). Resume on {found} rank(s), from a state taken where its 'used' is 0, or pass strict=False "
+        "to resume anyway (those rows of each old rank come again)")
 
 
 @dataclass(frozen=True)

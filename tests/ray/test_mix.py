@@ -301,14 +301,17 @@ def test_split_across_ranks_each_rank_draws_alike_and_resumes_on_the_same_world_
 @pytest.mark.parametrize("old, new", [(2, 1), (1, 3), (2, 3)])
 def test_a_state_taken_partway_through_source_batches_resumes_every_row_once_on_another_world_size(
         ray_session, old, new):
-    """Each source's loader credits the rows the old ranks had used of their pending batches
+    """Each split source's loader credits the rows the old ranks had used of their pending batches
     (``PipelineLoader.credit_rows``): with ``on_exhausted="drop"`` the mixture reads every source
     to its end, so the rows before and after the change are each source's rows, each once. The
-    weights change after the first batch, before the state is taken."""
+    ``IterableDataset`` source ``c`` every rank iterates whole (as torch's): every new rank goes on
+    from rank 0's place in it, partway batch included, each of its samples once. The weights change
+    after the first batch, before the state is taken."""
     from harness import free_coordinators, run_ranks
 
     srcs = {"a": _source("a", 90, 4), "b": _source("b", 61, 3)}
-    mixed = sbloader.mix(srcs, weights={"a": 0.6, "b": 0.4}, seed=11, on_exhausted="drop")
+    mixed = sbloader.mix({**srcs, "c": _stream_class()(33, OFFSETS["c"])}, weights={"a": 0.5, "b": 0.3, "c": 0.2},
+                         seed=11, on_exhausted="drop")
 
     class Reweighted:
         """The mixture's loader, its weights changed after its first batch (unless resumed)."""
@@ -320,7 +323,7 @@ def test_a_state_taken_partway_through_source_batches_resumes_every_row_once_on_
             it = iter(self.loader)
             yield next(it)
             if not self.loaded:
-                self.loader.set_weights({"a": 0.3, "b": 0.7})
+                self.loader.set_weights({"a": 0.3, "b": 0.5})
             yield from it
 
         def state_dict(self) -> dict:
@@ -338,7 +341,8 @@ def test_a_state_taken_partway_through_source_batches_resumes_every_row_once_on_
     try:
         head, state = run_ranks(make, old, names[0], "id", take=4)
         assert state["world_size"] == old and len(state["history"]) == 2  # the weight change recorded
-        assert any(v["used"] for v in state["sources"].values()), state["sources"]  # partway: rows to credit
+        assert state["sources"]["a"]["used"] or state["sources"]["b"]["used"], state["sources"]  # rows to credit
+        assert state["sources"]["c"]["used"], state["sources"]["c"]  # partway through the stream's batch
         rest, _ = run_ranks(make, new, names[1], "id", state=state)
         counts = [len(t.batches) for t in rest]  # "drop" ends when a rank's share runs out: a batch apart
         assert max(counts) - min(counts) <= 1, counts  # at most (user guide, "Checkpoints")
@@ -346,6 +350,8 @@ def test_a_state_taken_partway_through_source_batches_resumes_every_row_once_on_
         for name, n in (("a", 90), ("b", 61)):
             ids = sorted(i for i in got if i // 100_000 == OFFSETS[name] // 100_000)
             assert ids == list(range(OFFSETS[name], OFFSETS[name] + n)), name
+        for r, t in enumerate(rest):  # rank 0's stream, gone on from where it was, on every new rank
+            assert [i for i in head[0].ids + t.ids if i >= OFFSETS["c"]] == list(range(OFFSETS["c"], OFFSETS["c"] + 33)), r
     finally:
         for name in names:
             for source in srcs:

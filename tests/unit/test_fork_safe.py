@@ -70,3 +70,40 @@ def test_numpy_random_is_whole_before_the_local_workers_fork():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "True"
+
+
+def test_a_child_forked_while_another_thread_seeds_torch_seeds_its_own():
+    """``torch.manual_seed`` holds ``torch.cuda._initialization_lock``; a local worker forked while
+    another thread of the trainer was inside it waited forever in its own seeding (a mixture's
+    ``IterableDataset`` source seeding in the loop's thread while another source forked its local
+    workers). The child gets a fresh lock; the trainer's own seeding waits for the fork."""
+    import os
+
+    import torch
+    import torch.cuda
+
+    from sbloader.loaders import fork_safe
+
+    held = torch.cuda._initialization_lock
+    with held:  # as another thread inside torch.manual_seed at the fork
+        with ForkGate().forking():
+            pid = os.fork()
+            if pid == 0:  # the local worker: seeds as torch's worker loop does
+                torch.manual_seed(3)
+                os._exit(0)
+            seeder = threading.Thread(target=fork_safe.seed_here, args=(5,), daemon=True)
+            seeder.start()
+            seeder.join(0.2)
+            assert seeder.is_alive(), "the trainer's seeding ran while local workers were being forked"
+    seeder.join(10)
+    assert not seeder.is_alive()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    raise AssertionError("the forked child waited forever in torch.manual_seed (the parent's lock)")

@@ -171,18 +171,48 @@ def test_close_then_read_on_goes_on_where_it_was():
     assert head + [_rows(b) for b in loader] == whole
 
 
-def test_on_another_world_size_a_source_that_counts_batches_is_refused_partway_and_lenient_warns():
-    """A source whose loader cannot credit rows (as an ``IterableDataset``'s drop-in, counting batches)
-    cannot resume partway through a batch on another world size: refused, or with ``strict=False``
-    resumed with a warning that those rows come again. Between batches it loads anywhere."""
-    loader = _loader(5, src_batch=7)
+def _world_loader(split: bool, world_size: int):
+    """A mixture on ``world_size`` ranks of fake sources that count batches (no ``credit_rows``):
+    split across ranks (cut anew for each world size) or, ``split=False``, iterated whole by every
+    rank (as an ``IterableDataset``'s drop-in: the same batches on any world size)."""
+
+    class Loader(FakeLoader):
+        pass
+
+    Loader.split = split
+    loader = MixLoader(["a", "b", "c"], lambda n, s: Loader(n, s, 7), {"a": 0.5, "b": 0.3, "c": 0.2}, seed=1,
+                       batch_size=5, on_exhausted="restart", num_samples=None, source_key="src")
+    loader.world_size = world_size
+    return loader
+
+
+def test_on_another_world_size_a_split_source_that_counts_batches_is_refused_partway_and_lenient_warns():
+    """A split source whose loader cannot credit rows cannot resume partway through a batch on
+    another world size: refused, or with ``strict=False`` resumed with a warning that those rows
+    come again. Between batches it loads anywhere."""
+    loader = _world_loader(True, 2)
     it = iter(loader)
     next(it)
-    state = {**loader.state_dict(), "world_size": 2}  # as if taken on 2 ranks
-    assert any(s["used"] for s in state["sources"].values())
-    with pytest.raises(StateDictError, match="count batches, not rows"):
-        _loader(5, src_batch=7).load_state_dict(state)
+    state = loader.state_dict()
+    assert state["world_size"] == 2 and any(s["used"] for s in state["sources"].values())
+    with pytest.raises(StateDictError, match="counts batches, not rows"):
+        _world_loader(True, 1).load_state_dict(state)
     with pytest.warns(UserWarning, match="come again"):
-        _loader(5, src_batch=7).load_state_dict(state, strict=False)
+        _world_loader(True, 1).load_state_dict(state, strict=False)
     between = {**state, "sources": {n: {**s, "used": 0} for n, s in state["sources"].items()}}
-    _loader(5, src_batch=7).load_state_dict(between)
+    _world_loader(True, 1).load_state_dict(between)
+
+
+@pytest.mark.parametrize("k", [1, 2, 5])
+def test_on_another_world_size_a_source_every_rank_iterates_makes_its_batch_again_and_skips_the_used_rows(k):
+    """A source every rank iterates whole (``split=False``) has the same batches on any world size:
+    partway through one, its state resumes on another world size exactly as on the same one."""
+    whole = _script(_world_loader(False, 2), 30, {})
+    first = _world_loader(False, 2)
+    head = _script(first, k, {})
+    state = json.loads(json.dumps(first.state_dict()))
+    assert any(s["used"] for s in state["sources"].values())
+    for world_size in (1, 3):
+        resumed = _world_loader(False, world_size)
+        resumed.load_state_dict(state)
+        assert head + _script(resumed, 30 - k, {}) == whole, (k, world_size)
