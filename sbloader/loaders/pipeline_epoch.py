@@ -56,6 +56,9 @@ class PipelineSettings:
         device: the loop's device (None: the CPU).
         local_start: a fresh process's epoch may start on local worker processes while Ray
             starts (:mod:`~sbloader.loaders.native_start`).
+        plan_cut: one consumer cuts its batches with the window a split epoch uses (in rows,
+            from the plan), so which rows a batch holds is the plan's arithmetic on any world
+            size (a mixture's sources: :meth:`~sbloader.loaders.pipeline_loader.PipelineLoader.credit_rows`).
     """
 
     batch_size: int
@@ -69,6 +72,7 @@ class PipelineSettings:
     tensors: TensorOptions
     device: Any = None
     local_start: bool = True
+    plan_cut: bool = False
 
     def prefetch_for(self, source: Source, plan: EpochPlan) -> int:
         """Ready blocks to keep ahead: ``prefetch_blocks``, raised to the shuffle window's
@@ -149,7 +153,10 @@ def local_epoch(pipeline: Pipeline, settings: PipelineSettings, run: PipelineRun
         executor = start(plan)
     carry.stats = executor.stats()
     stalls = StallStats()
-    window = shuffle_window.local_window(settings.window, run, carry.stats.memory_budget)
+    if settings.plan_cut:
+        window = shuffle_window.split_window(settings.window, run, source, carry.stats.memory_budget)
+    else:
+        window = shuffle_window.local_window(settings.window, run, carry.stats.memory_budget)
     report = shuffle_window.Report(pipeline, settings.window, len(run.order), carry.stats)
     report_box.append(report)
     feed = BlockFeed(executor, hold=1 if window.in_turn else None)

@@ -9,6 +9,7 @@ ahead of the training loop.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import uuid
@@ -208,6 +209,12 @@ class PipelineLoader:
         self._resume = dict(state)
         self._run = None
         self._epoch = int(state["epoch"])
+
+    def cut_as_planned(self) -> None:
+        """Cut batches in one process as a split epoch does (a budget window in rows, from the
+        plan, not in bytes of the blocks as they come), so that :meth:`credit_rows` can tell the
+        rows of a state taken here partway through a batch: a mixture asks it of its sources."""
+        self.settings = dataclasses.replace(self.settings, plan_cut=True)
 
     def credit_rows(self, state_dict: dict, rows: int, world_size: int, strict: bool = True) -> dict:
         """``state_dict`` (taken on ``world_size`` ranks between two batches) with the first ``rows`` rows

@@ -436,3 +436,52 @@ def test_split_across_three_ranks_resumes_on_three(ray_session):
             assert head[r].batches + rest[r].batches == whole[r].batches
     finally:
         free()
+
+
+def _parquet(path, offset: int, groups: int, rows: int) -> str:
+    """A Parquet file of ids from ``offset``, ``groups`` row groups of ``rows`` rows of ~8 KB each,
+    half of it random: stored at about half the bytes the decoded rows take."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    ids = np.arange(offset, offset + groups * rows)
+    pad = [np.random.default_rng(int(i)).bytes(4000) + bytes(4000) for i in ids]
+    pq.write_table(pa.table({"id": ids, "pad": pad}), path, row_group_size=rows)
+    return str(path)
+
+
+@pytest.mark.filterwarnings("ignore:shuffle window")  # the window holds half the epoch, by design
+@pytest.mark.parametrize("new, take", [(2, 7), (3, 5)])
+def test_a_state_taken_in_one_process_partway_through_budget_window_batches_resumes_on_more_ranks(
+        ray_session, tmp_path, new, take):
+    """Parquet sources shuffle through a budget window. One process cuts a mixture's source batches
+    as a split epoch does (``PipelineLoader.cut_as_planned``: the window in rows, from the plan),
+    so ``credit_rows`` finds the rows a state taken there had used of a batch. Cut by the bytes of
+    the blocks as they came (the window of a lone loader) the rows credited were others: 1-2 of
+    source a's 960 rows came twice and as many never (this data is stored at half its decoded bytes,
+    so the two windows differ)."""
+    from harness import free_coordinators, run_ranks
+
+    a = sbloader.read_parquet(_parquet(tmp_path / "a.parquet", 0, 96, 10))
+    b = sbloader.read_parquet(_parquet(tmp_path / "b.parquet", OFFSETS["b"], 20, 10))
+    mixed = sbloader.mix({"a": a, "b": b}, weights={"a": 0.6, "b": 0.4}, seed=3, on_exhausted="drop")
+
+    def make(rank: int, world_size: int, name: str):
+        return mixed.to_dataloader(16, shuffle=True, rank=rank, world_size=world_size, name=name,
+                                   job_id="mix-window", memory_budget=4_000_000)
+
+    names = [f"window1{new}h", f"window1{new}r"]
+    try:
+        head, state = run_ranks(make, 1, names[0], "id", take=take)
+        for s in state["sources"].values():
+            assert s["loader"]["window"][1] == "rows" and s["loader"]["window"][0] < 960, s["loader"]["window"]
+        assert state["sources"]["a"]["used"] and state["sources"]["b"]["used"], state["sources"]
+        rest, _ = run_ranks(make, new, names[1], "id", state=state)
+        got = [i for t in head + rest for i in t.ids]
+        for name, n in (("a", 960), ("b", 200)):
+            ids = sorted(i for i in got if i // 100_000 == OFFSETS[name] // 100_000)
+            assert ids == list(range(OFFSETS[name], OFFSETS[name] + n)), (name, len(ids), len(set(ids)))
+    finally:
+        for name in names:
+            for source in ("a", "b"):
+                free_coordinators(f"{name}.{source}")
