@@ -84,6 +84,8 @@ def test_shares_within_binomial_bounds_over_10000_samples_each_epoch_once(ray_se
     assert sum(s.taken for s in st.sources.values()) == 10_000
     assert st.sources["a"].epoch >= 4 and st.sources["a"].weight == pytest.approx(weights["a"] / sum(weights.values()))
     assert st.sources["a"].share == pytest.approx(len(_ids(rows, "a")) / 10_000)
+    for n in weights:  # each source pipeline's own statistics: its latest epoch's rows and rate
+        assert st.sources[n].pipeline.operators[-1].rows > 0 and st.sources[n].pipeline.wall_s > 0, n
 
 
 def test_stop_ends_the_iteration_when_a_source_runs_out(ray_session):

@@ -216,3 +216,32 @@ def test_on_another_world_size_a_source_every_rank_iterates_makes_its_batch_agai
         resumed = _world_loader(False, world_size)
         resumed.load_state_dict(state)
         assert head + _script(resumed, 30 - k, {}) == whole, (k, world_size)
+
+
+def test_stats_name_the_source_the_mixture_waited_on_and_carry_each_pipelines_own():
+    """``stats()``: per source its share against its weight, its epoch, the time the mixture waited
+    on it (the slow source is ``bottleneck()``) and its loader's own statistics."""
+    import time
+
+    class Slow(FakeLoader):
+        def __iter__(self):
+            for batch in super().__iter__():
+                if self.name == "b":
+                    time.sleep(0.1)  # "b"'s pipeline makes a batch in 100 ms, the others at once
+                yield batch
+
+        def stats(self) -> dict:
+            return {"source": self.name, "epoch": self.epoch}
+
+    loader = MixLoader(["a", "b", "c"], lambda n, s: Slow(n, s, 4), {"a": 0.4, "b": 0.4, "c": 0.2}, seed=2,
+                       batch_size=6, on_exhausted="restart", num_samples=120, source_key="src")
+    rows = [r for b in loader for r in _rows(b)]
+    st = loader.stats()
+    assert st.position == len(rows) == 120
+    assert st.bottleneck() == "b"
+    assert st.sources["b"].wait_s >= 0.1 * (st.sources["b"].taken // 4)  # a wait per batch it made
+    for n, s in st.sources.items():
+        assert s.taken == sum(1 for j, _ in rows if loader.names[j] == n)
+        assert s.share == pytest.approx(s.taken / 120)
+        assert s.pipeline == {"source": n, "epoch": s.epoch}  # the source loader's own stats()
+    assert "waited" in str(st) and "vs weight 0.400" in str(st)
