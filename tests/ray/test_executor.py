@@ -17,12 +17,18 @@ from sbloader.core.errors import MemoryBudgetError, UserFunctionError
 MiB = 2**20
 
 
+_GCS_STATE = {}
+
+
 def _store_bytes_used() -> int:
-    """Bytes in the object store, from Ray's own accounting."""
+    """Bytes in the object store, from Ray's own accounting (one GCS client per Ray session: a new one
+    per call cost the sampler most of its time, and the pipeline its CPU)."""
     from ray._private import internal_api
 
-    state = internal_api.get_state_from_address(ray.get_runtime_context().gcs_address)
-    return int(internal_api.get_memory_info_reply(state).store_stats.object_store_bytes_used)
+    address = ray.get_runtime_context().gcs_address
+    if address not in _GCS_STATE:
+        _GCS_STATE[address] = internal_api.get_state_from_address(address)
+    return int(internal_api.get_memory_info_reply(_GCS_STATE[address]).store_stats.object_store_bytes_used)
 
 
 class _StoreSampler:
@@ -59,11 +65,14 @@ def _log_line(path: Path, text: str) -> None:
 
 
 def test_streaming_keeps_object_store_under_budget_and_streams_early(ray_session, tmp_path):
-    """A dataset 25x the budget: Ray's store stays under budget; first batch before 10% is read."""
+    """A dataset 12.5x the budget: Ray's store stays under budget; first batch before 10% is read.
+
+    Blocks of 1/16 of the budget (they were 1/4, 100 of them: the budget then held ~3 blocks, and each
+    released block counts until Ray freed it, budget.FREE_LAG_S = 0.25 s: 24 s of throttling)."""
     log = tmp_path / "reads.log"
-    block_bytes = 1 * MiB
-    n_parts = 100
-    budget = 4 * MiB  # 100 MiB of data through a 4 MiB budget
+    block_bytes = MiB // 4
+    n_parts = 200
+    budget = 4 * MiB  # 50 MiB of data through a 4 MiB budget
 
     def make(batch):
         _log_line(log, "read")
@@ -594,8 +603,19 @@ def test_read_tasks_take_several_partitions_each_its_own_block(ray_session):
 _STRAGGLER_PARTITION = 30
 
 
-def _straggle(batch):
-    time.sleep(6.0 if 8 * _STRAGGLER_PARTITION in batch["id"] else 0.02)
+def _straggle(batch, marker_dir):
+    """The straggler partition's first copy is held until its second copy has run (60 s at most;
+    it was 6 s for every copy); the second copy runs as any other partition."""
+    if 8 * _STRAGGLER_PARTITION in batch["id"]:
+        first, second = os.path.join(marker_dir, "first-copy"), os.path.join(marker_dir, "second-copy")
+        if not os.path.exists(first):
+            open(first, "w").close()
+            deadline = time.monotonic() + 60
+            while not os.path.exists(second) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        else:
+            open(second, "w").close()
+    time.sleep(0.02)
     return batch
 
 
@@ -682,8 +702,9 @@ def test_a_task_whose_worker_dies_raises_an_error_naming_its_partitions(ray_sess
     assert again.partition_ids == err.partition_ids and str(again) == msg
 
 
-def test_speculated_partitions_keep_plan_order_when_deterministic(ray_session):
-    executor = _eager(sbloader.range(480, num_partitions=60).map_batches(_straggle).execute(deterministic=True))
+def test_speculated_partitions_keep_plan_order_when_deterministic(ray_session, tmp_path):
+    executor = _eager(sbloader.range(480, num_partitions=60).map_batches(
+        _straggle, fn_kwargs={"marker_dir": str(tmp_path)}).execute(deterministic=True))
     order = []
     try:
         while (item := executor.get_next(timeout=60)) is not None:
@@ -693,6 +714,7 @@ def test_speculated_partitions_keep_plan_order_when_deterministic(ray_session):
         executor.shutdown()
     assert order == list(range(60))
     assert executor.stats().speculative_partitions >= 1
+    assert (tmp_path / "second-copy").exists(), "the straggler's first copy ran out its 60 s: no second copy"
 
 
 def _first_copy_straggles_then_fails(batch, marker_dir):
@@ -719,11 +741,13 @@ def test_a_failed_copy_of_a_delivered_partition_does_not_fail_the_epoch(ray_sess
     assert sorted(got) == list(range(60))
     st = executor.stats()
     assert st.speculative_partitions >= 1
-    # Only partition 30's task straggles (59 runs late in the epoch, alone in its task,
-    # and a task of one is not launched again): each of its partitions got a second
-    # copy, and its failure dropped every first copy.
-    assert st.failed_copies == st.speculative_partitions, \
-        "the first copy's failure was not seen (the epoch ended first?)"
+    # Partition 30's task straggles (59 runs late in the epoch, alone in its task, and a task
+    # of one is not launched again): each of its partitions got a second copy (else its first
+    # copy's failure would have failed the epoch), and the failure dropped the first copies.
+    # On a loaded machine other tasks may straggle and be copied too (seen: 3 failed copies
+    # of more speculated partitions, load average 10): their first copies do not fail.
+    assert 1 <= st.failed_copies <= st.speculative_partitions, \
+        f"the first copy's failure was not seen (the epoch ended first?): {st.failed_copies} failed copies"
 
 
 def test_consumer_pace_skips_the_first_blocks_then_averages_per_row():

@@ -88,7 +88,7 @@ def test_resumed_mid_epoch_every_row_once(ray_session, on_disk):
             4, shuffle=True, seed=2, deterministic=True, rank=rank, world_size=world_size, name=name)
 
     check_resume_everywhere(make, list(range(24)), key="id", resume_world_sizes=(2,), same_order=True,
-                            steps=[0, 3, 6])
+                            steps=[0, 3, 6], states_in_one_run=True)
 
 
 def test_streaming_datasets_and_dataset_dicts_are_refused_with_what_to_do(on_disk):

@@ -275,7 +275,9 @@ def test_split_across_ranks_each_rank_draws_alike_and_resumes_on_the_same_world_
 
     make, free = _split_make(40)
     try:
-        whole, _ = run_ranks(make, 2, "mixw", "id")
+        # rank 0's states after 0 and 2 batches taken during the uninterrupted run (every rank waiting
+        # there, as after runs cut at those steps: the harness's save_at), not from 2 runs of their own
+        whole, states = run_ranks(make, 2, "mixw", "id", save_at=[0, 2])
         free()
         per_source = [[i // 100_000 for i in t.ids] for t in whole]
         assert per_source[0] == per_source[1]  # the same schedule on every rank
@@ -283,16 +285,14 @@ def test_split_across_ranks_each_rank_draws_alike_and_resumes_on_the_same_world_
             ids = [[i for i in t.ids if i // 100_000 == s] for t in whole]
             assert not set(ids[0]) & set(ids[1])  # each rank its own share of the source
             assert all(len(set(x)) == len(x) for x in ids)
-        head, state = run_ranks(make, 2, "mixh", "id", take=2)
-        free()
+        state = states[2]
         assert state["world_size"] == 2
         rest, _ = run_ranks(make, 2, "mixr", "id", state=state)
         free()
         for r in range(2):
-            assert head[r].batches + rest[r].batches == whole[r].batches
+            assert whole[r].batches[:2] + rest[r].batches == whole[r].batches
         assert any(v["used"] for v in state["sources"].values())  # taken partway through a source's batch
-        start, state0 = run_ranks(make, 2, "mixh0", "id", take=0)
-        free()
+        state0 = states[0]
         assert all(v["used"] == 0 for v in state0["sources"].values())
         one, _ = run_ranks(make, 1, "mix1b", "id", state=state0)  # nothing partway: any world size
         assert len(one[0].ids) == 40 and len(set(one[0].ids)) == 40
@@ -410,15 +410,24 @@ def test_an_iterable_dataset_source_resumed_through_its_own_state(ray_session, w
         return mixed.to_dataloader(6, shuffle=True, num_samples=150, source_key="src",
                                    source_options={"b": {"num_workers": workers}})
 
+    # each step's state taken during the uninterrupted run: the same state, key for key, as a run cut
+    # and closed there (compared at these steps for 0 and 2 workers when this replaced those 5 runs)
     straight = loader()
-    whole = _batches(straight)
+    steps = (1, 4, 9, 17, len(straight) - 1)
+    whole, states = [], {}
+    for b in straight:
+        whole.append(list(zip(b["src"].tolist(), b["id"].tolist())))
+        if len(whole) in steps:
+            states[len(whole)] = json.loads(json.dumps(straight.state_dict()))
+    assert len(whole) == len(straight) and sorted(states) == list(steps)
     rows = [r for b in whole for r in b]
     _epochs_once([i for s, i in rows if s == 1], 33, 100_000)
     _epochs_once([i for s, i in rows if s == 0], 50, 0)
     assert straight.stats().sources["b"].epoch >= 2
-    for k in (1, 4, 9, 17, len(whole) - 1):
-        head, resumed = _head_then_resumed(loader, k)
-        assert head + _batches(resumed) == whole, f"resumed after {k} batches"
+    for k in steps:
+        resumed = loader()
+        resumed.load_state_dict(states[k])
+        assert whole[:k] + _batches(resumed) == whole, f"resumed after {k} batches"
 
 
 def test_split_across_three_ranks_resumes_on_three(ray_session):
@@ -426,16 +435,14 @@ def test_split_across_three_ranks_resumes_on_three(ray_session):
 
     make, free = _split_make(24)
     try:
-        whole, _ = run_ranks(make, 3, "mix3w", "id")
+        whole, states = run_ranks(make, 3, "mix3w", "id", save_at=[1])  # rank 0's state after 1 batch, in the run
         free()
         assert len({len(t.batches) for t in whole}) == 1
         ids = [i for t in whole for i in t.ids]
         assert len(ids) == len(set(ids)) == 72  # no source restarted: every row once across the ranks
-        head, state = run_ranks(make, 3, "mix3h", "id", take=1)
-        free()
-        rest, _ = run_ranks(make, 3, "mix3r", "id", state=state)
+        rest, _ = run_ranks(make, 3, "mix3r", "id", state=states[1])
         for r in range(3):
-            assert head[r].batches + rest[r].batches == whole[r].batches
+            assert whole[r].batches[:1] + rest[r].batches == whole[r].batches
     finally:
         free()
 

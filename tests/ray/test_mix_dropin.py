@@ -116,16 +116,23 @@ def test_deterministic_for_a_seed_across_num_workers(ray_session):
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_resume_at_a_few_steps_repeats_the_uninterrupted_run(ray_session, num_workers):
-    whole = _all(_loader(num_workers))
-    for k in (1, 6, 23, len(whole) - 1):
-        first = _loader(num_workers)
-        it = iter(first)
-        head = _take(it, k)
-        state = json.loads(json.dumps(first.state_dict()))  # a checkpoint: plain JSON
-        first.close()
+    """Each step's state is taken during the uninterrupted run (the same state, key for key, as a run
+    cut and closed at that step: compared at these steps for 0 and 2 workers when this replaced those
+    runs), then a fresh loader resumes it."""
+    loader = _loader(num_workers)
+    steps = (1, 6, 23, len(loader) - 1)
+    whole, states = [], {}
+    for x, ids in loader:
+        assert isinstance(x, torch.Tensor) and isinstance(ids, torch.Tensor)  # default_collate's batches
+        assert x.shape == (len(ids), 3) and torch.equal(x[:, 0], ids.float())
+        whole.append(ids.tolist())
+        if len(whole) in steps:
+            states[len(whole)] = json.loads(json.dumps(loader.state_dict()))  # a checkpoint: plain JSON
+    assert len(whole) == len(loader) and sorted(states) == list(steps)
+    for k in steps:
         resumed = _loader(num_workers)
-        resumed.load_state_dict(state)
-        assert head + _all(resumed) == whole, f"resumed after {k} batches"
+        resumed.load_state_dict(states[k])
+        assert whole[:k] + _all(resumed) == whole, f"resumed after {k} batches"
 
 
 def test_set_weights_reweights_from_the_next_batch_and_is_checkpointed(ray_session):

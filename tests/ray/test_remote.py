@@ -415,7 +415,8 @@ def test_resumed_mid_epoch_from_a_bucket_every_sample_once(ray_session, bucket, 
                                 name=name)
 
     _server().proxy.inject("503", 2)
-    check_resume_everywhere(make, ids, key="cls", resume_world_sizes=(2,), same_order=True, steps=[3])
+    check_resume_everywhere(make, ids, key="cls", resume_world_sizes=(2,), same_order=True, steps=[3],
+                            states_in_one_run=True)
 
 
 def test_a_native_epoch_from_a_bucket_starts_on_rays_workers_not_on_forked_ones(ray_session, bucket, tmp_path,

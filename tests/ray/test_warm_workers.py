@@ -296,23 +296,7 @@ assert got == [list(range(40))], got
 }
 
 
-def test_idle_actors_give_way_to_a_new_pool():
-    """A dropped loader's idle actors hold every CPU; a new pool starts at once (far below the idle timeout):
-    a loader's with other worker resources; the one a split loader's coordinator runs in another process,
-    which cannot kill them (a rank's loader has them give way when it finds its coordinator: the split-start
-    tests ran 3x slower after this file in one session); a native pipeline's tasks. Before, each waited.
-    The three in turn in one process (one Ray start, not three), the idle actors holding both CPUs again
-    before each; the output names the last that started."""
-    script = IDLE_HOLDS_THE_CPUS + "".join(
-        f"hold_the_cpus()\ngot = []\n{body}print({'ok ' + pool!r}, flush=True)\n" for pool, body in NEW_POOLS.items())
-    proc = run_script(["-c", script], 600, script_env(SBLOADER_WARM_IDLE_S="3600"))
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    assert proc.stdout.split("\n")[:-1] == [f"ok {pool}" for pool in NEW_POOLS], proc.stdout + proc.stderr[-3000:]
-
-
-DROPPED_RUNNING_SCRIPT = """
-import sbloader, torch
-sbloader.init(num_cpus=2)
+DROPPED_RUNNING = """
 a = sbloader.DataLoader(torch.arange(4000), batch_size=4, num_workers=2, local_start=False)
 it = iter(a)
 next(it)  # a's pool runs on both CPUs, and its iterator lives on
@@ -320,16 +304,33 @@ del a     # the loader is dropped, its epoch is not
 b = sbloader.DataLoader(torch.arange(16), batch_size=4, num_workers=2, local_start=False, start_timeout=120)
 assert b._settings().worker_num_cpus == 0.0  # a's running pool still holds the CPUs: b's workers share none
 assert sum(len(x) for x in b) == 16
-print("ok", flush=True)
+del it, b
+from sbloader.loaders import closer
+closer.drain(wait_s=60)  # a's epoch closed: its actors wait in the idle pool, as hold_the_cpus's would
+print("ok a dropped loader's running epoch", flush=True)
 """
 
 
-def test_a_dropped_loaders_running_epoch_still_holds_its_cpus():
-    """torchdata's tests drop a loader whose iterator lives on, then build the next: the running pool's
-    CPUs still count, so the new loader's workers do not ask Ray for CPUs it cannot have (its pool waited
-    for its start_timeout)."""
-    proc = run_script(["-c", DROPPED_RUNNING_SCRIPT], 600)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+def test_a_dropped_loaders_running_epoch_holds_its_cpus_then_idle_actors_give_way_to_a_new_pool():
+    """Two checks in one process (one Ray start, not two; they were ``test_a_dropped_loaders_running_epoch_
+    still_holds_its_cpus`` and ``test_idle_actors_give_way_to_a_new_pool``).
+
+    First, on the fresh Ray: torchdata's tests drop a loader whose iterator lives on, then build the next:
+    the running pool's CPUs still count, so the new loader's workers do not ask Ray for CPUs it cannot
+    have (its pool waited for its start_timeout).
+
+    Then: a dropped loader's idle actors hold every CPU; a new pool starts at once (far below the idle
+    timeout): a loader's with other worker resources; the one a split loader's coordinator runs in another
+    process, which cannot kill them (a rank's loader has them give way when it finds its coordinator: the
+    split-start tests ran 3x slower after this file in one session); a native pipeline's tasks. Before,
+    each waited. The three in turn, the idle actors holding both CPUs again before each; the output names
+    the last that started."""
+    script = IDLE_HOLDS_THE_CPUS + DROPPED_RUNNING + "".join(
+        f"hold_the_cpus()\ngot = []\n{body}print({'ok ' + pool!r}, flush=True)\n" for pool, body in NEW_POOLS.items())
+    proc = run_script(["-c", script], 600, script_env(SBLOADER_WARM_IDLE_S="3600"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    expected = ["ok a dropped loader's running epoch"] + [f"ok {pool}" for pool in NEW_POOLS]
+    assert proc.stdout.split("\n")[:-1] == expected, proc.stdout + proc.stderr[-3000:]
 
 
 def test_a_finished_or_dropped_epoch_frees_its_pools_without_the_collector(ray_session, monkeypatch):

@@ -128,4 +128,5 @@ def test_resumed_mid_epoch_every_sample_once(ray_session, tmp_path):
         return ds.to_dataloader(4, shuffle=True, seed=5, deterministic=True, rank=rank, world_size=world_size,
                                 name=name)
 
-    check_resume_everywhere(make, ids, key="cls", resume_world_sizes=(2,), same_order=True, steps=[0, 3, 6])
+    check_resume_everywhere(make, ids, key="cls", resume_world_sizes=(2,), same_order=True, steps=[0, 3, 6],
+                            states_in_one_run=True)

@@ -81,6 +81,10 @@ def test_a_stopped_coordinator_round_raises_instead_of_ending_the_stream():
             gate.wait(5)
             return None if not self.items else self.items.pop(0)
 
+        def shutdown(self):  # as an execution's shutdown, it lets a get_next blocked in it return (None):
+            super().shutdown()  # ShardRounds.shutdown joined the fetch thread blocked in it for the gate's 5 s
+            gate.set()
+
     rounds = ShardRounds(lambda resume, n: Endless(resume, n, log), {}, 3, segment=4, fetch_blocks=False)
     rounds.shutdown()
     gate.set()
