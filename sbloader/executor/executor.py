@@ -192,8 +192,13 @@ class StreamingExecutor:
         return list(self._loop.est) if self._loop is not None else list(self._estimates or [])
 
     def stats(self) -> ExecutionStats:
-        """Statistics so far (final once the iteration ended)."""
-        return self._loop.stats if self._loop is not None else self._pending_stats
+        """Statistics so far (final once the iteration ended; before that ``wall_s`` is the
+        seconds the execution has run, so a running epoch shows its rate)."""
+        if self._loop is None:
+            return self._pending_stats
+        if not self._done and self._t0:
+            self._loop.stats.wall_s = time.perf_counter() - self._t0
+        return self._loop.stats
 
     @property
     def held_bytes(self) -> float:
