@@ -123,12 +123,14 @@ def test_accelerate_mixture_saved_on_two_processes_resumes_on_one_through_save_a
 
 @pytest.fixture(scope="module")
 def mixture_runs(tmp_path_factory) -> tuple[list[dict], list[dict], Path]:
-    """``sbloader.mix`` of two sources under Lightning on 2 devices (``num_samples`` per rank): one
-    uninterrupted run, and one stopped at step 2 of epoch 0 (a checkpoint, then a hard exit)."""
-    whole, stopped = tmp_path_factory.mktemp("mix_whole"), tmp_path_factory.mktemp("mix_stopped")
-    _lightning(whole, "ddp", 2, "--mix")
-    _lightning(stopped, "ddp", 2, "--mix", "--stop-at", "2")
-    return _seen(whole, 2), _seen(stopped, 2), stopped
+    """``sbloader.mix`` of two sources under Lightning on 2 devices (``num_samples`` per rank), one run
+    that saves its checkpoint at step 2 of epoch 0 and what each rank had seen by then, then trains on
+    uninterrupted (``--go-on``): the uninterrupted run and the stopped one in one launch instead of two
+    (the checkpoint file is what a run stopped there leaves; a resume is a new process either way, and
+    the hard exit after a checkpoint is kept by ``stopped_at_step_2``)."""
+    run = tmp_path_factory.mktemp("mix_whole_and_stopped")
+    _lightning(run, "ddp", 2, "--mix", "--stop-at", "2", "--go-on")
+    return _seen(run, 2), _seen(run, 2, "-stopped"), run
 
 
 @pytest.mark.parametrize("resume_devices", [2, 1])
