@@ -83,11 +83,20 @@ def _accelerate(out: Path, processes: int, *args: str) -> None:
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
 
 
-def test_accelerate_launch_two_processes_through_prepare(tmp_path):
+@pytest.fixture(scope="module")
+def accelerate_on_two(tmp_path_factory) -> Path:
+    """One ``accelerate launch`` of 2 processes for both accelerate tests (one launch and its Ray instead of
+    two): the plain loader's two epochs (``rank{R}-plain.json``), then in the same processes the mixture
+    stopped at step 2 of epoch 0 (``save_state``, then a hard exit; ``rank{R}.json``). Its folder."""
+    out = tmp_path_factory.mktemp("accelerate")
+    _accelerate(out, 2, "--plain-first", "--mix", "--stop-at", "2")
+    return out
+
+
+def test_accelerate_launch_two_processes_through_prepare(accelerate_on_two):
     """``accelerate launch --multi_gpu --num_processes 2`` (torchrun's static rendezvous underneath, run id
     "none") with ``accelerator.prepare(loader)`` on the CPU: every sample once per epoch, equal counts."""
-    _accelerate(tmp_path, 2)
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = [json.loads((accelerate_on_two / f"rank{r}-plain.json").read_text()) for r in range(2)]
     assert ranks[0]["type"] == "DataLoader"  # prepare() leaves sbloader's loader as it is
     for e in range(2):
         assert len(ranks[0]["epochs"][e]) == len(ranks[1]["epochs"][e]) == 48
@@ -108,14 +117,15 @@ def _each_source_epoch_once(stream: list, sources: tuple = ((0, 60), (1000, 30))
                 assert sorted(chunk) == list(range(offset, offset + n)), f"source at {offset}: lost samples"
 
 
-def test_accelerate_mixture_saved_on_two_processes_resumes_on_one_through_save_and_load_state(tmp_path):
+def test_accelerate_mixture_saved_on_two_processes_resumes_on_one_through_save_and_load_state(accelerate_on_two,
+                                                                                              tmp_path):
     """A mixture registered with ``accelerator.register_for_checkpointing``: ``save_state`` at step 2 of
     epoch 0 on 2 processes (a hard exit after it), ``load_state`` on 1: the ranks were partway
     through their sources' batches, and every source's epochs are read whole, each sample once."""
-    _accelerate(tmp_path, 2, "--mix", "--stop-at", "2")
-    before = [json.loads((tmp_path / f"rank{r}.json").read_text())["epochs"] for r in range(2)]
+    stopped = accelerate_on_two
+    before = [json.loads((stopped / f"rank{r}.json").read_text())["epochs"] for r in range(2)]
     assert all(len(b) == 1 and len(b[0]) == 24 for b in before)
-    _accelerate(tmp_path, 1, "--mix", "--resume", str(tmp_path / "ckpt"))
+    _accelerate(tmp_path, 1, "--mix", "--resume", str(stopped / "ckpt"))
     after = json.loads((tmp_path / "rank0-resumed.json").read_text())
     assert after["type"] == "MixDataLoader" and [len(e) for e in after["epochs"]] == [N - 24, N]
     _each_source_epoch_once(before[0][0] + before[1][0] + after["epochs"][0] + after["epochs"][1])
@@ -123,12 +133,14 @@ def test_accelerate_mixture_saved_on_two_processes_resumes_on_one_through_save_a
 
 @pytest.fixture(scope="module")
 def mixture_runs(tmp_path_factory) -> tuple[list[dict], list[dict], Path]:
-    """``sbloader.mix`` of two sources under Lightning on 2 devices (``num_samples`` per rank): one
-    uninterrupted run, and one stopped at step 2 of epoch 0 (a checkpoint, then a hard exit)."""
-    whole, stopped = tmp_path_factory.mktemp("mix_whole"), tmp_path_factory.mktemp("mix_stopped")
-    _lightning(whole, "ddp", 2, "--mix")
-    _lightning(stopped, "ddp", 2, "--mix", "--stop-at", "2")
-    return _seen(whole, 2), _seen(stopped, 2), stopped
+    """``sbloader.mix`` of two sources under Lightning on 2 devices (``num_samples`` per rank), one run
+    that saves its checkpoint at step 2 of epoch 0 and what each rank had seen by then, then trains on
+    uninterrupted (``--go-on``): the uninterrupted run and the stopped one in one launch instead of two
+    (the checkpoint file is what a run stopped there leaves; a resume is a new process either way, and
+    the hard exit after a checkpoint is kept by ``stopped_at_step_2``)."""
+    run = tmp_path_factory.mktemp("mix_whole_and_stopped")
+    _lightning(run, "ddp", 2, "--mix", "--stop-at", "2", "--go-on")
+    return _seen(run, 2), _seen(run, 2, "-stopped"), run
 
 
 @pytest.mark.parametrize("resume_devices", [2, 1])

@@ -17,25 +17,46 @@ import pytest
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts", "pools_job.py")
 
 
-def _run(scenario: str, tmp_path) -> dict:
-    """Run the comma-separated ``scenario`` in one process; returns each one's JSON by name."""
+def _start(scenario: str, tmp_path) -> tuple:
+    """Start the comma-separated ``scenario`` in one process."""
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
-    proc = subprocess.run([sys.executable, SCRIPT, scenario, str(tmp_path)], capture_output=True, text=True,
-                          timeout=480, cwd=str(tmp_path), env=env)
-    lines = {d["scenario"]: d for d in (json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{"))}
+    proc = subprocess.Popen([sys.executable, SCRIPT, scenario, str(tmp_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=str(tmp_path), env=env)
+    return scenario, proc
+
+
+def _result(started: tuple) -> dict:
+    """Each scenario's JSON by name, once its process ended."""
+    scenario, proc = started
+    try:
+        stdout, stderr = proc.communicate(timeout=480)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+    lines = {d["scenario"]: d for d in (json.loads(x) for x in stdout.splitlines() if x.startswith("{"))}
     want = scenario.split(",")
-    assert sorted(lines) == sorted(want), f"pools job {scenario} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
+    assert sorted(lines) == sorted(want), f"pools job {scenario} failed (rc {proc.returncode}):\n{stderr[-3000:]}"
     return lines
 
 
 @pytest.fixture(scope="module")
-def one_ray_runs(tmp_path_factory):
-    """``starve``, ``cold`` and ``gpu1``: one process, one fresh Ray of 2 CPUs and 1 logical GPU
-    (only ``gpu1``'s pool asks for the GPU)."""
-    return _run("starve,cold,gpu1", tmp_path_factory.mktemp("pools"))
+def pool_runs(tmp_path_factory):
+    """Both processes side by side (a Ray's start is mostly waiting; what is checked are counts and
+    placements, none a time but the floor of ``Tagger``'s own construction): ``starve``, ``cold`` and
+    ``gpu1`` in one process, one fresh Ray of 2 CPUs and 1 logical GPU (only ``gpu1``'s pool asks for the
+    GPU); ``gpu2`` on its two-node cluster in another. Scenario -> its JSON."""
+    procs = [_start("starve,cold,gpu1", tmp_path_factory.mktemp("pools")),
+             _start("gpu2", tmp_path_factory.mktemp("pools_gpu2"))]
+    try:
+        return {k: v for started in procs for k, v in _result(started).items()}
+    finally:
+        for _, proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
-def test_pools_on_two_cpus_never_starve_their_reads(one_ray_runs):
+def test_pools_on_two_cpus_never_starve_their_reads(pool_runs):
     """The issue's case on a fresh 2-CPU Ray: a JPEG read feeding a callable class.
 
     With default concurrency the pool takes the read in (its actors read their
@@ -43,7 +64,7 @@ def test_pools_on_two_cpus_never_starve_their_reads(one_ray_runs):
     ``concurrency=(1, 2)`` a read stage of its own feeds the pool, which stops at one
     actor so that the read stage keeps the other CPU. Either way no actor is retired,
     none is built twice, and every image comes once per epoch."""
-    out = one_ray_runs["starve"]
+    out = pool_runs["starve"]
     for name, limit in (("default", 2), ("bounded", 1)):
         run = out[name]
         first, second = run["epochs"]
@@ -60,11 +81,11 @@ def test_pools_on_two_cpus_never_starve_their_reads(one_ray_runs):
     assert out["bounded"]["epochs"][0]["stages"] == ["ReadImages", "MapBatches(Crop)"]
 
 
-def test_cold_pool_of_one_to_two_constructs_at_most_two(one_ray_runs):
+def test_cold_pool_of_one_to_two_constructs_at_most_two(pool_runs):
     """``concurrency=(1, 2)`` on 2 CPUs beside a read stage that reserves one: the pool's limit is
     exactly 1 (``reservations.pool_limit``: the room the read stage leaves), so its one actor is
     built once (counted by the class itself), never rebuilt nor lost, and is the only one."""
-    out = one_ray_runs["cold"]
+    out = pool_runs["cold"]
     assert out["ids"]
     assert out["built"] == out["pool"]["created"] == out["pool"]["limit"] == 1, out
     assert out["pool"]["lost"] == 0, out
@@ -72,18 +93,18 @@ def test_cold_pool_of_one_to_two_constructs_at_most_two(one_ray_runs):
     assert out["pool"]["construction_s"] >= 0.5 * out["built"] - 0.05  # Tagger sleeps 0.5 s to build
 
 
-def test_gpu_pool_holds_no_cpu_on_a_logical_gpu(one_ray_runs):
+def test_gpu_pool_holds_no_cpu_on_a_logical_gpu(pool_runs):
     """``ray.init(num_gpus=1)`` without a GPU: the GPU actor holds the GPU and no CPU, so the
     read stage keeps both CPUs; every row once."""
-    out = one_ray_runs["gpu1"]
+    out = pool_runs["gpu1"]
     assert out["ids"]
     assert out["gpu_actor_cpus"] == [0.0]
     assert out["pool"]["created"] == 1 and out["pool"]["limit"] == 1 and out["built"] == 1
     assert out["gpu_nodes"] == [out["node"]] and out["read_nodes"] == [out["node"]]
 
 
-def test_gpu_pool_stays_on_the_gpu_node_cpu_stages_run_on_both(tmp_path):
-    out = _run("gpu2", tmp_path)["gpu2"]
+def test_gpu_pool_stays_on_the_gpu_node_cpu_stages_run_on_both(pool_runs):
+    out = pool_runs["gpu2"]
     assert out["ids"]
     assert out["gpu_nodes"] == [out["gpu_node"]], out
     assert out["gpu_actor_cpus"] == [0.0]

@@ -25,6 +25,7 @@ from _jobs import (SCRIPTS, epochs_of, kill_busiest_node_after, kill_unfetched_s
 
 JOB = SCRIPTS / "cluster_job.py"
 RAY_TRAIN_JOB = SCRIPTS / "raytrain_job.py"
+MIX_SAMPLES = 48  # raytrain_job.MIX_SAMPLES: the mixture job's samples per rank and epoch
 ROWS = 480
 
 
@@ -143,7 +144,7 @@ def _mixture_resumed_on_three(out: Path) -> None:
     before = [json.loads((out / f"rank{r}.json").read_text())["epochs"] for r in range(2)]
     after = [json.loads((out / f"rank{r}-resumed.json").read_text())["epochs"] for r in range(3)]
     assert all(len(b) == 1 and len(b[0]) == 24 for b in before)
-    assert all([len(e) for e in a] == [96 - 24, 96] for a in after)
+    assert all([len(e) for e in a] == [MIX_SAMPLES - 24, MIX_SAMPLES] for a in after)
     # Every rank draws the same schedule, so a source's epoch ends at the same place of every rank's
     # stream: the ranks' rows place by place are the order the job read them in.
     stream = [i for row in zip(*(b[0] for b in before)) for i in row]

@@ -1,11 +1,14 @@
 """PyTorch Lightning training with the drop-in (``tests/e2e/test_launchers.py``).
 
-    python lightning_job.py OUT STRATEGY DEVICES [--stop-at STEP] [--resume CKPT] [--mix]
+    python lightning_job.py OUT STRATEGY DEVICES [--stop-at STEP [--go-on]] [--resume CKPT] [--mix]
 
 The model records the sample ids of every batch its ``training_step`` receives;
 each rank writes ``OUT/rank{R}[-resumed].json`` (per epoch, the ids). ``--stop-at``
 saves a checkpoint at that global step of the first epoch and exits (a
-preemption); ``--resume`` continues from one with ``Trainer.fit(ckpt_path=...)``:
+preemption); with ``--go-on`` the run saves the same checkpoint and what each rank saw
+by then (``OUT/rank{R}-stopped.json``), then trains on to its end uninterrupted (the
+checkpoint is the same file a stopped run leaves: what the loader had consumed at
+that step); ``--resume`` continues from one with ``Trainer.fit(ckpt_path=...)``:
 Lightning restores the loader's ``state_dict`` itself. ``--mix``: the loader reads
 ``sbloader.mix`` of two sources (ids from 0 and from 1000, weights 2:1), 96 samples per epoch.
 """
@@ -39,10 +42,10 @@ class Ids(torch.utils.data.Dataset):
 class Model(L.LightningModule):
     """A linear model that logs the ids it trains on."""
 
-    def __init__(self, out: str, stop_at: int | None, resumed: bool, mix: bool = False) -> None:
+    def __init__(self, out: str, stop_at: int | None, resumed: bool, mix: bool = False, go_on: bool = False) -> None:
         super().__init__()
         self.lin = torch.nn.Linear(4, 1)
-        self.out, self.stop_at, self.resumed, self.mix = out, stop_at, resumed, mix
+        self.out, self.stop_at, self.resumed, self.mix, self.go_on = out, stop_at, resumed, mix, go_on
         self.seen: dict[int, list[int]] = {}
 
     def train_dataloader(self):
@@ -55,9 +58,10 @@ class Model(L.LightningModule):
         self.seen.setdefault(self.current_epoch, []).extend(int(i) for i in batch["id"])
         if self.stop_at is not None and self.global_step == self.stop_at:
             self.trainer.save_checkpoint(os.path.join(self.out, "mid.ckpt"))
-            self.dump()
+            self.dump("-stopped" if self.go_on else "")
             self.trainer.strategy.barrier()
-            os._exit(0)  # a preemption right after the checkpoint
+            if not self.go_on:
+                os._exit(0)  # a preemption right after the checkpoint
         return self.lin(batch["x"]).mean()
 
     def configure_optimizers(self):
@@ -66,8 +70,8 @@ class Model(L.LightningModule):
     def on_train_end(self) -> None:
         self.dump()
 
-    def dump(self) -> None:
-        name = f"rank{self.global_rank}{'-resumed' if self.resumed else ''}.json"
+    def dump(self, suffix: str = "") -> None:
+        name = f"rank{self.global_rank}{'-resumed' if self.resumed else ''}{suffix}.json"
         with open(os.path.join(self.out, name), "w") as f:
             json.dump({str(k): v for k, v in self.seen.items()}, f)
 
@@ -78,7 +82,7 @@ def main() -> None:
     resume = sys.argv[sys.argv.index("--resume") + 1] if "--resume" in sys.argv else None
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=2, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(Model(out, stop_at, resume is not None, "--mix" in sys.argv), ckpt_path=resume)
+    trainer.fit(Model(out, stop_at, resume is not None, "--mix" in sys.argv, "--go-on" in sys.argv), ckpt_path=resume)
 
 
 if __name__ == "__main__":
