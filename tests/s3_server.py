@@ -145,11 +145,19 @@ def _handler(proxy: FaultProxy) -> type:
             bucket_and_key = self.path.split("?", 1)[0].strip("/")
             if self.command != "GET" or "/" not in bucket_and_key:
                 return self._serve()
-            group = "/".join(bucket_and_key.split("/")[:2])
-            proxy._serving(group, 1)
+            self._group = "/".join(bucket_and_key.split("/")[:2])
+            proxy._serving(self._group, 1)
             try:
                 self._serve()
             finally:
+                self._served()
+
+        def _served(self) -> None:
+            """Count this GET out of ``in_flight`` (once), before the client can have any of its
+            response: counted after it, the client's next request could start first, and a
+            client holding 2 in flight was seen with 3 at the proxy."""
+            group, self._group = getattr(self, "_group", None), None
+            if group is not None:
                 proxy._serving(group, -1)
 
         def _serve(self) -> None:
@@ -216,6 +224,7 @@ def _handler(proxy: FaultProxy) -> type:
                         raise
             if kind == "object" and self.command == "GET":
                 proxy._note(("get", "out", key))  # before the client can have any of it
+            self._served()
             self.send_response(resp.status, resp.reason)
             head = self.command == "HEAD"  # its Content-Length is the object's, not the empty body's
             for k, v in resp.getheaders():
