@@ -98,7 +98,8 @@ def git_state() -> dict[str, Any]:
     """``{"commit": HEAD, "sbloader_changed": [files of sbloader/ differing from HEAD]}``."""
     def run(*args: str) -> str:
         try:
-            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=20).stdout.strip()
+            out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=20).stdout
+            return out.rstrip()  # not strip(): a porcelain line starts with a space (" M sbloader/...")
         except (OSError, subprocess.SubprocessError):
             return ""
 

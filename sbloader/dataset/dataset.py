@@ -17,7 +17,8 @@ from sbloader.executor.launch import arena_here, options_here, start_execution
 from sbloader.core.window import WindowSpec
 from sbloader.loaders.batching import Row, iter_blocks, iter_rows, window_of
 from sbloader.loaders.shuffle_window import prefetch_hint, window_batches
-from sbloader.loaders.pipeline_loader import PipelineLoader, TorchIterableDataset
+from sbloader.loaders.pipeline_loader import PipelineLoader
+from sbloader.loaders.torch_iterable import TorchIterableDataset
 from sbloader.loaders.tensors import columns_to_torch
 from sbloader.sources.base import Source
 

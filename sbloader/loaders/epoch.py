@@ -274,6 +274,12 @@ class EpochIterator:
             if self._timeout is not None and now - max(asked, self._up_at) >= self._timeout:
                 raise _TimedOut(f"DataLoader timed out after {self._timeout} seconds")  # torch's words
 
+    @property
+    def produced(self) -> bool:
+        """The epoch's batches are all made (those the loop has not taken wait in the fetch queue):
+        its pipeline has nothing left to run, so the next epoch may begin (:meth:`PipelineLoader.start_ahead`)."""
+        return self._fetch is not None and self._fetch.produced
+
     def close(self) -> None:
         """End the epoch: stop the producer and give back what it holds. Idempotent."""
         if self._closed:

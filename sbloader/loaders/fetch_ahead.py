@@ -53,6 +53,7 @@ class FetchAhead:
 
     Attributes:
         wait_s: seconds the consumer waited for the next item (the stall).
+        produced: the producer made its last item (those not taken yet wait in the queue).
     """
 
     def __init__(self, produce: Iterator[Any], depth: int = 2, name: str = "sbloader-fetch") -> None:
@@ -63,6 +64,7 @@ class FetchAhead:
         self._stop = threading.Event()
         self._done = False
         self.wait_s = 0.0
+        self.produced = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         _RUNNING.add(self)
         self._thread.start()
@@ -83,6 +85,7 @@ class FetchAhead:
                     return
                 item = None  # not held while the next one is made: a failed batch's error, once raised in
                 # the loop, references the loop's frames (its iterator), a cycle through this thread's frame
+            self.produced = True
             self._put((_END, None))
         except BaseException as e:  # carried to the consumer
             self._put((_END, e))

@@ -69,7 +69,8 @@ class MixLoader:
         self.drop_last = drop_last
         self.source_key = source_key
         self._fingerprints = fingerprints or {}
-        self._cursors = {n: SourceCursor(n, make_loader(n, source_seed(self.seed, n))) for n in self.names}
+        self._cursors = {n: SourceCursor(n, make_loader(n, source_seed(self.seed, n)), ahead=on_exhausted == "restart")
+                         for n in self.names}
         for c in self._cursors.values():  # a state taken in one process credits its rows on any world size
             if hasattr(c.loader, "cut_as_planned"):
                 c.loader.cut_as_planned()

@@ -15,6 +15,9 @@ from typing import Any, Iterator, Optional
 
 from sbloader.core.errors import StateDictError
 
+#: A source's next epoch begins when this many of its batches are left to pull (or all are made).
+AHEAD_BATCHES = 2
+
 
 @dataclass
 class CursorState:
@@ -70,11 +73,17 @@ class SourceCursor:
     Args:
         name: the source's name in the mixture.
         loader: the source's loader (deterministic, seeded; ``iter()`` runs its next epoch).
+        ahead: begin the source's next epoch once its current one's batches are all made (a source
+            that restarts: ``sbloader/loaders/epoch_ahead.py``), where its loader can (``start_ahead``).
     """
 
-    def __init__(self, name: str, loader: Any) -> None:
+    def __init__(self, name: str, loader: Any, ahead: bool = False) -> None:
         self.name = name
         self.loader = loader
+        self._ahead = ahead and hasattr(loader, "start_ahead")
+        self._asked = False  # the next epoch was asked for ahead during this one
+        self._length: Optional[int] = None  # the loader's batches per epoch (-1: unknown)
+        self._pulled = 0  # batches pulled since this iteration of the loader began
         self.state = CursorState()
         self.taken_at_start = 0  # rows taken when the current epoch started (an empty epoch takes none)
         self.wait_s = 0.0  # time the mixture waited on this source's pipeline
@@ -103,7 +112,7 @@ class SourceCursor:
         if self._it is None and not self.state.ended:
             t0 = time.perf_counter()
             self._it = iter(self.loader)
-            self._fresh = None
+            self._fresh, self._asked, self._pulled = None, False, 0
             self.wait_s += time.perf_counter() - t0
 
     def take(self, n: int) -> list:
@@ -149,11 +158,15 @@ class SourceCursor:
         try:
             if self._it is None:
                 self._it = iter(self.loader)
-                self._fresh = None
+                self._fresh, self._asked, self._pulled = None, False, 0
             before = self.loader.state_dict()
             if self._reading is None:
                 self._reading = int(before.get("epoch", 0))
             batch = next(self._it)
+            self._pulled += 1
+            if self._ahead and not self._asked and self._near_end():
+                self._asked = True
+                self.loader.start_ahead()
         except StopIteration:
             self._it, self._reading = None, None
             self.state.ended = True
@@ -168,6 +181,18 @@ class SourceCursor:
                     "Resume with the same sources, batch size and seed")
             self.state.used, self._skip = self._skip, 0
         return before, batch
+
+    def _near_end(self) -> bool:
+        """Whether the source's epoch is near its end: at most :data:`AHEAD_BATCHES` of its batches left
+        (its length known; counted from this iteration's start, so an epoch resumed partway asks later),
+        or every batch made."""
+        if self._length is None:
+            try:
+                self._length = len(self.loader)
+            except TypeError:  # not known before the epoch ends (filter, flat_map)
+                self._length = -1
+        left = self._length - self._pulled if self._length >= 0 else None
+        return (left is not None and left <= AHEAD_BATCHES) or getattr(self._it, "produced", False)
 
     # ----- state --------------------------------------------------------------
 

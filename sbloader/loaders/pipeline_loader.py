@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import threading
 import uuid
 import warnings
 import weakref
@@ -23,7 +24,7 @@ from sbloader.core.plan import draw_epoch_seed
 from sbloader.core.split import split_epoch
 from sbloader.core.stats import ExecutionStats, StallStats
 from sbloader.executor.pools import kill_cached
-from sbloader.loaders import closer, pipeline_state
+from sbloader.loaders import closer, epoch_ahead, pipeline_state
 from sbloader.core.window import WindowSpec
 from sbloader.loaders import native_split_start, native_start, shuffle_window
 from sbloader.loaders.batching import window_of
@@ -138,6 +139,8 @@ class PipelineLoader:
         self._iterator: Optional[weakref.ref] = None
         self._resume: Optional[dict] = None
         self._coordinator: Any = None
+        self._coordinator_lock = threading.Lock()
+        self._ahead: Optional[epoch_ahead.Ahead] = None  # the next epoch, begun ahead (start_ahead)
         self._split_epochs = 0  # split epochs begun: only the first may start locally (alike on every rank)
         if local_start and self.world.world_size == 1:  # Ray starts (or is joined) now, in the background
             from sbloader.runtime import background
@@ -148,6 +151,7 @@ class PipelineLoader:
         """Set the epoch of the next iteration."""
         if epoch < 0:
             raise ValueError(f"epoch must be >= 0, found {epoch}")
+        self._drop_ahead()
         self._epoch = epoch
 
     def __del__(self) -> None:
@@ -206,6 +210,7 @@ class PipelineLoader:
     def load_state_dict(self, state_dict: dict, strict: bool = True) -> None:
         """Resume from :meth:`state_dict`: the next iteration delivers only what was not consumed."""
         state = pipeline_state.FORMAT.check(state_dict, self._fingerprint(), strict)
+        self._drop_ahead()
         self._resume = dict(state)
         self._run = None
         self._epoch = int(state["epoch"])
@@ -265,7 +270,12 @@ class PipelineLoader:
         return run
 
     def _split_coordinator(self) -> Any:
-        """The job's coordinator of this loader (created by the first rank to ask)."""
+        """The job's coordinator of this loader (created by the first rank to ask; one lookup at a time:
+        the loop's thread waits for the one a background start began)."""
+        with self._coordinator_lock:
+            return self._find_coordinator()
+
+    def _find_coordinator(self) -> Any:
         if self._coordinator is None:
             from sbloader.distributed.naming import get_coordinator
             from sbloader.runtime.session import ensure_initialized
@@ -297,29 +307,66 @@ class PipelineLoader:
 
     def _reconnect(self) -> Any:
         """The job's coordinator anew, after the one this loader had died."""
-        self._coordinator = None
-        return self._split_coordinator()
+        with self._coordinator_lock:
+            self._coordinator = None
+            return self._find_coordinator()
 
     def __iter__(self) -> EpochIterator:
         previous = self._iterator() if self._iterator is not None else None
         if previous is not None:  # a new epoch while the last one's iterator lives on: end that one
             previous.close()
-        base = self._start_run()
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:  # its own carry, the loader's from now on (what this epoch left in it too)
+            it = ahead.take()
+            ahead.carry.last_split, ahead.carry.counted_rows = self._carry.last_split, self._carry.counted_rows
+            self._carry = ahead.carry
+        else:
+            it = self._opener(self._start_run(), self._carry)()
+        self._run, self._stalls, self._iterator = it.run, it.stalls, weakref.ref(it)
+        return it
+
+    def start_ahead(self) -> bool:
+        """Begin the next epoch now, while the loop reads this one's last batches: its pipeline starts
+        (and, split across ranks, its coordinator is found) meanwhile, and the next ``iter()`` takes it
+        over (``sbloader/loaders/epoch_ahead.py``; a mixture asks it of a source whose batches are all
+        made). ``state_dict()`` stays this epoch's until then; loading a state or setting the epoch
+        drops it. Only between two plain epochs of function stages. Returns whether it began."""
+        if (self._ahead is not None or self._run is None or self._resume is not None
+                or self._carry.actor_cache is not None or not epoch_ahead.functions_only(self.dataset)):
+            return False
+        epoch, splits = self._epoch, self._split_epochs
+
+        def undo() -> None:
+            self._epoch, self._split_epochs = epoch, splits
+
+        carry = dataclasses.replace(self._carry)  # stats() stays this epoch's until the next iter()
+        self._ahead = epoch_ahead.Ahead(self._opener(self._start_run(), carry), undo, carry)
+        return True
+
+    def _drop_ahead(self) -> None:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.drop()
+
+    def _opener(self, base: PipelineRun, carry: Carry) -> Callable[[], EpochIterator]:
+        """What opens the epoch of ``base`` (decided here, alike on every rank; it may be called on another
+        thread: :meth:`start_ahead`)."""
         if self.world.world_size == 1:
-            it = local_epoch(self.dataset, self.settings, base, self._carry)
-        elif self._first_split() and native_split_start.enabled(
+            return lambda: local_epoch(self.dataset, self.settings, base, carry)
+        if self._first_split() and native_split_start.enabled(
                 self.dataset, self.settings, base, self.seed is not None, self._carry.actor_cache is not None):
             budget = native_start.budget_before_ray(self.settings.memory_budget)  # the embedded Ray's, or given
             run = self._split(base, budget)
-            it = native_split_start.split_start_epoch(self, run, native_split_start.local_count(run.plan.per_rank),
-                                                      lambda rest: self._split(rest, budget))
-        else:
+            return lambda: native_split_start.split_start_epoch(
+                self, run, native_split_start.local_count(run.plan.per_rank), lambda rest: self._split(rest, budget))
+
+        def joined() -> EpochIterator:
             coordinator = self._split_coordinator()  # joins the job's Ray: the default budget reads it
-            base = self._job_seed(base, coordinator)
-            run = self._split(base, shuffle_window.default_budget(self.settings.memory_budget))
-            it = run_split_epoch(self.dataset, self.settings, run, coordinator, self._carry, self._reconnect)
-        self._run, self._stalls, self._iterator = it.run, it.stalls, weakref.ref(it)
-        return it
+            budget = shuffle_window.default_budget(self.settings.memory_budget)
+            run = self._split(self._job_seed(base, coordinator), budget)
+            return run_split_epoch(self.dataset, self.settings, run, coordinator, carry, self._reconnect)
+
+        return joined
 
     def _first_split(self) -> bool:
         """Whether this is the loader's first split epoch (counted here, never read from the background
@@ -343,40 +390,3 @@ def _accelerator() -> bool:
     import torch
 
     return torch.accelerator.is_available()
-
-
-def _torch_iterable_base() -> type:
-    from torch.utils.data import IterableDataset
-
-    return IterableDataset
-
-
-class TorchIterableDataset(_torch_iterable_base()):  # type: ignore[misc]
-    """A ``torch.utils.data.IterableDataset`` of ready batches from a pipeline.
-
-    Use it with ``torch.utils.data.DataLoader(it, batch_size=None)``: batching and
-    preprocessing already happen on the cluster. With torch workers > 1 every
-    worker would run the whole pipeline, so that raises an error.
-    """
-
-    def __init__(self, loader: PipelineLoader) -> None:
-        self._loader = loader
-
-    def __iter__(self) -> Iterator[Any]:
-        from torch.utils.data import get_worker_info
-
-        info = get_worker_info()
-        if info is not None and info.num_workers > 1:
-            raise RuntimeError(
-                f"to_torch_dataset() is already parallel on the cluster; torch's DataLoader has "
-                f"num_workers={info.num_workers}, which would load every batch {info.num_workers} times. "
-                "Use num_workers=0 and batch_size=None."
-            )
-        return iter(self._loader)
-
-    def __len__(self) -> int:
-        return len(self._loader)
-
-    def set_epoch(self, epoch: int) -> None:
-        """Set the epoch of the next iteration."""
-        self._loader.set_epoch(epoch)

@@ -214,3 +214,62 @@ def test_batches_are_made_ahead_in_a_fetch_thread_that_ends_with_the_iteration(r
 
     state = loader.state_dict()  # what the loop took, not what the thread made ahead
     assert sum(state["partial"].values()) + 8 * len(ledger.to_positions(state["done"])) == 16
+
+
+def _epoch_ids(it) -> list:
+    return [int(i) for b in it for i in b["id"].tolist()]
+
+
+def test_the_next_epoch_begun_ahead_is_the_one_iter_gives_and_the_state_waits_for_it(ray_session):
+    """``start_ahead()`` (a mixture's source near the end of its epoch, sbloader/loaders/epoch_ahead.py):
+    the next epoch begins on a background thread while the last batches are read; ``state_dict()``
+    stays this epoch's; the next ``iter()`` returns that epoch, the rows and states those of a loader
+    that never began ahead. A state loaded or an epoch set drops it (its rows never delivered)."""
+    ds = sbloader.from_items([{"id": i} for i in range(40)], num_partitions=4).map_batches(_square)
+
+    def make():
+        return ds.to_dataloader(8, shuffle=True, seed=3, deterministic=True)  # as a mixture reads its sources
+
+    plain = make()
+    expect = [_epoch_ids(iter(plain)) for _ in range(3)]
+    end_state = plain.state_dict()
+    loader = make()
+    it = iter(loader)
+    head = [next(it) for _ in range(4)]
+    before = loader.state_dict()
+    assert loader.start_ahead() is True and loader.start_ahead() is False  # one epoch ahead at a time
+    assert loader.state_dict() == before
+    ahead = loader._ahead.take()
+    rest = list(it)
+    assert [int(i) for b in head + rest for i in b["id"].tolist()] == expect[0]
+    nxt = iter(loader)
+    assert nxt is ahead, "iter() gives the epoch begun ahead"
+    assert _epoch_ids(nxt) == expect[1]
+    assert loader.start_ahead() is True  # between epochs too: the one after the epoch just read
+    assert _epoch_ids(iter(loader)) == expect[2]
+    assert loader.state_dict() == end_state
+
+    loader = make()
+    it = iter(loader)
+    first = next(it)["id"].tolist()
+    saved = loader.state_dict()
+    assert loader.start_ahead() is True
+    loader.load_state_dict(saved)  # drops the epoch begun ahead: the rest of epoch 0 comes, then epoch 1
+    assert loader._ahead is None
+    assert first + _epoch_ids(iter(loader)) == expect[0]
+    assert _epoch_ids(iter(loader)) == expect[1]
+    assert loader.start_ahead() is True
+    loader.set_epoch(2)
+    assert _epoch_ids(iter(loader)) == expect[2]
+
+
+def test_a_pool_stage_never_begins_ahead(ray_session, tmp_path):
+    """Two epochs of one loader side by side would share a pool's actors: a callable-class stage keeps
+    one epoch at a time."""
+    ds = sbloader.from_items([{"id": i} for i in range(16)], num_partitions=2).map_batches(
+        _Counted, fn_constructor_args=(str(tmp_path),), concurrency=1)
+    loader = ds.to_dataloader(8, seed=0)
+    it = iter(loader)
+    next(it)
+    assert loader.start_ahead() is False
+    assert len(list(it)) == 1

@@ -245,3 +245,41 @@ def test_stats_name_the_source_the_mixture_waited_on_and_carry_each_pipelines_ow
         assert s.share == pytest.approx(s.taken / 120)
         assert s.pipeline == {"source": n, "epoch": s.epoch}  # the source loader's own stats()
     assert "waited" in str(st) and "vs weight 0.400" in str(st)
+
+
+class AheadLoader(FakeLoader):
+    """A fake source loader that can begin its next epoch ahead: records, per call, its epoch and the
+    batches the loop had taken of it."""
+
+    asked: list = []
+
+    def __len__(self) -> int:
+        return self._batches()
+
+    def start_ahead(self) -> bool:
+        AheadLoader.asked.append((self.name, self.epoch, self.k))
+        return True
+
+
+@pytest.mark.parametrize("on_exhausted", ["restart", "stop", "drop"])
+def test_a_restarting_source_begins_its_next_epoch_when_two_batches_are_left(on_exhausted):
+    """Under ``on_exhausted="restart"`` each source's loader is asked once per epoch for its next one,
+    as soon as at most ``AHEAD_BATCHES`` (2) of its batches are left to pull; the rows are the same.
+    Under ``"stop"`` and ``"drop"`` an ended source waits for the next iteration: never asked."""
+    from sbloader.loaders.mix_source import AHEAD_BATCHES
+
+    AheadLoader.asked = []
+    kw = dict(batch_size=4, on_exhausted=on_exhausted, num_samples=200 if on_exhausted == "restart" else None)
+    plain = [r for b in iter(_loader(**kw)) for r in _rows(b)]
+    ahead = MixLoader(["a", "b", "c"], lambda n, s: AheadLoader(n, s, 4), {"a": 0.5, "b": 0.3, "c": 0.2}, seed=1,
+                      source_key="src", **kw)
+    assert [r for b in iter(ahead) for r in _rows(b)] == plain
+    if on_exhausted != "restart":
+        assert AheadLoader.asked == []
+        return
+    for name in "abc":
+        calls = [(e, k) for n, e, k in AheadLoader.asked if n == name]
+        batches = -(-SIZES[name] // 4)
+        assert [k for _, k in calls] == [batches - AHEAD_BATCHES] * len(calls)  # the batch that leaves 2
+        assert [e for e, _ in calls] == list(range(len(calls)))  # once per epoch
+        assert len(calls) >= 200 * {"a": 0.5, "b": 0.3, "c": 0.2}[name] // SIZES[name]
