@@ -269,3 +269,13 @@ class Tagged:
         assert info is None or info.dataset is self  # torch's worker info names the user's dataset
         return torch.tensor([i, int(torch.randint(0, 2**30, ())), os.getpid(), info.id if info else -1,
                              os.getppid()])
+
+
+def each_source_epoch_once(ids: list, n: int, offset: int = 0) -> None:
+    """A mixture's source's ids in the order the job read them (``offset`` .. ``offset + n``): every
+    consecutive run of ``n`` is one whole epoch of it, the last (short) one without repeats."""
+    for lo in range(0, len(ids), n):
+        chunk = ids[lo:lo + n]
+        assert len(set(chunk)) == len(chunk), f"source at {offset}: a sample twice in one epoch"
+        if len(chunk) == n:
+            assert sorted(chunk) == list(range(offset, offset + n)), f"source at {offset}: lost samples"

@@ -34,6 +34,7 @@ from sbloader.loaders.pipeline_epoch import (Carry, Pipeline, PipelineSettings, 
 from sbloader.loaders.pipeline_run import PipelineRun, plan_split
 from sbloader.loaders.tensors import TensorOptions
 from sbloader.runtime.world import World
+from sbloader.runtime import background
 
 _LOADER_COUNTER = itertools.count()
 
@@ -143,8 +144,6 @@ class PipelineLoader:
         self._ahead: Optional[epoch_ahead.Ahead] = None  # the next epoch, begun ahead (start_ahead)
         self._split_epochs = 0  # split epochs begun: only the first may start locally (alike on every rank)
         if local_start and self.world.world_size == 1:  # Ray starts (or is joined) now, in the background
-            from sbloader.runtime import background
-
             background.start()
 
     def set_epoch(self, epoch: int) -> None:
@@ -330,9 +329,11 @@ class PipelineLoader:
         (and, split across ranks, its coordinator is found) meanwhile, and the next ``iter()`` takes it
         over (``sbloader/loaders/epoch_ahead.py``; a mixture asks it of a source whose batches are all
         made). ``state_dict()`` stays this epoch's until then; loading a state or setting the epoch
-        drops it. Only between two plain epochs of function stages. Returns whether it began."""
+        drops it. Only between two plain epochs of function stages, and in one process once Ray is up
+        (an epoch on local workers forks them: never from this thread). Returns whether it began."""
         if (self._ahead is not None or self._run is None or self._resume is not None
-                or self._carry.actor_cache is not None or not epoch_ahead.functions_only(self.dataset)):
+                or self._carry.actor_cache is not None or not epoch_ahead.functions_only(self.dataset)
+                or (self.world.world_size == 1 and not background.ready())):  # no local start begun ahead
             return False
         epoch, splits = self._epoch, self._split_epochs
 

@@ -107,14 +107,12 @@ def _each_source_epoch_once(stream: list, sources: tuple = ((0, 60), (1000, 30))
     """Per source of the mixture jobs, the ids in the order read: every run of its size is one whole
     epoch of it (the last, short, has no repeats); ``stream`` starts with the ranks' rows before a
     preemption, which lie in each source's first epoch."""
+    from harness import each_source_epoch_once
+
     for offset, n in sources:
         ids = [i for i in stream if offset <= i < offset + n]
         assert len(ids) > 2 * n  # the source ran past its first epoch boundaries
-        for lo in range(0, len(ids), n):
-            chunk = ids[lo:lo + n]
-            assert len(set(chunk)) == len(chunk), f"source at {offset}: a sample twice in one epoch"
-            if len(chunk) == n:
-                assert sorted(chunk) == list(range(offset, offset + n)), f"source at {offset}: lost samples"
+        each_source_epoch_once(ids, n, offset)
 
 
 def test_accelerate_mixture_saved_on_two_processes_resumes_on_one_through_save_and_load_state(accelerate_on_two,

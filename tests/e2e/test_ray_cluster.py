@@ -149,14 +149,12 @@ def _mixture_resumed_on_three(out: Path) -> None:
     # stream: the ranks' rows place by place are the order the job read them in.
     stream = [i for row in zip(*(b[0] for b in before)) for i in row]
     stream += [i for e in (0, 1) for row in zip(*(a[e] for a in after)) for i in row]
+    from harness import each_source_epoch_once
+
     for offset, n in ((0, 60), (1000, 30)):
         ids = [i for i in stream if offset <= i < offset + n]
         assert len(ids) > 2 * n
-        for lo in range(0, len(ids), n):
-            chunk = ids[lo:lo + n]
-            assert len(set(chunk)) == len(chunk), f"source at {offset}: a sample twice in one epoch"
-            if len(chunk) == n:
-                assert sorted(chunk) == list(range(offset, offset + n)), f"source at {offset}: lost samples"
+        each_source_epoch_once(ids, n, offset)
 
 
 # ----- a CPU node lost, and one added, mid-epoch (issue #35) --------------------------------------------------------

@@ -41,11 +41,9 @@ def _ids(rows, name) -> list:
 
 def _epochs_once(ids: list, n: int, offset: int) -> None:
     """Every consecutive run of ``n`` ids is the source's whole epoch; the last run has no repeats."""
-    for lo in range(0, len(ids), n):
-        chunk = ids[lo:lo + n]
-        assert len(set(chunk)) == len(chunk), "a source repeated a sample within its epoch"
-        if len(chunk) == n:
-            assert sorted(chunk) == list(range(offset, offset + n))
+    from harness import each_source_epoch_once
+
+    each_source_epoch_once(ids, n, offset)
 
 
 def _binomial(count: int, n: int, p: float) -> bool:

@@ -78,12 +78,9 @@ def _all(loader) -> list:
 
 def _epochs_once(ids: list, name: str) -> None:
     n, offset = SIZES[name], OFFSETS[name]
-    mine = [i for i in ids if _source_of(i) == name]
-    for lo in range(0, len(mine), n):
-        chunk = mine[lo:lo + n]
-        assert len(set(chunk)) == len(chunk), f"source {name} repeated a sample within its epoch"
-        if len(chunk) == n:
-            assert sorted(chunk) == list(range(offset, offset + n))
+    from harness import each_source_epoch_once
+
+    each_source_epoch_once([i for i in ids if _source_of(i) == name], n, offset)
 
 
 def test_torch_batches_at_the_weights_each_source_epoch_once(ray_session):
