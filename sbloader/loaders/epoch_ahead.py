@@ -5,8 +5,8 @@ holds the CPUs (in a mixture, the other sources' pipelines), and, split across r
 coordinator found (created, the first time) and the epoch joined there. A plain loop meets it
 once per epoch; a mixture meets it each time a source runs out and restarts, which a small source
 does many times in the others' one epoch. So a mixture's cursor asks its source's loader to begin
-the next epoch once the current one's batches are all made
-(:attr:`~sbloader.loaders.epoch.EpochIterator.produced`: its pipeline has nothing left to run):
+the next epoch when two of the current one's batches are left (its length unknown: once they are
+all made, :attr:`~sbloader.loaders.epoch.EpochIterator.produced`):
 :meth:`PipelineLoader.start_ahead <sbloader.loaders.pipeline_loader.PipelineLoader.start_ahead>`
 decides that epoch on the caller's thread (its seed, its plan: what ``iter()`` would decide) and
 opens it on a background thread; the next ``iter()`` takes it over. Until then nothing of the

@@ -73,7 +73,7 @@ class SourceCursor:
     Args:
         name: the source's name in the mixture.
         loader: the source's loader (deterministic, seeded; ``iter()`` runs its next epoch).
-        ahead: begin the source's next epoch once its current one's batches are all made (a source
+        ahead: begin the source's next epoch when :data:`AHEAD_BATCHES` of its batches are left (a source
             that restarts: ``sbloader/loaders/epoch_ahead.py``), where its loader can (``start_ahead``).
     """
 

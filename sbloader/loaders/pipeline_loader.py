@@ -327,8 +327,8 @@ class PipelineLoader:
     def start_ahead(self) -> bool:
         """Begin the next epoch now, while the loop reads this one's last batches: its pipeline starts
         (and, split across ranks, its coordinator is found) meanwhile, and the next ``iter()`` takes it
-        over (``sbloader/loaders/epoch_ahead.py``; a mixture asks it of a source whose batches are all
-        made). ``state_dict()`` stays this epoch's until then; loading a state or setting the epoch
+        over (``sbloader/loaders/epoch_ahead.py``; a mixture asks it of a source with two batches
+        left). ``state_dict()`` stays this epoch's until then; loading a state or setting the epoch
         drops it. Only between two plain epochs of function stages, and in one process once Ray is up
         (an epoch on local workers forks them: never from this thread). Returns whether it began."""
         if (self._ahead is not None or self._run is None or self._resume is not None
