@@ -126,6 +126,11 @@ _EMBEDDED_SYSTEM_CONFIG: dict[str, Any] = {
     # No idle workers started with the driver (num_cpus of them, ~50-90 MiB PSS
     # each): the first tasks start the workers they need at the same moment.
     "prestart_worker_first_driver": False,
+    # Ray kills a worker idle for 1 s above its soft limit (num_cpus). The task
+    # workers of a source between its epochs (while coordinator actors hold
+    # processes) were killed and started again, each importing torch again:
+    # seconds per restart on 2 cores. Kept as long as our own warm pool (60 s).
+    "idle_worker_killing_time_threshold_ms": 60_000,
     # Prometheus metrics recorded in every Ray process and exported every 10 s.
     "enable_metrics_collection": False,
     "emit_main_service_metrics": False,

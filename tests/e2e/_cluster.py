@@ -79,6 +79,9 @@ def _kill(pids: list[int]) -> None:
 # A check times out after Ray's default 10 s, so a raylet alive but slow on this loaded machine is not taken for
 # dead; a killed one refuses the check at once. docs/multinode.md gives users the same settings.
 HEALTH_CHECKS = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3"}
+# Every raylet keeps a worker idle above its soft limit (its CPUs) for 60 s, not Ray's 1 s: the task workers of
+# an epoch otherwise go between epochs and the next epoch waits for new ones (docs/multinode.md, as the embedded Ray).
+KEEP_IDLE_WORKERS = {"RAY_idle_worker_killing_time_threshold_ms": "60000"}
 
 
 class Cluster:
@@ -96,6 +99,7 @@ class Cluster:
         self.address = f"127.0.0.1:{self.port}"
         base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
         base["RAY_USAGE_STATS_ENABLED"] = "0"
+        base.update(KEEP_IDLE_WORKERS)
         self.env = base
         self.raylets_before = set(self._raylets())
         self.node_raylets: dict[str, set] = {}  # node id -> its raylet's pid(s), for every node but the head
