@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import tempfile
+import time
 from typing import Any
 
 from benchmarks.harness import Outcome, Plan, run_interleaved
@@ -47,6 +48,16 @@ def plan(**p: Any) -> Plan:
                 f"{p['images']} JPEGs in 3 sources (60/25/15%), one epoch per run")
 
 
+def cpus_back(within_s: float = 10.0) -> None:
+    """Wait until Ray's CPUs are all free again: a closed loader's running tasks finish (close() does not
+    cancel them), and their CPU would otherwise be counted in the next contender's run."""
+    import ray
+
+    total, deadline = ray.cluster_resources().get("CPU", 0), time.monotonic() + within_s
+    while ray.available_resources().get("CPU", 0) < total and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def run(**p: Any) -> Outcome:
     """Every loader built and warmed up once, then ``rounds`` interleaved epochs."""
     import torch
@@ -76,6 +87,7 @@ def run(**p: Any) -> Outcome:
     def closed_after(loader: Any) -> Any:  # nothing made between runs (close() stops the sources, as they were)
         yield from loader
         loader.close()
+        cpus_back()  # the tasks close() lets finish run in this contender's time, not the next one's
 
     restarting, whole = second(parts["small"][:TINY["images"]]), second(parts["small"])
 

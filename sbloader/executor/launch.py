@@ -21,12 +21,13 @@ from sbloader.sources.base import Source
 
 
 def options_here(*, memory_budget: Optional[int] = None, deterministic: bool = False, prefetch_blocks: int = 2,
-                 progress: Optional[bool] = None, allow_trainer_node: bool = False) -> ExecutionOptions:
+                 progress: Optional[bool] = None, allow_trainer_node: bool = False,
+                 first_call_alone: bool = False) -> ExecutionOptions:
     """Execution options for a pipeline run for this process (which trainer nodes to avoid)."""
     ensure_initialized()
     return ExecutionOptions(memory_budget=memory_budget, deterministic=deterministic,
                             prefetch_blocks=prefetch_blocks, progress=progress,
-                            exclude_nodes=exclusions_here(allow_trainer_node))
+                            exclude_nodes=exclusions_here(allow_trainer_node), first_call_alone=first_call_alone)
 
 
 def start_execution(source: Source, ops: Sequence[Op], plan: EpochPlan, options: ExecutionOptions, *,

@@ -120,10 +120,8 @@ class Scheduler:
     def _upstream_active(self, i: int) -> bool:
         """Input that will reach stage ``i`` is still coming: partitions to read, or work queued
         or running in a stage before it."""
-        if i == 0:
-            return False
-        return (self.remaining > 0 or any(self.queues[j] for j in range(1, i))
-                or any(self._stage_inflight[j] for j in range(i)))
+        return i > 0 and (self.remaining > 0 or any(self.queues[j] for j in range(1, i))
+                          or any(self._stage_inflight[j] for j in range(i)))
 
     def waiting(self) -> list:
         """The refs the loop waits on: calls' metadata and actors' constructors."""
@@ -156,7 +154,8 @@ class Scheduler:
             free = self.pools.free_slots(i)
         else:
             free = max(0, self._slots[i] - self._stage_inflight[i])
-        est = self.est[i]
+        first = i == 0 and self._opts.first_call_alone and not self.stats.operators[0].blocks
+        est = None if first else self.est[i]  # None: one call at a time (ExecutionOptions.first_call_alone)
         if i == 0 and est is not None:  # the next call's output: one block per partition it reads
             est *= self._group_size()
         return StageView(i, len(q), q[0][0] if q else None, self._stage_inflight[i], free, est)

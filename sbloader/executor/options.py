@@ -24,6 +24,11 @@ class ExecutionOptions:
         max_task_retries: Ray retries of a task lost to a dead worker or node.
         exclude_nodes: node ids tasks and actors must avoid (the trainer's nodes,
             see :mod:`sbloader.runtime.placement`).
+        first_call_alone: the source stage runs one call until the execution's first
+            block is out, even where an earlier epoch's estimates would start several (a
+            mixture's sources: every source's first block is needed for the first batch,
+            and Ray runs the calls in the order they came, so each source's first call
+            goes before the others' second).
     """
 
     memory_budget: Optional[int] = None
@@ -32,6 +37,7 @@ class ExecutionOptions:
     progress: Optional[bool] = None
     max_task_retries: int = 3
     exclude_nodes: tuple = ()
+    first_call_alone: bool = False
 
     def __post_init__(self) -> None:
         if self.memory_budget is not None and self.memory_budget <= 0:

@@ -71,9 +71,9 @@ class MixLoader:
         self._fingerprints = fingerprints or {}
         self._cursors = {n: SourceCursor(n, make_loader(n, source_seed(self.seed, n)), ahead=on_exhausted == "restart")
                          for n in self.names}
-        for c in self._cursors.values():  # a state taken in one process credits its rows on any world size
-            if hasattr(c.loader, "cut_as_planned"):
-                c.loader.cut_as_planned()
+        for c in self._cursors.values():  # states that credit rows on any world size; the first calls first
+            if hasattr(c.loader, "as_mixture_source"):
+                c.loader.as_mixture_source()
         self._history: tuple = (WeightChange(0, mix_plan.check_weights(weights, self.names)),)
         self._position = 0
         self._start: Optional[int] = None  # the position the current iteration began at (None: between)

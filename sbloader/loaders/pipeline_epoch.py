@@ -59,6 +59,8 @@ class PipelineSettings:
         plan_cut: one consumer cuts its batches with the window a split epoch uses (in rows,
             from the plan), so which rows a batch holds is the plan's arithmetic on any world
             size (a mixture's sources: :meth:`~sbloader.loaders.pipeline_loader.PipelineLoader.credit_rows`).
+        first_call_alone: each epoch's source stage runs one call until its first block is
+            out (a mixture's sources: :attr:`~sbloader.executor.options.ExecutionOptions.first_call_alone`).
     """
 
     batch_size: int
@@ -73,6 +75,7 @@ class PipelineSettings:
     device: Any = None
     local_start: bool = True
     plan_cut: bool = False
+    first_call_alone: bool = False
 
     def prefetch_for(self, source: Source, plan: EpochPlan) -> int:
         """Ready blocks to keep ahead: ``prefetch_blocks``, raised to the shuffle window's
@@ -136,7 +139,8 @@ def local_epoch(pipeline: Pipeline, settings: PipelineSettings, run: PipelineRun
         nonlocal cache
         options = options_here(memory_budget=settings.memory_budget, deterministic=settings.deterministic,
                                prefetch_blocks=settings.prefetch_for(source, plan), progress=False,
-                               allow_trainer_node=settings.allow_trainer_node)
+                               allow_trainer_node=settings.allow_trainer_node,
+                               first_call_alone=settings.first_call_alone)
         if warm_key is not None:
             cache = warm_workers.unpark(warm_key)
         warm_workers.give_way(1.0, keep=warm_key)  # other idle actors of this process, if the CPUs are short
@@ -220,7 +224,8 @@ def open_split(pipeline: Pipeline, settings: PipelineSettings, run: SplitRun, co
                 1 + min(run.plan.widest, FIRST_PARTITIONS))
             options = options_here(memory_budget=settings.memory_budget, deterministic=settings.deterministic,
                                    prefetch_blocks=ahead, progress=False,
-                                   allow_trainer_node=settings.allow_trainer_node)
+                                   allow_trainer_node=settings.allow_trainer_node,
+                                   first_call_alone=settings.first_call_alone)
             link.spec = pipeline_client.partition_spec(run, pipeline.source, pipeline.ops, options,
                                                        settings.shuffle)
         try:

@@ -214,11 +214,13 @@ class PipelineLoader:
         self._run = None
         self._epoch = int(state["epoch"])
 
-    def cut_as_planned(self) -> None:
-        """Cut batches in one process as a split epoch does (a budget window in rows, from the
-        plan, not in bytes of the blocks as they come), so that :meth:`credit_rows` can tell the
-        rows of a state taken here partway through a batch: a mixture asks it of its sources."""
-        self.settings = dataclasses.replace(self.settings, plan_cut=True)
+    def as_mixture_source(self) -> None:
+        """Run as a mixture's source: cut batches in one process as a split epoch does (a budget
+        window in rows, from the plan, not in bytes of the blocks as they come), so that
+        :meth:`credit_rows` can tell the rows of a state taken here partway through a batch; and
+        start each epoch with one read call until its first block is out, so every source's first
+        call runs before another's second (the mixture's first batch needs a block of each)."""
+        self.settings = dataclasses.replace(self.settings, plan_cut=True, first_call_alone=True)
 
     def credit_rows(self, state_dict: dict, rows: int, world_size: int, strict: bool = True) -> dict:
         """``state_dict`` (taken on ``world_size`` ranks between two batches) with the first ``rows`` rows

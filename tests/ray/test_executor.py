@@ -804,3 +804,38 @@ def test_usable_resources_leave_out_the_excluded_nodes(ray_session):
     assert without_here.get("CPU", 0.0) == 0.0  # the session's only node left out
     free, _ = usable_resources(())
     assert set(free) <= set(everything) and 0 <= free.get("CPU", 0.0) <= everything["CPU"]  # 0 free: no key
+
+
+def _spans(batch, log):
+    t0 = time.time()
+    time.sleep(0.3)
+    _log_line(Path(log), f"{t0} {time.time()}")
+    return batch
+
+
+@pytest.mark.parametrize("alone", [True, False])
+def test_a_first_call_alone_runs_before_any_other_even_with_estimates_known(ray_session, tmp_path, alone):
+    """``first_call_alone`` (a mixture's sources): an epoch whose block sizes are known from an earlier one
+    starts several calls at once, except with the option, where the source stage's second call starts only
+    once its first block is out (so each source's first call goes before the others' second in Ray's queue)."""
+    from sbloader.executor.executor import StreamingExecutor
+    from sbloader.executor.options import ExecutionOptions
+    from sbloader.executor.stages import build_stages
+    from sbloader.loaders.batching import iter_blocks
+
+    log = tmp_path / "spans.log"
+    ds = sbloader.range(8, num_partitions=4).map_batches(_spans, fn_kwargs={"log": str(log)})
+    first = ds.execute()
+    assert sum(len(b["id"]) for b, _ in iter_blocks(first)) == 8
+    estimates = first.estimates()
+    assert estimates[0] is not None
+    log.unlink()
+    ex = StreamingExecutor(ds._source, build_stages(ds._source.name, ds._ops), ds.plan(epoch=1),
+                           ExecutionOptions(first_call_alone=alone), estimates=estimates)
+    assert sum(len(b["id"]) for b, _ in iter_blocks(ex.start())) == 8
+    spans = sorted(tuple(map(float, line.split())) for line in log.read_text().splitlines())
+    assert len(spans) == 4
+    if alone:
+        assert spans[1][0] >= spans[0][1] - 0.01, f"a second call started before the first ended: {spans}"
+    else:
+        assert spans[1][0] < spans[0][1], f"with estimates known the calls ran one by one: {spans}"

@@ -462,7 +462,7 @@ def _parquet(path, offset: int, groups: int, rows: int) -> str:
 def test_a_state_taken_in_one_process_partway_through_budget_window_batches_resumes_on_more_ranks(
         ray_session, tmp_path, new, take):
     """Parquet sources shuffle through a budget window. One process cuts a mixture's source batches
-    as a split epoch does (``PipelineLoader.cut_as_planned``: the window in rows, from the plan),
+    as a split epoch does (``PipelineLoader.as_mixture_source``: the window in rows, from the plan),
     so ``credit_rows`` finds the rows a state taken there had used of a batch. Cut by the bytes of
     the blocks as they came (the window of a lone loader) the rows credited were others: 1-2 of
     source a's 960 rows came twice and as many never (this data is stored at half its decoded bytes,
