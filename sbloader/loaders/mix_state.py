@@ -84,6 +84,12 @@ class SourceStats:
     wait_s: float
     pipeline: Optional[Any]
 
+    @property
+    def rows_per_s(self) -> Optional[float]:
+        """Its pipeline's rows per second over its latest epoch (None where its loader does not say)."""
+        ops, wall = getattr(self.pipeline, "operators", None), getattr(self.pipeline, "wall_s", 0.0)
+        return ops[-1].rows / wall if ops and wall else None
+
 
 @dataclass(frozen=True)
 class MixStats:
@@ -107,6 +113,10 @@ class MixStats:
     def __str__(self) -> str:
         lines = [f"mixture: {self.position} samples ({self.since_change} since the last weight change)"]
         for n, s in self.sources.items():
+            weight = "dropped (ran out)" if s.ended and not s.weight else f"vs weight {s.weight:.3f}"
+            rate = f", its pipeline {s.rows_per_s:,.0f} rows/s" if s.rows_per_s else ""
             lines.append(f"  {n}: {s.taken} taken, share {s.share:.3f} ({s.share_since_change:.3f} since the "
-                         f"change) vs weight {s.weight:.3f}, epoch {s.epoch}, waited {s.wait_s:.2f}s")
+                         f"change) {weight}, epoch {s.epoch}{rate}, waited {s.wait_s:.2f}s")
+        if self.bottleneck() is not None:
+            lines.append(f"  the mixture waited longest on {self.bottleneck()!r} (its bottleneck)")
         return "\n".join(lines)

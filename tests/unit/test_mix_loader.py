@@ -245,6 +245,25 @@ def test_stats_name_the_source_the_mixture_waited_on_and_carry_each_pipelines_ow
         assert s.share == pytest.approx(s.taken / 120)
         assert s.pipeline == {"source": n, "epoch": s.epoch}  # the source loader's own stats()
     assert "waited" in str(st) and "vs weight 0.400" in str(st)
+    assert "the mixture waited longest on 'b' (its bottleneck)" in str(st)
+
+
+def test_stats_give_each_sources_pipeline_rate_and_say_which_ran_out():
+    """A source's rows per second come from its pipeline's ``ExecutionStats`` (rows over wall time),
+    printed per source; a source dropped when it ran out says so instead of a weight of 0."""
+    from sbloader.core.stats import ExecutionStats, OperatorStats
+    from sbloader.loaders.mix_state import MixStats, SourceStats
+
+    pipeline = ExecutionStats(operators=[OperatorStats("Read"), OperatorStats("Map", rows=1000)], wall_s=2.0)
+    a = SourceStats(taken=600, share=0.6, share_since_change=0.0, weight=0.0, epoch=1, ended=True, wait_s=0.5,
+                    pipeline=pipeline)
+    b = SourceStats(taken=400, share=0.4, share_since_change=0.4, weight=1.0, epoch=1, ended=False, wait_s=0.0,
+                    pipeline={"not": "execution stats"})
+    assert a.rows_per_s == 500.0 and b.rows_per_s is None
+    text = str(MixStats(1000, 400, {"a": a, "b": b}))
+    assert "a: 600 taken" in text and "dropped (ran out)" in text and "its pipeline 500 rows/s" in text
+    assert "vs weight 1.000" in text and text.count("rows/s") == 1
+    assert "the mixture waited longest on 'a'" in text
 
 
 class AheadLoader(FakeLoader):
