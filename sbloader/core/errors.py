@@ -75,17 +75,31 @@ class TaskLostError(SbloaderError, RuntimeError):
         partition_ids: the partitions the task covered.
         labels: their names (files, row ranges) where the source gives them.
         cause_repr: the Ray error, shortened.
+        missing_module: the module the worker could not import ("" for another failure): a
+            function of the pipeline was sent by name from a module the workers cannot find.
     """
 
     def __init__(self, stage: str, epoch: int, partition_ids: tuple, labels: tuple = (),
-                 cause_repr: str = "") -> None:
+                 cause_repr: str = "", missing_module: str = "") -> None:
         self.stage = stage
         self.epoch = epoch
         self.partition_ids = tuple(partition_ids)
         self.labels = tuple(labels)
         self.cause_repr = cause_repr
+        self.missing_module = missing_module
         named = [str(x) for x in self.labels if x][:3]
         reading = f" (reading {', '.join(named)}{', ...' if len(self.labels) > 3 else ''})" if named else ""
+        if missing_module:
+            super().__init__(
+                f"a {stage!r} task on partition(s) {list(self.partition_ids)} (epoch {epoch}) could not start: "
+                f"its worker cannot import module {missing_module!r} ({cause_repr}). A function of this "
+                "pipeline (or the dataset) comes from that module and Ray's workers import it by name, but "
+                "they do not see this process's sys.path changes: put the module's folder on their path "
+                "(PYTHONPATH in the environment that starts Ray or its nodes, or "
+                "sbloader.init(runtime_env={'py_modules': [the imported module]})), or install it "
+                "on every node."
+            )
+            return
         super().__init__(
             f"a {stage!r} task on partition(s) {list(self.partition_ids)} (epoch {epoch}){reading} failed "
             f"outside the user's functions: {cause_repr}. A task whose worker died was retried before this "
@@ -96,7 +110,8 @@ class TaskLostError(SbloaderError, RuntimeError):
         )
 
     def __reduce__(self):
-        return (type(self), (self.stage, self.epoch, self.partition_ids, self.labels, self.cause_repr))
+        return (type(self), (self.stage, self.epoch, self.partition_ids, self.labels, self.cause_repr,
+                             self.missing_module))
 
 
 class WorkerStartError(SbloaderError, RuntimeError):

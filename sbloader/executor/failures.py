@@ -7,6 +7,7 @@ partitions run again elsewhere from their provenance (:class:`Rerun`), at most
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -50,6 +51,24 @@ def unwrap(e: BaseException) -> BaseException:
     return e
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def missing_module(e: BaseException) -> str:
+    """The module a worker could not import where ``e`` (Ray's error, or what it wraps) is a
+    ``ModuleNotFoundError``: a function sent by name from a module not on the workers' path;
+    "" for any other failure."""
+    for err in (e, getattr(e, "cause", None), e.__cause__):
+        if isinstance(err, ModuleNotFoundError):
+            name = getattr(err, "name", None)
+            if name:
+                return name
+            found = re.search(r"No module named '([^']+)'", str(err))
+            if found:
+                return found.group(1)
+    return ""
+
+
 def lost(stage_name: str, epoch: int, items: Sequence[tuple], partition_id: int, e: BaseException) -> TaskLostError:
     """A call's failure outside the user's functions, as a :class:`TaskLostError` naming the
     call's partitions (``items``: its ``(plan position, Partition)`` pairs; Ray's own error
@@ -57,9 +76,12 @@ def lost(stage_name: str, epoch: int, items: Sequence[tuple], partition_id: int,
     parts = [part for _, part in items]
     ids = tuple(p.id for p in parts) or (partition_id,)
     labels = tuple(p.label for p in parts)
-    first = (str(e).strip().splitlines() or [""])[0]
-    cause = f"{type(e).__name__}: {first[:300]}" if first else type(e).__name__
-    err = TaskLostError(stage_name, epoch, ids, labels, cause)
+    first = _ANSI.sub("", (str(e).strip().splitlines() or [""])[0])  # Ray colours the task's name
+    cause = f"{_ANSI.sub('', type(e).__name__)}: {first[:300]}" if first else type(e).__name__
+    module = missing_module(e)
+    if module:
+        cause = f"ModuleNotFoundError: No module named {module!r}"
+    err = TaskLostError(stage_name, epoch, ids, labels, cause, module)
     err.__cause__ = e
     return err
 

@@ -839,3 +839,32 @@ def test_a_first_call_alone_runs_before_any_other_even_with_estimates_known(ray_
         assert spans[1][0] >= spans[0][1] - 0.01, f"a second call started before the first ended: {spans}"
     else:
         assert spans[1][0] < spans[0][1], f"with estimates known the calls ran one by one: {spans}"
+
+
+def test_a_function_from_a_module_the_workers_cannot_import_is_named_with_what_to_do(ray_session, tmp_path,
+                                                                                    monkeypatch):
+    """A map function pickled by name from a module only this process's sys.path finds: the error names the
+    module and says how to give it to the workers, not a worker's death or memory."""
+    import importlib
+
+    from sbloader.core.errors import TaskLostError
+    from sbloader.loaders import local_start
+
+    monkeypatch.setenv(local_start.LOCAL_START_ENV, "0")  # processes forked here would find it: Ray's workers only
+    (tmp_path / "sbl_only_on_the_drivers_path.py").write_text("def same(batch):\n    return batch\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mod = importlib.import_module("sbl_only_on_the_drivers_path")
+    try:
+        loader = sbloader.range(8, num_partitions=2).map_batches(mod.same).to_dataloader(4)
+        with pytest.raises(TaskLostError) as info:
+            list(loader)
+    finally:
+        sys.modules.pop("sbl_only_on_the_drivers_path", None)
+    err = info.value
+    assert err.missing_module == "sbl_only_on_the_drivers_path"
+    msg = str(err)
+    assert "cannot import module 'sbl_only_on_the_drivers_path'" in msg and "PYTHONPATH" in msg
+    assert "py_modules" in msg and "killed for memory" not in msg
+    import pickle
+
+    assert str(pickle.loads(pickle.dumps(err))) == msg
