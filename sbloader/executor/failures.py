@@ -77,7 +77,7 @@ def lost(stage_name: str, epoch: int, items: Sequence[tuple], partition_id: int,
     ids = tuple(p.id for p in parts) or (partition_id,)
     labels = tuple(p.label for p in parts)
     first = _ANSI.sub("", (str(e).strip().splitlines() or [""])[0])  # Ray colours the task's name
-    cause = f"{_ANSI.sub('', type(e).__name__)}: {first[:300]}" if first else type(e).__name__
+    cause = f"{type(e).__name__}: {first[:300]}" if first else type(e).__name__
     module = missing_module(e)
     if module:
         cause = f"ModuleNotFoundError: No module named {module!r}"
