@@ -144,3 +144,16 @@ def _free_split_coordinators(request):
         except Exception:
             pass
         ray.kill(handle)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``-n 2 --dist loadgroup``), two groups run side by side: ``e2e/``
+    (its own processes: torchrun jobs, ``ray start`` clusters, which leave the cores idle
+    while they start and wait) in one worker, and ``ray/`` then ``unit/`` (the session's
+    embedded Ray) in the other, each in the order it has alone."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        group = "e2e" if item.path.parent.name == "e2e" else "session"
+        item.add_marker(pytest.mark.xdist_group(group))
