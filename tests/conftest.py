@@ -157,3 +157,40 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         group = "e2e" if item.path.parent.name == "e2e" else "session"
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+_GROUP_SPANS: dict = {}  # this worker's xdist group -> [first test's start, last test's end] (time.time())
+_GROUP_WALLS: dict = {}  # the controller's: group -> (seconds, worker)
+
+
+def pytest_runtest_logstart(nodeid, location):
+    import time
+
+    if "@" in nodeid:  # an xdist worker's node id ends with "@<group>"
+        _GROUP_SPANS.setdefault(nodeid.rsplit("@", 1)[1], [time.time(), 0.0])
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    import time
+
+    if "@" in nodeid:
+        _GROUP_SPANS[nodeid.rsplit("@", 1)[1]][1] = time.time()
+
+
+def pytest_sessionfinish(session):
+    out = getattr(session.config, "workeroutput", None)  # set in an xdist worker only
+    if out is not None:
+        out["group_spans"] = {g: round(end - start, 1) for g, (start, end) in _GROUP_SPANS.items()}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    for group, seconds in (getattr(node, "workeroutput", None) or {}).get("group_spans", {}).items():
+        _GROUP_WALLS[group] = (seconds, node.gateway.id)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Each xdist group's wall time (first test's start to last test's end), to balance them by."""
+    if _GROUP_WALLS:
+        terminalreporter.write_line("xdist groups: " + ", ".join(
+            f"{g} {s:,.0f} s ({w})" for g, (s, w) in sorted(_GROUP_WALLS.items(), key=lambda kv: -kv[1][0])))
