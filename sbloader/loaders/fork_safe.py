@@ -16,8 +16,9 @@ after every fork made inside :meth:`ForkGate.forking`).
 Locks below Python are the same: a lock a thread holds at the fork (torch's, the C library's)
 stays held in the child. A worker forked while the pool's start ahead pickled the dataset (its
 tensors) waited forever in ``torch.set_num_threads(1)`` (CI, ``test_nested_tensors_go_through_the_workers``).
-:data:`FORK_LOCK` keeps this process's own forks of local workers and its background pickling of
-the dataset apart (:class:`ForkGate`).
+:data:`~sbloader.runtime.fork_lock.FORK_LOCK` keeps this process's own forks of local workers apart from
+its background pickling of the dataset (:class:`ForkGate`) and from the embedded Ray's spawns of its processes
+(:mod:`~sbloader.runtime.fork_lock`).
 """
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ import sys
 import threading
 from typing import Any, Iterator
 
-#: Held while local workers are forked, and while a background thread pickles the dataset for the pool.
-FORK_LOCK = threading.Lock()
+from sbloader.runtime.fork_lock import FORK_LOCK
+
 
 #: What a forked local worker imports: imported here before the fork (:func:`import_for_children`).
 #: ``numpy.random`` too: torch's worker loop seeds it, and numpy 2 imports it only on first use; half made

@@ -28,6 +28,7 @@ from sbloader.runtime import ray_chatter as _chatter
 from sbloader.runtime import reaper as _reaper
 from sbloader.runtime import rendezvous as _rendezvous
 from sbloader.runtime import start_cut as _start_cut
+from sbloader.runtime.fork_lock import spawns_apart_from_forks
 from sbloader.runtime.world import World
 
 logger = logging.getLogger(__name__)
@@ -224,7 +225,7 @@ def init(
                 object_store_memory = embedded_store_bytes()
 
             def start() -> str:
-                with _Quiet():
+                with _Quiet(), spawns_apart_from_forks():  # a local worker forked meanwhile: fork_lock.py
                     on_owner_thread(lambda: (_start_cut.cancellable if alone else _call)(lambda: ray.init(
                         address="local",
                         num_cpus=num_cpus,
@@ -232,7 +233,7 @@ def init(
                         object_store_memory=object_store_memory,
                         **kwargs,
                     )))
-                _STATE["reaper"] = _start_reaper()
+                    _STATE["reaper"] = _start_reaper()
                 return ray.get_runtime_context().gcs_address
 
             if world.world_size > 1:
