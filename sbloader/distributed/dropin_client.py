@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 _KEEP_BLOCKS = 4  # fetched blocks a rank keeps while it takes their batches
 _MAX_REBUILDS = 3
 _MAX_REMAKES = 3  # times one batch lost with its node is made again
+FETCH_S = 60.0  # a block's fetch by its ref that lasts longer is read through the coordinator that owns it
 
 
 def epoch_spec(run: Any, fingerprint: dict, worker_op: Any, options: ExecutionOptions, in_order: bool) -> EpochSpec:
@@ -123,7 +124,7 @@ class Pull:
             self.remade += 1
             return ray.get(self.coord.remake.remote(self.epoch, batch_index))
 
-        return fetch_block(ref, remake, f"rank {self.rank}: batch {batch_index} of epoch {self.epoch}")
+        return fetch_block(ref, remake, f"rank {self.rank}: batch {batch_index} of epoch {self.epoch}", self.coord)
 
     def batches(self) -> Iterator[tuple[Any, int]]:
         """``(tensors, batch index of the epoch)`` until this rank has its count."""
@@ -186,7 +187,7 @@ class Pull:
             batches = []
 
 
-def fetch_block(ref: Any, remake: Callable[[], Any], what: str) -> Any:
+def fetch_block(ref: Any, remake: Callable[[], Any], what: str, coord: Any = None) -> Any:
     """``ray.get(ref)`` of a block the coordinator owns; a block lost with the node that made it is
     made again by ``remake()`` (a new ref), at most ``_MAX_REMAKES`` times.
 
@@ -194,13 +195,21 @@ def fetch_block(ref: Any, remake: Callable[[], Any], what: str) -> Any:
     (Ray's reconstruction runs the actor's task again, and that actor died with its node). A
     coordinator that died shows as ``OwnerDiedError`` (it owned the block), raised for the caller
     to rebuild it, as is the ``RayActorError`` of a ``remake()`` the dead coordinator cannot answer.
+    With ``coord`` (the owner), a fetch lasting past :data:`FETCH_S` is read through it instead
+    (:func:`read_through`).
 
     Raises:
-        SbloaderError: the block was lost ``_MAX_REMAKES + 1`` times (``what``: the batch, for the message).
+        SbloaderError: the block was lost ``_MAX_REMAKES + 1`` times (``what``: the batch, for the message),
+            or its fetch did not end and the coordinator could not read it either.
     """
     for attempt in range(_MAX_REMAKES + 1):
         try:
-            return ray.get(ref)
+            if coord is None:
+                return ray.get(ref)
+            try:
+                return _get_block(ref, FETCH_S)
+            except ray.exceptions.GetTimeoutError:
+                return read_through(coord, ref, what)
         except ray.exceptions.OwnerDiedError:  # the coordinator died: rebuild (the caller)
             raise
         except (ray.exceptions.ObjectLostError, ray.exceptions.RayActorError) as e:
@@ -211,6 +220,26 @@ def fetch_block(ref: Any, remake: Callable[[], Any], what: str) -> Any:
                         "provenance", what, type(e).__name__)
             ref = remake()
     raise AssertionError("unreachable")
+
+
+def _get_block(ref: Any, timeout_s: float) -> Any:
+    return ray.get(ref, timeout=timeout_s)
+
+
+def read_through(coord: Any, ref: Any, what: str) -> Any:
+    """The block of ``ref`` read by the coordinator that owns it and sent by value: a fetch of a
+    borrowed ref was seen to wait in ``ray.get`` for good while its owner held the block (a job
+    must not hang on it). A coordinator that died raises ``RayActorError`` (the caller rebuilds).
+
+    Raises:
+        SbloaderError: the coordinator could not read it either.
+    """
+    logger.warning("sbloader %s did not arrive within %.0f s; reading it through the coordinator", what, FETCH_S)
+    try:
+        return ray.get(coord.read_block.remote([ref]))
+    except ray.exceptions.RayTaskError as e:
+        raise SbloaderError(f"{what} could not be fetched, and the coordinator cannot read it either. Restart "
+                            "the job from the last checkpoint") from e
 
 
 def rebuild_epoch(coord: Any, epoch: int, rank: int, taken: list, spec: Optional[EpochSpec], timeout: float = 120.0,
@@ -298,7 +327,7 @@ def pull_stream(coord: Any, rank: int, epoch: int, ask: int, pin: bool, copy: bo
             lost[0] = ray.get(coord.remake_block.remote(epoch, lost[0].hex()))
             return lost[0]
 
-        return fetch_block(ref, remake, f"rank {rank}: a block of epoch {epoch}")
+        return fetch_block(ref, remake, f"rank {rank}: a block of epoch {epoch}", coord)
 
     def request() -> Any:
         return coord.next_batches.remote(epoch, rank, ask, fetched if copy else consumed(), node)

@@ -22,6 +22,7 @@ from sbloader.core.block import Batch
 from sbloader.core.cut import CutPlan, assemble, checked_rows, last_use, places
 from sbloader.core.errors import SbloaderError
 from sbloader.core.plan import EpochPlan
+from sbloader.distributed.dropin_client import FETCH_S as _FETCH_S
 from sbloader.distributed.specs import PartitionEpochSpec
 from sbloader.executor.options import ExecutionOptions
 
@@ -31,7 +32,6 @@ _WAIT_S = 1.0  # one coordinator request waits at most this long for a block
 _AHEAD = 2  # batches whose blocks a rank asks for ahead of the one it cuts
 _MAX_REBUILDS = 3  # coordinators lost in one epoch before the rank gives up
 _SLOW_WAIT_S = 60.0  # a rank waiting this long for a block says so (again each such wait)
-_FETCH_S = 60.0  # a block's fetch by its ref that lasts longer is read through the coordinator
 
 
 class RankSplit(Protocol):

@@ -14,8 +14,9 @@ is rebuilt the same way (``pipeline_client`` is its rank side): each rank report
 many of its own batches it has cut; the partitions a rank still needs run again (a
 partition replays bit for bit) and each rank goes on cutting from where it was.
 
-A block lost while its coordinator lives (made on a node that died before a rank
-fetched it) is made again from its provenance instead: :meth:`RebuildProtocol.remake`
+A block whose fetch by its ref does not end is read by its owner, the coordinator, and sent by
+value (:meth:`RebuildProtocol.read_block`). A block lost while its coordinator lives (made on a node
+that died before a rank fetched it) is made again from its provenance instead: :meth:`RebuildProtocol.remake`
 (a batch of a map-style epoch), :meth:`RebuildProtocol.remake_block` (a worker shard's
 block of an ``IterableDataset``'s epoch).
 """
@@ -143,6 +144,18 @@ class RebuildProtocol:
         self._epochs[epoch] = ep
         ep.start()
         self._started.notify_all()
+
+    def read_block(self, refs: list, timeout_s: float = 30.0) -> Any:
+        """The block of ``refs[0]`` (a ref in a list: not resolved on the way in), read here, where it is
+        owned, and returned by value: for a rank whose fetch of it by its ref did not end.
+
+        Raises:
+            ray.exceptions.GetTimeoutError: not readable here either within ``timeout_s``.
+        """
+        import ray
+
+        self._last_call = time.monotonic()
+        return ray.get(refs[0], timeout=timeout_s)
 
     def remake(self, epoch: int, index: int) -> Any:
         """Make batch ``index`` of a drop-in epoch again: its block was lost with the node that

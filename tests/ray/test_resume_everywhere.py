@@ -10,6 +10,7 @@ the uninterrupted epoch (the harness's ``states_in_one_run``).
 from __future__ import annotations
 
 import pytest
+from torch.utils.data import IterableDataset, get_worker_info
 
 import sbloader
 from harness import IdsLoader, check_resume_everywhere
@@ -109,6 +110,47 @@ def test_a_block_whose_fetch_does_not_end_is_read_through_the_coordinator(ray_se
     assert len(taken[0].batches) == len(taken[1].batches)
     assert len(stuck) == 3
     assert sum("reading it through the coordinator" in r.getMessage() for r in caplog.records) == 3
+
+
+class Sharded(IterableDataset):
+    """Ids ``0..N-1``, worker ``w`` of ``n`` yielding ``w, w + n, ...``."""
+
+    def __iter__(self):
+        info = get_worker_info()
+        return iter(range(info.id, N, info.num_workers))
+
+
+@pytest.mark.parametrize("kind", ["map", "stream"])
+def test_a_drop_in_block_whose_fetch_does_not_end_is_read_through_the_coordinator(ray_session, monkeypatch,
+                                                                                  caplog, kind):
+    """The drop-in's split ranks (a map-style dataset's batches, an ``IterableDataset``'s stream) read
+    a block whose fetch by its ref does not end through the coordinator, as the native split does
+    (a stream rank hung 150 s in CI, its fetch without a deadline): exactly once, said per block."""
+    import ray
+
+    from harness import run_ranks
+    from sbloader.distributed import dropin_client
+
+    stuck: list = []
+
+    def get_block(ref, timeout_s):
+        if len(stuck) < 2:  # the first two fetches never end
+            stuck.append(ref)
+            raise ray.exceptions.GetTimeoutError("a fetch that does not end")
+        return ray.get(ref, timeout=timeout_s)
+
+    def make(rank: int, world_size: int, name: str):
+        data = list(range(N)) if kind == "map" else Sharded()
+        return IdsLoader(sbloader.DataLoader(data, batch_size=BS, num_workers=2, rank=rank, world_size=world_size,
+                                             name=name, job_id="resume-everywhere", local_start=False, split=True))
+
+    monkeypatch.setattr(dropin_client, "_get_block", get_block)
+    with caplog.at_level("WARNING", logger="sbloader.distributed.dropin_client"):
+        taken, _ = run_ranks(make, 2, f"dropin-fetch-stuck-{kind}", "id")
+    assert sorted(i for t in taken for i in t.ids) == list(range(N))
+    assert len(taken[0].batches) == len(taken[1].batches)
+    assert len(stuck) == 2
+    assert sum("reading it through the coordinator" in r.getMessage() for r in caplog.records) == 2
 
 
 class Shifted:
