@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import sys
 import threading
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -88,7 +90,21 @@ def in_rank_threads(rank_loop: Callable[[int], None], world_size: int, timeout: 
         t.join(timeout)
     if errors:
         raise errors[0]
-    assert not any(t.is_alive() for t in threads), "a rank hung"
+    hung = [r for r, t in enumerate(threads) if t.is_alive()]
+    assert not hung, f"rank(s) {hung} hung past {timeout:.0f} s; where this process's threads are:\n{thread_stacks()}"
+
+
+def thread_stacks(frames: int = 12) -> str:
+    """Where each thread of this process that runs sbloader's (or a test's) code is: the innermost
+    ``frames`` frames of each, for the failure message of a hang."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    out = []
+    for ident, frame in sys._current_frames().items():
+        stack = traceback.extract_stack(frame)
+        if not any("sbloader" in f.filename or "/tests/" in f.filename for f in stack):
+            continue
+        out.append(f"--- thread {names.get(ident, ident)}\n" + "".join(traceback.format_list(stack[-frames:])))
+    return "\n".join(out)
 
 
 def run_ranks(make: MakeLoader, world_size: int, name: str, key: str, take: Optional[int] = None,

@@ -28,6 +28,7 @@ def run_standalone(out: Path, script: Path, *args: str, max_restarts: int = 0, w
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS), str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.pop("RAY_ADDRESS", None)  # the job starts its own embedded Ray
+    env["SBLOADER_TEST_DUMP_AFTER"] = str(max(1.0, timeout_s - 20))  # _hang_dump: where a hung job's threads are
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
            f"--max-restarts={max_restarts}", str(script), "--out", str(out), *args]
     with open(out / "output.txt", "w") as log:
@@ -38,7 +39,18 @@ def run_standalone(out: Path, script: Path, *args: str, max_restarts: int = 0, w
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             rc = -9
-    return rc, (out / "output.txt").read_text(errors="replace")
+    output = (out / "output.txt").read_text(errors="replace")
+    if rc == -9:  # the job hung: where its ranks were, at the end (the tests show the output's tail)
+        output += "".join(hung_stacks(f) for f in sorted(out.glob("stacks-*.txt")))
+    return rc, output
+
+
+def hung_stacks(path: Path) -> str:
+    """A rank's stacks at its dump (``tests/scripts/_hang_dump.py``): the threads in sbloader's or the
+    job script's code, innermost frame first as faulthandler writes them, 14 frames each."""
+    blocks = path.read_text(errors="replace").split("\n\n")
+    kept = ["\n".join(b.splitlines()[:15]) for b in blocks if "sbloader" in b or "/tests/" in b]
+    return f"==== {path.name}\n" + "\n\n".join(kept) + "\n"
 
 
 def run_side_by_side(jobs: dict) -> dict:

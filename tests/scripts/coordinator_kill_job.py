@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
+import _hang_dump
 import sbloader
 
 
@@ -65,6 +66,7 @@ def main() -> None:
     p.add_argument("--kill-at", type=int, default=6, help="rank 0 kills the coordinator after this many batches")
     p.add_argument("--epochs", type=int, default=2)
     args = p.parse_args()
+    _hang_dump.arm()
     import ray
 
     rank = int(os.environ["RANK"])

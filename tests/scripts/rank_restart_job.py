@@ -21,6 +21,7 @@ import signal
 
 import torch.distributed as dist
 
+import _hang_dump
 from _job_common import add_job_args, load_checkpoint, make_loader, save_checkpoint
 
 
@@ -30,6 +31,7 @@ def main() -> None:
     p.add_argument("--die-rank", type=int, default=1)
     p.add_argument("--die-at", type=int, default=10)
     args = p.parse_args()
+    _hang_dump.arm()
     args.in_order = 0
     rank, attempt = int(os.environ["RANK"]), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     # torchrun's agent keeps one store across restarts and the workers' keys are not prefixed by

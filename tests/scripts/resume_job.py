@@ -26,6 +26,7 @@ import os
 import signal
 import time
 
+import _hang_dump
 from _job_common import add_job_args, load_checkpoint, make_loader, save_checkpoint
 
 
@@ -54,6 +55,7 @@ def main() -> None:
     p.add_argument("--in-order", type=int, default=0)
     p.add_argument("--sync", type=int, default=1)
     args = p.parse_args()
+    _hang_dump.arm()
 
     rank = int(os.environ["RANK"])
     if args.sync:

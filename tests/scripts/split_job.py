@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 from torch.utils.data import Dataset, DistributedSampler, IterableDataset, get_worker_info
 
+import _hang_dump
 import sbloader
 
 
@@ -158,6 +159,7 @@ def _parser() -> argparse.ArgumentParser:
 def main() -> None:
     p = _parser()
     args = p.parse_args()
+    _hang_dump.arm()
     if not args.scenarios:
         run(args)
         return
