@@ -23,6 +23,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, TypeVar
 
+from sbloader.runtime import driver_path as _driver_path
 from sbloader.runtime import join as _join
 from sbloader.runtime import ray_chatter as _chatter
 from sbloader.runtime import reaper as _reaper
@@ -209,6 +210,9 @@ def init(
             configure_logging=False,
         )
         kwargs.update(ray_init_kwargs)
+        job_config = _driver_path.job_config_for(kwargs)  # the workers find what this process finds
+        if job_config is not None:
+            kwargs["job_config"] = job_config
         if address is None:
             for key, value in _EMBEDDED_ENV.items():
                 os.environ.setdefault(key, value)

@@ -234,3 +234,48 @@ def test_joined_cluster_survives_pipeline_and_shutdown():
             except subprocess.TimeoutExpired:
                 holder.kill()
                 holder.wait()
+
+
+_ELSEWHERE = """
+import json, sys
+sys.path.insert(0, {folder!r})
+import sbl_elsewhere
+import sbloader
+
+loader = sbloader.DataLoader(sbl_elsewhere.Squares(), batch_size=4, num_workers=2)
+dropin = sorted(int(x) for b in loader for x in b)
+del loader  # its warm actors give way to the pipeline's tasks (a live loader keeps them for its next epoch)
+native = sorted(int(x) for b in sbloader.range(12, num_partitions=3).map_batches(sbl_elsewhere.plus_one)
+                .to_dataloader(4) for x in b["id"])
+print(json.dumps({{"dropin": dropin, "native": native}}))
+"""
+
+
+def test_a_dataset_and_a_function_from_a_folder_the_script_put_on_sys_path_run_in_rays_workers(tmp_path):
+    """torch's workers see their parent's sys.path: a dataset class or a map function from a module found
+    through a folder the script added (neither the script's folder nor the working directory) works in
+    Ray's workers too, the drop-in's actors and a pipeline's tasks (no local start: Ray's workers only)."""
+    folder = tmp_path / "src"
+    folder.mkdir()
+    (folder / "sbl_elsewhere.py").write_text(textwrap.dedent("""
+        import torch
+
+        class Squares(torch.utils.data.Dataset):
+            def __len__(self):
+                return 12
+
+            def __getitem__(self, i):
+                return i * i
+
+        def plus_one(batch):
+            return {"id": batch["id"] + 1}
+    """))
+    script = tmp_path / "job" / "train.py"
+    script.parent.mkdir()
+    script.write_text(_ELSEWHERE.format(folder=str(folder)))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180,
+                          env=_env(SBLOADER_LOCAL_START="0"), cwd=str(tmp_path))
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and lines, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    got = json.loads(lines[-1])
+    assert got == {"dropin": sorted(i * i for i in range(12)), "native": list(range(1, 13))}
