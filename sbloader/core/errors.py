@@ -6,6 +6,8 @@ the partition and (where known) the file that failed.
 """
 from __future__ import annotations
 
+import re
+
 from typing import Optional
 
 
@@ -63,6 +65,30 @@ class SourceReadError(UserFunctionError):
     """A source could not read its input (a corrupt file, a missing column...)."""
 
 
+def workers_path_hint() -> str:
+    """What to do when Ray's workers cannot import a module this process imports."""
+    return ("A function or dataset class of this loader comes from that module and Ray's workers import it by "
+            "name, but they do not see folders added to sys.path after Ray started, nor folders missing on "
+            "their node: put the module's folder on their path (PYTHONPATH in the environment that starts Ray "
+            "or its nodes, or sbloader.init(runtime_env={'py_modules': [the imported module]})), or install it "
+            "on every node.")
+
+
+def missing_module(e: BaseException) -> str:
+    """The module a worker could not import where ``e`` (Ray's error, or what it wraps) comes from a
+    ``ModuleNotFoundError``: a function or class sent by name from a module not on the workers' path;
+    "" for any other failure."""
+    for err in (e, getattr(e, "cause", None), e.__cause__):
+        if isinstance(err, ModuleNotFoundError) and getattr(err, "name", None):
+            return err.name
+    text = str(e)
+    if "ModuleNotFoundError" in text or isinstance(e, ModuleNotFoundError):
+        found = re.search(r"No module named '([^']+)'", text)
+        if found:
+            return found.group(1)
+    return ""
+
+
 class TaskLostError(SbloaderError, RuntimeError):
     """A task (or pool actor call) failed outside the user's functions: its worker
     process died (killed, out of memory, a crash in native code such as a decoder)
@@ -92,12 +118,7 @@ class TaskLostError(SbloaderError, RuntimeError):
         if missing_module:
             super().__init__(
                 f"a {stage!r} task on partition(s) {list(self.partition_ids)} (epoch {epoch}) could not start: "
-                f"its worker cannot import module {missing_module!r} ({cause_repr}). A function of this "
-                "pipeline (or the dataset) comes from that module and Ray's workers import it by name, but "
-                "they do not see this process's sys.path changes: put the module's folder on their path "
-                "(PYTHONPATH in the environment that starts Ray or its nodes, or "
-                "sbloader.init(runtime_env={'py_modules': [the imported module]})), or install it "
-                "on every node."
+                f"its worker cannot import module {missing_module!r} ({cause_repr}). {workers_path_hint()}"
             )
             return
         super().__init__(

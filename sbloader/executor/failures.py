@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 
 import ray
 
-from sbloader.core.errors import SbloaderError, TaskLostError
+from sbloader.core.errors import SbloaderError, TaskLostError, missing_module
 from sbloader.executor.tasks import Packed, pack
 
 _INLINE_ARG_BYTES = 64 * 1024
@@ -52,21 +52,6 @@ def unwrap(e: BaseException) -> BaseException:
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def missing_module(e: BaseException) -> str:
-    """The module a worker could not import where ``e`` (Ray's error, or what it wraps) is a
-    ``ModuleNotFoundError``: a function sent by name from a module not on the workers' path;
-    "" for any other failure."""
-    for err in (e, getattr(e, "cause", None), e.__cause__):
-        if isinstance(err, ModuleNotFoundError):
-            name = getattr(err, "name", None)
-            if name:
-                return name
-            found = re.search(r"No module named '([^']+)'", str(err))
-            if found:
-                return found.group(1)
-    return ""
 
 
 def lost(stage_name: str, epoch: int, items: Sequence[tuple], partition_id: int, e: BaseException) -> TaskLostError:

@@ -21,6 +21,7 @@ from typing import Any, Optional, Sequence
 
 import ray
 
+from sbloader.core.errors import missing_module, workers_path_hint
 from sbloader.core.stats import OperatorStats
 from sbloader.executor.options import ExecutionOptions
 from sbloader.executor.policy import PoolView, pool_delta
@@ -143,6 +144,10 @@ def constructed_info(ref: ray.ObjectRef) -> Optional[tuple]:
         return ray.get(ref)
     except ray.exceptions.RayActorError as e:  # ActorDiedError, ActorUnavailableError
         if getattr(e, "actor_init_failed", False):
+            module = missing_module(e)
+            if module:  # the dataset (or a stage's class) pickled by name from a module the worker cannot find
+                raise ModuleNotFoundError(f"a pool actor of this loader cannot import module {module!r}. "
+                                          f"{workers_path_hint()}", name=module) from e
             raise
         return None
 

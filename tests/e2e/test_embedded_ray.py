@@ -247,14 +247,23 @@ dropin = sorted(int(x) for b in loader for x in b)
 del loader  # its warm actors give way to the pipeline's tasks (a live loader keeps them for its next epoch)
 native = sorted(int(x) for b in sbloader.range(12, num_partitions=3).map_batches(sbl_elsewhere.plus_one)
                 .to_dataloader(4) for x in b["id"])
-print(json.dumps({{"dropin": dropin, "native": native}}))
+# A folder put on the path after Ray started: the workers cannot know it, and the error says what to do.
+sys.path.insert(0, {late!r})
+import sbl_too_late
+try:
+    list(sbloader.DataLoader(sbl_too_late.Squares(), batch_size=4, num_workers=2))
+    late = "no error"
+except ModuleNotFoundError as e:
+    late = f"{{e.name}}: {{e}}"
+print(json.dumps({{"dropin": dropin, "native": native, "late": late}}))
 """
 
 
 def test_a_dataset_and_a_function_from_a_folder_the_script_put_on_sys_path_run_in_rays_workers(tmp_path):
     """torch's workers see their parent's sys.path: a dataset class or a map function from a module found
     through a folder the script added (neither the script's folder nor the working directory) works in
-    Ray's workers too, the drop-in's actors and a pipeline's tasks (no local start: Ray's workers only)."""
+    Ray's workers too, the drop-in's actors and a pipeline's tasks (no local start: Ray's workers only). A
+    folder added after Ray started: torch's ``ModuleNotFoundError``, naming the module and what to do."""
     folder = tmp_path / "src"
     folder.mkdir()
     (folder / "sbl_elsewhere.py").write_text(textwrap.dedent("""
@@ -270,12 +279,18 @@ def test_a_dataset_and_a_function_from_a_folder_the_script_put_on_sys_path_run_i
         def plus_one(batch):
             return {"id": batch["id"] + 1}
     """))
+    late = tmp_path / "late"
+    late.mkdir()
+    (late / "sbl_too_late.py").write_text((folder / "sbl_elsewhere.py").read_text())
     script = tmp_path / "job" / "train.py"
     script.parent.mkdir()
-    script.write_text(_ELSEWHERE.format(folder=str(folder)))
+    script.write_text(_ELSEWHERE.format(folder=str(folder), late=str(late)))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180,
                           env=_env(SBLOADER_LOCAL_START="0"), cwd=str(tmp_path))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert proc.returncode == 0 and lines, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     got = json.loads(lines[-1])
+    late = got.pop("late")
     assert got == {"dropin": sorted(i * i for i in range(12)), "native": list(range(1, 13))}
+    assert late.startswith("sbl_too_late: a pool actor of this loader cannot import module 'sbl_too_late'"), late
+    assert "PYTHONPATH" in late and "py_modules" in late, late
