@@ -83,25 +83,30 @@ def test_the_native_loader_with_a_budget_shuffle_window(ray_session, tmp_path):
                                 steps=[0, 1, 3, 5, 6], states_in_one_run=True)
 
 
+def first_fetches_never_end(n: int) -> tuple:
+    """A block fetch ``(ref, timeout_s)`` whose first ``n`` calls never end (Ray's ``GetTimeoutError``),
+    and the list of the refs those calls got."""
+    import ray
+
+    stuck: list = []
+
+    def get_block(ref, timeout_s):
+        if len(stuck) < n:
+            stuck.append(ref)
+            raise ray.exceptions.GetTimeoutError("a fetch that does not end")
+        return ray.get(ref, timeout=timeout_s)
+
+    return get_block, stuck
 
 
 def test_a_block_whose_fetch_does_not_end_is_read_through_the_coordinator(ray_session, monkeypatch, caplog):
     """A rank's fetch of a block by its ref that does not end (seen once in CI: a split rank waited
     in ``ray.get`` for good while the coordinator held the block) is read again through the
     coordinator: the epoch is still exactly once, the rank says so once per block."""
-    import ray
-
     from harness import run_ranks
     from sbloader.distributed import pipeline_client
 
-    stuck: list = []
-
-    def get_block(ref, timeout_s):
-        if len(stuck) < 3:  # the first three fetches never end
-            stuck.append(ref)
-            raise ray.exceptions.GetTimeoutError("a fetch that does not end")
-        return ray.get(ref, timeout=timeout_s)
-
+    get_block, stuck = first_fetches_never_end(3)
     monkeypatch.setattr(pipeline_client, "_get_block", get_block)
     with caplog.at_level("WARNING", logger="sbloader.distributed.pipeline_client"):
         # the coordinator's blocks from the first batch on (no local start: issue #44's native split start)
@@ -126,18 +131,10 @@ def test_a_drop_in_block_whose_fetch_does_not_end_is_read_through_the_coordinato
     """The drop-in's split ranks (a map-style dataset's batches, an ``IterableDataset``'s stream) read
     a block whose fetch by its ref does not end through the coordinator, as the native split does
     (a stream rank hung 150 s in CI, its fetch without a deadline): exactly once, said per block."""
-    import ray
-
     from harness import run_ranks
     from sbloader.distributed import dropin_client
 
-    stuck: list = []
-
-    def get_block(ref, timeout_s):
-        if len(stuck) < 2:  # the first two fetches never end
-            stuck.append(ref)
-            raise ray.exceptions.GetTimeoutError("a fetch that does not end")
-        return ray.get(ref, timeout=timeout_s)
+    get_block, stuck = first_fetches_never_end(2)
 
     def make(rank: int, world_size: int, name: str):
         data = list(range(N)) if kind == "map" else Sharded()
