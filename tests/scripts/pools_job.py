@@ -17,6 +17,7 @@ counted outside the executor's own bookkeeping.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -80,9 +81,21 @@ class Encoder:
         return batch
 
 
-def read_node(batch: dict) -> dict:
-    time.sleep(0.02)
-    batch["read_node"] = np.array([ray.get_runtime_context().get_node_id()] * len(batch["id"]))
+def read_node(batch: dict, marks: str = "", nodes: int = 1) -> dict:
+    """Tags each row with the node that read it. With ``marks`` (a folder every node of this machine's
+    cluster sees, and its ``deadline`` file): each read marks its node there first, then waits until
+    ``nodes`` nodes have marked (at most until the deadline): the reads spread over the nodes whose CPUs
+    are free by events, never by whether a node's first worker started before the other's finished them."""
+    node = ray.get_runtime_context().get_node_id()
+    if marks:
+        open(os.path.join(marks, node), "w").close()
+        with open(os.path.join(marks, "deadline")) as f:
+            deadline = float(f.read())
+        while len(os.listdir(marks)) - 1 < nodes and time.time() < deadline:
+            time.sleep(0.05)
+    else:
+        time.sleep(0.02)
+    batch["read_node"] = np.array([node] * len(batch["id"]))
     return batch
 
 
@@ -144,13 +157,20 @@ def cold(work: str) -> dict:
             "built": _built(built, "Tagger")}
 
 
-def _gpu_pipeline(work: str, allow_trainer_node: bool) -> dict:
+def _gpu_pipeline(work: str, allow_trainer_node: bool, nodes: int = 1) -> dict:
     import sbloader
     from sbloader.loaders.batching import iter_blocks
 
     built = os.path.join(work, "built")
+    read = read_node
+    if nodes > 1:  # read_node's marks: the reads wait until that many nodes read
+        marks = os.path.join(work, "read_marks")
+        os.makedirs(marks, exist_ok=True)
+        with open(os.path.join(marks, "deadline"), "w") as f:
+            f.write(str(time.time() + 120))
+        read = functools.partial(read_node, marks=marks, nodes=nodes)
     ds = (sbloader.from_items([{"id": i} for i in range(600)], num_partitions=60)
-          .map_batches(read_node)
+          .map_batches(read)
           .map_batches(Encoder, batch_size=10, num_gpus=1, fn_constructor_args=(built,)))
     ex = ds.execute(allow_trainer_node=allow_trainer_node)
     ids, read_nodes, gpu_nodes, cpus = [], set(), set(), set()
@@ -181,7 +201,7 @@ def gpu2(work: str) -> dict:
     gpu_node = cluster.add_node(num_cpus=2, num_gpus=1)
     cluster.wait_for_nodes()
     sbloader.init(address=cluster.address)
-    out = _gpu_pipeline(work, allow_trainer_node=True)
+    out = _gpu_pipeline(work, allow_trainer_node=True, nodes=2)
     out["head"] = ray.get_runtime_context().get_node_id()
     out["gpu_node"] = gpu_node.node_id
     sbloader.shutdown()
