@@ -190,16 +190,12 @@ class SplitCoordinator(RebuildProtocol):
                 )
             self._started.wait(timeout=min(remaining, 1.0))
 
-    def block_refs(self, epoch: int, rank: int, consumed: int, pids: list, wait_s: float = 1.0,
-                   by_value: bool = False) -> dict:
+    def block_refs(self, epoch: int, rank: int, consumed: int, pids: list, wait_s: float = 1.0) -> dict:
         """(A native pipeline's epoch) Acknowledge ``consumed`` batches of ``rank``, then the refs
         of the ready blocks of partitions ``pids``, waiting at most ``wait_s`` for the first:
-        ``{"refs": {partition id: ref}, "done": bool}``. ``by_value``: the blocks themselves, read
-        here where they are owned, for a rank whose fetch by ref did not end (None: not held)."""
+        ``{"refs": {partition id: ref}, "done": bool}`` (a block whose fetch by ref does not end:
+        :meth:`read_block`)."""
         self._last_call = time.monotonic()
-        if by_value:
-            ep = self._epochs.get(epoch)
-            return {"refs": {p: ep.value_of(p) if isinstance(ep, PartitionEpoch) else None for p in pids}}
         ep = self._held(epoch, rank)
         if ep is None:  # it ended on every rank that asked for it
             return {"refs": {}, "done": True}

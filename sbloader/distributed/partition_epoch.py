@@ -66,18 +66,6 @@ class PartitionEpoch(Epoch):
                     return {}
             return {p: self.ready[p].ref for p in pids if p in self.ready}
 
-    def value_of(self, pid: int, timeout_s: float = 30.0) -> Optional[dict]:
-        """The block of partition ``pid`` itself (None: not held, released or never made).
-
-        Raises:
-            ray.exceptions.GetTimeoutError: not readable here either within ``timeout_s``.
-        """
-        import ray
-
-        with self.cond:
-            item = self.ready.get(pid)
-        return None if item is None else ray.get(item.ref, timeout=timeout_s)
-
     def remake(self, ref_hex: str, make: Callable[[int, int], Any]) -> Any:
         """The block ``ref_hex`` (lost with the node or the pool actor that made it, before a rank
         fetched it) made again by ``make(seq, partition id)``, once: it replaces the lost one for

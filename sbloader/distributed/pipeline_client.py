@@ -23,6 +23,7 @@ from sbloader.core.cut import CutPlan, assemble, checked_rows, last_use, places
 from sbloader.core.errors import SbloaderError
 from sbloader.core.plan import EpochPlan
 from sbloader.distributed.dropin_client import FETCH_S as _FETCH_S
+from sbloader.distributed.dropin_client import read_through
 from sbloader.distributed.specs import PartitionEpochSpec
 from sbloader.executor.options import ExecutionOptions
 
@@ -180,7 +181,7 @@ def _fetch(link: Any, run: Any, pid: int, ref: Any, j: int) -> dict:
     while its owner, the coordinator, still held the block: a job must not hang on it).
 
     Raises:
-        SbloaderError: the coordinator no longer holds the block, or cannot read it either.
+        SbloaderError: the coordinator cannot read it either.
     """
     try:
         return _get_block(ref, _FETCH_S)
@@ -190,19 +191,7 @@ def _fetch(link: Any, run: Any, pid: int, ref: Any, j: int) -> dict:
         raise  # the coordinator died (it owned the block): the epoch is rebuilt
     except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as e:
         return _remade(link, run, pid, ref, j, e)
-    logger.warning("sbloader rank %d: partition %d of epoch %d (batch %d) did not arrive within %.0f s; reading "
-                   "it through the coordinator", run.rank, pid, run.epoch, j, _FETCH_S)
-    try:
-        value = _call(lambda: link.coord.block_refs.remote(run.epoch, run.rank, run.taken, [pid], 0.0, True))["refs"][pid]
-    except ray.exceptions.RayTaskError as e:
-        value, cause = None, e
-    else:
-        cause = None
-    if value is None:
-        raise SbloaderError(f"rank {run.rank}: partition {pid} of epoch {run.epoch} (batch {j}) could not be "
-                            "fetched, and the coordinator cannot hand it over again. Restart the job from the last "
-                            "checkpoint") from cause
-    return value
+    return read_through(link.coord, ref, f"rank {run.rank}: partition {pid} of epoch {run.epoch} (batch {j})")
 
 
 def _remade(link: Any, run: Any, pid: int, ref: Any, j: int, lost: BaseException) -> dict:

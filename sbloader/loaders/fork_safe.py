@@ -31,7 +31,6 @@ from typing import Any, Iterator
 
 from sbloader.runtime.fork_lock import FORK_LOCK
 
-
 #: What a forked local worker imports: imported here before the fork (:func:`import_for_children`).
 #: ``numpy.random`` too: torch's worker loop seeds it, and numpy 2 imports it only on first use; half made
 #: in a child (the background Ray start importing it at the fork), it cannot be made anew there (its C
