@@ -25,7 +25,8 @@ go at once when a new pool needs their CPUs, here or at the coordinator of a spl
 of this process (:func:`give_way`), and whenever the cluster has CPU work that waits for free CPUs
 (a pool started where :func:`give_way` was not asked or read a free-CPU figure that lagged, another
 process's, a user's own Ray tasks: :func:`watch`). A live loader's warm actors between its epochs
-are not: its next epoch takes them, and a new loader's workers share the CPUs they hold. They are this
+go only for the latter (torch's loader holds no worker between epochs: a pipeline run between two
+epochs must not wait for the idle time); a new loader's workers share the CPUs they hold. They are this
 process's actors in this job's Ray: never shared with another process or job.
 """
 from __future__ import annotations
@@ -145,7 +146,8 @@ def take(carry: Any, op: Any, num_workers: int, key: Optional[Tuple] = None, set
     """The actor cache this epoch's pool starts from: the loader's warm actors (or the process's idle
     ones of the same ``key``), each rebuilding its worker from ``op`` (fresh dataset, ``worker_init_fn``
     again), or empty (none, or another count). ``settle``: as :func:`_adopt`'s."""
-    cancel(carry)
+    with _IDLE_LOCK:  # from here the watcher leaves the loader's warm actors alone (:func:`_release_live`)
+        cancel(carry)
     if key is not None:
         carry.warm_key = key
     _adopt(carry, settle)
@@ -184,6 +186,7 @@ def keep(carry: Any) -> None:
     timer.daemon = True
     carry.warm_timer = timer
     timer.start()
+    watch()
 
 
 def cancel(carry: Any) -> None:
@@ -310,6 +313,13 @@ def watch() -> None:
     thread.start()
 
 
+def _live_between_epochs() -> list:
+    """The live loaders whose warm actors wait for their next epoch (each holds their CPUs)."""
+    from sbloader.loaders.dropin_settings import _CARRIES
+
+    return [c for c in list(_CARRIES) if not c.dropped and c.warm_timer is not None and any(c.warm_cache.values())]
+
+
 def _watch() -> None:
     from sbloader.runtime import cluster_state
 
@@ -317,7 +327,7 @@ def _watch() -> None:
     while True:
         time.sleep(WATCH_S)
         with _IDLE_LOCK:
-            if not _IDLE or not ray.is_initialized():
+            if not (_IDLE or _live_between_epochs()) or not ray.is_initialized():
                 _WATCHER.clear()
                 return
         try:
@@ -329,6 +339,21 @@ def _watch() -> None:
             continue
         seen = 0
         release_idle()
+        _release_live()
+
+
+def _release_live() -> None:
+    """Kill the warm actors of the live loaders between epochs (their next epochs start new ones: better
+    than work that waits for the idle time). Taken under the lock :func:`take` takes them under."""
+    victims: dict = {}
+    with _IDLE_LOCK:
+        for carry in _live_between_epochs():
+            cancel(carry)
+            for k, handles in carry.warm_cache.items():
+                victims.setdefault(k, []).extend(handles)
+            carry.warm_cache.clear()
+            carry.held_cpus = 0.0
+    _kill_quietly(victims)
 
 
 def _kill_quietly(cache: dict) -> None:

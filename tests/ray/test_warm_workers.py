@@ -296,6 +296,19 @@ assert got == [list(range(40))], got
 }
 
 
+LIVE_BETWEEN_EPOCHS = """
+live = sbloader.DataLoader(torch.arange(16), batch_size=4, num_workers=2, local_start=False)
+assert sum(len(b) for b in live) == 16  # between its epochs: its 2 actors hold both CPUs for the idle hour
+got = []
+def epoch():
+    ds = sbloader.from_items([{"x": i} for i in range(40)], num_partitions=4).map_batches(lambda b: b)
+    got.append(sorted(int(x) for b in ds.to_dataloader(8, local_start=False) for x in b["x"]))
+bounded(epoch)  # torch's loader holds no worker between epochs: the pipeline does not wait for the idle hour
+assert got == [list(range(40))], got
+assert sum(len(b) for b in live) == 16  # the live loader's next epoch starts new actors
+print("ok a live loader between its epochs", flush=True)
+"""
+
 DROPPED_RUNNING = """
 a = sbloader.DataLoader(torch.arange(4000), batch_size=4, num_workers=2, local_start=False)
 it = iter(a)
@@ -324,12 +337,15 @@ def test_a_dropped_loaders_running_epoch_holds_its_cpus_then_idle_actors_give_wa
     process, which cannot kill them (a rank's loader has them give way when it finds its coordinator: the
     split-start tests ran 3x slower after this file in one session); a native pipeline's tasks. Before,
     each waited. The three in turn, the idle actors holding both CPUs again before each; the output names
-    the last that started."""
+    the last that started. Last, a live loader between its epochs holds both CPUs: a native pipeline's
+    tasks make them go (they waited for the idle time) and the loader's next epoch starts new actors."""
     script = IDLE_HOLDS_THE_CPUS + DROPPED_RUNNING + "".join(
         f"hold_the_cpus()\ngot = []\n{body}print({'ok ' + pool!r}, flush=True)\n" for pool, body in NEW_POOLS.items())
+    script += LIVE_BETWEEN_EPOCHS
     proc = run_script(["-c", script], 600, script_env(SBLOADER_WARM_IDLE_S="3600"))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    expected = ["ok a dropped loader's running epoch"] + [f"ok {pool}" for pool in NEW_POOLS]
+    expected = (["ok a dropped loader's running epoch"] + [f"ok {pool}" for pool in NEW_POOLS]
+                + ["ok a live loader between its epochs"])
     assert proc.stdout.split("\n")[:-1] == expected, proc.stdout + proc.stderr[-3000:]
 
 
