@@ -71,6 +71,19 @@ def lost(stage_name: str, epoch: int, items: Sequence[tuple], partition_id: int,
     return err
 
 
+def _take_errors(run: Any, inflight: dict) -> None:
+    """Fetch the other refs of a failed call (its block ref, and each other partition's pair when it read
+    several): they hold the same error, and Ray prints an error nobody fetched as an "unhandled error"
+    when its ref is dropped (a user's failing function showed Ray's traceback beside ours)."""
+    refs = [run.block_ref] + [ref for m, o in inflight.items() if o is not run and o.call is run.call
+                              for ref in (m, o.block_ref)]
+    for ref in refs:
+        try:
+            ray.get(ref, timeout=0)
+        except Exception:
+            pass
+
+
 def sort_failures(refs: Sequence[Any], inflight: dict, other_copy: Callable[[Any], bool],
                   stage_names: Sequence[str], epoch: int) -> list:
     """After a failed batch ``ray.get`` of metadata refs: each ref's metadata, or None for a
@@ -92,12 +105,7 @@ def sort_failures(refs: Sequence[Any], inflight: dict, other_copy: Callable[[Any
             metas.append(ray.get(r))
         except Exception as e:
             run = inflight[r]
-            # The failed task's block ref holds the same error; fetch it so Ray does not
-            # also print it as an "unhandled error" when the ref is dropped.
-            try:
-                ray.get(run.block_ref, timeout=0)
-            except Exception:
-                pass
+            _take_errors(run, inflight)
             if not other_copy(run):
                 if system_failure(e):
                     metas.append(Rerun(e))

@@ -673,6 +673,23 @@ def test_an_error_in_a_task_of_several_partitions_names_its_partition(ray_sessio
     assert "partition 40 is bad" in str(info.value)
 
 
+def test_a_failed_call_of_several_partitions_leaves_ray_no_unhandled_error_to_print(ray_session, capfd):
+    """A read call of several partitions fails as one: each partition's block and metadata hold the
+    error. The one raised is fetched; the others were dropped unfetched and Ray printed each as an
+    "Unhandled error" with its traceback (4 of them for one failing function, beside our error)."""
+    import gc
+
+    with pytest.raises(UserFunctionError):
+        _drain(_eager(sbloader.range(480, num_partitions=60).map_batches(_fails_on_40).execute()))
+    gc.collect()  # the execution and its refs go now
+    err = ""
+    deadline = time.monotonic() + 2.0  # Ray reports a dropped error from its own thread
+    while time.monotonic() < deadline and "Unhandled error" not in err:
+        time.sleep(0.1)
+        err += capfd.readouterr().err
+    assert "Unhandled error" not in err, err[:1000]
+
+
 def _dies_on_5(batch):
     if 8 * 5 in batch["id"]:
         os._exit(3)  # the worker process dies, as one killed for memory or crashing in a decoder
