@@ -92,21 +92,20 @@ def _first_read(marks: str) -> bool:
 
 def read_node(batch: dict, marks: str = "", nodes: int = 1) -> dict:
     """Tags each row with the node that read it. With ``marks`` (a folder every node of this machine's
-    cluster sees, and its ``deadline`` file): each read but the first marks its node there, then waits
-    until ``nodes`` nodes have marked (at most until the deadline): the reads spread over the nodes whose
-    CPUs are free by events, never by whether a node's first worker started before the other's finished
-    them. The first read waits for nothing: the executor runs it alone (its output sizes the next calls),
-    so it would wait out the deadline."""
+    cluster sees, and its ``deadline`` file): each read marks its node there, then, but for the first,
+    waits until ``nodes`` nodes have marked (at most until the deadline): the reads spread over the nodes
+    whose CPUs are free by events, never by whether a node's first worker started before the other's
+    finished them. The first read waits for nothing: the executor runs it alone (its output sizes the
+    next calls), so it would wait out the deadline."""
     node = ray.get_runtime_context().get_node_id()
-    if marks and _first_read(marks):
-        # the execution's first call runs alone (its output sizes the next calls): it waits for nothing
+    if marks:
         open(os.path.join(marks, node), "w").close()
-    elif marks:
-        open(os.path.join(marks, node), "w").close()
-        with open(os.path.join(marks, "deadline")) as f:
-            deadline = float(f.read())
-        while len([m for m in os.listdir(marks) if m not in ("deadline", "first")]) < nodes and time.time() < deadline:
-            time.sleep(0.05)
+        if not _first_read(marks):
+            with open(os.path.join(marks, "deadline")) as f:
+                deadline = float(f.read())
+            marked = lambda: len([m for m in os.listdir(marks) if m not in ("deadline", "first")])  # noqa: E731
+            while marked() < nodes and time.time() < deadline:
+                time.sleep(0.05)
     else:
         time.sleep(0.02)
     batch["read_node"] = np.array([node] * len(batch["id"]))
