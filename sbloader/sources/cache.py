@@ -5,9 +5,10 @@ modification time from the listing), so a changed object, listed again, is a
 different entry and is read from the store again. An entry is written to a
 temporary file in the same folder and renamed into place (atomic), under an
 exclusive lock on the entry (one byte of the directory's ``.locks`` file:
-:class:`_EntryLock`), so several processes on one node (read tasks, ranks) share
+:class:`~sbloader.sources.cache_locks.EntryLock`), so several processes on one node (read tasks, ranks) share
 one directory and download an object once. A hit is
-checked against the listed size.
+checked against the listed size. The objects one read call fetches together are one file,
+a *pack*, with a hard link per entry (:mod:`sbloader.sources.cache_packs`).
 
 **The budget is the node's.** ``max_bytes`` bounds the bytes in the directory, all
 the processes writing there together (read tasks of several datasets, ranks, the
@@ -29,14 +30,15 @@ from __future__ import annotations
 
 import hashlib
 import os
-import struct
 import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from typing import Optional
 
+from sbloader.sources import cache_packs as packs
 from sbloader.sources.cache_ledger import Ledger, scan, tmp_name
+from sbloader.sources.cache_locks import LOCKS_NAME, EntryLock  # noqa: F401 (LOCKS_NAME: part of this module's API)
 
 #: Entries read within this many seconds are never evicted to make room.
 PROTECT_S = 600.0
@@ -62,6 +64,9 @@ COUNT_MARK = 0o010
 RETRY_MARK = 0o001
 
 _MARKS = AHEAD_MARK | COUNT_MARK | RETRY_MARK
+
+#: The mode bit of a pack (:mod:`sbloader.sources.cache_packs`).
+PACK_MARK = packs.PACK_MARK
 
 
 def default_cache_dir() -> str:
@@ -148,11 +153,12 @@ class DiskCache:
         the GET), true where the entry was fetched ahead."""
         try:
             st = os.stat(p)
-            if st.st_size != size:
+            pack = st.st_mode & PACK_MARK  # a member of a pack: its size is its footer's
+            if st.st_size != size and not pack:
                 return None, False
             ahead = st.st_mode & _MARKS if st.st_mode & AHEAD_MARK else 0
             if ahead and take:
-                ahead = _take_mark(p)
+                ahead = _take_member_marks(p) if pack else _take_mark(p)
             os.utime(p)  # the read time the eviction goes by
         except OSError:
             return None, False
@@ -163,13 +169,13 @@ class DiskCache:
             os.makedirs(d, exist_ok=True)
             self._dirs.add(d)
 
-    def lock(self, uri: str, version: str) -> "_EntryLock":
+    def lock(self, uri: str, version: str) -> "EntryLock":
         """An exclusive lock on the entry across processes (hold it while downloading)."""
         return self.lock_at(self.path_for(uri, version))
 
-    def lock_at(self, p: str) -> "_EntryLock":
-        """:meth:`lock` of the entry at ``p`` (:class:`_EntryLock`: a byte of one lock file, no file per entry)."""
-        return _EntryLock(self.root, p)
+    def lock_at(self, p: str) -> "EntryLock":
+        """:meth:`lock` of the entry at ``p`` (:class:`~sbloader.sources.cache_locks.EntryLock`: a byte of one lock file, no file per entry)."""
+        return EntryLock(self.root, p)
 
     def put(self, uri: str, version: str, data: bytes) -> Optional[str]:
         """Store ``data`` (atomically: a temporary file renamed into place) and return its path,
@@ -226,6 +232,50 @@ class DiskCache:
             raise
         return p
 
+    def put_pack(self, items: list, ahead: bool = False, count: bool = False) -> list:
+        """Store several objects as one pack (:mod:`sbloader.sources.cache_packs`: one file, a
+        hard link per entry; creating a file costs more CPU than writing it): ``items`` are
+        ``(entry path, bytes, retries)``, each entry's lock held by the caller. The pack's bytes
+        are reserved in the ledger before the first is written, as :meth:`put_at`'s; ``ahead``
+        and ``count`` mark its members as :meth:`put_at` marks an entry. Whether each was
+        admitted (all or none; each alone through :meth:`put_at` where the filesystem keeps
+        no sticky bit on a file or makes no hard links)."""
+        members, total = packs.layout(items, (AHEAD_MARK | (COUNT_MARK if count else 0)) if ahead else 0, RETRY_MARK)
+        for p, _, _ in items:
+            self._makedirs(os.path.dirname(p))
+        tmp = f"{os.path.dirname(items[0][0])}/{tmp_name(total)}"
+        with self._ledger.held():
+            room = self._fit(self._ledger.used(), total)
+            if room is None:
+                return [False] * len(items)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            self._ledger.write(room + total)
+        linked: list = []
+        try:
+            try:
+                os.fchmod(fd, packs.pack_mode(members[0][3], AHEAD_MARK))
+                if not os.fstat(fd).st_mode & PACK_MARK:
+                    raise packs.NoPacks("the filesystem keeps no sticky bit on a file")
+                view = memoryview(b"".join([d for _, d, _ in items] + [packs.footer(members)]))
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
+            with self._ledger.held():  # a recount sees the temporary file or the links, never neither
+                packs.link_members(tmp, [p for p, _, _ in items], linked)
+                os.unlink(tmp)
+        except BaseException as e:
+            for p in [tmp] + linked:
+                try:
+                    os.unlink(p)
+                except OSError:
+                    pass
+            self._ledger.add(-total)
+            if isinstance(e, OSError):  # no packs here (no sticky bit, no hard links): an entry each
+                return [self.put_at(p, d, ahead, count, r) is not None for p, d, r in items]
+            raise
+        return [True] * len(items)
+
     def used_bytes(self) -> int:
         """Bytes of the entries in the directory (counted now)."""
         return sum(s for _, s, _ in scan(self.root)[0])
@@ -240,11 +290,12 @@ class DiskCache:
         entries, reserved = scan(self.root)  # the ledger may count too much (entries deleted by hand)
         used = sum(s for _, s, _ in entries) + reserved
         now = time.time()
-        for mtime, size, path in sorted(entries):
+        for mtime, size, paths in sorted(entries):
             if used + need <= self.max_bytes or now - mtime < PROTECT_S:
                 break
-            try:
-                os.unlink(path)
+            try:  # a pack goes whole: every entry linked to it
+                for path in paths:
+                    os.unlink(path)
                 used -= size
             except OSError:
                 pass
@@ -261,78 +312,6 @@ class DiskCache:
             return False
         with self._ledger.held():
             return self._fit(self._ledger.used(), need) is not None
-
-
-class _FileLock:
-    """``fcntl.flock`` on a lock file, as a context manager (a no-op where fcntl is missing)."""
-
-    def __init__(self, path: str) -> None:
-        self._path = path
-        self._fd: Optional[int] = None
-
-    def __enter__(self) -> "_FileLock":
-        self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            import fcntl
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
-        except ImportError:
-            pass
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing releases the flock
-            self._fd = None
-
-
-#: The lock file of a cache directory: each entry's lock is one byte of it (:class:`_EntryLock`).
-LOCKS_NAME = ".locks"
-
-try:
-    import fcntl as _fcntl
-
-    _OFD_SETLKW = getattr(_fcntl, "F_OFD_SETLKW", None)
-    _WRLCK = _fcntl.F_WRLCK
-except ImportError:  # no fcntl here
-    _OFD_SETLKW = _WRLCK = None
-_OFD_OK = [_OFD_SETLKW is not None]  # False once a filesystem refused an OFD lock: lock files then
-
-
-class _EntryLock:
-    """An exclusive lock on one entry, across processes and threads: a Linux open-file-description
-    lock (``F_OFD_SETLKW``) on the byte of the directory's :data:`LOCKS_NAME` file numbered by the
-    entry's hash, on a descriptor of its own (closing it lets go; so does the death of its
-    process). No file is created per entry: creating the ``.lock`` file cost about 0.05 ms of
-    CPU per object, a third of the entry's own write. Where OFD locks are missing (not Linux,
-    a filesystem that refuses them) it falls back to ``flock`` on ``<entry>.lock``."""
-
-    def __init__(self, root: str, entry: str) -> None:
-        self._root, self._entry = root, entry
-        self._fd: Optional[int] = None
-        self._fallback: Optional[_FileLock] = None
-
-    def __enter__(self) -> "_EntryLock":
-        if _OFD_OK[0]:
-            fd = os.open(os.path.join(self._root, LOCKS_NAME), os.O_RDWR | os.O_CREAT, 0o644)
-            byte = int(os.path.basename(self._entry)[:15], 16)  # 60 bits of the hash: apart for apart entries
-            try:
-                _fcntl.fcntl(fd, _OFD_SETLKW, struct.pack("hhqqi", _WRLCK, os.SEEK_SET, byte, 1, 0))
-                self._fd = fd
-                return self
-            except OSError:  # EINVAL, ENOLCK...: this filesystem has no OFD locks
-                os.close(fd)
-                _OFD_OK[0] = False
-        os.makedirs(os.path.dirname(self._entry), exist_ok=True)
-        self._fallback = _FileLock(self._entry + ".lock").__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing the description releases its lock
-            self._fd = None
-        if self._fallback is not None:
-            self._fallback.__exit__(*exc)
-            self._fallback = None
 
 
 _CACHES: dict[tuple[str, Optional[int]], DiskCache] = {}
@@ -362,6 +341,9 @@ def _owed_path(p: str) -> str:
 def owed_retries(p: str) -> int:
     """The retries of the fetch ahead that wrote the entry at ``p`` (:data:`RETRY_MARK`), for
     the one reader that took the mark; the file holding them is removed (0 when it is gone)."""
+    owed = packs.pop_owed(p)  # a member of a pack: its footer held them
+    if owed is not None:
+        return owed
     try:
         with open(_owed_path(p)) as f:
             n = int(f.read() or 0)
@@ -397,3 +379,11 @@ def _take_mark(p: str) -> int:
         return mode & _MARKS
     finally:
         os.close(fd)  # closing releases the flock
+
+
+def _take_member_marks(p: str) -> int:
+    """:func:`_take_mark` of a member of a pack (its retries kept for :func:`owed_retries`)."""
+    marks, retries = packs.take_member_marks(p, AHEAD_MARK)
+    if marks & RETRY_MARK:
+        packs.owe(p, retries)
+    return marks

@@ -56,10 +56,13 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def scan(root: str) -> tuple[list[tuple[float, int, str]], int]:
-    """The entries of a cache directory, ``(read time, bytes, path)`` each, and the bytes of
-    the writes under way (temporary files of live processes; those of dead ones are deleted)."""
+def scan(root: str) -> tuple[list[tuple[float, int, tuple]], int]:
+    """The entries of a cache directory, ``(read time, bytes, paths)`` each, and the bytes of
+    the writes under way (temporary files of live processes; those of dead ones are deleted).
+    Entries linked to one file (the members of a pack: :mod:`sbloader.sources.cache_packs`)
+    are one entry of that file's bytes, with every path."""
     entries, reserved = [], 0
+    by_inode: dict = {}
     for sub in os.scandir(root):
         if not sub.is_dir():
             continue
@@ -82,7 +85,12 @@ def scan(root: str) -> tuple[list[tuple[float, int, str]], int]:
                 st = e.stat()
             except OSError:
                 continue
-            entries.append((st.st_mtime, st.st_size, e.path))
+            if st.st_nlink > 1 and st.st_ino in by_inode:
+                i = by_inode[st.st_ino]
+                entries[i] = entries[i][:2] + (entries[i][2] + (e.path,),)
+                continue
+            by_inode[st.st_ino] = len(entries)
+            entries.append((st.st_mtime, st.st_size, (e.path,)))
     return entries, reserved
 
 

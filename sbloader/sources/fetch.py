@@ -29,7 +29,10 @@ from typing import Any, Iterator, Optional, Sequence, Union
 
 from sbloader.core.context import report_counters
 from sbloader.sources import ahead as ahead_counts
+from sbloader.sources import pack_fetch
+from sbloader.sources.pack_fetch import Got as _Got
 from sbloader.sources.cache import CacheConfig, cache_here
+from sbloader.sources.cache_packs import is_pack, read_entry
 from sbloader.sources.filesystems import resolve
 from sbloader.sources.inflight import (BYTES, DEFAULT_MAX_BYTES, DEFAULT_MAX_REQUESTS, GAUGE, Waited,
                                        check_max_in_flight, pool)
@@ -42,17 +45,6 @@ DEFAULT_MAX_IN_FLIGHT = DEFAULT_MAX_REQUESTS
 
 class ObjectChangedError(OSError):
     """An object's size differs from the listing's: it changed after the dataset was created."""
-
-
-@dataclass
-class _Got:
-    data: Optional[bytes] = None
-    path: Optional[str] = None  # the cache entry, when one holds it
-    error: Optional[BaseException] = None
-    hit: bool = False
-    ahead: int = 0  # a hit on an entry fetched ahead of this read (its marks): counted as a miss
-    retries: int = 0
-    admitted: bool = True
 
 
 @dataclass(frozen=True)
@@ -151,9 +143,8 @@ class RemoteFiles:
                         got.path = p
                         return got
             got.hit, got.path = True, p
-            if not want_path:
-                with open(p, "rb") as f:
-                    got.data = f.read()
+            if not want_path or is_pack(p):  # a member of a pack is no file of its own
+                got.data = read_entry(p)
         except Exception as e:
             got.error = e
         return got
@@ -162,8 +153,7 @@ class RemoteFiles:
         """An entry :meth:`_submit` found, read where it is consumed (the full path if it
         went meanwhile: evicted by another process)."""
         try:
-            with open(path, "rb") as f:
-                return _Got(data=f.read(), path=path, hit=True, ahead=ahead)
+            return _Got(data=read_entry(path), path=path, hit=True, ahead=ahead)
         except OSError:
             return self._get(uri, False)
 
@@ -211,21 +201,32 @@ class RemoteFiles:
         submit_more()
         self.prefetch(ahead, budget=self.max_bytes - held[0], count=True)
         waited = Waited()
+        pending: list = []  # fetched, their entries' locks held: cached as one pack at the end
+        packed: list = []
         try:
             for i, uri in enumerate(uris):
                 if i == held[1]:  # the process's budget was spent by others: this one goes alone
                     submit_more()
                 f = futures[i]
                 got = self._read_hit(uri, *f) if isinstance(f, tuple) else waited.block(f.result)
+                if got.busy:  # another has the entry's lock: wait for it here, holding none (no cycle)
+                    rest = [g.result() for g in futures[i + 1:] if g is not None and not isinstance(g, tuple)]
+                    packed += pack_fetch.write_pack(self, pending + rest)  # what came so far cached, locks let go
+                    got = waited.block(self._get, uri, False)
                 futures[i] = None  # drop the bytes once handed on
+                if got.lock is not None:
+                    pending.append(got)
                 held[0] -= sizes[i]
                 BYTES.give(sizes[i])
                 submit_more()
                 self._report(got, waited.seconds)
                 waited.seconds = 0.0
                 yield uri, got.error if got.error is not None else got.data
-        finally:  # a reader that stops early hands back what it had asked for
+        finally:  # a reader that stops early hands back what it had asked for, and caches what came
             BYTES.give(held[0])
+            pending += [f.result() for f in futures if f is not None and not isinstance(f, tuple)]
+            packed += pack_fetch.write_pack(self, pending)
+            report_counters({"not_admitted": sum(1 for g in packed if not g.admitted)})
         # The fetch-ahead this read started is counted by the reads that take its objects.
         report_counters({"peak_in_flight": GAUGE.take_peak()})
 
@@ -240,7 +241,11 @@ class RemoteFiles:
         """A future of the object from the pool, or ``(path, ahead)`` of its cache entry: a hit
         is read where it is consumed (a thread hop costs more CPU than reading a cached file)."""
         hit = self._cached(uri)
-        return hit if hit[0] is not None else ex.submit(self._get, uri, False, True)
+        if hit[0] is not None:
+            return hit
+        if self.cache.enabled and self._version(uri)[0] is not None:  # cached in this read's pack
+            return ex.submit(pack_fetch.fetch_held, self, uri)
+        return ex.submit(self._get, uri, False, True)
 
     def read(self, uri: str) -> bytes:
         """One object's bytes (from the cache when it holds them)."""
@@ -261,7 +266,7 @@ class RemoteFiles:
         got = self._get(uri, True, ahead=ahead)
         waited = time.perf_counter() - t0
         report_counters({"peak_in_flight": GAUGE.take_peak()})
-        if got.error is None and got.hit:
+        if got.error is None and got.hit and got.data is None:
             counts = {"cache_misses" if got.ahead else "cache_hits": 1, "cache_bytes": os.path.getsize(got.path),
                       "store_wait_ms": 1000 * waited}
             ahead_counts.count_get_at_take(counts, got.ahead, counts["cache_bytes"], got.path)
@@ -270,7 +275,7 @@ class RemoteFiles:
         self._report(got, waited)
         if got.error is not None:
             raise got.error
-        return got.path if got.path is not None else io.BytesIO(got.data)
+        return got.path if got.path is not None and not got.hit else io.BytesIO(got.data)
 
     def local_or_random_access(self, uri: str) -> Any:
         """The object as a local file (its cache entry), or with the cache off a
@@ -323,6 +328,9 @@ class RemoteFiles:
             return []
         ex = pool(self.max_in_flight)
         ahead_counts.started(cache.root, uris[:n])
+        if count and not collect:  # a read task's fetch ahead: one pack
+            pack_fetch.AheadPack(self, uris[:n], sizes[:n]).start(ex)
+            return []
         futures = [ex.submit(self._prefetch_one, u, count) for u in uris[:n]]
         for f, u, s in zip(futures, uris, sizes):
             f.add_done_callback(lambda f, u=u, s=s: ahead_counts.done(cache.root, u, s))

@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 
-from sbloader.sources import cache as cache_mod
+from sbloader.sources import cache_locks
 from sbloader.sources.cache import LOCKS_NAME, DiskCache
 
 # Another process takes the entry's lock, prints the seconds it waited, and lets go.
@@ -59,7 +59,7 @@ def test_an_entry_lock_excludes_threads_and_processes_for_that_entry_only(tmp_pa
 
 
 def test_without_ofd_locks_an_entry_lock_falls_back_to_a_lock_file_per_entry(tmp_path, monkeypatch):
-    monkeypatch.setattr(cache_mod, "_OFD_OK", [False])
+    monkeypatch.setattr(cache_locks, "_OFD_OK", [False])
     c = DiskCache(str(tmp_path))
     p = c.path_for("s3://b/a", "v")
     with c.lock_at(p):

@@ -1,0 +1,71 @@
+"""Packs: a read call's objects cached as one file with a hard link per entry (#47: creating a
+file per object cost more CPU than its GET on the 2-core VM)."""
+from __future__ import annotations
+
+import os
+import time
+
+from test_remote_io import _flaky_files, _wait_for_entries, handler_bytes
+
+from sbloader.core.context import task_context
+from sbloader.sources import ahead as ahead_mod
+from sbloader.sources import inflight
+from sbloader.sources.cache import PACK_MARK, DiskCache
+from sbloader.sources.cache_ledger import scan
+from sbloader.sources.cache_packs import member_count, read_entry
+
+
+def _entries(rf, uris):
+    return [rf._cached(u, take=False)[0] for u in uris]
+
+
+def test_a_read_caches_its_objects_as_one_pack_and_reads_each_back(tmp_path, monkeypatch):
+    monkeypatch.setattr(inflight, "_POOL", [])
+    rf, handler = _flaky_files(tmp_path, 0, None, cache=True)
+    uris = sorted(rf.versions)
+    assert [b for _, b in rf.read_many(uris)] == [handler_bytes(u) for u in uris]
+    paths = _entries(rf, uris)
+    inodes = {os.stat(p).st_ino for p in paths}
+    assert len(inodes) == 1 and os.stat(paths[0]).st_nlink == 5  # one file, five entries
+    assert os.stat(paths[0]).st_mode & PACK_MARK and member_count(paths[0]) == 5
+    assert [read_entry(p) for p in paths] == [handler_bytes(u) for u in uris]
+    entries, reserved = scan(rf.cache.dir)
+    assert len(entries) == 1 and sorted(entries[0][2]) == sorted(paths) and reserved == 0
+    assert entries[0][1] == os.path.getsize(paths[0])  # the pack's bytes, counted once
+    with task_context(1, 0, 1, "read", -1) as ctx:  # the next epoch: hits, no GET
+        assert [b for _, b in rf.read_many(uris[::-1])] == [handler_bytes(u) for u in uris[::-1]]
+    assert ctx.counters["cache_hits"] == 5 and "objects_read" not in ctx.counters
+    assert sum(handler.opens.values()) == 5
+
+
+def test_a_pack_is_evicted_whole_and_its_bytes_leave_the_ledger(tmp_path):
+    c = DiskCache(str(tmp_path / "c"), max_bytes=10_000)
+    items = [(c.path_for(f"s3://b/{i}", "v"), bytes([i]) * 2_000, 0) for i in range(3)]
+    assert c.put_pack(items) == [True, True, True]
+    assert c.used_bytes() == os.path.getsize(items[0][0]) > 6_000
+    old = time.time() - 3_600
+    for p, _, _ in items:
+        os.utime(p, (old, old))
+    big = c.path_for("s3://b/big", "v")
+    assert c.put_at(big, bytes(5_000)) == big  # room only once the whole pack went
+    assert not any(os.path.exists(p) for p, _, _ in items)
+    assert c.used_bytes() == 5_000
+
+
+def test_each_member_of_a_pack_fetched_ahead_counts_its_own_miss_and_get_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(inflight, "_POOL", [])
+    rf, _ = _flaky_files(tmp_path, 0, None, cache=True)
+    ahead = ["flaky://1.bin", "flaky://2.bin", "flaky://3.bin"]
+    ahead_mod.take_background()
+    rf.prefetch(ahead, count=True)  # as a read task does: one pack, its members marked
+    _wait_for_entries(rf, ahead)
+    time.sleep(0.05)  # the pack's done callbacks
+    assert len({os.stat(p).st_ino for p in _entries(rf, ahead)}) == 1
+    for uri in ahead:
+        with task_context(0, 0, 1, "read", -1) as ctx:
+            assert [b for _, b in rf.read_many([uri])] == [handler_bytes(uri)]
+        assert ctx.counters["cache_misses"] == 1 and ctx.counters["objects_read"] == 1, ctx.counters
+    with task_context(1, 0, 1, "read", -1) as ctx:
+        assert [b for _, b in rf.read_many(ahead)] == [handler_bytes(u) for u in ahead]
+    assert ctx.counters["cache_hits"] == 3 and "objects_read" not in ctx.counters
+    assert not os.stat(_entries(rf, ahead)[0]).st_mode & 0o100  # every mark taken: the pack's too
