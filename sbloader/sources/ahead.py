@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Iterable
+from typing import Any, Iterable
 
 from sbloader.sources.cache import COUNT_MARK, RETRY_MARK, owed_retries
 from sbloader.sources.inflight import BYTES
@@ -51,6 +51,12 @@ def take_background() -> dict:
     return counts
 
 
+def in_flight(cache_dir: str, uri: str) -> bool:
+    """Whether this process is fetching ``uri`` ahead into ``cache_dir`` now."""
+    with _LOCK:
+        return (cache_dir, uri) in _IN_FLIGHT
+
+
 def not_in_flight(cache_dir: str, uris: Iterable[str]) -> list[str]:
     """``uris`` less those this process is fetching ahead into ``cache_dir`` now."""
     with _LOCK:
@@ -80,3 +86,18 @@ def count_get_at_take(counts: dict, marks: int, nbytes: int, path: str = "") -> 
             counts[k] = counts.get(k, 0) + v
     if marks & RETRY_MARK and path:
         counts["retries"] = counts.get("retries", 0) + owed_retries(path)
+
+
+def files_ahead(shared: Any, partition_id: int, count: int = 2) -> list[str]:
+    """The next ``count`` distinct files after partition ``partition_id``'s own, from a
+    source's ``shared()`` tuple of each partition's file (nothing when it is None)."""
+    if not shared:
+        return []
+    own = shared[partition_id] if partition_id < len(shared) else None
+    out: list[str] = []
+    for path in shared[partition_id + 1:]:
+        if path != own and path not in out:
+            out.append(path)
+            if len(out) == count:
+                break
+    return out

@@ -43,6 +43,10 @@ from sbloader.sources.cache_locks import LOCKS_NAME, EntryLock  # noqa: F401 (LO
 #: Entries read within this many seconds are never evicted to make room.
 PROTECT_S = 600.0
 
+#: A read sets its entry's read time only when it is older than this (a write to the inode per
+#: read otherwise: every member of a pack shares one).
+TOUCH_S = 30.0
+
 #: The environment variable naming the cache directory.
 CACHE_DIR_ENV = "SBLOADER_CACHE_DIR"
 
@@ -159,7 +163,8 @@ class DiskCache:
             ahead = st.st_mode & _MARKS if st.st_mode & AHEAD_MARK else 0
             if ahead and take:
                 ahead = _take_member_marks(p) if pack else _take_mark(p)
-            os.utime(p)  # the read time the eviction goes by
+            if time.time() - st.st_mtime > TOUCH_S:  # the read time the eviction goes by
+                os.utime(p)
         except OSError:
             return None, False
         return p, ahead

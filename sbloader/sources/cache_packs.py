@@ -31,10 +31,13 @@ PACK_MARK = 0o1000
 
 _MAGIC = b"SBLPACK1"
 _RECORD = struct.Struct("<32sQQBI")  # entry hash, offset, size, marks, retries owed
-_TAIL = struct.Struct("<I8s")  # members, magic
+_TAIL = struct.Struct("<I16s8s")  # members, pack id, magic
 _MARKS_AT = 32 + 8 + 8  # the marks byte's place in a record
 _OWED: dict = {}  # entry path -> retries of its fetch ahead, taken with its marks, not yet counted
 _OWED_LOCK = threading.Lock()
+_PLACES: dict = {}  # pack id -> its members' places (:func:`_places`)
+_PLACES_LOCK = threading.Lock()
+_PLACES_KEPT = 4096  # packs whose places a process keeps, at most (then it forgets them all)
 
 
 class NoPacks(OSError):
@@ -55,30 +58,40 @@ def pop_owed(path: str) -> Optional[int]:
 
 def footer(members: list[tuple[str, int, int, int, int]]) -> bytes:
     """A pack's footer: ``(entry name, offset, size, marks, retries)`` per member, then
-    their count and the magic."""
+    their count, the pack's id (random: a process keeps the members' places by it) and the magic."""
     out = [_RECORD.pack(bytes.fromhex(name), off, size, marks, retries) for name, off, size, marks, retries in members]
-    return b"".join(out) + _TAIL.pack(len(members), _MAGIC)
+    return b"".join(out) + _TAIL.pack(len(members), os.urandom(16), _MAGIC)
 
 
-def _records(fd: int, size: int) -> list[tuple]:
-    """The pack's footer records (read from the end of the file ``size`` bytes long)."""
+def _footer(fd: int, size: int) -> tuple[bytes, int, bytes]:
+    """The pack's id, its first record's place and its records' raw bytes (the file ``size`` long)."""
     if size < _TAIL.size:
         raise OSError("not a pack: too short")
-    n, magic = _TAIL.unpack(os.pread(fd, _TAIL.size, size - _TAIL.size))
+    n, pack_id, magic = _TAIL.unpack(os.pread(fd, _TAIL.size, size - _TAIL.size))
     if magic != _MAGIC:
         raise OSError("not a pack: no footer")
     start = size - _TAIL.size - n * _RECORD.size
-    raw = os.pread(fd, n * _RECORD.size, start)
-    return [(start + i * _RECORD.size,) + _RECORD.unpack_from(raw, i * _RECORD.size) for i in range(n)]
+    return pack_id, start, os.pread(fd, n * _RECORD.size, start)
 
 
-def _find(fd: int, size: int, entry: str) -> tuple:
-    """``(record's place, digest, offset, size, marks, retries)`` of the member named ``entry``."""
-    digest = bytes.fromhex(os.path.basename(entry))
-    for rec in _records(fd, size):
-        if rec[1] == digest:
-            return rec
-    raise OSError(f"{entry!r} is not a member of its pack")
+def _places(fd: int, size: int) -> dict:
+    """Each member's ``digest -> (record's place, offset, size)``, kept per pack id (they never
+    change; the marks do, and are read afresh: :func:`take_member_marks`)."""
+    pack_id = os.pread(fd, _TAIL.size, size - _TAIL.size)[4:20] if size >= _TAIL.size else b""
+    with _PLACES_LOCK:
+        got = _PLACES.get(pack_id)
+    if got is not None:
+        return got
+    pack_id, start, raw = _footer(fd, size)
+    got = {}
+    for i in range(len(raw) // _RECORD.size):
+        digest, off, n, _, _ = _RECORD.unpack_from(raw, i * _RECORD.size)
+        got[digest] = (start + i * _RECORD.size, off, n)
+    with _PLACES_LOCK:
+        if len(_PLACES) >= _PLACES_KEPT:
+            _PLACES.clear()
+        _PLACES[pack_id] = got
+    return got
 
 
 def read_entry(path: str) -> bytes:
@@ -91,12 +104,15 @@ def read_entry(path: str) -> bytes:
     try:
         st = os.fstat(fd)
         if not st.st_mode & PACK_MARK:
-            with os.fdopen(os.dup(fd), "rb") as f:
-                return f.read()
-        _, _, off, n, _, _ = _find(fd, st.st_size, path)
+            off, n = 0, st.st_size
+        else:
+            place = _places(fd, st.st_size).get(bytes.fromhex(os.path.basename(path)))
+            if place is None:
+                raise OSError(f"{path!r} is not a member of its pack")
+            _, off, n = place
         data = os.pread(fd, n, off)
         if len(data) != n:
-            raise OSError(f"{path!r}: its pack is cut short")
+            raise OSError(f"{path!r}: cut short ({len(data)} of {n} bytes)")
         return data
     finally:
         os.close(fd)
@@ -118,15 +134,16 @@ def take_member_marks(path: str, ahead_mark: int) -> tuple[int, int]:
         st = os.fstat(fd)
         if not st.st_mode & ahead_mark:
             return 0, 0
-        recs = _records(fd, st.st_size)
+        _, start, raw = _footer(fd, st.st_size)
         digest = bytes.fromhex(os.path.basename(path))
-        mine = next((r for r in recs if r[1] == digest), None)
-        if mine is None or not mine[4]:
+        recs = [_RECORD.unpack_from(raw, i) for i in range(0, len(raw), _RECORD.size)]
+        i = next((i for i, r in enumerate(recs) if r[0] == digest), None)
+        if i is None or not recs[i][3]:
             return 0, 0
-        os.pwrite(fd, b"\0", mine[0] + _MARKS_AT)
-        if not any(r[4] for r in recs if r is not mine):
+        os.pwrite(fd, b"\0", start + i * _RECORD.size + _MARKS_AT)
+        if not any(r[3] for j, r in enumerate(recs) if j != i):
             os.fchmod(fd, st.st_mode & 0o7777 & ~ahead_mark)
-        return mine[4], mine[5]
+        return recs[i][3], recs[i][4]
     except OSError:
         return 0, 0
     finally:
@@ -172,7 +189,7 @@ def member_count(path: str) -> Optional[int]:
         return None
     try:
         st = os.fstat(fd)
-        return len(_records(fd, st.st_size)) if st.st_mode & PACK_MARK else None
+        return len(_footer(fd, st.st_size)[2]) // _RECORD.size if st.st_mode & PACK_MARK else None
     finally:
         os.close(fd)
 

@@ -32,6 +32,7 @@ from sbloader.sources import ahead as ahead_counts
 from sbloader.sources import pack_fetch
 from sbloader.sources.pack_fetch import Got as _Got
 from sbloader.sources.cache import CacheConfig, cache_here
+from sbloader.sources.ahead import files_ahead  # noqa: F401 (part of this module's API)
 from sbloader.sources.cache_packs import is_pack, read_entry
 from sbloader.sources.filesystems import resolve
 from sbloader.sources.inflight import (BYTES, DEFAULT_MAX_BYTES, DEFAULT_MAX_REQUESTS, GAUGE, Waited,
@@ -77,7 +78,7 @@ class RemoteFiles:
 
     def _request(self, uri: str, got: _Got, fetch: Any) -> bytes:
         """``fetch()`` with retries and backoff, counted in the process's gauge."""
-        rng = random.Random()
+        rng = None  # seeded from the OS only when a request fails (5 us a request otherwise)
         for attempt in range(self.retry.attempts):
             try:
                 with GAUGE.slot(self.budget_key, self.max_in_flight):
@@ -89,6 +90,7 @@ class RemoteFiles:
                 if not is_retryable(e) or attempt + 1 >= self.retry.attempts:
                     raise OSError(f"cannot read {uri!r} after {attempt + 1} tries: {e}") from e
                 got.retries += 1
+                rng = rng or random.Random()
                 time.sleep(self.retry.backoff(attempt, rng))
         raise AssertionError("unreachable")
 
@@ -118,12 +120,13 @@ class RemoteFiles:
         return data
 
     def _get(self, uri: str, want_path: bool, known_miss: bool = False, ahead: bool = False,
-             count: bool = False) -> _Got:
+             count: bool = False, wait: bool = True) -> _Got:
         """The object from the cache or the store (then cached). ``known_miss``: the caller
         just found no entry, so only the check under the entry's lock is made. ``ahead``: a
         fetch ahead of the reader (the entry is marked so: :meth:`DiskCache.check`; ``count``:
-        the reader that takes it counts its GET). The entry's path (a hash) is computed once
-        for the checks, the lock and the write."""
+        the reader that takes it counts its GET; ``wait``: False where another's lock on the entry
+        means nothing is done, ``busy``). The entry's path (a hash) is computed once for the checks,
+        the lock and the write."""
         got = _Got()
         try:
             size, version = self._version(uri)
@@ -134,7 +137,13 @@ class RemoteFiles:
             entry = cache.path_for(uri, version)
             p, got.ahead = (None, False) if known_miss else cache.check(entry, size, not ahead)
             if p is None:
-                with cache.lock_at(entry):  # another process may be fetching it: wait, then hit
+                lock = cache.lock_at(entry)  # another process may be fetching it: wait, then hit
+                if not wait and not lock.try_enter():  # a fetch thread never waits on a lock: left to the reader
+                    got.busy = True
+                    return got
+                if wait:
+                    lock.__enter__()
+                try:
                     p, got.ahead = cache.check(entry, size, not ahead)
                     if p is None:
                         got.data = self._download(uri, size, got)
@@ -142,6 +151,8 @@ class RemoteFiles:
                         got.admitted = p is not None
                         got.path = p
                         return got
+                finally:
+                    lock.__exit__(None, None, None)
             got.hit, got.path = True, p
             if not want_path or is_pack(p):  # a member of a pack is no file of its own
                 got.data = read_entry(p)
@@ -209,9 +220,10 @@ class RemoteFiles:
                     submit_more()
                 f = futures[i]
                 got = self._read_hit(uri, *f) if isinstance(f, tuple) else waited.block(f.result)
-                if got.busy:  # another has the entry's lock: wait for it here, holding none (no cycle)
-                    rest = [g.result() for g in futures[i + 1:] if g is not None and not isinstance(g, tuple)]
-                    packed += pack_fetch.write_pack(self, pending + rest)  # what came so far cached, locks let go
+                if got.busy:  # another has the entry's lock: wait for it here, holding none (no cycle) unless
+                    if not got.here:  # the holder is this process's fetch ahead (it waits on no lock)
+                        rest = [g.result() for g in futures[i + 1:] if g is not None and not isinstance(g, tuple)]
+                        packed += pack_fetch.write_pack(self, pending + rest)  # what came so far cached, locks let go
                     got = waited.block(self._get, uri, False)
                 futures[i] = None  # drop the bytes once handed on
                 if got.lock is not None:
@@ -243,9 +255,11 @@ class RemoteFiles:
         hit = self._cached(uri)
         if hit[0] is not None:
             return hit
-        if self.cache.enabled and self._version(uri)[0] is not None:  # cached in this read's pack
-            return ex.submit(pack_fetch.fetch_held, self, uri)
-        return ex.submit(self._get, uri, False, True)
+        if not self.cache.enabled or self._version(uri)[0] is None:
+            return ex.submit(self._get, uri, False, True)
+        if ahead_counts.in_flight(cache_here(self.cache).root, uri):  # this process fetches it ahead now
+            return pack_fetch.ahead_here()
+        return ex.submit(pack_fetch.fetch_held, self, uri)  # cached in this read's pack
 
     def read(self, uri: str) -> bytes:
         """One object's bytes (from the cache when it holds them)."""
@@ -347,27 +361,12 @@ class RemoteFiles:
         cache = cache_here(self.cache)
         if size is None or cache is None or not cache.make_room(size):
             return {}  # a full cache admits nothing: fetching ahead would only read it twice
-        got = self._get(uri, True, ahead=True, count=count)
+        got = self._get(uri, True, ahead=True, count=count, wait=False)
         if got.error is None and not got.hit and got.data is not None and not (count and got.path is not None):
             return {"prefetched": 1, "objects_read": 1, "bytes_read": len(got.data), "retries": got.retries}
         if count and got.path is not None and not got.hit:
             return {}  # the entry carries its GET and retries to the read that takes it
         return {"retries": got.retries}
-
-
-def files_ahead(shared: Any, partition_id: int, count: int = 2) -> list[str]:
-    """The next ``count`` distinct files after partition ``partition_id``'s own, from a
-    source's ``shared()`` tuple of each partition's file (nothing when it is None)."""
-    if not shared:
-        return []
-    own = shared[partition_id] if partition_id < len(shared) else None
-    out: list[str] = []
-    for path in shared[partition_id + 1:]:
-        if path != own and path not in out:
-            out.append(path)
-            if len(out) == count:
-                break
-    return out
 
 
 def remote_files(versions: dict, filesystem: Any, cache: bool, cache_dir: Any, cache_max_bytes: Optional[int],

@@ -12,6 +12,7 @@ for it in its own thread (``busy``), or, fetched ahead, to the task that reads i
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -33,6 +34,16 @@ class Got:
     admitted: bool = True
     lock: Any = None  # the entry's lock, held until its pack is written (:mod:`sbloader.sources.pack_fetch`)
     busy: bool = False  # another held the entry's lock: nothing was done
+    here: bool = False  # busy with this process's own fetch ahead of it
+
+
+def ahead_here() -> Future:
+    """A done future of an object this process is fetching ahead now (``busy`` and ``here``):
+    its reader waits for that fetch's pack (:meth:`~sbloader.sources.fetch.RemoteFiles.read_many`),
+    not in a fetch thread of its own."""
+    f: Future = Future()
+    f.set_result(Got(busy=True, here=True))
+    return f
 
 
 def fetch_held(rf: Any, uri: str, ahead: bool = False) -> Any:
