@@ -29,7 +29,6 @@ LISTING_PREFETCH_BYTES = 256 * 2 ** 20
 LISTING_PREFETCH_ENV = "SBLOADER_LISTING_PREFETCH_BYTES"
 
 _PAGE = 1000  # keys per S3 listing request: one page handed on at a time
-_PACK = 32  # objects per pack fetched while listing (a reader waits for its pack's last GET at most)
 
 
 def stream_pages(uri: str, path: str, filesystem: Any) -> Optional[Iterator[list]]:
@@ -85,7 +84,7 @@ class ListingPrefetch:
         self._versions: dict = {}
         self._remote = RemoteFiles(None, cache, self._versions, max_in_flight)
         self._left = int(max_bytes)
-        self._packs: list = []
+        self._futures: list = []
         self._lock = threading.Lock()
         self._checked = False
 
@@ -109,36 +108,27 @@ class ListingPrefetch:
                 self._left -= o.size
                 self._versions[o.uri] = (o.size, o.mtime_ns)
                 take.append(o.uri)
-        if take:  # in packs of PACK objects (one file each: sbloader/sources/cache_packs.py)
-            from sbloader.sources.pack_fetch import AheadPack
-
-            from sbloader.sources.cache import cache_here
-
+        if take:
             ex = pool(self._remote.max_in_flight)
-            for i in range(0, len(take), _PACK):
-                sizes = [self._versions[u][0] for u in take[i:i + _PACK]]
-                if not cache_here(self._remote.cache).make_room(sum(sizes)):
-                    break  # a full cache admits nothing: fetching now would only read them twice
-                self._packs.append(AheadPack(self._remote, take[i:i + _PACK], sizes, False, False).start(ex))
+            self._futures.extend(ex.submit(self._remote._prefetch_one, u) for u in take)
 
     def stop(self) -> None:
         """The listing ended: drop the fetches not started yet (those in flight finish), so the
         fetch uses the listing's time only and leaves the pool and the cores to the epoch."""
         with self._lock:
             self._left = 0
-        for pack in self._packs:
-            for f in pack.futures:
-                f.cancel()
+        for f in self._futures:
+            f.cancel()
 
     def wait(self) -> dict:
         """Wait for the fetches started; their counts (``prefetched``, ``objects_read``,
         ``bytes_read``, ``retries``) summed. A fetch that failed or was dropped is left to the
         read task."""
         counts: dict = {}
-        for pack in self._packs:
-            pack.finished.wait()
-            for k, v in pack.counts.items():
-                counts[k] = counts.get(k, 0) + v
+        for f in self._futures:
+            if not f.cancelled() and f.exception() is None:
+                for k, v in f.result().items():
+                    counts[k] = counts.get(k, 0) + v
         return counts
 
 

@@ -77,16 +77,15 @@ def fetch_held(rf: Any, uri: str, ahead: bool = False) -> Any:
     return got
 
 
-def write_pack(rf: Any, gots: Sequence[Any], ahead: bool = False, count: bool = True) -> list:
+def write_pack(rf: Any, gots: Sequence[Any], ahead: bool = False) -> list:
     """Cache the downloaded ones of ``gots`` (those holding their lock) as one pack (``ahead``:
-    marked fetched ahead; ``count``: their reads count the GETs), set each one's ``admitted``,
-    and let go of their locks; the ones packed (or not admitted)."""
+    marked fetched ahead, their reads count the GETs), set each one's ``admitted``, and let go
+    of their locks; the ones packed (or not admitted)."""
     held = [g for g in gots if g is not None and g.lock is not None]
     if not held:
         return []
     try:
-        admitted = cache_here(rf.cache).put_pack([(g.path, g.data, g.retries) for g in held], ahead,
-                                                 ahead and count)
+        admitted = cache_here(rf.cache).put_pack([(g.path, g.data, g.retries) for g in held], ahead, ahead)
     except Exception:  # a full disk, a directory gone: the objects were read; they are just not cached
         admitted = [False] * len(held)
     finally:
@@ -99,41 +98,28 @@ def write_pack(rf: Any, gots: Sequence[Any], ahead: bool = False, count: bool = 
 
 
 class AheadPack:
-    """Objects fetched ahead into one pack once all of them are back (the fetch that ends last
-    writes it, in the fetch pool).
-
-    A read task's (``count``, ``budgeted``): the next partitions' objects; each one's bytes go
-    back to the process's budget then (:func:`~sbloader.sources.ahead.done`); the GETs of the
-    objects packed are counted by the reads that take them, the others' wait for this process's
-    next read (:func:`~sbloader.sources.ahead.add_background`), as a fetch ahead's did. The
-    listing's (neither): every GET is counted here, in :attr:`counts` once :attr:`finished`
-    is set (:class:`~sbloader.sources.listing_pages.ListingPrefetch`).
+    """The next partitions' objects, fetched ahead into one pack once all of them are back (the
+    fetch that ends last writes it, in the fetch pool); each object's bytes go back to the
+    process's budget then (:func:`~sbloader.sources.ahead.done`). The GETs of the objects
+    packed are counted by the reads that take them; the others' counts wait for this
+    process's next read (:func:`~sbloader.sources.ahead.add_background`), as a fetch ahead's did.
 
     Args:
         rf: the :class:`~sbloader.sources.fetch.RemoteFiles` fetching.
-        uris: the objects (with ``budgeted``, their bytes already taken from the process's budget).
+        uris: the objects (their bytes already taken from the process's budget).
         sizes: their listed sizes.
-        count: the reads that take the objects count their GETs.
-        budgeted: the objects are in the process's byte budget and its set of objects in flight.
     """
 
-    def __init__(self, rf: Any, uris: Sequence[str], sizes: Sequence[int], count: bool = True,
-                 budgeted: bool = True) -> None:
+    def __init__(self, rf: Any, uris: Sequence[str], sizes: Sequence[int]) -> None:
         self._rf, self._uris, self._sizes = rf, list(uris), list(sizes)
-        self._count, self._budgeted = count, budgeted
         self._gots: list = [None] * len(self._uris)
         self._left = len(self._uris)
         self._lock = threading.Lock()
-        self.futures: list = []
-        self.counts: dict = {}
-        self.finished = threading.Event()
 
-    def start(self, ex: Any) -> "AheadPack":
-        """Submit every fetch to the pool ``ex`` (:attr:`futures`: cancelling one drops its object)."""
-        self.futures = [ex.submit(fetch_held, self._rf, u, True) for u in self._uris]
-        for i, f in enumerate(self.futures):
-            f.add_done_callback(lambda f, i=i: self._done(i, f))
-        return self
+    def start(self, ex: Any) -> None:
+        """Submit every fetch to the pool ``ex``."""
+        for i, u in enumerate(self._uris):
+            ex.submit(fetch_held, self._rf, u, True).add_done_callback(lambda f, i=i: self._done(i, f))
 
     def _done(self, i: int, f: Any) -> None:
         got = f.result() if not f.cancelled() and f.exception() is None else None
@@ -147,23 +133,18 @@ class AheadPack:
     def _finish(self) -> None:
         root = cache_here(self._rf.cache).root
         try:
-            write_pack(self._rf, self._gots, ahead=True, count=self._count)
+            write_pack(self._rf, self._gots, ahead=True)
         finally:
             counts: dict = {}
             for u, s, g in zip(self._uris, self._sizes, self._gots):
-                if self._budgeted:
-                    ahead_counts.done(root, u, s)
+                ahead_counts.done(root, u, s)
                 if g is None:
                     continue
-                carried = self._count and g.admitted and g.data is not None and not g.hit  # by the pack
-                if g.error is None and g.data is not None and not g.hit and not carried:
+                if g.error is None and g.data is not None and not g.hit and not g.admitted:
                     for k, v in (("prefetched", 1), ("objects_read", 1), ("bytes_read", len(g.data))):
                         counts[k] = counts.get(k, 0) + v
-                if g.retries and not carried:
-                    counts["retries"] = counts.get("retries", 0) + g.retries
+                if g.retries and not (g.admitted and g.data is not None and not g.hit):
+                    counts["retries"] = counts.get("retries", 0) + g.retries  # not carried by a pack's footer
             self._gots = []
-            if self._count and counts:
+            if counts:
                 ahead_counts.add_background(counts)
-            elif not self._count:
-                self.counts = counts
-            self.finished.set()
