@@ -240,12 +240,10 @@ _list_task = ray.remote(num_cpus=0.25, max_retries=3)(list_prefixes)
 
 def _list_prefix(fs: Any, path: str, uri: str, filesystem: Any, on_page: Optional[PageSink] = None,
                  accept: Any = None) -> list[_Listed]:
-    """Every file under ``path``: one recursive listing in the driver (with ``on_page``, a
-    :class:`PageSink`, page by page where it can list the store so, each page handed to it
-    as it comes, filtered by ``accept``), or, when the prefix has many sub-prefixes,
-    one Ray task per group of them (the order is restored by the caller's sort). Streamed,
-    the top level is listed (sub-prefixes counted) only if the first page has a key in one:
-    a flat prefix is listed once, its first objects fetched after its first page."""
+    """Every file under ``path``: one recursive listing in the driver (with ``on_page``, a :class:`PageSink`,
+    page by page where it can list the store so, each page handed to it as it comes, filtered by ``accept``),
+    or, when the prefix has many sub-prefixes, one Ray task per group of them (the caller sorts). Streamed, the
+    top level is listed (sub-prefixes counted) only after two pages, the first with a key in one."""
     import pyarrow.fs as pafs
 
     pages = on_page.pages(uri, path, filesystem) if on_page is not None else None
@@ -255,13 +253,15 @@ def _list_prefix(fs: Any, path: str, uri: str, filesystem: Any, on_page: Optiona
         files.extend(listed)
         on_page(accept(listed))
 
+    nested = False
     for page in pages or ():
         take(page)
-        if len(files) == len(page) and any("/" in _rel(path, f[0]) for f in page):
-            break  # sub-prefixes: as many as a parallel listing is for? (asked below, once)
+        if nested:
+            break  # sub-prefixes and a second page: as many as a parallel listing is for? (asked below, once)
+        nested = len(files) == len(page) and any("/" in _rel(path, f[0]) for f in page)
     else:
         if pages is not None:
-            return files
+            return files  # whole (one page, sub-prefixes or not, is one request)
     try:
         top = fs.get_file_info(pafs.FileSelector(path, recursive=False, allow_not_found=True))
     except FileNotFoundError:

@@ -318,17 +318,32 @@ def test_listing_a_few_thousand_keys_is_sorted_and_paginated(ray_session, bucket
         def __call__(self, page):
             self.seen.append(len(page))
 
-    # Streamed: the first page has keys in sub-prefixes, so the top level is listed; 7 >= 3
-    # sub-prefixes: in parallel as above, after the first page was handed on.
+    # Streamed: the first page has keys in sub-prefixes and a second page follows, so the top level
+    # is listed; 7 >= 3 sub-prefixes: in parallel as above, after the first two pages were handed on.
     sink = _Sink()
     assert list_uris([f"s3://{BUCKET}/many/"], (".jpg",), "image", on_page=sink) == objs
-    assert sink.seen == [1000] and [len(g) for g in launched] == [2, 2, 2, 1] * 2
+    assert sink.seen == [1000, 1000] and [len(g) for g in launched] == [2, 2, 2, 1] * 2
     monkeypatch.setattr(filesystems, "PARALLEL_LISTING_MIN_PREFIXES", 64)  # 7 < 64: the stream goes on
     sink = _Sink()
     assert list_uris([f"s3://{BUCKET}/many/"], (".jpg",), "image", on_page=sink) == objs
     assert sink.seen == [1000, 1000, 500] and len(launched) == 8
     globbed = list_uris([f"s3://{BUCKET}/many/3/*.jpg"], None, "image")
     assert [o.uri for o in globbed] == sorted(f"s3://{BUCKET}/{k}" for k in keys if k.startswith("many/3/"))
+
+
+def test_a_nested_prefix_of_one_page_is_listed_with_one_request(ray_session, bucket):
+    """Keys in sub-prefixes (class folders), fewer than a page: the listing is that page, one
+    request; the top level is not listed to count the sub-prefixes (a round trip, 20-100 ms on a
+    store far away, before the first GET: #47's first batch)."""
+    keys = [f"nested/{i % 5}/{i:04d}.jpg" for i in range(300)]
+    bucket.put_many(BUCKET, {k: b"x" for k in keys})
+    bucket.proxy.reset_counts()
+    got = []
+    sink = type("Sink", (), {"pages": lambda self, u, p, fs: stream_pages(u, p, fs),
+                             "__call__": lambda self, page: got.append(len(page))})()
+    objs = list_uris([f"s3://{BUCKET}/nested/"], (".jpg",), "image", on_page=sink)
+    assert [o.uri for o in objs] == sorted(f"s3://{BUCKET}/{k}" for k in keys) and got == [300]
+    assert bucket.proxy.counts[("GET", "list")] == 1
 
 
 def test_two_processes_share_a_cache_directory_and_fetch_each_object_once(images, tmp_path):
