@@ -210,7 +210,7 @@ class RemoteFiles:
                 held[1] += 1
 
         submit_more()
-        self.prefetch(ahead, budget=self.max_bytes - held[0], count=True)
+        self.prefetch(ahead, budget=self.max_bytes - held[0], count=True, pack=len(uris))
         waited = Waited()
         pending: list = []  # fetched, their entries' locks held: cached as one pack at the end
         packed: list = []
@@ -307,7 +307,7 @@ class RemoteFiles:
         return self.local(uri)
 
     def prefetch(self, uris: Sequence[str], budget: Optional[int] = None, collect: bool = False,
-                 count: bool = False) -> list:
+                 count: bool = False, pack: int = 0) -> list:
         """Fetch objects into the cache in the background, as many of them (from the first) as
         ``budget`` bytes allow (None: ``max_bytes``), and only when the cache has room for
         them now (a full cache admits nothing, so fetching ahead would read the objects
@@ -318,6 +318,7 @@ class RemoteFiles:
             count: the reads that take the objects count their GETs (``objects_read``,
                 ``bytes_read``, ``prefetched``: :data:`~sbloader.sources.cache.COUNT_MARK`);
                 otherwise the fetches' counts are the caller's (``collect``) or the next read's.
+            pack: with ``count``, objects per pack (a partition's: its reader waits for no other's GETs).
 
         Returns:
             With ``collect``, the futures of the fetches, each giving its counts (the caller
@@ -342,8 +343,9 @@ class RemoteFiles:
             return []
         ex = pool(self.max_in_flight)
         ahead_counts.started(cache.root, uris[:n])
-        if count and not collect:  # a read task's fetch ahead: one pack
-            pack_fetch.AheadPack(self, uris[:n], sizes[:n]).start(ex)
+        if count and not collect:  # a read task's fetch ahead: a pack per ``pack`` objects (a partition)
+            for i in range(0, n, pack or n):
+                pack_fetch.AheadPack(self, uris[i:min(n, i + (pack or n))], sizes[i:min(n, i + (pack or n))]).start(ex)
             return []
         futures = [ex.submit(self._prefetch_one, u, count) for u in uris[:n]]
         for f, u, s in zip(futures, uris, sizes):

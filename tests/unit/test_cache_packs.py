@@ -69,3 +69,15 @@ def test_each_member_of_a_pack_fetched_ahead_counts_its_own_miss_and_get_once(tm
         assert [b for _, b in rf.read_many(ahead)] == [handler_bytes(u) for u in ahead]
     assert ctx.counters["cache_hits"] == 3 and "objects_read" not in ctx.counters
     assert not os.stat(_entries(rf, ahead)[0]).st_mode & 0o100  # every mark taken: the pack's too
+
+
+def test_a_fetch_ahead_packs_each_partition_alone(tmp_path, monkeypatch):
+    """The next partitions' objects are a pack each (the read's own size apart): a reader of the
+    first waits for its own GETs, not for the next partition's too."""
+    monkeypatch.setattr(inflight, "_POOL", [])
+    rf, _ = _flaky_files(tmp_path, 0, None, cache=True)
+    uris = sorted(rf.versions)
+    assert [b for _, b in rf.read_many(uris[:2], ahead=uris[2:])] == [handler_bytes(u) for u in uris[:2]]
+    _wait_for_entries(rf, uris[2:])
+    ino = [os.stat(p).st_ino for p in _entries(rf, uris)]
+    assert ino[0] == ino[1] and ino[2] == ino[3] and len(set(ino)) == 3  # own, the next two, the last one
