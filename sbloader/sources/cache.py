@@ -179,7 +179,8 @@ class DiskCache:
         return self.lock_at(self.path_for(uri, version))
 
     def lock_at(self, p: str) -> "EntryLock":
-        """:meth:`lock` of the entry at ``p`` (:class:`~sbloader.sources.cache_locks.EntryLock`: a byte of one lock file, no file per entry)."""
+        """:meth:`lock` of the entry at ``p`` (:class:`~sbloader.sources.cache_locks.EntryLock`: a byte of
+        one lock file, no file per entry)."""
         return EntryLock(self.root, p)
 
     def put(self, uri: str, version: str, data: bytes) -> Optional[str]:
@@ -276,7 +277,7 @@ class DiskCache:
                 except OSError:
                     pass
             self._ledger.add(-total)
-            if isinstance(e, OSError):  # no packs here (no sticky bit, no hard links): an entry each
+            if isinstance(e, packs.NoPacks):  # no packs here (no sticky bit, no hard links): an entry each
                 return [self.put_at(p, d, ahead, count, r) is not None for p, d, r in items]
             raise
         return [True] * len(items)

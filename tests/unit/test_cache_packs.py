@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
+
 from test_remote_io import _flaky_files, _wait_for_entries, handler_bytes
 
 from sbloader.core.context import task_context
@@ -81,3 +83,29 @@ def test_a_fetch_ahead_packs_each_partition_alone(tmp_path, monkeypatch):
     _wait_for_entries(rf, uris[2:])
     ino = [os.stat(p).st_ino for p in _entries(rf, uris)]
     assert ino[0] == ino[1] and ino[2] == ino[3] and len(set(ino)) == 3  # own, the next two, the last one
+
+
+def test_where_packs_cannot_be_made_each_object_is_an_entry_of_its_own(tmp_path, monkeypatch):
+    """A filesystem without hard links (or sticky bits): the pack's temporary file goes, its bytes
+    leave the ledger, and each object is written alone; any other error is raised, not retried per object."""
+    from sbloader.sources import cache_packs
+
+    def no_links(tmp, entries, linked):
+        raise cache_packs.NoPacks("no hard link here")
+
+    monkeypatch.setattr(cache_packs, "link_members", no_links)
+    c = DiskCache(str(tmp_path / "c"))
+    items = [(c.path_for(f"s3://b/{i}", "v"), bytes([i]) * 100, 0) for i in range(3)]
+    assert c.put_pack(items) == [True, True, True]
+    assert [read_entry(p) for p, _, _ in items] == [d for _, d, _ in items]
+    assert len({os.stat(p).st_ino for p, _, _ in items}) == 3 and not os.stat(items[0][0]).st_mode & PACK_MARK
+    assert c.used_bytes() == 300 and not [n for _, _, fs in os.walk(tmp_path) for n in fs if n.startswith(".tmp-")]
+
+    def full(tmp, entries, linked):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(cache_packs, "link_members", full)
+    more = [(c.path_for(f"s3://b/x{i}", "v"), b"x" * 10, 0) for i in range(2)]
+    with pytest.raises(OSError, match="No space"):
+        c.put_pack(more)
+    assert not any(os.path.exists(p) for p, _, _ in more) and c.used_bytes() == 300
