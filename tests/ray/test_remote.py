@@ -263,8 +263,12 @@ def test_parquet_and_videos_over_s3_equal_local(ray_session, bucket, tmp_path):
     local = table(sbloader.read_parquet(str(pq_dir), rows_per_partition=10))
     proxy = _server().proxy
     for cache in (True, False):
+        proxy.reset_counts()
         ds = sbloader.read_parquet(f"s3://{BUCKET}/pq", rows_per_partition=10, cache=cache,
                                    cache_dir=str(tmp_path / "c"))
+        # each footer one ranged GET of the object's end, its size from the listing: no HEAD of a file
+        # (the one HEAD asks whether "pq", without a trailing "/", is an object or a prefix)
+        assert proxy.object_gets == 2 and proxy.counts[("HEAD", "object")] == 1
         proxy.reset_counts()
         assert ds.num_rows() == 60 and table(ds) == local
         if cache:  # each file one GET into the cache (fetched ahead or by its read), no HEAD
@@ -282,6 +286,28 @@ def test_parquet_and_videos_over_s3_equal_local(ray_session, bucket, tmp_path):
     assert proxy.object_gets == 0 and proxy.counts[("HEAD", "object")] == 0
     assert sorted(lv) == sorted(rv) and all(np.array_equal(lv[k], rv[k]) for k in lv)
     assert all(str(p).startswith(f"s3://{BUCKET}/vid/") for p in next(rds.iter_batches(4))["path"])
+
+
+def test_a_parquet_footer_larger_than_the_tail_read_takes_one_more_range_and_a_non_parquet_object_is_named(
+        bucket, tmp_path, monkeypatch):
+    """The footer is read from the object's end (its size listed); where it is longer than the first
+    range, one more ranged GET reads the rest; an object that is no Parquet file is recorded as such."""
+    from sbloader.sources import parquet
+
+    d = tmp_path / "pqt"
+    d.mkdir()
+    write_image_parquet(str(d / "a.parquet"), 40, rows_per_group=8, min_size=(8, 8), max_size=(12, 12))
+    (d / "b.parquet").write_bytes(b"not a parquet file at all")
+    _upload(bucket, str(d), "pqt")
+    uris = [f"s3://{BUCKET}/pqt/a.parquet", f"s3://{BUCKET}/pqt/b.parquet"]
+    sizes = {u: os.path.getsize(d / u.rsplit("/", 1)[1]) for u in uris}
+    monkeypatch.setattr(parquet, "FOOTER_TAIL_BYTES", 64)  # far below this footer's size
+    proxy = _server().proxy
+    proxy.reset_counts()
+    good, bad = parquet.read_footers(uris, None, sizes)
+    assert good.row_groups == parquet.read_footer(str(d / "a.parquet")).row_groups == (8,) * 5 and not good.error
+    assert "is not a Parquet file" in bad.error and "b.parquet" in bad.error
+    assert proxy.object_gets == 3 and proxy.counts[("HEAD", "object")] == 0  # 2 + 1 ranged GETs
 
 
 def test_listing_a_few_thousand_keys_is_sorted_and_paginated(ray_session, bucket, monkeypatch):
