@@ -138,6 +138,7 @@ def run(**p: Any) -> Outcome:
                              f"median {rs[len(rs) // 2]:.2f}x (min {rs[0]:.2f}, max {rs[-1]:.2f}), paired per round")
     notes.append("the server runs on the same 2 cores (its CPU counts as the run's own; store_cpu_ms_per_req); "
                  "vs: each source against its own local run")
-    return Outcome(trials, "samples_per_s", "samples/s", baseline=f"{p['sources'][0]} local" if len(p["sources"]) == 1 else None,
+    base = f"{p['sources'][0]} local" if len(p["sources"]) == 1 else None  # else each source's own, in the notes
+    return Outcome(trials, "samples_per_s", "samples/s", baseline=base,
                    extra=("cached_samples_per_s", "first_batch_s", "create_s", "store_requests", "store_gets",
                           "store_heads", "store_cpu_ms_per_req", "store_peak_in_flight", "epoch2_gets"), notes=notes)

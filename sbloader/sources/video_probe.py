@@ -135,7 +135,13 @@ def probe_video(path: str, span: Optional[int] = None, remote: Any = None) -> Vi
 
 
 def probe_videos(paths: Sequence[str], span: Optional[int] = None, remote: Any = None) -> list[VideoMeta]:
-    """Probe several files (see :func:`probe_video`)."""
+    """Probe several files (see :func:`probe_video`); remote ones several at once (each fetch waits
+    on the store: one after the other, a task of 4 objects at 20 ms spent 80 ms in round trips)."""
+    if remote is not None and len(paths) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=min(16, len(paths))) as pool:
+            return list(pool.map(lambda p: probe_video(p, span, remote), paths))
     return [probe_video(p, span, remote) for p in paths]
 
 

@@ -310,6 +310,32 @@ def test_a_parquet_footer_larger_than_the_tail_read_takes_one_more_range_and_a_n
     assert proxy.object_gets == 3 and proxy.counts[("HEAD", "object")] == 0  # 2 + 1 ranged GETs
 
 
+def test_the_videos_one_call_probes_are_fetched_side_by_side(bucket, tmp_path):
+    """A probe call's objects are fetched at once, not one round trip after the other (a task's
+    4 videos at 20 ms spent 80 ms in round trips), each once, and every probe is its file's."""
+    from sbloader.sources.fetch import DEFAULT_MAX_IN_FLIGHT, remote_files
+    from sbloader.sources.files import list_inputs
+    from sbloader.sources.video_probe import probe_video, probe_videos
+
+    d = tmp_path / "vp"
+    d.mkdir()
+    for k in range(4):
+        write_video(str(d / f"v{k}.mp4"), frames=6 + k, width=32, height=24, seed=k)
+    _upload(bucket, str(d), "vp")
+    uris, versions = list_inputs(f"s3://{BUCKET}/vp/", (".mp4",), "video")
+    remote = remote_files(versions, None, True, str(tmp_path / "c"), None, DEFAULT_MAX_IN_FLIGHT)
+    proxy = _server().proxy
+    proxy.reset_counts()
+    proxy.latency_s = 0.2
+    try:
+        metas = probe_videos(uris, None, remote)
+    finally:
+        proxy.latency_s = 0.0
+    local = [probe_video(str(d / f"v{k}.mp4")).num_frames for k in range(4)]
+    assert [m.num_frames for m in metas] == local == [6, 7, 8, 9]
+    assert proxy.object_gets == 4 and proxy.peak_in_flight["all"] >= 2, proxy.peak_in_flight
+
+
 def test_listing_a_few_thousand_keys_is_sorted_and_paginated(ray_session, bucket, monkeypatch):
     keys = [f"many/{i % 7}/{i:05d}.jpg" for i in range(2500)]
     bucket.put_many(BUCKET, {k: b"x" for k in keys})
