@@ -28,6 +28,7 @@ cache caused in mosaicml/streaming#339, #507).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import tempfile
@@ -114,6 +115,7 @@ def cache_config(cache: bool, cache_dir: Optional[str], cache_max_bytes: Optiona
     return CacheConfig(cache, d, cache_max_bytes)
 
 
+@functools.lru_cache(maxsize=1 << 16)  # a read's look, its fetch's and the fetch ahead's ask for the same
 def entry_name(uri: str, version: str) -> str:
     """The file name of an object's entry: a hash of its URI and version."""
     return hashlib.sha256(f"{uri}\0{version}".encode("utf-8", "surrogateescape")).hexdigest()
@@ -128,7 +130,7 @@ class DiskCache:
     """
 
     def __init__(self, root: str, max_bytes: Optional[int] = None) -> None:
-        self.root = root
+        self.root = root.rstrip(os.sep) or os.sep
         self.max_bytes = max_bytes
         os.makedirs(root, exist_ok=True)
         self._ledger = Ledger(root)  # the directory's bytes, counted across the node's processes
@@ -137,7 +139,7 @@ class DiskCache:
     def path_for(self, uri: str, version: str) -> str:
         """Where an object's entry lives (whether or not it exists)."""
         name = entry_name(uri, version)
-        return os.path.join(self.root, name[:2], name)
+        return f"{self.root}{os.sep}{name[:2]}{os.sep}{name}"  # os.path.join's checks, per object, cost more
 
     def get(self, uri: str, version: str, size: int) -> Optional[str]:
         """The entry's path if it is cached with ``size`` bytes (its read time is updated), else None."""
