@@ -243,7 +243,7 @@ def read_parquet(
         extensions = (extensions,)
     files, versions = list_inputs(paths, extensions, "parquet", skip_prefixes=(".", "_"), filesystem=filesystem)
     remote = remote_files(versions, filesystem, cache, cache_dir, cache_max_bytes, DEFAULT_MAX_IN_FLIGHT)
-    metas = gather_footers(files, filesystem, {uri: v[0] for uri, v in versions.items()})
+    metas = gather_footers(files, filesystem, remote)
     if cols is not None:
         for fm in metas:
             if fm.error:

@@ -89,46 +89,44 @@ FOOTER_TAIL_BYTES = 64 * 1024
 DRIVER_REMOTE_FOOTER_MAX_FILES = 256
 
 
-def _tail_metadata(uri: str, size: int) -> Any:
-    """An object's footer by ranged GETs of its end through obstore (its size from the listing: no
-    HEAD), or None where obstore does not read ``uri``."""
+def _tail_metadata(uri: str, remote: Any) -> Any:
+    """An object's footer by ranged GETs of its end (its size from the listing: no HEAD), retried
+    and counted as every ranged read (:meth:`~sbloader.sources.fetch.RemoteFiles.read_range`)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from sbloader.sources.object_client import ObstoreClient, client_for
-
-    client = client_for(uri)
-    if not isinstance(client, ObstoreClient):
-        return None
+    size = int(remote.versions[uri][0])
     start = max(0, size - FOOTER_TAIL_BYTES)
-    tail = client.get_range(uri, start, size) if size else b""
+    tail = remote.read_range(uri, start, size) if size else b""
     if len(tail) < 12 or tail[-4:] != b"PAR1":
         raise ValueError(f"{uri!r} is not a Parquet file (its last 4 bytes are not PAR1; {size} bytes)")
     need = int.from_bytes(tail[-8:-4], "little") + 8
     if need > len(tail) and start > 0:  # a footer larger than the tail: one more request for the rest
-        tail = client.get_range(uri, max(0, size - need), start) + tail
+        tail = remote.read_range(uri, max(0, size - need), start) + tail
     return pq.read_metadata(pa.BufferReader(tail))
 
 
-def read_footer(path: str, filesystem: Any = None, size: Optional[int] = None) -> FileMeta:
+def read_footer(path: str, filesystem: Any = None, remote: Any = None) -> FileMeta:
     """Read one file's footer; a failure is recorded in ``FileMeta.error``, never raised.
 
     Args:
         path: the file, or an object's URI (only the footer's bytes are read: range requests).
         filesystem: the user's ``filesystem=`` for URIs (None: each URI's scheme decides).
-        size: the object's bytes from the listing (then obstore reads its end with no HEAD).
+        remote: the source's :class:`~sbloader.sources.fetch.RemoteFiles`: a listed object's end
+            is then read by its ranged GETs, with no HEAD.
     """
     import pyarrow.parquet as pq
 
     from sbloader.sources.filesystems import is_remote, resolve
 
     try:
-        md = _tail_metadata(path, size) if size is not None and filesystem is None and is_remote(path) else None
-        if md is None and (is_remote(path) or filesystem is not None):
+        if filesystem is None and remote is not None and path in remote.versions:
+            md = _tail_metadata(path, remote)
+        elif is_remote(path) or filesystem is not None:
             fs, inner = resolve(path, filesystem)
             with fs.open_input_file(inner) as f:
                 md = pq.read_metadata(f)
-        elif md is None:
+        else:
             md = pq.read_metadata(path)
         names = tuple(md.schema.to_arrow_schema().names)
         rgs = tuple(int(md.row_group(i).num_rows) for i in range(md.num_row_groups))
@@ -137,47 +135,50 @@ def read_footer(path: str, filesystem: Any = None, size: Optional[int] = None) -
         return FileMeta(path, (), (), repr(e))
 
 
-def read_footers(paths: Sequence[str], filesystem: Any = None, sizes: Optional[dict] = None) -> list[FileMeta]:
+def read_footers(paths: Sequence[str], filesystem: Any = None, remote: Any = None) -> list[FileMeta]:
     """Read the footers of several files (see :func:`read_footer`); remote ones several at once."""
     from sbloader.sources.filesystems import is_remote
 
-    sizes = sizes or {}
     if len(paths) > 1 and (filesystem is not None or any(is_remote(p) for p in paths)):
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(max_workers=min(32, len(paths))) as pool:
-            return list(pool.map(lambda p: read_footer(p, filesystem, sizes.get(p)), paths))
-    return [read_footer(p, filesystem, sizes.get(p)) for p in paths]
+            return list(pool.map(lambda p: read_footer(p, filesystem, remote), paths))
+    return [read_footer(p, filesystem, remote) for p in paths]
 
 
 _read_footers_task = ray.remote(num_cpus=1, max_retries=3)(read_footers)
 
 
-def gather_footers(paths: Sequence[str], filesystem: Any = None, sizes: Optional[dict] = None) -> list[FileMeta]:
+def gather_footers(paths: Sequence[str], filesystem: Any = None, remote: Any = None) -> list[FileMeta]:
     """Footers of every file: in the driver for a handful (up to 256 remote objects, whose reads
     wait on the store), else in remote Ray tasks.
 
     Args:
         paths: the files (or URIs), in order.
         filesystem: the user's ``filesystem=`` for URIs.
-        sizes: ``{uri: bytes}`` from the listing (remote objects' footers then need no HEAD).
+        remote: the source's :class:`~sbloader.sources.fetch.RemoteFiles` (listed objects' footers
+            then need no HEAD).
 
     Returns:
         One :class:`FileMeta` per path, in the same order.
     """
     from sbloader.sources.filesystems import is_remote
 
-    remote = filesystem is not None or any(is_remote(p) for p in paths)
-    if len(paths) <= (DRIVER_REMOTE_FOOTER_MAX_FILES if remote else DRIVER_FOOTER_MAX_FILES):
-        return read_footers(paths, filesystem, sizes)
+    far = filesystem is not None or any(is_remote(p) for p in paths)
+    if len(paths) <= (DRIVER_REMOTE_FOOTER_MAX_FILES if far else DRIVER_FOOTER_MAX_FILES):
+        return read_footers(paths, filesystem, remote)
     from sbloader.runtime.session import cluster_cpus, ensure_initialized
 
     ensure_initialized()
     per_task = max(_MIN_FILES_PER_FOOTER_TASK, math.ceil(len(paths) / max(1, int(2 * cluster_cpus()))))
-    chunks = [list(paths[i:i + per_task]) for i in range(0, len(paths), per_task)]
-    refs = [_read_footers_task.remote(c, filesystem, {p: sizes[p] for p in c if p in sizes} if sizes else None)
-            for c in chunks]
+    shared = ray.put(remote) if remote is not None else None  # its listing once, not once a task
+    refs = [_read_footers_task.remote(list(paths[i:i + per_task]), filesystem, shared)
+            for i in range(0, len(paths), per_task)]
     return [m for chunk in ray.get(refs) for m in chunk]
+
+
+# ----- reading (runs in the remote read tasks) -----------------------------------
 
 
 def cached_footer(path: str) -> Any:

@@ -293,6 +293,7 @@ def test_a_parquet_footer_larger_than_the_tail_read_takes_one_more_range_and_a_n
     """The footer is read from the object's end (its size listed); where it is longer than the first
     range, one more ranged GET reads the rest; an object that is no Parquet file is recorded as such."""
     from sbloader.sources import parquet
+    from sbloader.sources.fetch import remote_files
 
     d = tmp_path / "pqt"
     d.mkdir()
@@ -300,11 +301,12 @@ def test_a_parquet_footer_larger_than_the_tail_read_takes_one_more_range_and_a_n
     (d / "b.parquet").write_bytes(b"not a parquet file at all")
     _upload(bucket, str(d), "pqt")
     uris = [f"s3://{BUCKET}/pqt/a.parquet", f"s3://{BUCKET}/pqt/b.parquet"]
-    sizes = {u: os.path.getsize(d / u.rsplit("/", 1)[1]) for u in uris}
+    versions = {u: (os.path.getsize(d / u.rsplit("/", 1)[1]), 0) for u in uris}
+    remote = remote_files(versions, None, True, str(tmp_path / "c"), None)
     monkeypatch.setattr(parquet, "FOOTER_TAIL_BYTES", 64)  # far below this footer's size
     proxy = _server().proxy
     proxy.reset_counts()
-    good, bad = parquet.read_footers(uris, None, sizes)
+    good, bad = parquet.read_footers(uris, None, remote)
     assert good.row_groups == parquet.read_footer(str(d / "a.parquet")).row_groups == (8,) * 5 and not good.error
     assert "is not a Parquet file" in bad.error and "b.parquet" in bad.error
     assert proxy.object_gets == 3 and proxy.counts[("HEAD", "object")] == 0  # 2 + 1 ranged GETs
