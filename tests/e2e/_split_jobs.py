@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from _cluster import Cluster
+from _jobs import hung_stacks
 from sbloader.core.split import split_epoch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -53,12 +54,15 @@ class JobFailed(Exception):
 
 
 
-def start_job(cluster: Cluster, tmp_path_factory, name: str, nproc: int, *args) -> tuple:
-    """Start ``torchrun --standalone --nproc-per-node=nproc split_job.py --out DIR *args`` joined to ``cluster``."""
+def start_job(cluster: Cluster, tmp_path_factory, name: str, nproc: int, *args,
+              timeout_s: float = JOB_TIMEOUT_S) -> tuple:
+    """Start ``torchrun --standalone --nproc-per-node=nproc split_job.py --out DIR *args`` joined to ``cluster``;
+    a rank still running ``timeout_s - 20`` seconds after its start writes where its threads are."""
     out = tmp_path_factory.mktemp(name)
     env = dict(cluster.env, RAY_ADDRESS=cluster.address)
     env["PYTHONPATH"] = os.pathsep.join(
         [str(SCRIPTS), str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
+    env["SBLOADER_TEST_DUMP_AFTER"] = str(max(1.0, timeout_s - 20))  # _hang_dump: where a hung job's threads are
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            str(SCRIPT), "--out", str(out), *[str(a) for a in args]]
     with open(out / "output.txt", "w") as log:  # a file, not a pipe: nothing blocks on a full pipe
@@ -73,7 +77,8 @@ def start_group(cluster: Cluster, tmp_path_factory, specs: dict, names: list) ->
     sizes = {specs[n][0] for n in names}
     assert len(sizes) == 1, f"a job's scenarios {names} need one world size, found {sorted(sizes)}"
     scenarios = json.dumps([[n, [str(a) for a in specs[n][1:]]] for n in names])
-    return start_job(cluster, tmp_path_factory, "+".join(names), sizes.pop(), "--scenarios", scenarios)
+    return start_job(cluster, tmp_path_factory, "+".join(names), sizes.pop(), "--scenarios", scenarios,
+                     timeout_s=JOB_TIMEOUT_S * len(names))
 
 
 def finish_group(started: tuple, names: list) -> dict:
@@ -123,8 +128,9 @@ def finish_job(started: tuple, timeout_s: float = JOB_TIMEOUT_S) -> Job:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        stacks = "".join(hung_stacks(f) for f in sorted(out.glob("stacks-*.txt")))
         raise JobFailed(f"job {name} ({' '.join(cmd[3:])}) did not finish within {timeout_s:.0f} s "
-                        f"(deadlock?); output tail:\n{tail()}") from None
+                        f"(deadlock?); output tail:\n{tail()}\nwhere its ranks were:\n{stacks}") from None
     seconds = time.monotonic() - t0
     if proc.returncode != 0:
         raise JobFailed(f"job {name} failed with exit code {proc.returncode}; output tail:\n{tail()}")
