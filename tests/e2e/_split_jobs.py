@@ -64,8 +64,8 @@ def start_job(cluster: Cluster, tmp_path_factory, name: str, nproc: int, *args,
         [str(SCRIPTS), str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
     env["SBLOADER_TEST_DUMP_AFTER"] = str(max(1.0, timeout_s - 20))  # _hang_dump: where a hung job's threads are
     # --standalone (a random run id per job). Tried on 2026-12-02: the static rendezvous (--master-port, run id
-    # "none", what a plain `torchrun` gives) for these jobs failed 2 of 18 runs of test_torchrun.py (one
-    # coordinator_killed group hung past 450 s, one test_leaving_an_epoch_early), then passed 16 in a row: a lead
+    # "none", what a plain `torchrun` gives) for these jobs failed 2 of 20 runs of test_torchrun.py (one
+    # coordinator_killed group hung past 450 s, one test_leaving_an_epoch_early), the last 17 passed: a lead
     # for a defect under plain torchrun, kept out of the suite until it is found (issue #48's note).
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            str(SCRIPT), "--out", str(out), *[str(a) for a in args]]
