@@ -259,7 +259,10 @@ def test_an_iterable_dataset_split_across_ranks_goes_on_exactly_once_when_a_node
     again from the snapshot its round started the shard at (as a map-style batch is made again):
     every sample exactly once per epoch, equal counts, and none fetched after the kill from the killed
     node. Before the fix a rank failed with ``ActorDiedError`` fetching it."""
-    procs = torchrun_agents(small_cluster, tmp_path, NODE_LOSS_JOB, "--mode", "iter", "--hold-at", "4")
+    # 10 ms a sample, not the job's 30: both ranks hold while the shards are made and the node is killed, so the
+    # delay only paces the epochs (each shard made, the lost one again, then epoch 1: ~7 s each at 30 ms)
+    procs = torchrun_agents(small_cluster, tmp_path, NODE_LOSS_JOB, "--mode", "iter", "--hold-at", "4",
+                            "--delay", "0.01")
     try:
         victim, shard, killed_at = kill_unfetched_shard_node(small_cluster, tmp_path, procs, 4)
         small_cluster.add_node(2, temp_dir=f"{small_cluster.root}/node-iter")
