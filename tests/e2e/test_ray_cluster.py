@@ -189,7 +189,8 @@ def test_a_cpu_node_killed_and_one_added_mid_epoch_every_rank_goes_on_exactly_on
     cluster. The drop-in also tells the user in one line (issue #46, what was
     ``test_node_loss_output.py``): exactly one ``lost node`` line, no Ray retry chatter
     (``There are N retries remaining``), no ``InvalidAuthToken`` line."""
-    procs = torchrun_agents(small_cluster, tmp_path, NODE_LOSS_JOB, "--mode", mode)
+    # 10 ms a sample (was 30): the ranks hold while the node is killed, the delay only paced the epochs
+    procs = torchrun_agents(small_cluster, tmp_path, NODE_LOSS_JOB, "--mode", mode, "--delay", "0.01")
     try:
         victim, ran = kill_busiest_node_after(small_cluster, tmp_path, procs, 8)  # a few batches, both nodes busy
         killed_at = time.time()
