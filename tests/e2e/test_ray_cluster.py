@@ -112,10 +112,11 @@ def test_two_static_torchrun_jobs_at_once_each_get_all_their_data(cluster, tmp_p
             assert sorted(i for r in ranks for i in r["ids"]) == list(range(rows))
 
 
-def test_three_ray_train_jobs_at_once_each_get_all_their_data_and_a_mixture_resumes_on_three(cluster, tmp_path):
-    """Three Ray Train jobs side by side: two of the same size (their loaders alike, only each job's
-    identity from its process group tells them apart) and one of another size (what were two runs of
-    two jobs, sizes (240, 240) and (240, 120): one round of jobs instead of two).
+def test_two_ray_train_jobs_at_once_each_get_all_their_data_and_a_mixture_resumes_on_three(cluster, tmp_path):
+    """Two Ray Train jobs side by side of the same size: their loaders alike, only each job's identity
+    from its process group tells them apart (a shared coordinator would split one epoch between the
+    two jobs). A third job of another size (120) ran here until 2026-12-02: a job of another size
+    shares less with its neighbour than one of the same size, so it checked nothing this one does not.
 
     Beside them (one round of start-ups for all), a ``sbloader.mix`` job (issue #49): rank 0's loader
     state in a Ray Train checkpoint at step 2 of epoch 0 on 2 workers (the ranks partway through
@@ -123,7 +124,7 @@ def test_three_ray_train_jobs_at_once_each_get_all_their_data_and_a_mixture_resu
     every source's epochs read whole, each sample once, each mixture epoch its ``num_samples`` per rank."""
     pytest.importorskip("ray.train.torch")
     procs, outs = [], []
-    for k, n in enumerate((240, 240, 120, 0)):
+    for k, n in enumerate((240, 240, 0)):
         out = tmp_path / f"job{k}"
         out.mkdir()
         outs.append((out, n))
@@ -131,14 +132,14 @@ def test_three_ray_train_jobs_at_once_each_get_all_their_data_and_a_mixture_resu
         procs.append(subprocess.Popen([sys.executable, str(RAY_TRAIN_JOB), str(out), str(n)] + mix,
                                       env=dict(cluster.env, RAY_ADDRESS=cluster.address),
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    # ~120 s alone; 383 s seen beside the suite's other process (ray/, unit/) on 2 cores
+    # ~120 s alone with a third job; 383 s seen beside the suite's other process (ray/, unit/) on 2 cores
     wait_ranks(procs, timeout=720)
-    for out, n in outs[:3]:
+    for out, n in outs[:2]:
         ranks = [json.loads((out / f"rank{r}.json").read_text())["epochs"] for r in range(2)]
         for e in range(2):
             assert len(ranks[0][e]) == len(ranks[1][e])
             assert sorted(ranks[0][e] + ranks[1][e]) == list(range(n)), f"job {out.name} epoch {e}"
-    _mixture_resumed_on_three(outs[3][0])
+    _mixture_resumed_on_three(outs[2][0])
 
 
 def _mixture_resumed_on_three(out: Path) -> None:
