@@ -38,6 +38,7 @@ from sbloader.sources.filesystems import resolve
 from sbloader.sources.inflight import (BYTES, DEFAULT_MAX_BYTES, DEFAULT_MAX_REQUESTS, GAUGE, Waited,
                                        check_max_in_flight, pool)
 from sbloader.sources.object_client import client_for
+from sbloader.sources.ranged_object import RangedObject
 from sbloader.sources.retries import RetryPolicy, is_retryable
 
 #: Requests a process keeps in flight by default (``max_in_flight=``).
@@ -293,9 +294,12 @@ class RemoteFiles:
 
     def local_or_random_access(self, uri: str) -> Any:
         """The object as a local file (its cache entry), or with the cache off a
-        random-access pyarrow file on the store (a reader of a few row groups then
-        fetches only their byte ranges). Local paths come back as they are."""
-        if not self.cache.enabled and (self.filesystem is not None or uri in self.versions):
+        random-access file on the store (a reader of a few row groups then fetches only
+        their byte ranges; a listed object's by :class:`~sbloader.sources.ranged_object.RangedObject`,
+        no HEAD). Local paths come back as they are."""
+        if not self.cache.enabled and self.filesystem is None and uri in self.versions:
+            return RangedObject(self, uri, self._version(uri)[0])
+        if not self.cache.enabled and self.filesystem is not None:
             fs, path = resolve(uri, self.filesystem)
             try:
                 return fs.open_input_file(path)

@@ -26,6 +26,7 @@ from sbloader.core.block import ROW_COLUMN, Block
 from sbloader.core.context import report_skipped
 from sbloader.sources.files import IOUnitSource, read_error
 from sbloader.sources.base import Partition
+from sbloader.sources.ranged_object import RangedObject
 
 #: Extensions ``read_parquet`` lists in a directory or a glob by default.
 PARQUET_EXTENSIONS = (".parquet", ".parq", ".pq")
@@ -197,13 +198,18 @@ def cached_footer(path: str) -> Any:
     import pyarrow.parquet as pq
 
     st = os.stat(path)
-    key = (path, st.st_size, st.st_mtime_ns)
+    return _remembered((path, st.st_size, st.st_mtime_ns), lambda: pq.read_metadata(path))
+
+
+def _remembered(key: tuple, parse: Any) -> Any:
+    """The footer remembered under ``key`` (a file's path, size and change time; an object's
+    URI and listed version), else ``parse()``'d and remembered."""
     with _FOOTERS_LOCK:
         md = _FOOTERS.get(key)
         if md is not None:
             _FOOTERS.move_to_end(key)
             return md
-    md = pq.read_metadata(path)
+    md = parse()
     with _FOOTERS_LOCK:
         _FOOTERS[key] = md
         total = sum(m.serialized_size for m in _FOOTERS.values())
@@ -233,6 +239,10 @@ def _open(piece: Piece, remote: Any) -> Any:
     src = remote.local_or_random_access(piece.path) if remote is not None else piece.path
     if isinstance(src, str):
         return pq.ParquetFile(src, metadata=cached_footer(src))
+    if isinstance(src, RangedObject):  # the footer by its listed size, once per process; a row group's
+        # column chunks in coalesced ranges (pre_buffer), not a request each
+        footer = _remembered((src.uri, *remote.versions[src.uri]), lambda: _tail_metadata(src.uri, remote))
+        return pq.ParquetFile(src, metadata=footer, pre_buffer=True)
     return pq.ParquetFile(src)
 
 

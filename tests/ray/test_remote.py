@@ -273,6 +273,9 @@ def test_parquet_and_videos_over_s3_equal_local(ray_session, bucket, tmp_path):
         assert ds.num_rows() == 60 and table(ds) == local
         if cache:  # each file one GET into the cache (fetched ahead or by its read), no HEAD
             assert proxy.object_gets == 2 and proxy.counts[("HEAD", "object")] == 0
+        else:  # read in place by ranged GETs, the size listed: no HEAD, each range retried and counted as ours
+            assert proxy.counts[("HEAD", "object")] == 0
+            assert ds.stats().operators[0].counters["range_reads"] == proxy.object_gets > 0
 
     def frames(ds):
         return {(os.path.basename(str(p)), int(i)): f.copy()
