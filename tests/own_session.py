@@ -43,5 +43,6 @@ def run_script(args: list, timeout: float, env: Optional[Mapping[str, str]] = No
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        raise AssertionError(f"the script did not exit within {timeout:g} s: {err[-3000:]}") from None
+        raise AssertionError(f"the script did not exit within {timeout:g} s; its output: {out[-2000:]!r}; "
+                             f"its stderr: {err[-3000:]}") from None
     return Ran(proc.returncode, out, err, proc.pid)

@@ -74,7 +74,7 @@ class Cluster:
         self._run(["ray", "start", "--head", "--node-ip-address=127.0.0.1", f"--port={self.port}",
                    f"--num-cpus={head_cpus}", "--include-dashboard=false", f"--temp-dir={self.root}/head"],
                   RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
-        self.head = _raylets() - before
+        self.head = (_raylets() & _pids_naming(f"{self.root}/head")) - before  # not another session's raylet
         self.head_id = _node_id(min(self.head))
         for k, cpus in enumerate(nodes):
             node = self.add_node(cpus, '{"node2": 1}' if k == 0 else None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -62,8 +63,15 @@ def _tree(roots: list[int]) -> list[int]:
 
 
 def _ray_daemons(marker: str) -> list[int]:
-    """The daemons (gcs, raylets, monitors) whose command line names ``marker`` (a node's temp dir or port)."""
+    """The daemons (gcs, raylets, monitors) whose command line names ``marker`` (a node's temp dir)."""
     return [int(p) for p in os.listdir("/proc") if p.isdigit() and marker in _cmdline(int(p))]
+
+
+def _ray_daemons_of_port(port: int) -> list[int]:
+    """The daemons whose command line names the GCS port ``port`` as a whole number (``:4123`` is not in
+    ``:41234``: a substring match took another session's daemons for this cluster's)."""
+    ours = re.compile(rf":{port}(?!\d)")
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and ours.search(_cmdline(int(p)))]
 
 
 def _kill(pids: list[int]) -> None:
@@ -109,7 +117,9 @@ class Cluster:
             env=dict(base, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", **HEALTH_CHECKS), capture_output=True, text=True,
             timeout=120)
         assert head.returncode == 0, head.stdout[-2000:] + head.stderr[-2000:]
-        self.head_raylet = set(self._raylets()) - self.raylets_before
+        # Only this head's: a raylet another session started meanwhile (the other xdist group's embedded
+        # Ray) was taken for the head's, and stop() SIGKILLed it under that session's test.
+        self.head_raylet = (set(self._raylets()) & set(_ray_daemons(f"{self.root}/head"))) - self.raylets_before
         try:
             for k, cpus in enumerate(nodes):
                 node_id = self.add_node(cpus, '{"node2": 1}' if k == 0 else None)
@@ -129,7 +139,7 @@ class Cluster:
              f"--num-cpus={cpus}", *extra, "--dashboard-agent-listen-port=0", "--metrics-export-port=0"],
             env=dict(self.env, RAY_AUTH_MODE="token"), capture_output=True, text=True, timeout=120)
         assert node.returncode == 0, node.stdout[-2000:] + node.stderr[-2000:]
-        ours = set(_ray_daemons(f":{self.port}"))  # other sessions' Rays may start nodes meanwhile
+        ours = set(_ray_daemons_of_port(self.port))  # other sessions' Rays may start nodes meanwhile
         new = (set(self._raylets()) & ours) - known - self.head_raylet
         ids = {_node_id_of(p) for p in new}
         assert len(ids) == 1, f"expected one new raylet, found {new}"
@@ -151,7 +161,7 @@ class Cluster:
 
     def stop(self) -> None:
         raylets = set(self.head_raylet).union(*self.node_raylets.values())
-        daemons = _ray_daemons(self.root) + _ray_daemons(f":{self.port}") + sorted(raylets)
+        daemons = _ray_daemons(self.root) + _ray_daemons_of_port(self.port) + sorted(raylets)
         _kill(sorted(set(_tree(daemons))))
         shutil.rmtree(self.root, ignore_errors=True)
 
