@@ -208,6 +208,9 @@ assert procs.adopt_orphans()
 out = {}
 # a "scenario" that exits at once and leaves a sleep running (an orphan: adopted by this process)
 subprocess.run(["sh", "-c", "sleep 0.8 >/dev/null 2>&1 & exit 0"], check=True)
+deadline = time.monotonic() + 10  # the orphan is sh's fork until it execs sleep (later on a loaded machine)
+while any(c.startswith("sh ") for c in procs.left_behind().values()) and time.monotonic() < deadline:
+    time.sleep(0.005)
 out["found"] = list(procs.left_behind().values())
 t0 = time.monotonic()
 out["left"] = procs.wait_gone(procs.left_behind, timeout_s=20)
