@@ -230,13 +230,9 @@ def init(
 
             def start() -> str:
                 with _Quiet(), spawns_apart_from_forks():  # a local worker forked meanwhile: fork_lock.py
-                    on_owner_thread(lambda: (_start_cut.cancellable if alone else _call)(lambda: ray.init(
-                        address="local",
-                        num_cpus=num_cpus,
-                        num_gpus=num_gpus,
-                        object_store_memory=object_store_memory,
-                        **kwargs,
-                    )))
+                    on_owner_thread(lambda: (_start_cut.cancellable if alone else _call)(lambda: start_node_twice(
+                        lambda: ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus,
+                                         object_store_memory=object_store_memory, **kwargs))))
                     _STATE["reaper"] = _start_reaper()
                 return ray.get_runtime_context().gcs_address
 
@@ -267,6 +263,27 @@ def init(
 
 
 MIN_OPEN_FILES = 256  # below this many open files Ray's core worker dies in C++ (errno 24), taking the process
+
+
+#: What ``ray.init`` raises when its raylet never registered: on a loaded machine Ray 2.60's raylet aborts
+#: when its dashboard agent has not written its ports within 15 s ("Timed out waiting for file
+#: .../metrics_agent_port_...", raylet.out), a fixed wait; the agent's imports are then in the page cache.
+NODE_START_TIMED_OUT = "timed out during startup"
+
+
+def start_node_twice(start: Callable[[], _T]) -> _T:
+    """``start()`` (the embedded ``ray.init``), and once more after ``ray.shutdown()`` when its node timed
+    out during startup (:data:`NODE_START_TIMED_OUT`); any other error, or a second time out, is raised."""
+    try:
+        return start()
+    except Exception as e:
+        if NODE_START_TIMED_OUT not in str(e):
+            raise
+        import ray
+
+        logger.info("sbloader: Ray's node timed out during startup (%s); starting it once more", e)
+        ray.shutdown()
+        return start()
 
 
 def _check_open_files() -> None:
