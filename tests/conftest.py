@@ -189,8 +189,43 @@ def pytest_testnodedown(node, error):
         _GROUP_WALLS[group] = (seconds, node.gateway.id)
 
 
+_MACHINE: dict = {}  # the controller's: the loop's seconds and /proc/stat's busy seconds at the start
+
+
+def _loop_seconds() -> float:
+    """A 10**7-step Python loop's time: this VM's speed, which changes by 2x from hour to hour."""
+    import time
+
+    start = time.perf_counter()
+    for _ in range(10**7):
+        pass
+    return time.perf_counter() - start
+
+
+def _busy_cpu_seconds() -> float | None:
+    """Every core's non-idle time since boot (``/proc/stat``), or None where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # less idle and iowait
+
+
+def pytest_sessionstart(session):
+    if getattr(session.config, "workerinput", None) is None:  # the controller (or the only process)
+        _MACHINE.update(loop=_loop_seconds(), busy=_busy_cpu_seconds())
+
+
 def pytest_terminal_summary(terminalreporter):
-    """Each xdist group's wall time (first test's start to last test's end), to balance them by."""
+    """Each xdist group's wall time (first test's start to last test's end), to balance them by; the
+    machine's speed at the start and the end and the CPU the run took (the suite is CPU-bound: its
+    time follows the VM's speed, which the figures of two runs must be read with)."""
+    if "loop" in _MACHINE:
+        busy, end = _busy_cpu_seconds(), _loop_seconds()
+        used = f", the machine's CPUs busy {busy - _MACHINE['busy']:,.0f} core-s" if busy and _MACHINE["busy"] else ""
+        terminalreporter.write_line(f"machine: a 10**7-step Python loop {_MACHINE['loop']:.2f} s at the start, "
+                                    f"{end:.2f} s at the end{used}")
     if _GROUP_WALLS:
         terminalreporter.write_line("xdist groups: " + ", ".join(
             f"{g} {s:,.0f} s ({w})" for g, (s, w) in sorted(_GROUP_WALLS.items(), key=lambda kv: -kv[1][0])))
