@@ -14,6 +14,9 @@ import gc
 import os
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only, before ray imports
+# Every Ray the tests start (theirs, their scripts', ``ray.cluster_utils`` clusters) has its log monitor glob for
+# new worker logs every 0.5 s, as the embedded Ray's does (sbloader/runtime/session.py), not 0.1 s (issue #48).
+os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
 
 import pytest
 
