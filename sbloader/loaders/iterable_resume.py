@@ -50,7 +50,8 @@ def open_shard(dataset: Any, resume: Optional[dict]) -> tuple[Iterator, int]:
     """``iter(dataset)`` positioned where ``resume`` left the shard, and the samples before it.
 
     Order (torchdata's): the dataset's state, then ``iter()``, then the iterator's state;
-    without either state the first ``resume["samples"]`` samples are skipped.
+    without either state the first ``resume["samples"]`` samples are skipped. A handover's
+    position (:func:`handover_position`) then skips its ``skip`` samples.
     """
     if resume and resume.get("dataset_state") is not None and is_stateful(dataset):
         dataset.load_state_dict(resume["dataset_state"])
@@ -58,9 +59,27 @@ def open_shard(dataset: Any, resume: Optional[dict]) -> tuple[Iterator, int]:
     samples = int(resume.get("samples", 0)) if resume else 0
     if resume and resume.get("iter_state") is not None and is_stateful(it):
         it.load_state_dict(resume["iter_state"])
-    elif resume and resume.get("dataset_state") is None and samples:
+    elif resume and resume.get("dataset_state") is None and samples and resume.get("skip") is None:
         _take(it, samples)  # count and skip: the documented cost
+    if resume and resume.get("skip"):
+        _take(it, int(resume["skip"]))
     return it, samples
+
+
+def handover_position(start: Optional[dict], snap: dict) -> dict:
+    """Where the pool resumes a shard whose batches up to ``snap`` the local workers made (the local
+    start's handover, :mod:`~sbloader.loaders.iterable_start`): the shard's own start (``start``, the
+    epoch's resume of it; None: its beginning), then the samples made since skipped (``skip``).
+
+    Never the dataset's state after those batches: a user's resume trusts it, as torchdata does,
+    but the handover is sbloader's own, and a state that does not hold the shard's position (a
+    counter of ``__iter__`` calls, torchdata's ``CountIterCalls``) would replay the shard's first
+    batches. The cost: the local phase's samples of the shard are made again, once."""
+    start = start or {}
+    stated = start.get("dataset_state") is not None or start.get("iter_state") is not None
+    skip = int(snap.get("samples", 0)) - (int(start.get("samples", 0)) if stated else 0)
+    return {**snap, "dataset_state": start.get("dataset_state"), "iter_state": start.get("iter_state"),
+            "skip": max(0, skip)}
 
 
 def _take(it: Iterator, n: int) -> list:

@@ -47,6 +47,24 @@ class Positioned(Shards):
         self.pos = state["pos"]
 
 
+class CountsOnly(Shards):
+    """The same rows, with a state that does not say where its shard stands (torchdata's CountIterCalls:
+    ``state_dict`` counts ``__iter__`` calls, ``load_state_dict`` keeps nothing)."""
+
+    def __init__(self):
+        self.iter_calls = 0
+
+    def __iter__(self):
+        self.iter_calls += 1
+        return super().__iter__()
+
+    def state_dict(self):
+        return {"iter_calls": self.iter_calls}
+
+    def load_state_dict(self, state):
+        pass
+
+
 def epoch(monkeypatch, at, workers, dataset=Shards):
     if at is None:
         monkeypatch.delenv(local_start.HANDOVER_AT_ENV, raising=False)
@@ -73,6 +91,18 @@ def test_handover_at_every_batch_keeps_the_pools_order_and_draws(ray_session, mo
         assert all(int(w) == int(b[0, 0]) // 100 for b in got for w in b[:, 3])  # worker id = shard, as torch's
         if at < len(reference):  # the pool made the rest
             assert loader.stats() is not None, at
+
+
+@pytest.mark.parametrize("at", [1, 3])
+def test_a_handover_after_local_batches_of_a_dataset_whose_state_holds_no_position_is_exactly_once(
+        ray_session, monkeypatch, at):
+    """The handover is sbloader's, not a user's resume: it places each shard by the samples taken, never by
+    the dataset's own state, which need not hold the position (here a count of ``__iter__`` calls). Before
+    2026-12-04 the pool loaded that state and replayed the shard, so the local batches came twice (seen
+    once warm actors of another count made the pool ready at the first local batch)."""
+    values = sorted(100 * w + i for w in range(2) for i in range(SIZES[w % 4]))
+    got, _ = epoch(monkeypatch, at, 2, CountsOnly)
+    assert sorted(int(v) for b in got for v in b[:, 0]) == values, at
 
 
 @pytest.mark.parametrize("dataset", [Shards, Positioned])
