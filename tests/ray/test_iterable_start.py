@@ -230,8 +230,10 @@ def test_an_epoch_closed_while_its_pool_opens_shuts_that_pool_down(ray_session, 
     second.close()
 
     def running():
+        # the closer and the idle-actor watcher serve the process (warm_workers.watch runs while the loader's
+        # warm actors wait for its next epoch), not the closed epoch's pool
         return [t.name for t in threading.enumerate() if t.ident not in before and t.name.startswith("sbloader-")
-                and t.name != "sbloader-epoch-closer"]
+                and t.name not in ("sbloader-epoch-closer", "sbloader-idle-watch")]
     deadline = time.monotonic() + 30
     while running() and time.monotonic() < deadline:
         time.sleep(0.1)
