@@ -116,8 +116,7 @@ def prestart_pools(source_name: str, ops: Sequence[Any], options: ExecutionOptio
     adopts them: the actors' process start and the callable class's construction (for
     the drop-in loader: importing torch and unpickling the dataset, about a second each)
     overlap with whatever comes before the epoch starts. A pool that already has cached
-    actors only gets those its minimum still lacks, in the places after them (warm actors
-    of a loader with fewer workers, taken by this one).
+    actors is left alone.
 
     Returns:
         The number of actors started.
@@ -127,10 +126,10 @@ def prestart_pools(source_name: str, ops: Sequence[Any], options: ExecutionOptio
     stages = build_stages(source_name, list(ops))
     started = 0
     for i, stage in enumerate(stages):
-        if stage.kind != "actor":
+        if stage.kind != "actor" or actor_cache.get(i):
             continue
         lo, hi = stage.actor_op.pool_range()
-        for index in range(len(actor_cache.get(i) or ()), lo):
+        for index in range(lo):
             handle = new_pool_actor(stage, index, hi or int(cluster_cpus()), options)
             actor_cache.setdefault(i, []).append(PrestartedActor(handle, handle.ready.remote()))
             started += 1

@@ -285,16 +285,10 @@ class MapActor:
         """Node id, pid and the seconds the construction took, once the instance is constructed."""
         return _node_id(), os.getpid(), self._construction_s
 
-    def rebuild(self, op: Op, actor_index: Optional[int] = None, pool_size: Optional[int] = None) -> tuple[str, int, float]:
+    def rebuild(self, op: Op) -> tuple[str, int, float]:
         """Construct the callable class again from ``op``'s constructor arguments (a warm actor taken
-        by the next execution: a fresh instance, the process kept); then as :meth:`ready`. With
-        ``actor_index`` and ``pool_size``, the actor takes that place in a pool of that size (a loader
-        with another ``num_workers`` took it)."""
+        by the next execution: a fresh instance, the process kept); then as :meth:`ready`."""
         t0 = time.perf_counter()
-        if actor_index is not None:
-            from sbloader.core.context import set_actor_info
-
-            set_actor_info(actor_index, pool_size if pool_size is not None else actor_index + 1)
         self._instance = None
         self._op = op
         self._instance = op.fn(*op.fn_constructor_args, **dict(op.fn_constructor_kwargs))

@@ -136,10 +136,6 @@ def open_pool(s: DropinSettings, carry: DropinCarry, run: Optional[Union[EpochRu
         cache = carry.actor_cache
     elif cache is None:
         cache = warm_workers.take(carry, op, s.num_workers, s.warm_key()) if warm else None
-        if cache:  # warm actors of a loader with fewer workers: the rest start in the places after theirs
-            from sbloader.executor.pools import prestart_pools
-
-            prestart_pools((ShardSource if s.iterable else ReadyBatchSource).name, (op,), options, cache)
     if s.iterable and s.persistent_workers:
         whole_pool(s, op, options, cache)
 

@@ -14,9 +14,7 @@ per epoch).
 Warm per process, not per loader: when a loader is dropped, its idle warm actors go
 to this process's idle pool, keyed by what they were started with (the count, CPUs
 and resources per actor, the placement); a new loader with the same key takes them
-(a script that builds its loader inside the epoch loop starts no new processes), and so
-does one of the same CPUs, resources and placement with another count: it takes as many
-as it needs, each rebuilt in its place ``0, 1, ...`` of the new count, and starts the rest.
+(a script that builds its loader inside the epoch loop starts no new processes).
 A ``persistent_workers=True`` loader's actors are its own for its life (rebuilt never), but
 when it is dropped they wait in the same idle pool, and a new ``persistent_workers`` loader
 of the same key takes them at its first epoch, rebuilt there as above
@@ -77,22 +75,10 @@ def park(key: Any, cache: dict) -> None:
     watch()
 
 
-def _shape(key: Any) -> Optional[Tuple]:
-    """A drop-in key without its count (:func:`~sbloader.loaders.dropin_settings.pool_key`): the CPUs,
-    resources and placement each actor was started with; None for a pipeline's key."""
-    return tuple(key[1:]) if isinstance(key, tuple) and len(key) == 4 and isinstance(key[0], int) else None
-
-
 def unpark(key: Any) -> dict:
-    """The process's idle actors under ``key`` (taken out of the idle pool), or an empty cache. For a
-    drop-in loader's key, when none wait under it, those of the same shape with another count (the
-    most of them): the loader takes what it needs of them (:func:`take`)."""
+    """The process's idle actors under ``key`` (taken out of the idle pool), or an empty cache."""
     with _IDLE_LOCK:
         entry = _IDLE.pop(key, None)
-        shape = _shape(key)
-        alike = [k for k in _IDLE if shape is not None and _shape(k) == shape]
-        if entry is None and alike:
-            entry = _IDLE.pop(max(alike, key=lambda k: k[0]))
     if entry is None:
         return {}
     entry[1].cancel()
@@ -158,11 +144,8 @@ def available(carry: Any, key: Tuple, num_workers: int) -> bool:
 
 def take(carry: Any, op: Any, num_workers: int, key: Optional[Tuple] = None, settle: bool = True) -> dict:
     """The actor cache this epoch's pool starts from: the loader's warm actors (or the process's idle
-    ones of the same ``key``, or of its shape with another count: :func:`unpark`), each rebuilding its
-    worker from ``op`` (fresh dataset, ``worker_init_fn`` again) in its place ``0, 1, ...`` of a pool of
-    ``num_workers``, or empty (none). Actors beyond ``num_workers`` are killed; with fewer, the caller
-    starts the rest in the places after them (:func:`~sbloader.executor.pools.prestart_pools`).
-    ``settle``: as :func:`_adopt`'s."""
+    ones of the same ``key``), each rebuilding its worker from ``op`` (fresh dataset, ``worker_init_fn``
+    again), or empty (none, or another count). ``settle``: as :func:`_adopt`'s."""
     with _IDLE_LOCK:  # from here the watcher leaves the loader's warm actors alone (:func:`_release_live`)
         cancel(carry)
     if key is not None:
@@ -170,18 +153,13 @@ def take(carry: Any, op: Any, num_workers: int, key: Optional[Tuple] = None, set
     _adopt(carry, settle)
     cache = carry.warm_cache
     handles = [h.handle if isinstance(h, PrestartedActor) else h for hs in cache.values() for h in hs]
-    if not handles or not ray.is_initialized() or len(cache) != 1:
+    if len(handles) != num_workers or not ray.is_initialized() or len(cache) != 1:
         kill_cached(cache)
         cache.clear()
         make_room(carry.warm_key)
         return cache
-    stage = next(iter(cache))
-    kill_cached({stage: handles[num_workers:]})
-    handles = handles[:num_workers]
-    if len(handles) < num_workers and isinstance(carry.warm_key, tuple) and len(carry.warm_key) == 4:
-        give_way((num_workers - len(handles)) * float(carry.warm_key[1]), keep=carry.warm_key)
-    cache[stage] = [PrestartedActor(h, h.rebuild.remote(op, i, num_workers), counted=True)
-                    for i, h in enumerate(handles)]
+    key = next(iter(cache))
+    cache[key] = [PrestartedActor(h, h.rebuild.remote(op), counted=True) for h in handles]
     return cache
 
 

@@ -117,44 +117,6 @@ def test_warm_actors_are_per_process_and_killed_after_the_idle_timeout(ray_sessi
     assert not any(_answers(h) for h in kept), "idle warm actors still answer after the idle timeout"
 
 
-def _inits_by_pid(folder, count: int) -> dict:
-    """``{pid: worker_id}`` from ``record_init``'s files, once ``count`` workers ran ``worker_init_fn``."""
-    deadline = time.monotonic() + 60  # a worker that made no batch may still be constructing
-    while len(os.listdir(folder)) < count and time.monotonic() < deadline:
-        time.sleep(0.2)
-    names = [name.split("-") for name in os.listdir(folder)]
-    assert len(names) == count, names
-    return {int(pid): int(worker) for pid, worker, _ in names}
-
-
-def test_a_loader_with_another_num_workers_takes_the_warm_processes_it_needs(ray_session, no_idle_actors, tmp_path):
-    """A dropped loader's idle actors serve a new loader of the same worker CPUs, resources and placement
-    with another ``num_workers`` (an evaluation loader beside the training one, or the tests of a suite):
-    fewer workers take the first of them and kill the rest; more take all and start the missing ones. Each
-    worker is torch's: ids ``0 .. num_workers - 1``, one per process, ``num_workers`` the new count."""
-    def epoch(n: int):
-        folder = tmp_path / f"w{n}"
-        folder.mkdir()
-        dl = sbloader.DataLoader(torch.arange(24), batch_size=2, num_workers=n, local_start=False,
-                                 worker_init_fn=functools.partial(record_init, str(folder)))
-        assert sorted(int(x) for b in dl for x in b) == list(range(24))
-        created = sum(o.actors_created for o in dl.stats().operators)
-        return dl, _inits_by_pid(folder, n), created
-
-    dl, three, created = epoch(3)
-    assert sorted(three.values()) == [0, 1, 2] and created == 3
-    del dl  # its three actors wait in the process's idle pool
-    dl, two, created = epoch(2)
-    assert created == 0, "two workers after three started new actors"
-    assert sorted(two.values()) == [0, 1] and set(two) <= set(three)
-    del dl
-    dl, four, created = epoch(4)
-    assert created == 2, "four workers after two took fewer than the two warm ones"
-    assert sorted(four.values()) == [0, 1, 2, 3] and len(four) == 4
-    assert {pid for pid, w in four.items() if w < 2} == set(two)  # the warm ones keep places 0 and 1
-    del dl
-
-
 def test_a_new_persistent_loader_takes_a_dropped_ones_processes(ray_session, tmp_path):
     """A resume builds a second ``persistent_workers`` loader right after the first: it takes the dropped
     one's processes, rebuilt (fresh dataset, ``worker_init_fn`` again), and keeps them for its own life;
