@@ -14,13 +14,16 @@ import gc
 import os
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only, before ray imports
-# Every Ray the tests start (theirs, their scripts', ``ray.cluster_utils`` clusters) has its log monitor glob for
-# new worker logs every 0.5 s, as the embedded Ray's does (sbloader/runtime/session.py), not 0.1 s (issue #48).
-os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
 
 import pytest
 
 import sbloader
+from sbloader.runtime.session import LOG_MONITOR_ENV
+
+# Every Ray the tests start (theirs, their scripts', ``ray.cluster_utils`` clusters) has its log monitor glob for
+# new worker logs every 0.5 s, as the embedded Ray's does, not 0.1 s (issue #48).
+for _key, _value in LOG_MONITOR_ENV.items():
+    os.environ.setdefault(_key, _value)
 from s3_server import S3Server, free_port, s3_environment
 
 # The S3-compatible server's endpoint (the fault proxy in front of moto) is fixed now,

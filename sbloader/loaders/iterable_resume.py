@@ -57,12 +57,12 @@ def open_shard(dataset: Any, resume: Optional[dict]) -> tuple[Iterator, int]:
         dataset.load_state_dict(resume["dataset_state"])
     it = iter(dataset)
     samples = int(resume.get("samples", 0)) if resume else 0
+    skip = int(resume.get("skip") or 0) if resume else 0
     if resume and resume.get("iter_state") is not None and is_stateful(it):
         it.load_state_dict(resume["iter_state"])
-    elif resume and resume.get("dataset_state") is None and samples and resume.get("skip") is None:
-        _take(it, samples)  # count and skip: the documented cost
-    if resume and resume.get("skip"):
-        _take(it, int(resume["skip"]))
+    elif resume and resume.get("dataset_state") is None and resume.get("skip") is None:
+        skip = samples  # count and skip: the documented cost
+    _take(it, skip)
     return it, samples
 
 

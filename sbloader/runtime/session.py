@@ -102,6 +102,14 @@ def on_owner_thread(fn: Callable[[], _T]) -> _T:
         _OWNER["calls"].put((fn, done))
     return done.result()
 
+#: Ray's log monitor globs its log folder for new worker logs every 0.1 s until the folder
+#: holds 1,000 files, then every 0.5 s. A loader's Ray starts a worker per pool actor, and
+#: each leaves two files: at 0.1 s the globs cost the trainer's machine a CPU-second a
+#: minute or more (Ray's largest daemon cost in issue #48's suite). With this in a Ray's
+#: environment, every 0.5 s: a new worker's first prints reach the trainer up to 0.5 s later.
+#: The tests' own Rays and ``ray start`` nodes take it too.
+LOG_MONITOR_ENV = {"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0"}
+
 # Environment of the embedded Ray, set before it starts so every Ray process
 # inherits it.
 _EMBEDDED_ENV = {
@@ -115,12 +123,7 @@ _EMBEDDED_ENV = {
     # Ray starts workers at niceness 15; a loader's workers are what the trainer
     # waits on, so they compete for CPU like torch's worker processes do.
     "RAY_worker_niceness": "0",
-    # Ray's log monitor globs its log folder for new worker logs every 0.1 s until the folder
-    # holds 1,000 files, then every 0.5 s. A loader's Ray starts a worker per pool actor, and
-    # each leaves two files: at 0.1 s the globs cost the trainer's machine a CPU-second a
-    # minute or more (Ray's largest daemon cost in issue #48's suite). Every 0.5 s: a new
-    # worker's first prints reach the trainer up to 0.5 s later.
-    "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
+    **LOG_MONITOR_ENV,
 }
 
 # Ray's internal config for the embedded Ray only (``_system_config``: it stays

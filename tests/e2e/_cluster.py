@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from sbloader.runtime.session import LOG_MONITOR_ENV
+
 RAY_CLI = Path(__file__).resolve().parents[1] / "scripts" / "ray_cli.py"
 
 
@@ -90,9 +92,6 @@ HEALTH_CHECKS = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure
 # Every raylet keeps a worker idle above its soft limit (its CPUs) for 60 s, not Ray's 1 s: the task workers of
 # an epoch otherwise go between epochs and the next epoch waits for new ones (docs/multinode.md, as the embedded Ray).
 KEEP_IDLE_WORKERS = {"RAY_idle_worker_killing_time_threshold_ms": "60000"}
-# Every node's log monitor globs for new worker logs every 0.5 s, not every 0.1 s (as the embedded Ray does:
-# sbloader/runtime/session.py): the suite is CPU-bound and Ray's daemons were ~12% of it (issue #48).
-LOG_MONITOR = {"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0"}
 
 
 class Cluster:
@@ -110,7 +109,7 @@ class Cluster:
         self.address = f"127.0.0.1:{self.port}"
         base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
         base["RAY_USAGE_STATS_ENABLED"] = "0"
-        base.update(KEEP_IDLE_WORKERS, **LOG_MONITOR)
+        base.update(KEEP_IDLE_WORKERS, **LOG_MONITOR_ENV)  # every node's log monitor as the embedded Ray's
         self.env = base
         self.raylets_before = set(self._raylets())
         self.node_raylets: dict[str, set] = {}  # node id -> its raylet's pid(s), for every node but the head
