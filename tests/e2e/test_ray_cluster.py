@@ -190,12 +190,16 @@ def test_a_cpu_node_killed_and_one_added_mid_epoch_every_rank_goes_on_exactly_on
     cluster. The drop-in also tells the user in one line (issue #46, what was
     ``test_node_loss_output.py``): exactly one ``lost node`` line, no Ray retry chatter
     (``There are N retries remaining``), no ``InvalidAuthToken`` line."""
-    # 10 ms a sample (was 30): the ranks hold while the node is killed, the delay only paced the epochs
-    procs = torchrun_agents(small_cluster, tmp_path, NODE_LOSS_JOB, "--mode", mode, "--delay", "0.01")
+    # Both ranks hold after their 4th batch until the node is killed and the new one has joined (``go``): without
+    # the hold, at 10 ms a sample the rest of the job could end on the surviving node before the added one came
+    # up (a landing CI run failed so); the delay only paces the epochs.
+    procs = torchrun_agents(small_cluster, tmp_path, NODE_LOSS_JOB, "--mode", mode, "--delay", "0.01",
+                            "--hold-at", "4")
     try:
-        victim, ran = kill_busiest_node_after(small_cluster, tmp_path, procs, 8)  # a few batches, both nodes busy
+        victim, ran = kill_busiest_node_after(small_cluster, tmp_path, procs, 8)  # both ranks held, both nodes busy
         killed_at = time.time()
         added = small_cluster.add_node(2, temp_dir=f"{small_cluster.root}/node-{mode}")
+        (tmp_path / "go").touch()
         out = _finish(procs, tmp_path)
     finally:
         _kill(procs)
