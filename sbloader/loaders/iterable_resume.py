@@ -16,15 +16,29 @@ An ``IterableDataset`` has no index to replay, so its resume is per worker shard
   epoch's seed, saved in the state).
 
 A snapshot is ``{"samples": n, "batches": k, "dataset_state": ..., "iter_state": ...,
-"ended": bool}``; ``batches``: the shard's batches so far (its place in torch's
-round-robin, :mod:`~sbloader.loaders.shard_order`); ``ended``: the shard has nothing
-after this batch. ``end_state``: the dataset's state
+"ended": bool, "origin": ..., "tracks": bool}``; ``batches``: the shard's batches so far
+(its place in torch's round-robin, :mod:`~sbloader.loaders.shard_order`); ``ended``: the
+shard has nothing after this batch. ``end_state``: the dataset's state
 once the shard was exhausted (what a resumed *next* epoch starts from).
+
+**sbloader's own reopens.** A shard is also reopened by sbloader itself, from the snapshot
+of its last batch made: a segment that lands on another actor, the pool taking over from
+the local workers, a lost block made again. Those must be exactly once whatever the
+dataset's state holds, as torch's loader, which never reopens, is. So every snapshot says
+where its *chain* began (``origin``: the user's resume of the shard, None: the shard's
+start in the epoch) and whether the state moved at every batch since (``tracks``; None
+until two batches in a row were compared). A reopen trusts the state only where it
+tracked; otherwise it goes back to the origin and
+skips the samples made since (:func:`reopen_position`): a state that never changes
+(torchdata's ``CountIterCalls`` counts ``__iter__`` calls) cannot say where the shard
+stands. The user's ``state_dict()`` holds neither key (:func:`public_snapshot`): a user's
+resume is trusted, as torchdata trusts it.
 """
 from __future__ import annotations
 
 import copy
 import itertools
+import pickle
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
@@ -46,13 +60,43 @@ def batches_before(resume: Optional[dict]) -> int:
     return int((resume or {}).get("batches", 0))
 
 
+#: The keys of a snapshot that only sbloader's own reopens read (the user's state holds neither).
+CHAIN_KEYS = ("origin", "tracks")
+
+
+def public_snapshot(snap: dict) -> dict:
+    """``snap`` as the user's ``state_dict()`` holds it: without its chain (:data:`CHAIN_KEYS`)."""
+    return {k: v for k, v in snap.items() if k not in CHAIN_KEYS}
+
+
+def chain_origin(resume: Optional[dict]) -> Optional[dict]:
+    """Where the chain of a shard opened at ``resume`` began: the chain's own origin when ``resume``
+    is one of sbloader's snapshots, else ``resume`` itself (a user's resume; None: the shard's start)."""
+    if resume is None:
+        return None
+    if "origin" in resume:
+        return resume["origin"]
+    return {k: resume.get(k) for k in ("samples", "dataset_state", "iter_state")}
+
+
+def reopen_position(resume: Optional[dict]) -> Optional[dict]:
+    """Where :func:`open_shard` places a shard asked to start at ``resume``: ``resume`` itself when
+    it is a user's resume or its chain's state moved at every batch; otherwise its chain's origin
+    and the samples made since skipped (:func:`handover_position`)."""
+    if not resume or "origin" not in resume or resume.get("tracks") is True or resume.get("skip") is not None:
+        return resume
+    return handover_position(resume["origin"], resume)
+
+
 def open_shard(dataset: Any, resume: Optional[dict]) -> tuple[Iterator, int]:
     """``iter(dataset)`` positioned where ``resume`` left the shard, and the samples before it.
 
     Order (torchdata's): the dataset's state, then ``iter()``, then the iterator's state;
     without either state the first ``resume["samples"]`` samples are skipped. A handover's
-    position (:func:`handover_position`) then skips its ``skip`` samples.
+    position (:func:`handover_position`) then skips its ``skip`` samples. One of sbloader's own
+    snapshots is placed by :func:`reopen_position` first.
     """
+    resume = reopen_position(resume)
     if resume and resume.get("dataset_state") is not None and is_stateful(dataset):
         dataset.load_state_dict(resume["dataset_state"])
     it = iter(dataset)
@@ -80,6 +124,25 @@ def handover_position(start: Optional[dict], snap: dict) -> dict:
     skip = int(snap.get("samples", 0)) - (int(start.get("samples", 0)) if stated else 0)
     return {**snap, "dataset_state": start.get("dataset_state"), "iter_state": start.get("iter_state"),
             "skip": max(0, skip)}
+
+
+def _states(snap: dict) -> tuple:
+    return snap["dataset_state"], snap["iter_state"]
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two states are equal (by value; by their pickles where ``==`` is not a plain bool, as
+    for arrays and tensors; a state that cannot be pickled counts as moved)."""
+    try:
+        eq = a == b
+        if isinstance(eq, bool):
+            return eq
+    except Exception:  # noqa: BLE001 - an array's ambiguous truth value, a type that refuses ==
+        pass
+    try:
+        return pickle.dumps(a) == pickle.dumps(b)
+    except Exception:  # noqa: BLE001 - not picklable: trusted, as a user's resume is
+        return False
 
 
 def _take(it: Iterator, n: int) -> list:
@@ -111,6 +174,11 @@ def iterate_shard(dataset: Any, batch_size: Optional[int], drop_last: bool, coll
     it, samples = opened if opened is not None else open_shard(dataset, resume)
     batches = batches_before(resume)
     pending: Optional[tuple[Any, int, dict]] = None
+    # ``tracks``: None until two batches of one ``iter()`` were compared (a generator's ``__iter__`` runs at
+    # its first ``next()``, so the state before the first batch says nothing); False once it stood still
+    chain = {"origin": chain_origin(resume), "tracks": (resume or {}).get("tracks") if "origin" in (resume or {})
+             else None}
+    before: Optional[tuple] = None
     while True:
         if batch_size is None:
             try:
@@ -128,7 +196,13 @@ def iterate_shard(dataset: Any, batch_size: Optional[int], drop_last: bool, coll
         batch = collate(chunk)
         if pending is not None:
             yield pending
-        pending = (batch, n, _snapshot(dataset, it, samples, batches))
+        snap = _snapshot(dataset, it, samples, batches)
+        after = _states(snap)
+        if before is not None and chain["tracks"] is not False:  # a state that stood still holds no position
+            chain["tracks"] = not _same(before, after)
+        before = after
+        snap.update(chain)
+        pending = (batch, n, snap)
     if pending is not None:
         snap = pending[2]
         snap["ended"] = True
@@ -178,7 +252,7 @@ class IterableRun:
                     for w, s in self.shards().items() if s.get("end_state") is not None}
             return {"epoch": self.epoch + 1, "epoch_seed": None, "shards": ends}
         return {"epoch": self.epoch, "epoch_seed": self.epoch_seed,
-                "shards": {str(w): s for w, s in self.shards().items()}}
+                "shards": {str(w): public_snapshot(s) for w, s in self.shards().items()}}
 
 
 def run_from_state(state: dict, next_epoch: Callable[[], tuple[int, int]]) -> IterableRun:

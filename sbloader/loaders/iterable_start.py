@@ -13,9 +13,10 @@ the handover is per shard and at a batch:
 2. **handover**: once the pool's actors (started ahead by
    :func:`~sbloader.loaders.handover.prestart`) are up, between two batches, the local
    workers are shut down and the pool resumes every shard after the last batch the loop
-   received from it: from the shard's start in this epoch, skipping the samples made since
-   (:func:`~sbloader.loaders.iterable_resume.handover_position`; what the local workers made
-   beyond it is made again). The pool's
+   received from it, as any of sbloader's own reopens of a shard (its snapshot where the
+   dataset's state moved at every batch, else the shard's start in this epoch and the samples
+   made since skipped: :func:`~sbloader.loaders.iterable_resume.reopen_position`; what the
+   local workers made beyond it is made again). The pool's
    batches go on in the same round-robin, so the epoch is the same batches, in the same order,
    as one run on the pool alone, and ``state_dict()`` before, during or after the handover is
    the same per-shard snapshot arithmetic.
@@ -32,7 +33,7 @@ from sbloader.core.stats import StallStats
 from sbloader.loaders.epoch import Delivery, EpochIterator
 from sbloader.loaders.failed_batch import FailedBatch
 from sbloader.loaders.fork_safe import ForkGate
-from sbloader.loaders.iterable_resume import IterableRun, handover_position, iterate_shard
+from sbloader.loaders.iterable_resume import IterableRun, iterate_shard
 from sbloader.loaders.handover import Handover, begin, phased_iterator, pool_batches
 from sbloader.loaders.local_start import LOCAL_WORKER, WorkerInit, forced_handover, identity, local_order, unwrap
 from sbloader.loaders.shard_order import RoundRobin, shard_positions
@@ -115,7 +116,6 @@ def _local_phase(s: Any, run: IterableRun, epoch: int, epoch_seed: int, handover
     with ForkGate().forking():
         it = iter(local)  # forks the workers
     order = RoundRobin(shard_positions(positions, s.num_workers)) if s.in_order else None
-    start = dict(positions)  # each shard's start in this epoch (the pool's resume counts from it)
     delivered = 0
     try:
         for item in worker_items(it, phase):
@@ -132,7 +132,7 @@ def _local_phase(s: Any, run: IterableRun, epoch: int, epoch_seed: int, handover
                 ready = list(order.pop_ready())
             for _, shard, batch, snap, _ in ready:
                 if snap is not None:
-                    positions[shard] = handover_position(start.get(shard), snap)
+                    positions[shard] = snap  # the pool reopens it by the snapshot's chain (reopen_position)
                 yield Delivery(unwrap(batch, s.pin), (shard, snap) if snap is not None else None)
                 delivered += 1
                 if _hand_over_now(handover, delivered):

@@ -96,6 +96,40 @@ def test_the_handover_after_each_ranks_hth_local_batch_gives_every_sample_once_i
     assert local_counts(ranks) == [min(h, 5)] * 2
 
 
+class CountsOnly(Sized):
+    """The same samples, with a state that does not say where its shard stands (torchdata's CountIterCalls)."""
+
+    def __init__(self, sizes: list) -> None:
+        super().__init__(sizes)
+        self.iter_calls = 0
+
+    def __iter__(self):
+        self.iter_calls += 1
+        return super().__iter__()
+
+    def state_dict(self):
+        return {"iter_calls": self.iter_calls}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def test_the_handover_of_a_dataset_whose_state_holds_no_position_is_exactly_once(ray_session, monkeypatch):
+    """The coordinator's pool resumes each shard after the rank's local batches by the samples taken, not
+    by the dataset's own state (as the single-process handover: ``test_iterable_start.py``)."""
+    monkeypatch.setenv("SBLOADER_HANDOVER_AT", "2")
+    loaders = [sbloader.DataLoader(CountsOnly([40, 40]), rank=r, world_size=2, job_id="test-stream-start-counts",
+                                   name="counts", split=True, batch_size=4, num_workers=2) for r in range(2)]
+    out: list = [None] * 2
+
+    def loop(r: int) -> None:
+        out[r] = [{k: v.tolist() for k, v in batch.items()} for batch in loaders[r]]
+
+    in_rank_threads(loop, 2, timeout=150)
+    assert ids(out) == expected([40, 40])
+    assert local_counts(out) == [2, 2]
+
+
 def test_four_workers_two_ranks_each_rank_runs_its_two_shards(ray_session, monkeypatch):
     monkeypatch.setenv("SBLOADER_HANDOVER_AT", "4")
     ranks = run("four", 2, [12, 12, 12, 12], batch_size=3, num_workers=4)
