@@ -734,17 +734,29 @@ def test_speculated_partitions_keep_plan_order_when_deterministic(ray_session, t
     assert (tmp_path / "second-copy").exists(), "the straggler's first copy ran out its 60 s: no second copy"
 
 
+def _wait_for(path: str, limit_s: float = 120.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _first_copy_straggles_then_fails(batch, marker_dir):
-    """Partition 30's first copy (in a task of several) waits 4 s, then fails; its
-    second copy (launched on its own meanwhile) succeeds. Partition 59 takes 6 s, so
-    the epoch is still running when the first copy fails."""
+    """Partition 30's first copy (in a task of several) is held until its second copy (launched on
+    its own once the first straggles) was delivered, then fails. Partition 59, alone in its task,
+    is held until the executor has counted that failure, so the epoch is still running when it
+    comes. Each waits on an event, not a time (it was 4 s and 6 s: on a slow machine the epoch
+    could end before the failure)."""
     if 8 * 59 in batch["id"]:
-        time.sleep(6.0)
+        _wait_for(os.path.join(marker_dir, "failure-counted"))
     if 8 * _STRAGGLER_PARTITION in batch["id"]:
         marker = os.path.join(marker_dir, "first-copy")
         if not os.path.exists(marker):
             open(marker, "w").close()
-            time.sleep(4.0)
+            delivered = os.path.join(marker_dir, "delivered")
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and not (
+                    os.path.exists(delivered) and str(_STRAGGLER_PARTITION) in open(delivered).read().split()):
+                time.sleep(0.05)
             raise ValueError("the first copy fails")
     time.sleep(0.02)
     return batch
@@ -754,17 +766,28 @@ def test_a_failed_copy_of_a_delivered_partition_does_not_fail_the_epoch(ray_sess
     ds = sbloader.range(480, num_partitions=60).map_batches(
         _first_copy_straggles_then_fails, fn_kwargs={"marker_dir": str(tmp_path)})
     executor = _eager(ds.execute())
-    got = _drain(executor)
+    done = threading.Event()
+
+    def watch() -> None:  # tells partition 59 once the executor counted the first copy's failure
+        while not done.is_set() and executor.stats().failed_copies < 1:
+            time.sleep(0.05)
+        (tmp_path / "failure-counted").touch()
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        got = _drain(executor, tmp_path / "delivered")
+    finally:
+        done.set()
+        watcher.join(timeout=10)
     assert sorted(got) == list(range(60))
     st = executor.stats()
     assert st.speculative_partitions >= 1
-    # Partition 30's task straggles (59 runs late in the epoch, alone in its task, and a task
-    # of one is not launched again): each of its partitions got a second copy (else its first
-    # copy's failure would have failed the epoch), and the failure dropped the first copies.
-    # On a loaded machine other tasks may straggle and be copied too (seen: 3 failed copies
-    # of more speculated partitions, load average 10): their first copies do not fail.
+    # Partition 30's task straggles: each of its partitions got a second copy (else its first copy's
+    # failure would have failed the epoch), and the failure dropped the first copies. On a loaded
+    # machine other tasks may straggle and be copied too (seen: 3 failed copies of more speculated
+    # partitions, load average 10): their first copies do not fail.
     assert 1 <= st.failed_copies <= st.speculative_partitions, \
-        f"the first copy's failure was not seen (the epoch ended first?): {st.failed_copies} failed copies"
+        f"the first copy's failure was not counted before the epoch's end: {st.failed_copies} failed copies"
 
 
 def test_consumer_pace_skips_the_first_blocks_then_averages_per_row():
