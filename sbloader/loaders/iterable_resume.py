@@ -16,7 +16,7 @@ An ``IterableDataset`` has no index to replay, so its resume is per worker shard
   epoch's seed, saved in the state).
 
 A snapshot is ``{"samples": n, "batches": k, "dataset_state": ..., "iter_state": ...,
-"ended": bool, "origin": ..., "tracks": bool}``; ``batches``: the shard's batches so far
+"ended": bool, "origin": ..., "tracks": bool or None}``; ``batches``: the shard's batches so far
 (its place in torch's round-robin, :mod:`~sbloader.loaders.shard_order`); ``ended``: the
 shard has nothing after this batch. ``end_state``: the dataset's state
 once the shard was exhausted (what a resumed *next* epoch starts from).
@@ -28,10 +28,9 @@ dataset's state holds, as torch's loader, which never reopens, is. So every snap
 where its *chain* began (``origin``: the user's resume of the shard, None: the shard's
 start in the epoch) and whether the state moved at every batch since (``tracks``; None
 until two batches in a row were compared). A reopen trusts the state only where it
-tracked; otherwise it goes back to the origin and
-skips the samples made since (:func:`reopen_position`): a state that never changes
-(torchdata's ``CountIterCalls`` counts ``__iter__`` calls) cannot say where the shard
-stands. The user's ``state_dict()`` holds neither key (:func:`public_snapshot`): a user's
+tracked; otherwise it goes back to the origin and skips the samples made since
+(:func:`reopen_position`): a state that never changes (torchdata's ``CountIterCalls``
+counts ``__iter__`` calls) cannot say where the shard stands. The user's ``state_dict()`` holds neither key (:func:`public_snapshot`): a user's
 resume is trusted, as torchdata trusts it.
 """
 from __future__ import annotations

@@ -92,6 +92,10 @@ HEALTH_CHECKS = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure
 # Every raylet keeps a worker idle above its soft limit (its CPUs) for 60 s, not Ray's 1 s: the task workers of
 # an epoch otherwise go between epochs and the next epoch waits for new ones (docs/multinode.md, as the embedded Ray).
 KEEP_IDLE_WORKERS = {"RAY_idle_worker_killing_time_threshold_ms": "60000"}
+# The raylet a job's first driver joins starts no idle workers for it (one per CPU otherwise: 12 on test_resume's
+# head, ~1 CPU-s each, most never given a task): the first tasks start the workers they need, as in the embedded
+# Ray (``prestart_worker_first_driver`` in sbloader/runtime/session.py). The suite is CPU-bound (issue #48).
+NO_PRESTART = {"RAY_prestart_worker_first_driver": "0"}
 
 
 class Cluster:
@@ -109,7 +113,7 @@ class Cluster:
         self.address = f"127.0.0.1:{self.port}"
         base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
         base["RAY_USAGE_STATS_ENABLED"] = "0"
-        base.update(KEEP_IDLE_WORKERS, **LOG_MONITOR_ENV)  # every node's log monitor as the embedded Ray's
+        base.update(KEEP_IDLE_WORKERS, **NO_PRESTART, **LOG_MONITOR_ENV)  # every node's log monitor as the embedded Ray's
         self.env = base
         self.raylets_before = set(self._raylets())
         self.node_raylets: dict[str, set] = {}  # node id -> its raylet's pid(s), for every node but the head
