@@ -287,6 +287,24 @@ class Tagged:
                              os.getppid()])
 
 
+class CountsIterCalls:
+    """Mixin of an ``IterableDataset`` whose state does not say where its shard stands, as torchdata's
+    ``CountIterCalls``: ``state_dict`` counts ``__iter__`` calls, ``load_state_dict`` keeps nothing. First
+    in the bases, before the dataset that yields: ``class CountsOnly(CountsIterCalls, Shards)``."""
+
+    iter_calls = 0
+
+    def __iter__(self):
+        self.iter_calls += 1
+        return super().__iter__()
+
+    def state_dict(self) -> dict:
+        return {"iter_calls": self.iter_calls}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
 def each_source_epoch_once(ids: list, n: int, offset: int = 0) -> None:
     """A mixture's source's ids in the order the job read them (``offset`` .. ``offset + n``): every
     consecutive run of ``n`` is one whole epoch of it, the last (short) one without repeats."""

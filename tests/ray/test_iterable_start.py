@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from harness import CountsIterCalls
 from torch.utils.data import IterableDataset, get_worker_info
 
 import sbloader
@@ -47,22 +48,8 @@ class Positioned(Shards):
         self.pos = state["pos"]
 
 
-class CountsOnly(Shards):
-    """The same rows, with a state that does not say where its shard stands (torchdata's CountIterCalls:
-    ``state_dict`` counts ``__iter__`` calls, ``load_state_dict`` keeps nothing)."""
-
-    def __init__(self):
-        self.iter_calls = 0
-
-    def __iter__(self):
-        self.iter_calls += 1
-        return super().__iter__()
-
-    def state_dict(self):
-        return {"iter_calls": self.iter_calls}
-
-    def load_state_dict(self, state):
-        pass
+class CountsOnly(CountsIterCalls, Shards):
+    """The same rows, with a state that does not say where its shard stands (torchdata's CountIterCalls)."""
 
 
 def epoch(monkeypatch, at, workers, dataset=Shards):

@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+from harness import CountsIterCalls
 from test_stateful_contract import OwnIterator  # a dataset that is its own iterator
 from torch.utils.data import IterableDataset, get_worker_info
 
@@ -123,23 +124,16 @@ def test_an_actor_running_several_shards_keeps_each_and_reopens_a_moved_copy_afr
         assert sorted(got) == sorted(list(range(9)) * 4)
 
 
-class CountsOnly(torch.utils.data.IterableDataset):
-    """Worker ``w``'s ``100 * w + j``, ``j < 9``, with a state that does not say where its shard stands
-    (torchdata's CountIterCalls: ``state_dict`` counts ``__iter__`` calls, ``load_state_dict`` keeps nothing)."""
-
-    def __init__(self):
-        self.iter_calls = 0
+class NinePerWorker(torch.utils.data.IterableDataset):
+    """Worker ``w``'s ``100 * w + j``, ``j < 9``."""
 
     def __iter__(self):
-        self.iter_calls += 1
         info = torch.utils.data.get_worker_info()
         return iter(range(100 * info.id, 100 * info.id + 9))
 
-    def state_dict(self):
-        return {"iter_calls": self.iter_calls}
 
-    def load_state_dict(self, state):
-        pass
+class CountsOnly(CountsIterCalls, NinePerWorker):
+    """The same, with a state that does not say where its shard stands (torchdata's CountIterCalls)."""
 
 
 def test_a_moved_segment_of_a_dataset_whose_state_holds_no_position_is_exactly_once(ray_session, no_idle_actors,

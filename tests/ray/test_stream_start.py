@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 import sbloader
-from harness import in_rank_threads
+from harness import CountsIterCalls, in_rank_threads
 
 INIT: dict = {}  # in a worker: the id worker_init_fn was called with
 
@@ -96,22 +96,8 @@ def test_the_handover_after_each_ranks_hth_local_batch_gives_every_sample_once_i
     assert local_counts(ranks) == [min(h, 5)] * 2
 
 
-class CountsOnly(Sized):
+class CountsOnly(CountsIterCalls, Sized):
     """The same samples, with a state that does not say where its shard stands (torchdata's CountIterCalls)."""
-
-    def __init__(self, sizes: list) -> None:
-        super().__init__(sizes)
-        self.iter_calls = 0
-
-    def __iter__(self):
-        self.iter_calls += 1
-        return super().__iter__()
-
-    def state_dict(self):
-        return {"iter_calls": self.iter_calls}
-
-    def load_state_dict(self, state):
-        pass
 
 
 def test_the_handover_of_a_dataset_whose_state_holds_no_position_is_exactly_once(ray_session, monkeypatch):
