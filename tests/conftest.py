@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only, before ray imports
 
@@ -91,6 +92,40 @@ def no_idle_actors(ray_session):
     yield
 
 
+def _drop_dead_workers_logs(min_age_s: float = 10.0) -> None:
+    """Delete the log files of the session Ray's worker processes that have exited (untouched for
+    ``min_age_s``: their lines were forwarded long ago).
+
+    Ray's log monitor looks at every worker log of its folder ten times a second; the session's
+    Ray starts hundreds of workers, each leaving three files: at 600 files the monitor took 3% of a
+    core and grew with every worker, 0.7% with the dead workers' files gone (``/tmp/lm.py`` in
+    issue #48's note of 2026-12-04; the suite is CPU-bound). A live worker's files (its pid in
+    ``/proc``) are never touched."""
+    import ray
+
+    try:
+        logs = ray._private.worker.global_worker.node.get_logs_dir_path()
+        entries = list(os.scandir(logs))
+    except (AttributeError, OSError):
+        return
+    now = time.time()
+    for entry in entries:
+        name = entry.name
+        if name.startswith("worker-") and name.endswith((".out", ".err")):
+            pid = name.rsplit(".", 1)[0].rsplit("-", 1)[-1]
+        elif name.startswith("python-core-worker-") and name.endswith(".log"):
+            pid = name[:-4].rsplit("_", 1)[-1]
+        else:
+            continue
+        if not pid.isdigit() or os.path.exists(f"/proc/{pid}"):
+            continue
+        try:
+            if now - entry.stat().st_mtime >= min_age_s:
+                os.unlink(entry.path)
+        except OSError:
+            pass
+
+
 def _cpus_held() -> float:
     """The session Ray's CPUs held now (by actors and running tasks)."""
     import ray
@@ -125,6 +160,7 @@ def _free_split_coordinators(request):
     from sbloader.loaders import closer, warm_workers
     from sbloader.runtime import background
 
+    _drop_dead_workers_logs()
     background.join(60)  # pool prestarts the test began park their actors now, not after the next lines
     closer.drain(wait_s=0)  # the loaders the test dropped hand their actors to the idle pool now, not after the next line
     if _cpus_held() > warm_workers.idle_actors():
@@ -170,15 +206,11 @@ _GROUP_WALLS: dict = {}  # the controller's: group -> (seconds, worker)
 
 
 def pytest_runtest_logstart(nodeid, location):
-    import time
-
     if "@" in nodeid:  # an xdist worker's node id ends with "@<group>"
         _GROUP_SPANS.setdefault(nodeid.rsplit("@", 1)[1], [time.time(), 0.0])
 
 
 def pytest_runtest_logfinish(nodeid, location):
-    import time
-
     if "@" in nodeid:
         _GROUP_SPANS[nodeid.rsplit("@", 1)[1]][1] = time.time()
 
@@ -200,8 +232,6 @@ _MACHINE: dict = {}  # the controller's: the loop's seconds and /proc/stat's bus
 
 def _loop_seconds() -> float:
     """A 10**7-step Python loop's time: this VM's speed, which changes by 2x from hour to hour."""
-    import time
-
     start = time.perf_counter()
     for _ in range(10**7):
         pass
