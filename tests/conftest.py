@@ -25,6 +25,7 @@ from sbloader.runtime.session import LOG_MONITOR_ENV
 # new worker logs every 0.5 s, as the embedded Ray's does, not 0.1 s (issue #48).
 for _key, _value in LOG_MONITOR_ENV.items():
     os.environ.setdefault(_key, _value)
+from ray_logs import drop_dead_workers_logs
 from s3_server import S3Server, free_port, s3_environment
 
 # The S3-compatible server's endpoint (the fault proxy in front of moto) is fixed now,
@@ -92,38 +93,16 @@ def no_idle_actors(ray_session):
     yield
 
 
-def _drop_dead_workers_logs(min_age_s: float = 10.0) -> None:
-    """Delete the log files of the session Ray's worker processes that have exited (untouched for
-    ``min_age_s``: their lines were forwarded long ago).
-
-    Ray's log monitor looks at every worker log of its folder ten times a second; the session's
-    Ray starts hundreds of workers, each leaving three files: at 600 files the monitor took 3% of a
-    core and grew with every worker, 0.7% with the dead workers' files gone (``/tmp/lm.py`` in
-    issue #48's note of 2026-12-04; the suite is CPU-bound). A live worker's files (its pid in
-    ``/proc``) are never touched."""
+def _drop_dead_workers_logs() -> None:
+    """The session Ray's exited workers' log files deleted (:mod:`ray_logs`: its log monitor looks at
+    every file of its folder ten times a second)."""
     import ray
 
     try:
         logs = ray._private.worker.global_worker.node.get_logs_dir_path()
-        entries = list(os.scandir(logs))
-    except (AttributeError, OSError):
+    except AttributeError:  # no node (a Ray joined by address, or gone)
         return
-    now = time.time()
-    for entry in entries:
-        name = entry.name
-        if name.startswith("worker-") and name.endswith((".out", ".err")):
-            pid = name.rsplit(".", 1)[0].rsplit("-", 1)[-1]
-        elif name.startswith("python-core-worker-") and name.endswith(".log"):
-            pid = name[:-4].rsplit("_", 1)[-1]
-        else:
-            continue
-        if not pid.isdigit() or os.path.exists(f"/proc/{pid}"):
-            continue
-        try:
-            if now - entry.stat().st_mtime >= min_age_s:
-                os.unlink(entry.path)
-        except OSError:
-            pass
+    drop_dead_workers_logs(logs)
 
 
 def _cpus_held() -> float:

@@ -9,6 +9,7 @@ Also what a fresh driver sees of the cluster: its live nodes, its leftover actor
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -18,9 +19,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
+from ray_logs import drop_dead_workers_logs
 from sbloader.runtime.session import LOG_MONITOR_ENV
 
 RAY_CLI = Path(__file__).resolve().parents[1] / "scripts" / "ray_cli.py"
@@ -123,6 +126,8 @@ class Cluster:
             env=dict(base, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", **HEALTH_CHECKS), capture_output=True, text=True,
             timeout=120)
         assert head.returncode == 0, head.stdout[-2000:] + head.stderr[-2000:]
+        self._stopped = threading.Event()
+        threading.Thread(target=self._prune_logs, daemon=True, name="cluster-logs").start()
         # Only this head's: a raylet another session started meanwhile (the other xdist group's embedded
         # Ray) was taken for the head's, and stop() SIGKILLed it under that session's test.
         self.head_raylet = (set(self._raylets()) & set(_ray_daemons(f"{self.root}/head"))) - self.raylets_before
@@ -165,7 +170,16 @@ class Cluster:
         """SIGKILL every process of a node: its raylet and everything it started (workers, agents)."""
         _kill(_tree(sorted(self.node_raylets[node_id])))
 
+    def _prune_logs(self) -> None:
+        """Every 5 s until the cluster stops, the exited workers' log files of every node's session
+        deleted (:mod:`ray_logs`: each node's log monitor looks at every file ten times a second)."""
+        while not self._stopped.wait(5.0):
+            for logs in glob.glob(f"{self.root}/*/session_2*/logs"):
+                drop_dead_workers_logs(logs)
+
     def stop(self) -> None:
+        if hasattr(self, "_stopped"):
+            self._stopped.set()
         raylets = set(self.head_raylet).union(*self.node_raylets.values())
         daemons = _ray_daemons(self.root) + _ray_daemons_of_port(self.port) + sorted(raylets)
         _kill(sorted(set(_tree(daemons))))
