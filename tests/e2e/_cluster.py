@@ -111,6 +111,7 @@ class Cluster:
     """
 
     def __init__(self, head_cpus: int = 4, nodes: tuple = (4,)) -> None:
+        self._stopped = threading.Event()  # first: stop() sets it, whatever else __init__ got to
         self.root = tempfile.mkdtemp(prefix="sbrc", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
@@ -126,7 +127,6 @@ class Cluster:
             env=dict(base, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", **HEALTH_CHECKS), capture_output=True, text=True,
             timeout=120)
         assert head.returncode == 0, head.stdout[-2000:] + head.stderr[-2000:]
-        self._stopped = threading.Event()
         threading.Thread(target=self._prune_logs, daemon=True, name="cluster-logs").start()
         # Only this head's: a raylet another session started meanwhile (the other xdist group's embedded
         # Ray) was taken for the head's, and stop() SIGKILLed it under that session's test.
@@ -178,8 +178,7 @@ class Cluster:
                 drop_dead_workers_logs(logs)
 
     def stop(self) -> None:
-        if hasattr(self, "_stopped"):
-            self._stopped.set()
+        self._stopped.set()
         raylets = set(self.head_raylet).union(*self.node_raylets.values())
         daemons = _ray_daemons(self.root) + _ray_daemons_of_port(self.port) + sorted(raylets)
         _kill(sorted(set(_tree(daemons))))
