@@ -25,7 +25,7 @@ from sbloader.runtime.session import LOG_MONITOR_ENV
 # new worker logs every 0.5 s, as the embedded Ray's does, not 0.1 s (issue #48).
 for _key, _value in LOG_MONITOR_ENV.items():
     os.environ.setdefault(_key, _value)
-from ray_logs import drop_dead_workers_logs
+from ray_logs import drop_this_rays_dead_workers_logs
 from s3_server import S3Server, free_port, s3_environment
 
 # The S3-compatible server's endpoint (the fault proxy in front of moto) is fixed now,
@@ -93,18 +93,6 @@ def no_idle_actors(ray_session):
     yield
 
 
-def _drop_dead_workers_logs() -> None:
-    """The session Ray's exited workers' log files deleted (:mod:`ray_logs`: its log monitor looks at
-    every file of its folder ten times a second)."""
-    import ray
-
-    try:
-        logs = ray._private.worker.global_worker.node.get_logs_dir_path()
-    except AttributeError:  # no node (a Ray joined by address, or gone)
-        return
-    drop_dead_workers_logs(logs)
-
-
 def _cpus_held() -> float:
     """The session Ray's CPUs held now (by actors and running tasks)."""
     import ray
@@ -139,7 +127,7 @@ def _free_split_coordinators(request):
     from sbloader.loaders import closer, warm_workers
     from sbloader.runtime import background
 
-    _drop_dead_workers_logs()
+    drop_this_rays_dead_workers_logs()  # Ray's log monitor looks at every file of its folder (ray_logs)
     background.join(60)  # pool prestarts the test began park their actors now, not after the next lines
     closer.drain(wait_s=0)  # the loaders the test dropped hand their actors to the idle pool now, not after the next line
     if _cpus_held() > warm_workers.idle_actors():

@@ -40,3 +40,15 @@ def drop_dead_workers_logs(logs_dir: str, min_age_s: float = 10.0) -> int:
         except OSError:
             pass
     return dropped
+
+
+def drop_this_rays_dead_workers_logs() -> int:
+    """:func:`drop_dead_workers_logs` for the Ray this process started (``ray.init``); 0 when it
+    started none (a Ray joined by address, or none at all)."""
+    import ray
+
+    try:
+        logs = ray._private.worker.global_worker.node.get_logs_dir_path()
+    except AttributeError:  # no node of this process's own
+        return 0
+    return drop_dead_workers_logs(logs)
