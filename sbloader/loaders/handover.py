@@ -122,6 +122,10 @@ def prestart(s: Any, carry: Any, epoch_seed: int, handover: Handover, start: int
                           "picklable to load on the cluster", RuntimeWarning, stacklevel=1)
             handover.gave_up = True
             return _release_hold(carry)
+        if not s.persistent_workers and warm_workers.enabled():
+            # an epoch dropped a moment ago (a resume right after ``del it``) hands its actors over when the
+            # closer has closed it: wait for that here, outside the locks its close takes, not start new ones
+            warm_workers.available(carry, s.warm_key(), s.num_workers)
         with PRESTART_LOCK, FORK_LOCK:  # the epoch's close (``closed``) sees the actors, or none at all
             if background.exiting() or carry.dropped or carry.starts != start:
                 return
