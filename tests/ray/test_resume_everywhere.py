@@ -187,7 +187,7 @@ def test_a_class_stage_block_lost_before_its_fetch_is_made_again_through_every_s
         return ray.get(ref, timeout=timeout_s)
 
     def make(rank: int, world_size: int, name: str):
-        ds = sbloader.from_items([{"id": i} for i in range(N)], rows_per_partition=5).map_batches(Shifted)
+        ds = sbloader.from_items([{"id": i} for i in range(N)], rows_per_partition=5).map_batches(Shifted, concurrency=2)
         return ds.to_dataloader(BS, shuffle=True, seed=3, deterministic=True, rank=rank, world_size=world_size,
                                 name=name, shuffle_window=3)
 
