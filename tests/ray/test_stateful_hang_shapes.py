@@ -44,6 +44,7 @@ def test_a_dataset_positioned_generator_resumes_to_the_uninterrupted_epoch(ray_s
             got = [next(it) for _ in range(interrupt)]
             state = dl.state_dict()
             assert got == whole[:interrupt]
+            del it, dl  # the resume takes the interrupted loader's actors (a resume in a new process starts its own)
             again = generator_loader(pw, every)
             again.load_state_dict(state)
             assert got + list(again) == whole, interrupt
