@@ -128,6 +128,8 @@ def prestart(s: Any, carry: Any, epoch_seed: int, handover: Handover, start: int
             warm_workers.available(carry, s.warm_key(), s.num_workers)
         with PRESTART_LOCK, FORK_LOCK:  # the epoch's close (``closed``) sees the actors, or none at all
             if background.exiting() or carry.dropped or carry.starts != start:
+                if carry.dropped and not background.exiting():  # dropped while it waited above: what it
+                    warm_workers.hand_to_process(carry)  # took back to the idle pool, not lost with the loader
                 return
             if s.persistent_workers:
                 cache = carry.actor_cache
