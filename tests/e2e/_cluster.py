@@ -97,8 +97,10 @@ HEALTH_CHECKS = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure
 KEEP_IDLE_WORKERS = {"RAY_idle_worker_killing_time_threshold_ms": "60000"}
 # The raylet a job's first driver joins starts no idle workers for it (one per CPU otherwise: 12 on test_resume's
 # head, ~1 CPU-s each, most never given a task): the first tasks start the workers they need, as in the embedded
-# Ray (``prestart_worker_first_driver`` in sbloader/runtime/session.py). The suite is CPU-bound (issue #48).
-NO_PRESTART = {"RAY_prestart_worker_first_driver": "0"}
+# Ray (``prestart_worker_first_driver`` in sbloader/runtime/session.py). Nor at its own start, nor for a lease
+# request with a backlog (``enable_worker_prestart``: a 4-CPU head started 2 idle workers before any driver came;
+# measured with ``ray start``, 3 worker processes against 1). The suite is CPU-bound (issue #48).
+NO_PRESTART = {"RAY_prestart_worker_first_driver": "0", "RAY_enable_worker_prestart": "0"}
 
 
 class Cluster:
