@@ -107,6 +107,14 @@ def _release_workers():
         loader.__del__()  # its actors go to the idle pool, killed by the conftest's release_idle
 
 
+def drop(loader) -> None:
+    """``loader`` let go now, as a script lets its interrupted loader go before it builds the resumed one:
+    its persistent actors wait in the process's idle pool, where the next loader of the same shape takes
+    them (kept in ``_LOADERS`` to the test's end, each loader of a test started actors of its own)."""
+    _LOADERS.remove(loader)
+    loader.__del__()
+
+
 def via_json(state: dict) -> dict:
     text = json.dumps(state)  # raises on anything that is not plain JSON
     back = json.loads(text)
@@ -122,12 +130,15 @@ def aug_of(batches) -> dict:
     return {i: a.tolist() for b in batches for i, a in zip(b["id"].tolist(), b["aug"])}
 
 
-def take(loader, k: int):
-    """The first ``k`` batches, the state after them, then the iterator is dropped."""
+def take(loader, k: int, then_drop: bool = False):
+    """The first ``k`` batches, the state after them, then the iterator is dropped (and the loader:
+    ``then_drop``)."""
     it = iter(loader)
     first = [next(it) for _ in range(k)]
     state = loader.state_dict()
     it.close()
+    if then_drop:
+        drop(loader)
     return first, state
 
 
@@ -146,6 +157,7 @@ def reference(num_workers: int, mode: str):
     if key not in _REFS:
         loader = make(num_workers, True, mode)
         _REFS[key] = (list(loader), list(loader))
+        drop(loader)
     return _REFS[key]
 
 
@@ -166,7 +178,7 @@ def test_resume_mid_epoch_replays_exactly_the_rest(ray_session, num_workers, in_
     ref = reference(num_workers, mode)[0] if (mode == "gen" and num_workers) else ref0
     order = ids_of(ref0)
 
-    first, state = take(make(num_workers, in_order, mode), K)
+    first, state = take(make(num_workers, in_order, mode), K, then_drop=True)
     state = via_json(state)
     assert state["epoch"] == 0 and state["format"] == "sbloader.DataLoader" and state["version"] == 1
     # the ledger holds exactly what the loop received, not what was prefetched
@@ -212,7 +224,7 @@ def test_unordered_resume_from_a_ledger_with_gaps_twice(ray_session):
     slow = dict(dataset=AugIds(slow=order[:BS], delay=0.5))
     loader = make(2, False, "seed", **slow)
     list(loader)
-    first, s1 = take(loader, K)
+    first, s1 = take(loader, K, then_drop=True)
     s1 = via_json(s1)
     assert s1["epoch"] == 1
     assert len(s1["consumed"]) >= 2 or s1["consumed"][0][0] > 0, f"no out-of-order delivery: {s1['consumed']}"
@@ -220,7 +232,7 @@ def test_unordered_resume_from_a_ledger_with_gaps_twice(ray_session):
 
     second_loader = make(2, False, "seed", **slow)
     second_loader.load_state_dict(s1)
-    second, s2 = take(second_loader, 4)
+    second, s2 = take(second_loader, 4, then_drop=True)
     s2 = via_json(s2)
     assert ledger.count(s2["consumed"]) == (K + 4) * BS
     assert positions_of(s2, order) == set(ids_of(first + second))
@@ -238,7 +250,7 @@ def test_sequential_custom_and_distributed_samplers_resume(ray_session):
     for kw in (dict(mode="none"), dict(mode="none", sampler=EveryOther(N)),
                dict(mode="none", sampler=DistributedSampler(AugIds(), num_replicas=1, rank=0, seed=3))):
         ref = list(make(**kw))
-        first, state = take(make(**kw), K)
+        first, state = take(make(**kw), K, then_drop=True)
         kw2 = dict(kw)
         if "sampler" in kw2:  # a fresh sampler object of the same kind
             kw2["sampler"] = (EveryOther(N) if isinstance(kw["sampler"], EveryOther)
@@ -255,7 +267,7 @@ def test_million_sample_state_is_small(ray_session, num_workers):
     n = 1_000_000
     kw = dict(dataset=Ints(n), batch_size=1000, dataset_id="ints")
     a = make(num_workers, False, "gen", **kw)
-    first, s1 = take(a, 3)
+    first, s1 = take(a, 3, then_drop=True)
     text = json.dumps(s1)
     assert len(text) <= 64 * 1024, len(text)
     taken = {int(i) for b in first for i in b}
@@ -359,6 +371,8 @@ def test_state_at_the_end_of_an_epoch_starts_the_next_one(ray_session, num_worke
     assert at_last_batch["epoch"] == 0 and at_last_batch["empty_remainder"], at_last_batch
     assert exhausted["epoch"] == 1 and exhausted["consumed"] == [] and exhausted["epoch_seed"] is None, exhausted
     assert ids_of(batches) == ids_of(ref0)
+    del it
+    drop(loader)
 
     nxt = make(num_workers, True, "seed")
     nxt.load_state_dict(at_last_batch)
