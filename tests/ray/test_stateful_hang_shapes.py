@@ -48,6 +48,7 @@ def test_a_dataset_positioned_generator_resumes_to_the_uninterrupted_epoch(ray_s
             again = generator_loader(pw, every)
             again.load_state_dict(state)
             assert got + list(again) == whole, interrupt
+            del again  # let go before the next interrupted loader is built, which takes its actors
 
 
 class Alternating(IterableDataset):
@@ -101,8 +102,10 @@ def test_a_dataset_set_up_in_iter_resumes_with_two_workers(ray_session):
     with bounded():
         it = iter(dl := sbloader.DataLoader(SetsUpInIter(100), num_workers=2, collate_fn=ident))
         data = [x for _ in range(70) for x in next(it)]
+        state = dl.state_dict()
+        del it, dl  # the resume takes the interrupted loader's actors
         again = sbloader.DataLoader(SetsUpInIter(100), num_workers=2, collate_fn=ident)
-        again.load_state_dict(dl.state_dict())
+        again.load_state_dict(state)
         it2 = iter(again)
         data += [x for _ in range(30) for x in next(it2)]
         assert sorted(data) == list(range(100))
