@@ -111,6 +111,33 @@ def test_a_segment_holds_at_most_its_batches_in_the_worker(ray_session, monkeypa
     assert stats.operators[0].blocks == len(seen), (stats.operators[0].blocks, len(seen))
 
 
+# (placed with the other 3-worker tests: after the 4-worker ones, the last of which kills the idle pool
+# for its fresh actors, it started 3 actors of its own)
+def test_the_next_round_is_made_while_the_loop_is_still_in_this_one(ray_session, monkeypatch):
+    """Once a round's blocks are all in, the next round starts without waiting for the loop to ask for
+    its first block; the first rounds are short (a quarter, then half a segment)."""
+    import time
+
+    monkeypatch.setattr(shard_rounds, "SHARD_SEGMENT_MIN", 8)
+    rounds, sizes = [], []
+    original_init = shard_rounds.ShardRounds.__init__
+
+    def init(self, start, *args, **kwargs):
+        rounds.append(self)
+        original_init(self, lambda resume, n: sizes.append(n) or start(resume, n), *args, **kwargs)
+    monkeypatch.setattr(shard_rounds.ShardRounds, "__init__", init)
+    loader = sbloader.DataLoader(Long(), batch_size=2, num_workers=3, seed=11, local_start=False, prefetch_factor=1)
+    it = iter(loader)
+    first = next(it)  # round 1: 2 batches of each of 3 shards; the loop took 1 of its 6, at most 2 more are ahead
+    deadline = time.monotonic() + 60
+    while rounds[0].rounds < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert rounds[0].rounds >= 2, "the second round waited for the loop"
+    rest = [b for b in it]
+    assert [first[:, 0].tolist()] + [b[:, 0].tolist() for b in rest] == torchs_order()
+    assert sizes[:3] == [2, 4, 8] and set(sizes[3:]) <= {8}, sizes
+
+
 
 def test_an_actor_running_several_shards_keeps_each_and_reopens_a_moved_copy_afresh(ray_session, monkeypatch):
     # 4 shards of a dataset that is its own iterator, segments of 3 batches: the pool's actors run
@@ -149,28 +176,3 @@ def test_a_moved_segment_of_a_dataset_whose_state_holds_no_position_is_exactly_o
     # the first actor up and the next ones move to the others (warm actors all ready at once move none)
     got = [int(x) for x in sbloader.DataLoader(CountsOnly(), num_workers=4, local_start=False)]
     assert sorted(got) == sorted(100 * w + j for w in range(4) for j in range(9))
-
-
-def test_the_next_round_is_made_while_the_loop_is_still_in_this_one(ray_session, monkeypatch):
-    """Once a round's blocks are all in, the next round starts without waiting for the loop to ask for
-    its first block; the first rounds are short (a quarter, then half a segment)."""
-    import time
-
-    monkeypatch.setattr(shard_rounds, "SHARD_SEGMENT_MIN", 8)
-    rounds, sizes = [], []
-    original_init = shard_rounds.ShardRounds.__init__
-
-    def init(self, start, *args, **kwargs):
-        rounds.append(self)
-        original_init(self, lambda resume, n: sizes.append(n) or start(resume, n), *args, **kwargs)
-    monkeypatch.setattr(shard_rounds.ShardRounds, "__init__", init)
-    loader = sbloader.DataLoader(Long(), batch_size=2, num_workers=3, seed=11, local_start=False, prefetch_factor=1)
-    it = iter(loader)
-    first = next(it)  # round 1: 2 batches of each of 3 shards; the loop took 1 of its 6, at most 2 more are ahead
-    deadline = time.monotonic() + 60
-    while rounds[0].rounds < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert rounds[0].rounds >= 2, "the second round waited for the loop"
-    rest = [b for b in it]
-    assert [first[:, 0].tolist()] + [b[:, 0].tolist() for b in rest] == torchs_order()
-    assert sizes[:3] == [2, 4, 8] and set(sizes[3:]) <= {8}, sizes
