@@ -222,6 +222,8 @@ def test_state_after_the_epoch_resumes_the_next_epoch_as_statefuldataloader(ray_
         list(dl)
         state = saved(dl.state_dict())
         expected = list(dl)
+        del dl  # let go, as a resuming script lets the loader it checkpointed go: again takes its (persistent)
+        # workers from the idle pool instead of starting 2 of its own beside them
         g.manual_seed(4)
         again = sbloader.DataLoader(make(), batch_size=BS, num_workers=2, generator=g,
                                     persistent_workers=persistent, collate_fn=ident)
@@ -229,6 +231,7 @@ def test_state_after_the_epoch_resumes_the_next_epoch_as_statefuldataloader(ray_
         assert list(again) == expected, make.__name__
         n = len(Drawing()) if make is Drawing else sum(SIZES)
         assert sorted(x for b in expected for x, _ in b) == list(range(n)), make.__name__
+        del again  # the next dataset's loader takes its workers
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
