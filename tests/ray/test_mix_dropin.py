@@ -126,10 +126,14 @@ def test_resume_at_a_few_steps_repeats_the_uninterrupted_run(ray_session, num_wo
         if len(whole) in steps:
             states[len(whole)] = json.loads(json.dumps(loader.state_dict()))  # a checkpoint: plain JSON
     assert len(whole) == len(loader) and sorted(states) == list(steps)
+    del loader  # let go, as a resuming script lets its interrupted loader go: its source's workers wait in
+    # the idle pool for the resumed loader (kept, with its stream's next epoch in flight, it holds them and
+    # each resume beside it started workers of its own)
     for k in steps:
         resumed = _loader(num_workers)
         resumed.load_state_dict(states[k])
         assert whole[:k] + _all(resumed) == whole, f"resumed after {k} batches"
+        del resumed  # the next resume takes its workers
 
 
 def test_set_weights_reweights_from_the_next_batch_and_is_checkpointed(ray_session):
