@@ -254,9 +254,10 @@ IDLE_HOLDS_THE_CPUS = """
 import threading, sbloader, torch
 sbloader.init(num_cpus=2)
 def hold_the_cpus():
-    dl = sbloader.DataLoader(torch.arange(16), batch_size=4, num_workers=2, local_start=False)
+    dl = sbloader.DataLoader(torch.arange(16), batch_size=4, num_workers=1, worker_num_cpus=2, local_start=False)
     assert sum(len(b) for b in dl) == 16
-    # dropped: its 2 actors (1 CPU each) wait in the idle pool for an hour (SBLOADER_WARM_IDLE_S)
+    # dropped: its actor (both CPUs: one process to start again after each give-way, not two) waits in the
+    # idle pool for an hour (SBLOADER_WARM_IDLE_S)
 def bounded(*loops):  # each in a thread, waited for at most 150 s
     threads = [threading.Thread(target=loop, daemon=True) for loop in loops]
     [t.start() for t in threads]
