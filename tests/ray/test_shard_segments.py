@@ -138,7 +138,6 @@ def test_the_next_round_is_made_while_the_loop_is_still_in_this_one(ray_session,
     assert sizes[:3] == [2, 4, 8] and set(sizes[3:]) <= {8}, sizes
 
 
-
 def test_an_actor_running_several_shards_keeps_each_and_reopens_a_moved_copy_afresh(ray_session, monkeypatch):
     # 4 shards of a dataset that is its own iterator, segments of 3 batches: the pool's actors run
     # several shards each, round after round. Each shard's generator is kept between its segments

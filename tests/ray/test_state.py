@@ -103,8 +103,7 @@ def _release_workers():
     """Kill every persistent pool a test made, even when it failed (a pool holds CPUs)."""
     yield
     while _LOADERS:
-        loader = _LOADERS.pop()
-        loader.__del__()  # its actors go to the idle pool, killed by the conftest's release_idle
+        drop(_LOADERS[-1])  # its actors go to the idle pool, killed by the conftest's release_idle
 
 
 def drop(loader) -> None:
