@@ -27,3 +27,16 @@ class Segfaults(torch.utils.data.Dataset):
 def quiet(_: int) -> None:
     """A ``worker_init_fn``: the worker's stderr to /dev/null (torch's worker prints its segfault there)."""
     os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+
+
+class ExitsOne(torch.utils.data.Dataset):
+    """``n`` items, each ends its worker with exit code 1 (a worker that died without a signal)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> bytes:
+        os._exit(1)

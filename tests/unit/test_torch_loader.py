@@ -71,3 +71,52 @@ def test_a_killed_worker_off_the_main_thread_names_its_signal_as_torchs():
                          capture_output=True, text=True, timeout=120).stdout
     assert "RuntimeError: DataLoader worker (pid(s)" in out and "exited unexpectedly" in out, out
     assert re.search(r"DataLoader worker \(pid \d+\) is killed by signal: Segmentation fault", out), out
+
+
+# torch's SIGCHLD handler installed (a torch iterator made on the main thread first, as any program that used
+# torch's loader has it): a worker of the local start's iterator, read off the main thread, ends badly while
+# the main thread is busy elsewhere (its training step). torch's handler raised its error there, in the main
+# thread, wherever it was; the error belongs to the loop that reads the worker.
+_HANDLER_INSTALLED = """
+import sys, threading, time, traceback
+sys.path.insert(0, {scripts!r})
+import torch.utils.data
+from sbloader.loaders.torch_loader import torch_loader
+from segfaults import ExitsOne, {dataset}, quiet
+
+list(torch.utils.data.DataLoader(list(range(2)), num_workers=1))  # installs torch's SIGCHLD handler
+out = []
+
+def load():
+    loader = torch_loader()({dataset}(4), num_workers=1, worker_init_fn=quiet, multiprocessing_context="fork")
+    try:
+        next(iter(loader))
+    except Exception:
+        out.append(traceback.format_exc())
+
+thread = threading.Thread(target=load)
+thread.start()
+try:
+    for _ in range(80):  # the main thread's own work
+        time.sleep(0.1)
+    print("main thread undisturbed")
+except Exception:
+    print("main thread interrupted: " + traceback.format_exc())
+thread.join()
+print(out[0] if out else "no error")
+"""
+
+
+@pytest.mark.parametrize("dataset,words", [("ExitsOne", r"exited unexpectedly with exit code 1"),
+                                           ("Segfaults", r"is killed by signal: Segmentation fault")])
+def test_a_worker_ending_badly_raises_in_the_loop_that_reads_it_not_in_the_main_thread(dataset, words):
+    import os
+    import subprocess
+    import sys
+
+    scripts = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+    out = subprocess.run([sys.executable, "-c", _HANDLER_INSTALLED.format(scripts=scripts, dataset=dataset)],
+                         capture_output=True, text=True, timeout=120).stdout
+    assert "main thread undisturbed" in out, out
+    assert "RuntimeError: DataLoader worker (pid(s)" in out and "exited unexpectedly" in out, out
+    assert re.search(r"DataLoader worker \(pid \d+\) " + words, out), out
