@@ -199,54 +199,23 @@ class RebuildProtocol:
 
 def make_again(ep: Epoch, seq: int, pid: int, source: Any = None) -> Any:
     """Partition ``pid`` (at ``seq`` in the epoch's plan) run again through every stage of the
-    epoch's pipeline: its block ref (the drop-in's one reading stage, or a native pipeline's
-    read, functions and callable classes, in order). ``source``: where the partition is (a
-    segment of a stream's round); None: the epoch's source.
-
-    Each call runs on a task or an actor of its own (the pool's actors belong to the epoch's
-    executor); the actors are built, used once and killed. None of them asks for a CPU or a
-    GPU: the pools hold what the nodes that remain have (a replacement for the lost actor may be
-    waiting for one). The ref is owned by the caller, the coordinator.
+    epoch's pipeline (:func:`~sbloader.executor.remake.remake`): its block ref (the drop-in's one
+    reading stage, or a native pipeline's read, functions and callable classes, in order), owned by
+    the caller, the coordinator. ``source``: where the partition is (a segment of a stream's round);
+    None: the epoch's source.
     """
-    import ray
-
     from sbloader.executor.failures import shared_arg
+    from sbloader.executor.remake import remake
     from sbloader.executor.stages import build_stages
-    from sbloader.executor.tasks import EpochInfo, MapActor, block_stage_task, pack, read_stage_task
+    from sbloader.executor.tasks import EpochInfo
 
     spec = ep.spec
     source = spec.source if source is None else source
     part = next(p for p in source.partitions(spec.epoch, spec.plan.epoch_seed, shuffle=spec.plan.shuffle)
                 if p.id == pid)
     info = EpochInfo(spec.epoch, spec.plan.epoch_seed, spec.plan.shuffle)
-    actors: list = []
-
-    def opts(stage: Any) -> dict:
-        return {k: v for k, v in spec.options.placed(stage.ray_options).items() if k not in ("num_cpus", "num_gpus")}
-
-    def actor(stage: Any, before: tuple) -> Any:
-        actors.append(MapActor.options(num_cpus=0, **opts(stage)).remote(stage.ops[-1], 0, 1, before))
-        return actors[-1]
-
-    stages = build_stages(source.name, list(spec.ops))
-    first, reading = stages[0], (shared_arg((source.reader(), source.shared())), (part,))
-    try:
-        if first.kind == "actor":
-            block, meta = actor(first, first.ops[:-1]).read_process.options(num_returns=2).remote(
-                *reading, info, (seq,), first.name, None)
-        else:
-            block, meta = read_stage_task.options(num_returns=2, num_cpus=0, **opts(first)).remote(
-                *reading, pack(first.ops), info, (seq,), first.name, None)
-        for stage in stages[1:]:
-            if stage.kind == "actor":
-                block, meta = actor(stage, ()).process.remote(block, meta, info, None)
-            else:
-                block, meta = block_stage_task.options(num_returns=2, num_cpus=0, **opts(stage)).remote(
-                    block, meta, pack(stage.ops), info, None)
-        ray.get(meta)
-    finally:
-        for a in actors:
-            ray.kill(a, no_restart=True)
+    block = remake(build_stages(source.name, list(spec.ops)), spec.options, info,
+                   shared_arg((source.reader(), source.shared())), part, seq)
     if ep.executor is not None:  # (a stream's rounds: the round running now, counted in the epoch's)
         getattr(ep.executor, "current_stats", ep.executor.stats)().rerun_partitions += 1
     return block

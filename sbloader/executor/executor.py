@@ -19,7 +19,7 @@ from sbloader.core.block import BlockMeta
 from sbloader.core.errors import ExecutorShutdownError
 from sbloader.core.plan import EpochPlan
 from sbloader.core.stats import ExecutionStats
-from sbloader.executor.failures import unwrap
+from sbloader.executor.failures import system_failure, unwrap
 from sbloader.executor.handoff import SlotArena, SlotBlock, enabled as handoff_enabled
 from sbloader.executor.loop import Scheduler
 from sbloader.executor.options import ExecutionOptions, OutputBlock
@@ -30,6 +30,11 @@ from sbloader.sources.base import Source
 
 __all__ = ["ExecutionOptions", "OutputBlock", "PrestartedActor", "StreamingExecutor", "kill_cached",
            "prestart_pools"]
+
+
+def _read(ref: ray.ObjectRef) -> Any:
+    """A ready block's bytes (one ``ray.get``; a test replaces it to lose a block)."""
+    return ray.get(ref)
 
 
 class StreamingExecutor:
@@ -114,17 +119,40 @@ class StreamingExecutor:
         """The block of a ready item: one ``ray.get``, opened from the shared-memory slot
         when its task wrote it there (its arrays then view the slot, writable: it is
         theirs alone, and it is lent again once they are all gone). Arrays from the
-        object store are read-only."""
+        object store are read-only.
+
+        A block lost after its call finished (its node, or the pool actor holding it, died before this
+        read) is made again from its partition's provenance (:mod:`~sbloader.executor.remake`), at most
+        :data:`~sbloader.executor.failures.MAX_RERUNS` times, and that block is returned.
+
+        Raises:
+            TaskLostError: the block was lost more than ``MAX_RERUNS`` times.
+        """
         try:
-            obj = ray.get(item.ref)
-        except BaseException:
+            obj = _read(item.ref)
+        except BaseException as e:
             self._loop.free_lease(item.lease)
-            raise
+            if not (isinstance(e, Exception) and system_failure(e)):
+                raise
+            return self._made_again(item, e)
         if isinstance(obj, SlotBlock):
             self._loop.stats.slot_blocks += 1
             return self._arena.open(obj)
         self._loop.free_lease(item.lease)
         return obj
+
+    def _made_again(self, item: OutputBlock, error: Exception) -> Any:
+        """The block of ``item``, lost with ``error`` before it was read, made again and read."""
+        loop, meta = self._loop, item.meta
+        part = loop.parts[meta.partition_id]
+        while True:
+            loop.reruns.record_lost_block(len(self._stages) - 1, meta.seq, part, error, self._stages[-1].name)
+            try:
+                return ray.get(loop.launcher.remake(part, meta.seq))
+            except Exception as e:
+                if not system_failure(e):
+                    raise unwrap(e)
+                error = e
 
     def release(self, nbytes: int) -> None:
         """The consumer is done with a block of ``nbytes``: it no longer counts."""

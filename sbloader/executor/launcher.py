@@ -51,3 +51,10 @@ class Launcher:
         actor = self._pools.least_busy(i)
         block_ref, meta_ref = actor.handle.process.remote(ref, meta, self._info, lease)
         return block_ref, meta_ref, actor
+
+    def remake(self, part: Any, seq: int) -> Any:
+        """Partition ``part`` (at ``seq``) run again through every stage outside the pools, its block lost after
+        its call finished (:func:`~sbloader.executor.remake.remake`): the new block's ref."""
+        from sbloader.executor.remake import remake
+
+        return remake(self._stages, self._opts, self._info, self._shared, part, seq)

@@ -92,11 +92,11 @@ class Scheduler:
         self._slots = [stage_concurrency(s, cpus) if s.kind != "actor" else 0 for s in stages]
         self.pools = ActorPools(stages, pool_bounds(stages, options.exclude_nodes), options, self.stats.operators,
                                 actor_cache)
-        parts = {p.id: p for p in source.partitions(plan.epoch, plan.epoch_seed, shuffle=plan.shuffle)}
+        self.parts = parts = {p.id: p for p in source.partitions(plan.epoch, plan.epoch_seed, shuffle=plan.shuffle)}
         missing = [pid for pid in plan.order if pid not in parts]
         if missing:
             raise SbloaderError(f"the epoch plan names partitions the source does not have: {missing[:5]}")
-        self._launcher = Launcher(stages, options, EpochInfo(plan.epoch, plan.epoch_seed, plan.shuffle),
+        self.launcher = Launcher(stages, options, EpochInfo(plan.epoch, plan.epoch_seed, plan.shuffle),
                                   shared_arg((source.reader(), source.shared())), self.pools)
         for seq, pid in enumerate(plan.order):
             heapq.heappush(self.queues[0], (seq, next(self._counter), parts[pid]))
@@ -231,7 +231,7 @@ class Scheduler:
         self.budget.queued[i] -= out.meta.nbytes
         lease = self._lease(i)
         try:
-            block_ref, meta_ref, actor = self._launcher.block(i, out.ref, out.meta, lease)
+            block_ref, meta_ref, actor = self.launcher.block(i, out.ref, out.meta, lease)
         except BaseException:  # nothing was launched: the slot was never written
             self.free_lease(lease)
             raise
@@ -257,7 +257,7 @@ class Scheduler:
         leases = tuple(self._lease(0) for _ in parts)
         arg = leases if any(lease is not None for lease in leases) else None
         try:
-            refs, actor = self._launcher.read(parts, seqs, arg)
+            refs, actor = self.launcher.read(parts, seqs, arg)
         except BaseException:  # nothing was launched: the slots were never written
             for lease in leases:
                 self.free_lease(lease)

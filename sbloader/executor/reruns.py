@@ -59,11 +59,7 @@ class Reruns:
         Raises:
             TaskLostError: the partition was already run again :data:`MAX_RERUNS` times.
         """
-        key = (run.stage, run.partition_id)
-        n = self._counts.get(key, 0) + 1
-        if n > MAX_RERUNS:
-            raise lost(stage_name, self._epoch, run.call.items, run.partition_id, error)
-        self._counts[key] = n
+        self._count(run.stage, run.partition_id, run.call.items, error, stage_name)
         self._stats.rerun_partitions += 1
         where = node or UNKNOWN_NODE
         if where not in self._stats.lost_nodes:
@@ -75,6 +71,30 @@ class Reruns:
             warn_once(tag, "sbloader epoch %d: lost node %s (a %r call failed: %s: %s); its partitions run again on "
                       "the other nodes from their provenance, and pools regrow there", self._epoch,
                       where if node else "(unknown)", stage_name, type(error).__name__, first)
+
+    def record_lost_block(self, stage: int, seq: int, part: Any, error: BaseException, stage_name: str) -> None:
+        """The ready block of partition ``part`` (at ``seq`` in the plan; made by stage ``stage``, the last) was lost
+        before the consumer read it (its node or its pool actor died): the partition is about to run again.
+
+        Raises:
+            TaskLostError: the partition was already run again :data:`MAX_RERUNS` times.
+        """
+        self._count(stage, part.id, ((seq, part),), error, stage_name)
+        self._stats.rerun_partitions += 1
+        tag = f"{UNKNOWN_NODE}lost-block"
+        if tag not in self._warned:
+            self._warned.add(tag)
+            first = (str(error).strip().splitlines() or [""])[0][:160]
+            warn_once(tag, "sbloader epoch %d: a ready block of %r was lost before it was read (%s: %s); its "
+                      "partition runs again from its provenance", self._epoch, stage_name, type(error).__name__,
+                      first)
+
+    def _count(self, stage: int, partition_id: int, items: Any, error: BaseException, stage_name: str) -> None:
+        key = (stage, partition_id)
+        n = self._counts.get(key, 0) + 1
+        if n > MAX_RERUNS:
+            raise lost(stage_name, self._epoch, items, partition_id, error)
+        self._counts[key] = n
 
     def watch_nodes(self, pools: Any = None, now: Optional[float] = None, nodes: Optional[list] = None) -> bool:
         """Look at the cluster's nodes (at most every :data:`NODE_POLL_S`): a node gone is named
