@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import time
 from typing import Any, Optional
 
 import torch.utils.data.dataloader as _torch_dataloader
@@ -46,6 +47,8 @@ def torch_loader() -> type:
     raise RuntimeError("torch.utils.data.DataLoader was replaced before sbloader was imported, and sbloader's "
                        "local workers need torch's own DataLoader: import sbloader before replacing it")
 
+
+CHECK_S = 0.25  # how often a wait for the local workers' data looks at how they are
 
 _CHECKING: dict = {}  # torch's class -> its subclass that reports how a worker ended off the main thread
 
@@ -89,15 +92,24 @@ class _ReportsWorkerEnds:
     def __init__(self, data_queue: Any, workers: list) -> None:
         self._queue, self._workers = data_queue, workers
 
-    def get(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return self._queue.get(*args, **kwargs)
-        except queue.Empty:
-            for w in self._workers:
-                message = worker_end(w)
-                if message is not None:
-                    raise RuntimeError(message) from None
-            raise
+    def get(self, block: bool = True, timeout: Optional[float] = None) -> Any:
+        """The next item, waiting at most ``timeout`` seconds (torch's wait, 5 s at a time), the workers' ends
+        looked at every :data:`CHECK_S` meanwhile: a worker that died is reported within that, not at the
+        end of torch's wait."""
+        if not block:
+            return self._queue.get(False)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = CHECK_S if deadline is None else max(0.0, min(CHECK_S, deadline - time.monotonic()))
+            try:
+                return self._queue.get(timeout=wait)
+            except queue.Empty:
+                for w in self._workers:
+                    message = worker_end(w)
+                    if message is not None:
+                        raise RuntimeError(message) from None
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._queue, name)

@@ -97,8 +97,8 @@ def load():
 thread = threading.Thread(target=load)
 thread.start()
 try:
-    for _ in range(80):  # the main thread's own work
-        time.sleep(0.1)
+    while thread.is_alive():  # the main thread's own work, until the loop that reads the worker has its error
+        time.sleep(0.05)
     print("main thread undisturbed")
 except Exception:
     print("main thread interrupted: " + traceback.format_exc())
