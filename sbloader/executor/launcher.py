@@ -5,6 +5,7 @@ from typing import Any, Optional, Sequence
 
 from sbloader.executor.options import ExecutionOptions
 from sbloader.executor.pools import ActorPools
+from sbloader.executor.remake import remake
 from sbloader.executor.stages import Stage
 from sbloader.executor.tasks import EpochInfo, block_stage_task, pack, read_stage_task
 
@@ -55,6 +56,4 @@ class Launcher:
     def remake(self, part: Any, seq: int) -> Any:
         """Partition ``part`` (at ``seq``) run again through every stage outside the pools, its block lost after
         its call finished (:func:`~sbloader.executor.remake.remake`): the new block's ref."""
-        from sbloader.executor.remake import remake
-
         return remake(self._stages, self._opts, self._info, self._shared, part, seq)

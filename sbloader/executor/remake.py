@@ -13,7 +13,7 @@ be waiting for one), and a consumer waiting on its block must not wait behind th
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import ray
 
@@ -49,7 +49,6 @@ def remake(stages: Sequence[Stage], options: ExecutionOptions, info: EpochInfo, 
         return actors[-1]
 
     first = stages[0]
-    block: Optional[ray.ObjectRef] = None
     try:
         if first.kind == "actor":
             block, meta = actor(first, first.ops[:-1]).read_process.options(num_returns=2).remote(

@@ -38,6 +38,11 @@ def warn_once(tag: str, message: str, *args: Any) -> bool:
     return True
 
 
+def _first_line(error: BaseException) -> str:
+    """The first line of ``error``'s message, at most 160 characters."""
+    return (str(error).strip().splitlines() or [""])[0][:160]
+
+
 class Reruns:
     """The re-runs of one execution.
 
@@ -64,13 +69,10 @@ class Reruns:
         where = node or UNKNOWN_NODE
         if where not in self._stats.lost_nodes:
             self._stats.lost_nodes.append(where)
-        tag = where if node else f"{UNKNOWN_NODE}{type(error).__name__}"
-        if tag not in self._warned:
-            self._warned.add(tag)
-            first = (str(error).strip().splitlines() or [""])[0][:160]
-            warn_once(tag, "sbloader epoch %d: lost node %s (a %r call failed: %s: %s); its partitions run again on "
-                      "the other nodes from their provenance, and pools regrow there", self._epoch,
-                      where if node else "(unknown)", stage_name, type(error).__name__, first)
+        self._warn(where if node else f"{UNKNOWN_NODE}{type(error).__name__}",
+                   "sbloader epoch %d: lost node %s (a %r call failed: %s: %s); its partitions run again on the other "
+                   "nodes from their provenance, and pools regrow there", self._epoch,
+                   where if node else "(unknown)", stage_name, type(error).__name__, _first_line(error))
 
     def record_lost_block(self, stage: int, seq: int, part: Any, error: BaseException, stage_name: str) -> None:
         """The ready block of partition ``part`` (at ``seq`` in the plan; made by stage ``stage``, the last) was lost
@@ -81,13 +83,15 @@ class Reruns:
         """
         self._count(stage, part.id, ((seq, part),), error, stage_name)
         self._stats.rerun_partitions += 1
-        tag = f"{UNKNOWN_NODE}lost-block"
+        self._warn(f"{UNKNOWN_NODE}lost-block", "sbloader epoch %d: a ready block of %r was lost before it was read "
+                   "(%s: %s); its partition runs again from its provenance", self._epoch, stage_name,
+                   type(error).__name__, _first_line(error))
+
+    def _warn(self, tag: str, message: str, *args: Any) -> None:
+        """``message`` once per ``tag`` in this execution, and once in this process (:func:`warn_once`)."""
         if tag not in self._warned:
             self._warned.add(tag)
-            first = (str(error).strip().splitlines() or [""])[0][:160]
-            warn_once(tag, "sbloader epoch %d: a ready block of %r was lost before it was read (%s: %s); its "
-                      "partition runs again from its provenance", self._epoch, stage_name, type(error).__name__,
-                      first)
+            warn_once(tag, message, *args)
 
     def _count(self, stage: int, partition_id: int, items: Any, error: BaseException, stage_name: str) -> None:
         key = (stage, partition_id)
@@ -127,10 +131,8 @@ class Reruns:
                 pools.lose_node(node)
             if node not in self._stats.lost_nodes:
                 self._stats.lost_nodes.append(node)
-            if node not in self._warned:
-                self._warned.add(node)
-                warn_once(node, "sbloader epoch %d: lost node %s (it left the cluster); the work it held runs "
-                          "again on the other nodes", self._epoch, node)
+            self._warn(node, "sbloader epoch %d: lost node %s (it left the cluster); the work it held runs again on "
+                       "the other nodes", self._epoch, node)
         for node in sorted(alive - before):
             logger.info("sbloader epoch %d: node %s joined the cluster; work is placed on it", self._epoch, node)
         return bool(alive - before)

@@ -126,7 +126,7 @@ def worker_end(w: Any) -> Optional[str]:
     if code is None:
         try:
             info = os.waitid(os.P_PID, w.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        except (ChildProcessError, OSError, TypeError):  # not our child, or not started
+        except (OSError, TypeError):  # not our child (ChildProcessError), or not started
             return None
         if info is None:
             return None
