@@ -224,9 +224,7 @@ class DiskCache:
                 if retries:  # before the entry appears: its reader finds the count
                     with open(_owed_path(p), "w") as f:
                         f.write(str(retries))
-                view = memoryview(data)
-                while view:  # one write for a file; a loop for the rare short write
-                    view = view[os.write(fd, view):]
+                packs.write_all(fd, [data])  # in pieces: see packs.WRITE_CHUNK
             finally:
                 os.close(fd)
             with self._ledger.held():  # a recount sees the temporary file or the entry, never neither
@@ -264,9 +262,7 @@ class DiskCache:
                 os.fchmod(fd, packs.pack_mode(members[0][3], AHEAD_MARK))
                 if not os.fstat(fd).st_mode & PACK_MARK:
                     raise packs.NoPacks("the filesystem keeps no sticky bit on a file")
-                view = memoryview(b"".join([d for _, d, _ in items] + [packs.footer(members)]))
-                while view:
-                    view = view[os.write(fd, view):]
+                packs.write_all(fd, [d for _, d, _ in items] + [packs.footer(members)])
             finally:
                 os.close(fd)
             with self._ledger.held():  # a recount sees the temporary file or the links, never neither

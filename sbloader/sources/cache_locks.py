@@ -1,11 +1,9 @@
-"""Locks of a cache directory's entries, across processes and threads (:class:`EntryLock`).
-
-Moved out of :mod:`sbloader.sources.cache` unchanged (its module was at the size limit).
-"""
+"""Locks of a cache directory's entries, across processes and threads (:class:`EntryLock`)."""
 from __future__ import annotations
 
 import os
 import struct
+import threading
 from typing import Optional
 
 
@@ -57,14 +55,19 @@ _OFD_OK = [_OFD_SETLKW is not None]  # False once a filesystem refused an OFD lo
 class EntryLock:
     """An exclusive lock on one entry, across processes and threads: a Linux open-file-description
     lock (``F_OFD_SETLKW``) on the byte of the directory's :data:`LOCKS_NAME` file numbered by the
-    entry's hash, on a descriptor of its own (closing it lets go; so does the death of its
-    process). No file is created per entry: creating the ``.lock`` file cost about 0.05 ms of
-    CPU per object, a third of the entry's own write. Where OFD locks are missing (not Linux,
-    a filesystem that refuses them) it falls back to ``flock`` on ``<entry>.lock``."""
+    entry's hash (the death of its process lets go). No file is created per entry: creating the
+    ``.lock`` file cost about 0.05 ms of CPU per object, a third of the entry's own write.
+
+    A process takes its locks on one descriptor of that file, opened once (:func:`_shared_fd`;
+    opening and closing it for each entry were two of the cache's system calls an object, #47).
+    Locks of one open file description do not exclude each other, so the threads of the process
+    first take the byte among themselves (``_HELD``), then from the other processes. Where OFD
+    locks are missing (not Linux, a filesystem that refuses them) it falls back to ``flock`` on
+    ``<entry>.lock``."""
 
     def __init__(self, root: str, entry: str) -> None:
         self._root, self._entry = root, entry
-        self._fd: Optional[int] = None
+        self._held: Optional[tuple] = None  # (lock file, byte, descriptor, pid) while held
         self._fallback: Optional[_FileLock] = None
 
     def __enter__(self) -> "EntryLock":
@@ -78,18 +81,20 @@ class EntryLock:
 
     def _take(self, wait: bool) -> bool:
         if _OFD_OK[0] and (wait or _OFD_SETLK is not None):
-            fd = os.open(os.path.join(self._root, LOCKS_NAME), os.O_RDWR | os.O_CREAT, 0o644)
-            byte = int(os.path.basename(self._entry)[:15], 16)  # 60 bits of the hash: apart for apart entries
+            key = (os.path.join(self._root, LOCKS_NAME), int(os.path.basename(self._entry)[:15], 16))
+            if not _hold_here(key, wait):  # 60 bits of the hash: apart for apart entries
+                return False
             try:
-                _fcntl.fcntl(fd, _OFD_SETLKW if wait else _OFD_SETLK,
-                             struct.pack("hhqqi", _WRLCK, os.SEEK_SET, byte, 1, 0))
-                self._fd = fd
+                fd = _shared_fd(key[0])
+                _fcntl.fcntl(fd, _OFD_SETLKW if wait else _OFD_SETLK, struct.pack("hhqqi", _WRLCK, os.SEEK_SET,
+                                                                                   key[1], 1, 0))
+                self._held = (key[0], key[1], fd, os.getpid())
                 return True
-            except (BlockingIOError, PermissionError):  # EAGAIN/EACCES: held by another
-                os.close(fd)
+            except (BlockingIOError, PermissionError):  # EAGAIN/EACCES: held by another process
+                _let_go_here(key)
                 return False
             except OSError:  # EINVAL, ENOLCK...: this filesystem has no OFD locks
-                os.close(fd)
+                _let_go_here(key)
                 _OFD_OK[0] = False
         os.makedirs(os.path.dirname(self._entry), exist_ok=True)
         lock = _FileLock(self._entry + ".lock")
@@ -99,9 +104,61 @@ class EntryLock:
         return True
 
     def __exit__(self, *exc) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing the description releases its lock
-            self._fd = None
+        if self._held is not None:
+            path, byte, fd, pid = self._held
+            self._held = None
+            if pid == os.getpid():  # a forked child's copy lets go of nothing (the byte is its parent's)
+                try:
+                    _fcntl.fcntl(fd, _OFD_SETLK, struct.pack("hhqqi", _fcntl.F_UNLCK, os.SEEK_SET, byte, 1, 0))
+                finally:
+                    _let_go_here((path, byte))
         if self._fallback is not None:
             self._fallback.__exit__(*exc)
             self._fallback = None
+
+
+_SHARED: dict = {}  # lock file -> (pid, descriptor) this process takes its entries' locks on
+_HELD: set = set()  # (lock file, byte) held by a thread of this process
+_COND = threading.Condition()
+
+
+def _shared_fd(path: str) -> int:
+    """This process's descriptor of the lock file ``path`` (opened once; again in a forked child)."""
+    with _COND:
+        got = _SHARED.get(path)
+        if got is None or got[0] != os.getpid():
+            got = _SHARED[path] = (os.getpid(), os.open(path, os.O_RDWR | os.O_CREAT, 0o644))
+        return got[1]
+
+
+def _hold_here(key: tuple, wait: bool) -> bool:
+    """Take ``key`` among this process's threads (``wait``: until free); whether taken."""
+    with _COND:
+        while key in _HELD:
+            if not wait:
+                return False
+            _COND.wait()
+        _HELD.add(key)
+        return True
+
+
+def _let_go_here(key: tuple) -> None:
+    with _COND:
+        _HELD.discard(key)
+        _COND.notify_all()
+
+
+def _after_fork() -> None:
+    global _COND
+    _COND = threading.Condition()  # a parent's thread may have held it at the fork
+    _HELD.clear()  # the parent's threads' bytes: none of this process's
+    for _, fd in _SHARED.values():  # the parent's description (its locks): never used here
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _SHARED.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)

@@ -9,7 +9,8 @@ partitions it fetched ahead) in one file: their bytes, then a footer naming each
 (its entry's hash, offset, size, the marks of a fetch ahead and its retries). Each
 member's entry (:meth:`~sbloader.sources.cache.DiskCache.path_for`) is a hard link to
 the pack, so a lookup is the ``stat`` of the entry as before; a pack is told by
-:data:`PACK_MARK` in its mode and the member is read at its offset.
+:data:`PACK_MARK` in its mode and the member is read at its offset, with one ``pread``
+from the pack the process keeps open (:mod:`sbloader.sources.open_packs`).
 
 The links share the pack's inode, so the pack has one read time (eviction takes a pack
 whole, every link: :func:`~sbloader.sources.cache_ledger.scan` counts an inode once),
@@ -24,7 +25,9 @@ from __future__ import annotations
 import os
 import struct
 import threading
-from typing import Optional
+from typing import Any, Optional
+
+from sbloader.sources import open_packs
 
 #: The mode bit (the sticky bit, which Linux ignores on a file) telling a pack from an entry.
 PACK_MARK = 0o1000
@@ -35,9 +38,6 @@ _TAIL = struct.Struct("<I16s8s")  # members, pack id, magic
 _MARKS_AT = 32 + 8 + 8  # the marks byte's place in a record
 _OWED: dict = {}  # entry path -> retries of its fetch ahead, taken with its marks, not yet counted
 _OWED_LOCK = threading.Lock()
-_PLACES: dict = {}  # pack id -> its members' places (:func:`_places`)
-_PLACES_LOCK = threading.Lock()
-_PLACES_KEPT = 4096  # packs whose places a process keeps, at most (then it forgets them all)
 
 
 class NoPacks(OSError):
@@ -58,7 +58,7 @@ def pop_owed(path: str) -> Optional[int]:
 
 def footer(members: list[tuple[str, int, int, int, int]]) -> bytes:
     """A pack's footer: ``(entry name, offset, size, marks, retries)`` per member, then
-    their count, the pack's id (random: a process keeps the members' places by it) and the magic."""
+    their count, the pack's id (random) and the magic."""
     out = [_RECORD.pack(bytes.fromhex(name), off, size, marks, retries) for name, off, size, marks, retries in members]
     return b"".join(out) + _TAIL.pack(len(members), os.urandom(16), _MAGIC)
 
@@ -74,91 +74,121 @@ def _footer(fd: int, size: int) -> tuple[bytes, int, bytes]:
     return pack_id, start, os.pread(fd, n * _RECORD.size, start)
 
 
-def _places(fd: int, size: int) -> dict:
-    """Each member's ``digest -> (record's place, offset, size)``, kept per pack id (they never
-    change; the marks do, and are read afresh: :func:`take_member_marks`)."""
-    pack_id = os.pread(fd, _TAIL.size, size - _TAIL.size)[4:20] if size >= _TAIL.size else b""
-    with _PLACES_LOCK:
-        got = _PLACES.get(pack_id)
-    if got is not None:
-        return got
-    pack_id, start, raw = _footer(fd, size)
-    got = {}
-    for i in range(len(raw) // _RECORD.size):
-        digest, off, n, _, _ = _RECORD.unpack_from(raw, i * _RECORD.size)
-        got[digest] = (start + i * _RECORD.size, off, n)
-    with _PLACES_LOCK:
-        if len(_PLACES) >= _PLACES_KEPT:
-            _PLACES.clear()
-        _PLACES[pack_id] = got
+def _places(o: Any) -> dict:
+    """Each member's ``digest -> (record's place, offset, size)`` of the open pack ``o``, read
+    from its footer once (they never change; the marks do, and are read afresh:
+    :func:`take_member_marks`)."""
+    got = o.places
+    if got is None:
+        _, start, raw = _footer(o.fd, os.fstat(o.fd).st_size)
+        got = {}
+        for i in range(len(raw) // _RECORD.size):
+            digest, off, n, _, _ = _RECORD.unpack_from(raw, i * _RECORD.size)
+            got[digest] = (start + i * _RECORD.size, off, n)
+        o.places = got
     return got
 
 
+def _place(o: Any, path: str) -> tuple[int, int, int]:
+    place = _places(o).get(bytes.fromhex(os.path.basename(path)))
+    if place is None:
+        raise OSError(f"{path!r} is not a member of its pack")
+    return place
+
+
 def read_entry(path: str) -> bytes:
-    """An entry's bytes: the whole file, or its member of a pack (one open either way).
+    """An entry's bytes: the whole file, or its member of a pack (one ``pread`` from the pack
+    this process keeps open: :mod:`sbloader.sources.open_packs`).
 
     Raises:
         OSError: the entry went (evicted) or its pack does not hold it.
     """
-    fd = os.open(path, os.O_RDONLY)
+    st = os.stat(path)
+    if st.st_mode & PACK_MARK:
+        with open_packs.held(path, st, PACK_MARK) as o:
+            if o is not None:
+                _, off, n = _place(o, path)
+                return _pread_all(o.fd, n, off, path)
+    fd = os.open(path, os.O_RDONLY)  # a file of its own (or replaced by one meanwhile)
     try:
-        st = os.fstat(fd)
-        if not st.st_mode & PACK_MARK:
-            off, n = 0, st.st_size
-        else:
-            place = _places(fd, st.st_size).get(bytes.fromhex(os.path.basename(path)))
-            if place is None:
-                raise OSError(f"{path!r} is not a member of its pack")
-            _, off, n = place
-        data = os.pread(fd, n, off)
-        if len(data) != n:
-            raise OSError(f"{path!r}: cut short ({len(data)} of {n} bytes)")
-        return data
+        return _pread_all(fd, os.fstat(fd).st_size, 0, path)
     finally:
         os.close(fd)
 
 
-def _record_of(raw: bytes, digest: bytes) -> Optional[int]:
-    """The index of the record of ``digest`` among ``raw`` records (None: not a member). A search
-    of the bytes, not an unpacking of every record: each member's reader asks (it was a quarter of
-    a fetch thread's CPU with 64 members a pack)."""
-    at = raw.find(digest)
-    while at != -1:
-        if at % _RECORD.size == 0:
-            return at // _RECORD.size
-        at = raw.find(digest, at + 1)
-    return None
+def _pread_all(fd: int, n: int, off: int, path: str) -> bytes:
+    data = os.pread(fd, n, off)
+    if len(data) != n:
+        raise OSError(f"{path!r}: cut short ({len(data)} of {n} bytes)")
+    return data
 
 
 def take_member_marks(path: str, ahead_mark: int) -> tuple[int, int]:
     """Take the marks of the member at ``path`` for the one reader that takes them:
     ``(marks, retries owed)``, ``(0, 0)`` for the others. Under an exclusive ``flock`` on
-    the pack; when no member has marks left, the pack's ``ahead_mark`` (the mode bit saying
-    some member has marks) goes too."""
+    the pack (and its lock among this process's threads, which share its descriptor); when
+    no member has marks left, the pack's ``ahead_mark`` (the mode bit saying some member has
+    marks) goes too."""
     import fcntl
 
     try:
-        fd = os.open(path, os.O_RDWR)
+        st = os.stat(path)
+        with open_packs.held(path, st, PACK_MARK) as o:
+            if o is None:
+                return 0, 0
+            with o.marks_lock:
+                fcntl.flock(o.fd, fcntl.LOCK_EX)
+                try:
+                    return _take(o, path, ahead_mark)
+                finally:
+                    fcntl.flock(o.fd, fcntl.LOCK_UN)
     except OSError:
         return 0, 0
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        st = os.fstat(fd)
-        if not st.st_mode & ahead_mark:
-            return 0, 0
-        _, start, raw = _footer(fd, st.st_size)
-        i = _record_of(raw, bytes.fromhex(os.path.basename(path)))
-        marks = raw[_MARKS_AT::_RECORD.size]  # every member's marks byte (one slice, not a record each)
-        if i is None or not marks[i]:
-            return 0, 0
-        os.pwrite(fd, b"\0", start + i * _RECORD.size + _MARKS_AT)
-        if marks.count(0) == len(marks) - 1:  # no other member has marks left
-            os.fchmod(fd, st.st_mode & 0o7777 & ~ahead_mark)
-        return marks[i], _RECORD.unpack_from(raw, i * _RECORD.size)[4]
-    except OSError:
+
+
+def _take(o: Any, path: str, ahead_mark: int) -> tuple[int, int]:
+    """:func:`take_member_marks` with the pack's locks held: every member's marks byte read
+    with one ``pread`` of the records, this member's cleared."""
+    at, _, _ = _place(o, path)
+    start = min(p[0] for p in o.places.values())
+    raw = os.pread(o.fd, len(o.places) * _RECORD.size, start)
+    marks = raw[_MARKS_AT::_RECORD.size]
+    i = (at - start) // _RECORD.size
+    if not marks[i]:
         return 0, 0
-    finally:
-        os.close(fd)  # closing releases the flock
+    os.pwrite(o.fd, b"\0", at + _MARKS_AT)
+    if marks.count(0) == len(marks) - 1:  # no other member has marks left
+        os.fchmod(o.fd, os.fstat(o.fd).st_mode & 0o7777 & ~ahead_mark)
+    return marks[i], _RECORD.unpack_from(raw, i * _RECORD.size)[4]
+
+
+#: Bytes one ``writev`` of a pack writes, at most. The page cache sizes its folios by the write:
+#: a pack written whole (megabytes) takes 2 MiB folios, which on this project's VM come from
+#: memory the host has taken back (free page reporting): 0.12-0.26 ms of CPU per 61 KB object,
+#: against 0.017-0.03 ms written in pieces of 64 KiB to 1 MiB (#47, ``docs/remote_data.md``).
+WRITE_CHUNK = 256 * 1024
+
+
+def write_all(fd: int, parts: list) -> None:
+    """Write ``parts`` (bytes-like) one after the other, :data:`WRITE_CHUNK` bytes a ``writev``
+    at most (no joined copy of the pack either)."""
+    views = [memoryview(b).cast("B") for b in parts if len(b)]
+    i = 0
+    while i < len(views):
+        batch, size, j = [], 0, i
+        while j < len(views) and size < WRITE_CHUNK:
+            v = views[j][:WRITE_CHUNK - size]
+            batch.append(v)
+            size += len(v)
+            j += 1
+        n = os.writev(fd, batch)
+        while n:  # past what was written: whole parts, then the written head of the next
+            if n >= len(views[i]):
+                n -= len(views[i])
+                i += 1
+            else:
+                views[i] = views[i][n:]
+                n = 0
 
 
 def link_members(tmp: str, entries: list[str], linked: list) -> None:

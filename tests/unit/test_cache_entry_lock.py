@@ -66,3 +66,37 @@ def test_without_ofd_locks_an_entry_lock_falls_back_to_a_lock_file_per_entry(tmp
         assert os.path.exists(p + ".lock")
         assert not _waits(c, "s3://b/a").wait(0.3)
         assert _waits(c, "s3://b/b").wait(10)
+
+
+def test_a_process_takes_its_entries_locks_on_one_descriptor_and_a_forked_child_on_its_own(tmp_path, monkeypatch):
+    """Opening and closing the lock file for each entry were two system calls an object (#47):
+    the file is opened once per process. Locks of one open description do not exclude each other,
+    so a thread trying an entry another thread holds is refused by the process itself, and a
+    forked child (which inherits the description) opens its own and is refused by the kernel."""
+    c = DiskCache(str(tmp_path))
+    opened = []
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda p, *a, **k: opened.append(p) or real_open(p, *a, **k))
+    for i in range(20):
+        with c.lock_at(c.path_for(f"s3://b/{i}", "v")):
+            pass
+    assert [p for p in opened if p.endswith(LOCKS_NAME)] == [os.path.join(str(tmp_path), LOCKS_NAME)]
+    monkeypatch.setattr(os, "open", real_open)
+    held = c.lock_at(c.path_for("s3://b/a", "v"))
+    with held:
+        other = []
+        t = threading.Thread(target=lambda: other.append(c.lock_at(c.path_for("s3://b/a", "v")).try_enter()))
+        t.start()
+        t.join(10)
+        assert other == [False], "a second thread took an entry's lock while the first held it"
+        for let_go in (True, False):  # a child's copy lets go of nothing: the next child is refused too
+            pid = os.fork()
+            if pid == 0:
+                ok = not c.lock_at(c.path_for("s3://b/a", "v")).try_enter()
+                if let_go:
+                    held.__exit__(None, None, None)
+                os._exit(0 if ok else 1)
+            assert os.waitpid(pid, 0)[1] == 0, "a forked child took the lock its parent held"
+    again = c.lock_at(c.path_for("s3://b/a", "v"))
+    assert again.try_enter()
+    again.__exit__(None, None, None)

@@ -109,3 +109,71 @@ def test_where_packs_cannot_be_made_each_object_is_an_entry_of_its_own(tmp_path,
     with pytest.raises(OSError, match="No space"):
         c.put_pack(more)
     assert not any(os.path.exists(p) for p, _, _ in more) and c.used_bytes() == 300
+
+
+def test_members_are_read_from_the_pack_held_open_and_a_pack_remade_meanwhile_is_read_anew(tmp_path, monkeypatch):
+    """A pack is opened once per process, not once per member (#47: five system calls an object),
+    at most ``open_packs.KEPT`` stay open, and a pack evicted while held open and written again
+    under the same names is read afresh (a held inode's number is never another file's)."""
+    from sbloader.sources import open_packs
+
+    open_packs.forget_all()
+    c = DiskCache(str(tmp_path / "c"))
+    packs = [[(c.path_for(f"s3://b/{k}-{i}", "v"), bytes([k, i]) * 700, 0) for i in range(6)] for k in range(12)]
+    for items in packs:
+        assert c.put_pack(items) == [True] * 6
+    opened = []
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda p, *a, **k: opened.append(p) or real_open(p, *a, **k))
+    for items in packs:
+        assert [read_entry(p) for p, _, _ in items] == [d for _, d, _ in items]
+    assert len(opened) == len(packs)  # one open per pack
+    assert len(open_packs._OPEN) == open_packs.KEPT
+    before = len(os.listdir("/proc/self/fd"))
+    first = packs[-1]
+    for p, _, _ in first:  # evicted (every link), then the same entries written again with other bytes
+        os.unlink(p)
+    remade = [(p, b"new" + d, 0) for p, d, _ in first]
+    assert c.put_pack(remade) == [True] * 6
+    assert [read_entry(p) for p, _, _ in remade] == [d for _, d, _ in remade]
+    open_packs.forget_all()
+    assert len(os.listdir("/proc/self/fd")) <= before - open_packs.KEPT + 1
+
+
+def test_a_pack_is_written_in_pieces_the_page_cache_keeps_small(tmp_path, monkeypatch):
+    """One ``writev`` of a whole pack (megabytes) took 2 MiB page-cache folios, which cost ~10x
+    the CPU of pieces of <= 1 MiB on the VM this is measured on (#47)."""
+    from sbloader.sources import cache_packs
+
+    sizes = []
+    real = os.writev
+    monkeypatch.setattr(os, "writev", lambda fd, bufs: sizes.append(sum(len(b) for b in bufs)) or real(fd, bufs))
+    c = DiskCache(str(tmp_path / "c"))
+    items = [(c.path_for(f"s3://b/{i}", "v"), os.urandom(100_000 + i), 0) for i in range(40)]
+    assert c.put_pack(items) == [True] * 40
+    assert cache_packs.WRITE_CHUNK <= 1 << 20 and max(sizes) <= 1 << 20 and len(sizes) >= 4  # 4 MB in pieces
+    assert [read_entry(p) for p, _, _ in items] == [d for _, d, _ in items]
+
+
+def test_a_members_marks_are_taken_by_one_of_the_threads_reading_it_at_once(tmp_path):
+    """Threads share the pack's descriptor, whose ``flock`` does not keep them apart: the pack's
+    lock among threads does, so one reader counts the miss and the others hits."""
+    import threading
+
+    c = DiskCache(str(tmp_path / "c"))
+    items = [(c.path_for(f"s3://b/{i}", "v"), bytes([i]) * 500, 0) for i in range(24)]
+    assert c.put_pack(items, ahead=True, count=True) == [True] * 24
+    for p, d, _ in items:
+        got, start = [], threading.Barrier(8)
+
+        def look() -> None:
+            start.wait()
+            got.append(c.check(p, len(d))[1])
+
+        threads = [threading.Thread(target=look) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert len(got) == 8 and sum(1 for m in got if m) == 1, got
+    assert not os.stat(items[0][0]).st_mode & 0o100  # the last member's mark took the pack's
