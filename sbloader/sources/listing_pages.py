@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import deque
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 #: Bytes of objects a listing fetches into the cache while it goes on, at most (the
@@ -27,6 +28,12 @@ LISTING_PREFETCH_BYTES = 256 * 2 ** 20
 
 #: Environment variable replacing :data:`LISTING_PREFETCH_BYTES` (``0`` turns it off).
 LISTING_PREFETCH_ENV = "SBLOADER_LISTING_PREFETCH_BYTES"
+
+#: The listing's fetches in flight, at most (the rest wait their turn, and are dropped at the
+#: listing's end). All 128 of the process's fetch threads at once took the driver's GIL from the
+#: listing and the dataset's creation: 2,000 keys at 20 ms took 0.12-0.23 s to create against
+#: 0.09 s with nothing fetched (#47); 32 at 20 ms still fetch ~1,600 objects a second.
+LISTING_IN_FLIGHT = 32
 
 _PAGE = 1000  # keys per S3 listing request: one page handed on at a time
 
@@ -84,7 +91,9 @@ class ListingPrefetch:
         self._versions: dict = {}
         self._remote = RemoteFiles(None, cache, self._versions, max_in_flight)
         self._left = int(max_bytes)
-        self._futures: list = []
+        self._futures: list = []  # the fetches started
+        self._queue: deque = deque()  # the objects waiting for one of the LISTING_IN_FLIGHT turns
+        self._running = 0
         self._lock = threading.Lock()
         self._checked = False
 
@@ -93,9 +102,8 @@ class ListingPrefetch:
         return stream_pages(uri, path, filesystem)
 
     def __call__(self, page: Sequence[Any]) -> None:
-        """Start fetching the page's objects that fit what is left of the byte budget."""
-        from sbloader.sources.inflight import pool
-
+        """Fetch the page's objects that fit what is left of the byte budget, at most
+        :data:`LISTING_IN_FLIGHT` at a time."""
         with self._lock:
             if not self._checked:  # on a cluster, the driver's cache is not the readers'
                 self._checked = True
@@ -108,24 +116,49 @@ class ListingPrefetch:
                 self._left -= o.size
                 self._versions[o.uri] = (o.size, o.mtime_ns)
                 take.append(o.uri)
-        if take:
-            ex = pool(self._remote.max_in_flight)
-            self._futures.extend(ex.submit(self._remote._prefetch_one, u) for u in take)
+            self._queue.extend(take)
+        self._pump()
+
+    def _pump(self, done: Any = None) -> None:
+        """Start queued fetches while fewer than :data:`LISTING_IN_FLIGHT` are running (``done``:
+        the fetch that just ended, its turn given back)."""
+        from sbloader.sources.inflight import pool
+
+        ended = 0 if done is None else 1
+        while True:  # a loop, not a callback within a callback, for fetches that ended at once
+            start = []
+            with self._lock:
+                self._running -= ended
+                while self._queue and self._running < LISTING_IN_FLIGHT:
+                    start.append(self._queue.popleft())
+                    self._running += 1
+            if not start:
+                return
+            ended = 0
+            for u in start:
+                f = pool(self._remote.max_in_flight).submit(self._remote._prefetch_one, u)
+                with self._lock:
+                    self._futures.append(f)
+                if f.done():
+                    ended += 1
+                else:
+                    f.add_done_callback(self._pump)
 
     def stop(self) -> None:
         """The listing ended: drop the fetches not started yet (those in flight finish), so the
         fetch uses the listing's time only and leaves the pool and the cores to the epoch."""
         with self._lock:
             self._left = 0
-        for f in self._futures:
-            f.cancel()
+            self._queue.clear()
 
     def wait(self) -> dict:
         """Wait for the fetches started; their counts (``prefetched``, ``objects_read``,
         ``bytes_read``, ``retries``) summed. A fetch that failed or was dropped is left to the
         read task."""
         counts: dict = {}
-        for f in self._futures:
+        with self._lock:
+            futures = list(self._futures)
+        for f in futures:
             if not f.cancelled() and f.exception() is None:
                 for k, v in f.result().items():
                     counts[k] = counts.get(k, 0) + v
