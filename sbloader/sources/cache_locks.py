@@ -88,7 +88,7 @@ class EntryLock:
                 fd = _shared_fd(key[0])
                 _fcntl.fcntl(fd, _OFD_SETLKW if wait else _OFD_SETLK, struct.pack("hhqqi", _WRLCK, os.SEEK_SET,
                                                                                    key[1], 1, 0))
-                self._held = (key[0], key[1], fd, os.getpid())
+                self._held = (key[0], key[1], fd, _PID[0])
                 return True
             except (BlockingIOError, PermissionError):  # EAGAIN/EACCES: held by another process
                 _let_go_here(key)
@@ -107,7 +107,7 @@ class EntryLock:
         if self._held is not None:
             path, byte, fd, pid = self._held
             self._held = None
-            if pid == os.getpid():  # a forked child's copy lets go of nothing (the byte is its parent's)
+            if pid == _PID[0]:  # a forked child's copy lets go of nothing (the byte is its parent's)
                 try:
                     _fcntl.fcntl(fd, _OFD_SETLK, struct.pack("hhqqi", _fcntl.F_UNLCK, os.SEEK_SET, byte, 1, 0))
                 finally:
@@ -117,7 +117,8 @@ class EntryLock:
             self._fallback = None
 
 
-_SHARED: dict = {}  # lock file -> (pid, descriptor) this process takes its entries' locks on
+_SHARED: dict = {}  # lock file -> the descriptor this process takes its entries' locks on
+_PID = [os.getpid()]  # this process's (set again in a forked child: os.getpid is a system call a lock)
 _HELD: set = set()  # (lock file, byte) held by a thread of this process
 _COND = threading.Condition()
 
@@ -125,10 +126,10 @@ _COND = threading.Condition()
 def _shared_fd(path: str) -> int:
     """This process's descriptor of the lock file ``path`` (opened once; again in a forked child)."""
     with _COND:
-        got = _SHARED.get(path)
-        if got is None or got[0] != os.getpid():
-            got = _SHARED[path] = (os.getpid(), os.open(path, os.O_RDWR | os.O_CREAT, 0o644))
-        return got[1]
+        fd = _SHARED.get(path)
+        if fd is None:
+            fd = _SHARED[path] = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        return fd
 
 
 def _hold_here(key: tuple, wait: bool) -> bool:
@@ -151,8 +152,9 @@ def _let_go_here(key: tuple) -> None:
 def _after_fork() -> None:
     global _COND
     _COND = threading.Condition()  # a parent's thread may have held it at the fork
+    _PID[0] = os.getpid()
     _HELD.clear()  # the parent's threads' bytes: none of this process's
-    for _, fd in _SHARED.values():  # the parent's description (its locks): never used here
+    for fd in _SHARED.values():  # the parent's description (its locks): never used here
         try:
             os.close(fd)
         except OSError:

@@ -85,7 +85,8 @@ def _places(o: Any) -> dict:
         for i in range(len(raw) // _RECORD.size):
             digest, off, n, _, _ = _RECORD.unpack_from(raw, i * _RECORD.size)
             got[digest] = (start + i * _RECORD.size, off, n)
-        o.places = got
+        o.records_at = start
+        o.places = got  # after records_at: a thread that sees places sees where they start
     return got
 
 
@@ -150,7 +151,7 @@ def _take(o: Any, path: str, ahead_mark: int) -> tuple[int, int]:
     """:func:`take_member_marks` with the pack's locks held: every member's marks byte read
     with one ``pread`` of the records, this member's cleared."""
     at, _, _ = _place(o, path)
-    start = min(p[0] for p in o.places.values())
+    start = o.records_at
     raw = os.pread(o.fd, len(o.places) * _RECORD.size, start)
     marks = raw[_MARKS_AT::_RECORD.size]
     i = (at - start) // _RECORD.size

@@ -31,13 +31,14 @@ class OpenPack:
     the first reader) and a lock for its members' marks among this process's threads (a
     ``flock`` on one shared descriptor does not keep them apart)."""
 
-    __slots__ = ("fd", "users", "dropped", "places", "marks_lock")
+    __slots__ = ("fd", "users", "dropped", "places", "records_at", "marks_lock")
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
         self.users = 0
         self.dropped = False
         self.places: Optional[Any] = None
+        self.records_at = 0  # where the footer's records start (set with ``places``)
         self.marks_lock = threading.Lock()
 
 
