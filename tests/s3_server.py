@@ -58,7 +58,9 @@ class FaultProxy:
         faults_done: faults injected so far.
         order: while recording (:meth:`record`), the requests in the order the proxy saw
             them: ``("get", "in")`` when an object GET arrives, ``("get", "out", key)`` when
-            its answer starts to be sent, ``("list", "out")`` when a listing page has been answered;
+            its answer starts to be sent, ``("list", "in", "page")`` when a listing request arrives
+            (``"top"``: a listing of the top level only, with a delimiter), ``("list", "out")`` when
+            it has been answered;
             a test may add its own events (:meth:`note`).
         held: key suffix -> the event an object GET of such a key waits for before it is
             answered (:meth:`hold`).
@@ -178,6 +180,8 @@ def _handler(proxy: FaultProxy) -> type:
             fault = None
             if kind == "object" and self.command == "GET":
                 proxy._note(("get", "in"))
+            elif kind == "list" and self.command == "GET":
+                proxy._note(("list", "in", "top" if "delimiter=" in path else "page"))
             with proxy.lock:
                 if kind == "object" and self.command == "GET" and proxy.faults:
                     fault = proxy.faults.popleft()

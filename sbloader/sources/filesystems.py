@@ -21,10 +21,10 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Protocol, Sequence
+from typing import Any, Optional, Sequence
 from urllib.parse import urlsplit
 
-import ray
+from sbloader.sources.prefix_listing import PageSink, join_uri, list_prefix, mtime_ns, rel_path
 
 #: Schemes resolved by ``pyarrow.fs.FileSystem.from_uri``.
 PYARROW_SCHEMES = frozenset({"s3", "gs", "gcs", "abfs", "abfss", "hdfs", "viewfs"})
@@ -179,127 +179,6 @@ def _fsspec_resolve(uri: str) -> Any:
     return pafs.PyFileSystem(pafs.FSSpecHandler(fs))
 
 
-def _mtime_ns(info: Any) -> int:
-    try:
-        return int(info.mtime_ns or 0)
-    except (AttributeError, TypeError, ValueError):
-        return 0
-
-
-def _rel(base_path: str, child_path: str) -> str:
-    """``child_path`` relative to ``base_path`` (filesystems differ on a leading ``/``)."""
-    b, c = base_path.strip("/"), child_path.lstrip("/")
-    if b and not c.startswith(b + "/"):
-        raise ValueError(f"the filesystem listed {child_path!r} under {base_path!r}, which does not contain it")
-    return c[len(b):].lstrip("/") if b else c
-
-
-def _join(base_uri: str, base_path: str, child_path: str) -> str:
-    """The URI of ``child_path`` listed under ``base_path`` (the fs path of ``base_uri``)."""
-    return base_uri.rstrip("/") + "/" + _rel(base_path, child_path)
-
-
-#: A prefix with at least this many sub-prefixes ("folders") is listed by Ray tasks, each
-#: listing a group of them, instead of by the driver alone.
-PARALLEL_LISTING_MIN_PREFIXES = 64
-
-#: Sub-prefixes one listing task lists, at most.
-_PREFIXES_PER_LISTING_TASK = 16
-
-
-@dataclass(frozen=True)
-class _Listed:
-    """A listed file: its path in the filesystem, size and modification time (picklable)."""
-
-    path: str
-    size: int
-    mtime_ns: int
-
-
-def _list_recursive(fs: Any, path: str) -> list[_Listed]:
-    import pyarrow.fs as pafs
-
-    try:
-        found = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
-    except FileNotFoundError:
-        return []
-    return [_Listed(f.path, int(f.size or 0), _mtime_ns(f)) for f in found if f.type == pafs.FileType.File]
-
-
-def list_prefixes(uris: Sequence[str], filesystem: Any = None) -> list[list[_Listed]]:
-    """List each prefix recursively (what a listing task runs)."""
-    out = []
-    for u in uris:
-        fs, path = resolve(u, filesystem)
-        out.append(_list_recursive(fs, path))
-    return out
-
-
-_list_task = ray.remote(num_cpus=0.25, max_retries=3)(list_prefixes)
-
-
-def _list_prefix(fs: Any, path: str, uri: str, filesystem: Any, on_page: Optional[PageSink] = None,
-                 accept: Any = None) -> list[_Listed]:
-    """Every file under ``path``: one recursive listing in the driver (with ``on_page``, a :class:`PageSink`,
-    page by page where it can list the store so, each page handed to it as it comes, filtered by ``accept``),
-    or, when the prefix has many sub-prefixes, one Ray task per group of them (the caller sorts). Streamed, the
-    top level is listed (sub-prefixes counted) only after two pages, the first with a key in one."""
-    import pyarrow.fs as pafs
-
-    pages = on_page.pages(uri, path, filesystem) if on_page is not None else None
-    files: list[_Listed] = []
-    def take(page: list) -> None:
-        listed = [_Listed(*f) for f in page]
-        files.extend(listed)
-        on_page(accept(listed))
-
-    nested = False
-    for page in pages or ():
-        take(page)
-        if nested:
-            break  # sub-prefixes and a second page: as many as a parallel listing is for? (asked below, once)
-        nested = len(files) == len(page) and any("/" in _rel(path, f[0]) for f in page)
-    else:
-        if pages is not None:
-            return files  # whole (one page, sub-prefixes or not, is one request)
-    try:
-        top = fs.get_file_info(pafs.FileSelector(path, recursive=False, allow_not_found=True))
-    except FileNotFoundError:
-        return files
-    dirs = sorted(f.path for f in top if f.type == pafs.FileType.Directory)
-    if len(dirs) < PARALLEL_LISTING_MIN_PREFIXES:
-        if pages is None:
-            return _list_recursive(fs, path)
-        for page in pages:
-            take(page)
-        return files
-    getattr(pages, "close", lambda: None)()  # listed in parallel below: the stream stops
-    from sbloader.runtime.session import ensure_initialized
-    ensure_initialized()
-    sub_uris = [_join(uri, path, d) for d in dirs]
-    step = _PREFIXES_PER_LISTING_TASK
-    refs = [_list_task.remote(sub_uris[i:i + step], filesystem) for i in range(0, len(sub_uris), step)]
-    files = [_Listed(f.path, int(f.size or 0), _mtime_ns(f)) for f in top if f.type == pafs.FileType.File]
-    groups = [list(zip(dirs[i:i + step], sub_uris[i:i + step])) for i in range(0, len(dirs), step)]
-    for listed_group, group in zip(ray.get(refs), groups):
-        for (d, sub_uri), listed in zip(group, listed_group):
-            # The task resolved the sub-prefix itself: put its paths back under ``d``.
-            _, sub_path = resolve(sub_uri, filesystem)
-            files.extend(_Listed(d.rstrip("/") + "/" + _rel(sub_path, f.path), f.size, f.mtime_ns) for f in listed)
-    return files
-
-
-class PageSink(Protocol):
-    """What takes a listing page by page (:class:`~sbloader.sources.listing_pages.ListingPrefetch`)."""
-
-    def pages(self, uri: str, path: str, filesystem: Any) -> Optional[Iterator[list]]:
-        """The prefix's objects as pages of ``(path, size, mtime_ns)`` in key order, or None
-        where the store cannot be listed so (then the listing is the usual one)."""
-
-    def __call__(self, page: list) -> None:
-        """Take one page's kept objects (:class:`ObjectInfo`)."""
-
-
 @dataclass
 class ListingStats:
     """How long listing took.
@@ -376,15 +255,15 @@ def list_uris(entries: Sequence[str], extensions: Optional[tuple[str, ...]], wha
         # round trip less before the first GET; an S3 key ending in "/" is a folder marker).
         info = fs.get_file_info(path) if pattern is None and not uri.endswith("/") else None
         if info is not None and info.type == pafs.FileType.File:
-            out.append(ObjectInfo(uri, int(info.size or 0), _mtime_ns(info)))
+            out.append(ObjectInfo(uri, int(info.size or 0), mtime_ns(info)))
             listed += 1
             continue
         def accept(files: list[_Listed], uri: str = uri, path: str = path, pattern: Any = pattern) -> list[ObjectInfo]:
-            return [ObjectInfo(_join(uri, path, f.path), f.size, f.mtime_ns) for f in files
+            return [ObjectInfo(join_uri(uri, path, f.path), f.size, f.mtime_ns) for f in files
                     if keep(f.path) and (pattern is None or fnmatch.fnmatchcase(f.path, pattern))
-                    and not any(part.startswith(skip_prefixes) for part in _rel(path, f.path).split("/"))]
+                    and not any(part.startswith(skip_prefixes) for part in rel_path(path, f.path).split("/"))]
 
-        files = _list_prefix(fs, path.rstrip("/") or "/", uri, filesystem, on_page, accept)
+        files = list_prefix(fs, path.rstrip("/") or "/", uri, filesystem, on_page, accept)
         listed += len(files)
         kept = sorted(accept(files), key=lambda o: o.uri)
         if not kept:

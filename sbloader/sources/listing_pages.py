@@ -35,7 +35,8 @@ LISTING_PREFETCH_ENV = "SBLOADER_LISTING_PREFETCH_BYTES"
 #: 0.09 s with nothing fetched (#47); 32 at 20 ms still fetch ~1,600 objects a second.
 LISTING_IN_FLIGHT = 32
 
-_PAGE = 1000  # keys per S3 listing request: one page handed on at a time
+#: Keys per S3 listing request: one page handed on at a time (a page of fewer is the last).
+PAGE_KEYS = 1000
 
 
 def stream_pages(uri: str, path: str, filesystem: Any) -> Optional[Iterator[list]]:
@@ -57,7 +58,7 @@ def stream_pages(uri: str, path: str, filesystem: Any) -> Optional[Iterator[list
         from sbloader.sources.object_client import _obstore_error
 
         try:
-            for page in obstore.list(store, key.rstrip("/") or None, chunk_size=_PAGE):
+            for page in obstore.list(store, key.rstrip("/") or None, chunk_size=PAGE_KEYS):
                 yield [(f"{bucket}/{m['path']}", int(m["size"]), _ns(m.get("last_modified")))
                        for m in page]
         except Exception as e:

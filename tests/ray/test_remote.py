@@ -15,7 +15,7 @@ from PIL import Image
 import sbloader
 from sbloader.core.errors import SourceReadError
 from sbloader.datagen import write_image_parquet, write_video
-from sbloader.sources import filesystems, tar_index
+from sbloader.sources import filesystems, prefix_listing, tar_index
 from sbloader.sources.filesystems import LAST_LISTING, list_uris
 from sbloader.sources.listing_pages import stream_pages
 from wds_shards import rows_by_key
@@ -350,8 +350,8 @@ def test_listing_a_few_thousand_keys_is_sorted_and_paginated(ray_session, bucket
     assert all(o.size == 1 for o in objs)
     assert bucket.proxy.counts[("GET", "list")] >= 3  # 1,000 keys a page
     assert LAST_LISTING.objects == 2500 and LAST_LISTING.seconds_per_1000 > 0
-    monkeypatch.setattr(filesystems, "PARALLEL_LISTING_MIN_PREFIXES", 3)
-    monkeypatch.setattr(filesystems, "_PREFIXES_PER_LISTING_TASK", 2)
+    monkeypatch.setattr(prefix_listing, "PARALLEL_LISTING_MIN_PREFIXES", 3)
+    monkeypatch.setattr(prefix_listing, "_PREFIXES_PER_LISTING_TASK", 2)
     launched = []
 
     class _Counting:
@@ -359,8 +359,8 @@ def test_listing_a_few_thousand_keys_is_sorted_and_paginated(ray_session, bucket
             launched.append(args[0])
             return task.remote(*args)
 
-    task = filesystems._list_task
-    monkeypatch.setattr(filesystems, "_list_task", _Counting())
+    task = prefix_listing._list_task
+    monkeypatch.setattr(prefix_listing, "_list_task", _Counting())
     # 7 sub-prefixes: listed by 4 Ray tasks, the same objects in the same order
     assert list_uris([f"s3://{BUCKET}/many"], (".jpg",), "image") == objs
     assert [len(g) for g in launched] == [2, 2, 2, 1]
@@ -380,7 +380,7 @@ def test_listing_a_few_thousand_keys_is_sorted_and_paginated(ray_session, bucket
     sink = _Sink()
     assert list_uris([f"s3://{BUCKET}/many/"], (".jpg",), "image", on_page=sink) == objs
     assert sink.seen == [1000, 1000] and [len(g) for g in launched] == [2, 2, 2, 1] * 2
-    monkeypatch.setattr(filesystems, "PARALLEL_LISTING_MIN_PREFIXES", 64)  # 7 < 64: the stream goes on
+    monkeypatch.setattr(prefix_listing, "PARALLEL_LISTING_MIN_PREFIXES", 64)  # 7 < 64: the stream goes on
     sink = _Sink()
     assert list_uris([f"s3://{BUCKET}/many/"], (".jpg",), "image", on_page=sink) == objs
     assert sink.seen == [1000, 1000, 500] and len(launched) == 8
@@ -401,6 +401,31 @@ def test_a_nested_prefix_of_one_page_is_listed_with_one_request(ray_session, buc
     objs = list_uris([f"s3://{BUCKET}/nested/"], (".jpg",), "image", on_page=sink)
     assert [o.uri for o in objs] == sorted(f"s3://{BUCKET}/{k}" for k in keys) and got == [300]
     assert bucket.proxy.counts[("GET", "list")] == 1
+
+
+def test_a_nested_prefix_of_pages_asks_for_its_top_level_alongside_the_second_page(ray_session, bucket):
+    """Keys in sub-prefixes over three pages: the top level (to count the sub-prefixes: are they
+    many enough to list in parallel?) is asked for while the second page is in flight, not after
+    it was answered (a round trip, 20-100 ms, before the plan: #47's first batch), and the
+    listing is the same."""
+    keys = [f"nested2/{i % 5}/{i:05d}.jpg" for i in range(2100)]
+    bucket.put_many(BUCKET, {k: b"x" for k in keys})
+    bucket.proxy.reset_counts()
+    bucket.proxy.latency_s = 0.05
+    bucket.proxy.record()
+    try:
+        objs = list_uris([f"s3://{BUCKET}/nested2/"], (".jpg",), "image",
+                         on_page=type("Sink", (), {"pages": lambda self, u, p, fs: stream_pages(u, p, fs),
+                                                   "__call__": lambda self, page: None})())
+        order = list(bucket.proxy.order)
+    finally:
+        bucket.proxy.latency_s, bucket.proxy.order = 0.0, None
+    assert [o.uri for o in objs] == sorted(f"s3://{BUCKET}/{k}" for k in keys)
+    arrived = [e[2] for e in order if e[:2] == ("list", "in")]
+    assert arrived.count("top") == 1 and arrived.count("page") == 3, order
+    answered = [i for i, e in enumerate(order) if e == ("list", "out")]
+    top = next(i for i, e in enumerate(order) if e == ("list", "in", "top"))
+    assert answered[0] < top < answered[1], order  # after the first page, before the second's answer
 
 
 def test_two_processes_share_a_cache_directory_and_fetch_each_object_once(images, tmp_path):

@@ -1,0 +1,172 @@
+"""How one prefix of a store is listed (:func:`list_prefix`): page by page in key order
+through obstore, each page handed to a :class:`PageSink` as it comes; or, when the prefix
+holds many sub-prefixes ("folders"), by Ray tasks each listing a group of them; or with
+one recursive listing through pyarrow.
+
+Streamed, the prefix's top level is listed (to count its sub-prefixes) only when the
+first page has keys in sub-prefixes and is full, and then alongside the second page's
+request, not after it: a nested prefix of two pages costs two round trips before the
+plan, not three (#47).
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional, Protocol
+
+import ray
+
+from sbloader.sources.listing_pages import PAGE_KEYS
+
+
+def mtime_ns(info: Any) -> int:
+    """A ``pyarrow.fs.FileInfo``'s modification time in nanoseconds (0 when it has none)."""
+    try:
+        return int(info.mtime_ns or 0)
+    except (AttributeError, TypeError, ValueError):
+        return 0
+
+
+def rel_path(base_path: str, child_path: str) -> str:
+    """``child_path`` relative to ``base_path`` (filesystems differ on a leading ``/``)."""
+    b, c = base_path.strip("/"), child_path.lstrip("/")
+    if b and not c.startswith(b + "/"):
+        raise ValueError(f"the filesystem listed {child_path!r} under {base_path!r}, which does not contain it")
+    return c[len(b):].lstrip("/") if b else c
+
+
+def join_uri(base_uri: str, base_path: str, child_path: str) -> str:
+    """The URI of ``child_path`` listed under ``base_path`` (the fs path of ``base_uri``)."""
+    return base_uri.rstrip("/") + "/" + rel_path(base_path, child_path)
+
+
+#: A prefix with at least this many sub-prefixes ("folders") is listed by Ray tasks, each
+#: listing a group of them, instead of by the driver alone.
+PARALLEL_LISTING_MIN_PREFIXES = 64
+
+#: Sub-prefixes one listing task lists, at most.
+_PREFIXES_PER_LISTING_TASK = 16
+
+
+@dataclass(frozen=True)
+class _Listed:
+    """A listed file: its path in the filesystem, size and modification time (picklable)."""
+
+    path: str
+    size: int
+    mtime_ns: int
+
+
+def _list_recursive(fs: Any, path: str) -> list[_Listed]:
+    import pyarrow.fs as pafs
+
+    try:
+        found = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
+    except FileNotFoundError:
+        return []
+    return [_Listed(f.path, int(f.size or 0), mtime_ns(f)) for f in found if f.type == pafs.FileType.File]
+
+
+def _top_level(fs: Any, path: str) -> Optional[list]:
+    """The prefix's top level (one request: its objects and sub-prefixes), None if it is gone."""
+    import pyarrow.fs as pafs
+
+    try:
+        return fs.get_file_info(pafs.FileSelector(path, recursive=False, allow_not_found=True))
+    except FileNotFoundError:
+        return None
+
+
+def _in_thread(fn: Any, *args: Any) -> Future:
+    """``fn(*args)`` started in a thread of its own: its future (the result or the exception)."""
+    fut: Future = Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:
+            fut.set_exception(e)
+
+    threading.Thread(target=run, name="sbloader-listing-top", daemon=True).start()
+    return fut
+
+
+def list_prefixes(uris: Sequence[str], filesystem: Any = None) -> list[list[_Listed]]:
+    """List each prefix recursively (what a listing task runs)."""
+    from sbloader.sources.filesystems import resolve
+
+    out = []
+    for u in uris:
+        fs, path = resolve(u, filesystem)
+        out.append(_list_recursive(fs, path))
+    return out
+
+
+_list_task = ray.remote(num_cpus=0.25, max_retries=3)(list_prefixes)
+
+
+def list_prefix(fs: Any, path: str, uri: str, filesystem: Any, on_page: Optional[PageSink] = None,
+                accept: Any = None) -> list[_Listed]:
+    """Every file under ``path``: one recursive listing in the driver (with ``on_page``, a :class:`PageSink`,
+    page by page where it can list the store so, each page handed to it as it comes, filtered by ``accept``),
+    or, when the prefix has many sub-prefixes, one Ray task per group of them (the caller sorts). Streamed, the
+    top level is listed (sub-prefixes counted) only when the first page is full and has a key in one, in a
+    thread alongside the second page's request; the choice is made after the second page."""
+    import pyarrow.fs as pafs
+
+    from sbloader.sources.filesystems import resolve
+
+    pages = on_page.pages(uri, path, filesystem) if on_page is not None else None
+    files: list[_Listed] = []
+    def take(page: list) -> None:
+        listed = [_Listed(*f) for f in page]
+        files.extend(listed)
+        on_page(accept(listed))
+
+    nested, asked = False, None
+    for page in pages or ():
+        take(page)
+        if nested:
+            break  # sub-prefixes and a second page: as many as a parallel listing is for? (asked below, once)
+        nested = len(files) == len(page) and any("/" in rel_path(path, f[0]) for f in page)
+        if nested and len(page) >= PAGE_KEYS:  # a full page: more follow, the top level asked alongside the next
+            asked = _in_thread(_top_level, fs, path)
+    else:
+        if pages is not None:
+            return files  # whole (one page, sub-prefixes or not, is one request)
+    top = asked.result() if asked is not None else _top_level(fs, path)
+    if top is None:
+        return files
+    dirs = sorted(f.path for f in top if f.type == pafs.FileType.Directory)
+    if len(dirs) < PARALLEL_LISTING_MIN_PREFIXES:
+        if pages is None:
+            return _list_recursive(fs, path)
+        for page in pages:
+            take(page)
+        return files
+    getattr(pages, "close", lambda: None)()  # listed in parallel below: the stream stops
+    from sbloader.runtime.session import ensure_initialized
+    ensure_initialized()
+    sub_uris = [join_uri(uri, path, d) for d in dirs]
+    step = _PREFIXES_PER_LISTING_TASK
+    refs = [_list_task.remote(sub_uris[i:i + step], filesystem) for i in range(0, len(sub_uris), step)]
+    files = [_Listed(f.path, int(f.size or 0), mtime_ns(f)) for f in top if f.type == pafs.FileType.File]
+    groups = [list(zip(dirs[i:i + step], sub_uris[i:i + step])) for i in range(0, len(dirs), step)]
+    for listed_group, group in zip(ray.get(refs), groups):
+        for (d, sub_uri), listed in zip(group, listed_group):
+            # The task resolved the sub-prefix itself: put its paths back under ``d``.
+            _, sub_path = resolve(sub_uri, filesystem)
+            files.extend(_Listed(d.rstrip("/") + "/" + rel_path(sub_path, f.path), f.size, f.mtime_ns) for f in listed)
+    return files
+
+
+class PageSink(Protocol):
+    """What takes a listing page by page (:class:`~sbloader.sources.listing_pages.ListingPrefetch`)."""
+
+    def pages(self, uri: str, path: str, filesystem: Any) -> Optional[Iterator[list]]:
+        """The prefix's objects as pages of ``(path, size, mtime_ns)`` in key order, or None
+        where the store cannot be listed so (then the listing is the usual one)."""
+
+    def __call__(self, page: list) -> None:
+        """Take one page's kept objects (:class:`ObjectInfo`)."""
