@@ -263,7 +263,7 @@ def list_uris(entries: Sequence[str], extensions: Optional[tuple[str, ...]], wha
                     if keep(f.path) and (pattern is None or fnmatch.fnmatchcase(f.path, pattern))
                     and not any(part.startswith(skip_prefixes) for part in rel_path(path, f.path).split("/"))]
 
-        files = list_prefix(fs, path.rstrip("/") or "/", uri, filesystem, on_page, accept)
+        files = list_prefix(fs, path.rstrip("/") or "/", uri, filesystem, resolve, on_page, accept)
         listed += len(files)
         kept = sorted(accept(files), key=lambda o: o.uri)
         if not kept:

@@ -21,6 +21,8 @@ import threading
 from collections import deque
 from typing import Any, Callable, Iterator, Optional, Sequence
 
+from sbloader.sources.prefix_listing import PAGE_KEYS
+
 #: Bytes of objects a listing fetches into the cache while it goes on, at most (the
 #: first pages' objects in key order: an unshuffled epoch's first partitions; any epoch
 #: reads them all once). ``$SBLOADER_LISTING_PREFETCH_BYTES`` replaces it (0: none).
@@ -34,9 +36,6 @@ LISTING_PREFETCH_ENV = "SBLOADER_LISTING_PREFETCH_BYTES"
 #: listing and the dataset's creation: 2,000 keys at 20 ms took 0.12-0.23 s to create against
 #: 0.09 s with nothing fetched (#47); 32 at 20 ms still fetch ~1,600 objects a second.
 LISTING_IN_FLIGHT = 32
-
-#: Keys per S3 listing request: one page handed on at a time (a page of fewer is the last).
-PAGE_KEYS = 1000
 
 
 def stream_pages(uri: str, path: str, filesystem: Any) -> Optional[Iterator[list]]:

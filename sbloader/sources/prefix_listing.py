@@ -13,12 +13,12 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Protocol
+from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 
 import ray
 
-from sbloader.sources.listing_pages import PAGE_KEYS
-
+#: Keys per S3 listing request: one page handed on at a time (a page of fewer is the last).
+PAGE_KEYS = 1000
 
 def mtime_ns(info: Any) -> int:
     """A ``pyarrow.fs.FileInfo``'s modification time in nanoseconds (0 when it has none)."""
@@ -92,10 +92,9 @@ def _in_thread(fn: Any, *args: Any) -> Future:
     return fut
 
 
-def list_prefixes(uris: Sequence[str], filesystem: Any = None) -> list[list[_Listed]]:
-    """List each prefix recursively (what a listing task runs)."""
-    from sbloader.sources.filesystems import resolve
-
+def list_prefixes(uris: Sequence[str], filesystem: Any, resolve: Callable) -> list[list[_Listed]]:
+    """List each prefix recursively (what a listing task runs), each resolved by ``resolve``
+    (:func:`sbloader.sources.filesystems.resolve`, passed by its caller: that module imports this one)."""
     out = []
     for u in uris:
         fs, path = resolve(u, filesystem)
@@ -106,16 +105,15 @@ def list_prefixes(uris: Sequence[str], filesystem: Any = None) -> list[list[_Lis
 _list_task = ray.remote(num_cpus=0.25, max_retries=3)(list_prefixes)
 
 
-def list_prefix(fs: Any, path: str, uri: str, filesystem: Any, on_page: Optional[PageSink] = None,
-                accept: Any = None) -> list[_Listed]:
+def list_prefix(fs: Any, path: str, uri: str, filesystem: Any, resolve: Callable,
+                on_page: Optional[PageSink] = None, accept: Any = None) -> list[_Listed]:
     """Every file under ``path``: one recursive listing in the driver (with ``on_page``, a :class:`PageSink`,
     page by page where it can list the store so, each page handed to it as it comes, filtered by ``accept``),
-    or, when the prefix has many sub-prefixes, one Ray task per group of them (the caller sorts). Streamed, the
-    top level is listed (sub-prefixes counted) only when the first page is full and has a key in one, in a
-    thread alongside the second page's request; the choice is made after the second page."""
+    or, when the prefix has many sub-prefixes, one Ray task per group of them, each resolved by ``resolve``
+    (the caller sorts). Streamed, the top level is listed (sub-prefixes counted) only when the first page is
+    full and has a key in one, in a thread alongside the second page's request; the choice is made after
+    the second page."""
     import pyarrow.fs as pafs
-
-    from sbloader.sources.filesystems import resolve
 
     pages = on_page.pages(uri, path, filesystem) if on_page is not None else None
     files: list[_Listed] = []
@@ -150,7 +148,7 @@ def list_prefix(fs: Any, path: str, uri: str, filesystem: Any, on_page: Optional
     ensure_initialized()
     sub_uris = [join_uri(uri, path, d) for d in dirs]
     step = _PREFIXES_PER_LISTING_TASK
-    refs = [_list_task.remote(sub_uris[i:i + step], filesystem) for i in range(0, len(sub_uris), step)]
+    refs = [_list_task.remote(sub_uris[i:i + step], filesystem, resolve) for i in range(0, len(sub_uris), step)]
     files = [_Listed(f.path, int(f.size or 0), mtime_ns(f)) for f in top if f.type == pafs.FileType.File]
     groups = [list(zip(dirs[i:i + step], sub_uris[i:i + step])) for i in range(0, len(dirs), step)]
     for listed_group, group in zip(ray.get(refs), groups):
