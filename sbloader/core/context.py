@@ -34,6 +34,7 @@ class TaskContext:
         skipped: rows skipped under ``on_error="skip"`` (:func:`report_skipped`).
         full_decodes: images ``sbloader.transforms`` decoded whole because its crop
             decode could not take them (not a JPEG...: ``sbloader/sources/jpeg_window.py``).
+        deferred: futures of counts the read left running (:func:`defer`).
     """
 
     epoch: int
@@ -46,6 +47,7 @@ class TaskContext:
     skipped_paths: list = field(default_factory=list, repr=False)
     counters: dict = field(default_factory=dict, repr=False)
     full_decodes: int = 0
+    deferred: list = field(default_factory=list, repr=False)
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,36 @@ class task_context:
 
     def __exit__(self, *exc) -> None:
         _CURRENT.pop()
+        join_deferred(self.ctx.deferred, self.ctx.counters)  # those nobody took (:func:`take_deferred`)
+
+
+def defer(future: Any) -> bool:
+    """Hand the running task ``future`` (of a dict of counts, as :func:`report_counters`
+    takes): work its read started and need not wait for, such as writing what it fetched
+    into the node's cache, so the task's operators run meanwhile. The task waits for it
+    before its block's metadata is made (:func:`join_deferred`), and its counts go there.
+    Outside a task, nothing is taken: False, and the caller waits itself."""
+    ctx = get_context()
+    if ctx is None:
+        return False
+    ctx.deferred.append(future)
+    return True
+
+
+def take_deferred(into: list) -> None:
+    """Move the running task's deferred futures (:func:`defer`) into ``into``, for its runner
+    to join after the operators (:func:`join_deferred`); left in the context, they are joined
+    when it exits."""
+    ctx = get_context()
+    if ctx is not None:
+        into.extend(ctx.deferred)
+        ctx.deferred.clear()
+
+
+def join_deferred(futures: list, counters: dict) -> None:
+    """Wait for each of ``futures`` (:func:`defer`) and add its counts to ``counters``."""
+    while futures:
+        merge_counters(counters, futures.pop(0).result())
 
 
 def seed_globals(seed: int) -> None:

@@ -18,7 +18,7 @@ import ray
 
 from sbloader.core.block import (BATCH_ROWS_COLUMN, ROW_COLUMN, SHARD_STATE_COLUMN, Block, BlockMeta, block_nbytes,
                                  num_rows, take)
-from sbloader.core.context import TaskCounts, merge_counters, task_context
+from sbloader.core.context import TaskCounts, join_deferred, merge_counters, take_deferred, task_context
 from sbloader.core.errors import SourceReadError, UserFunctionError, picklable
 from sbloader.core.ops import Op, apply_op
 from sbloader.core.plan import row_permutation
@@ -190,14 +190,18 @@ def apply_ops(ops: Sequence[Op], block: Block, info: EpochInfo, partition_id: in
 
 
 def read_partition(reader_and_shared: tuple, partition: Partition, info: EpochInfo, name: str,
-                   counters: Optional[dict] = None) -> tuple[Block, TaskCounts]:
+                   counters: Optional[dict] = None, deferred: Optional[list] = None) -> tuple[Block, TaskCounts]:
     """Read a partition, attach the row column and apply the epoch's row shuffle; the
-    counts the read reported (:func:`~sbloader.core.context.report_counters`) are added to ``counters``."""
+    counts the read reported (:func:`~sbloader.core.context.report_counters`) are added to ``counters``.
+    ``deferred``: where the work the read left running goes (its cache writes:
+    :func:`~sbloader.core.context.defer`), for the caller to join after the operators; None: joined here."""
     reader, shared = reader_and_shared
     ctx = task_context(info.epoch, info.epoch_seed, partition.id, name, -1)
     try:
         with ctx as c:
             block = reader(shared, partition)
+            if deferred is not None:
+                take_deferred(deferred)
     except UserFunctionError:
         raise
     except Exception as e:
@@ -226,8 +230,10 @@ def read_partitions(reader_and_shared: tuple, partitions: Sequence[Partition], s
     for j, (part, seq) in enumerate(zip(partitions, seqs)):
         t0 = time.perf_counter()
         counters: dict = {}
-        block, counts = read_partition(rs, part, info, name, counters)
+        deferred: list = []
+        block, counts = read_partition(rs, part, info, name, counters, deferred)
         block, counts2 = apply_ops(ops, block, info, part.id, fns=fns)
+        join_deferred(deferred, counters)  # the read's cache writes, made while the operators ran
         meta = make_meta(block, info, part.id, seq, t0, counts + counts2, counters)
         out += [store_here(block, leases[j] if leases else None, _node_id()), meta]
     return tuple(out)

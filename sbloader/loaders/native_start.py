@@ -119,18 +119,22 @@ class _Partitions:
     def __getitem__(self, pid: int) -> tuple:
         from sbloader.core.errors import SbloaderError, picklable
         from sbloader.core.block import block_nbytes, num_rows
+        from sbloader.core.context import join_deferred
         from sbloader.executor.tasks import EpochInfo, apply_ops, make_meta, read_partition
 
         try:
             t0 = time.perf_counter()
             info = EpochInfo(self.plan.epoch, self.plan.epoch_seed, self.plan.shuffle)
             counters: dict = {}
-            block, counts = read_partition((self.reader, self.shared), self.parts[pid], info, self.name, counters)
+            deferred: list = []
+            block, counts = read_partition((self.reader, self.shared), self.parts[pid], info, self.name, counters,
+                                           deferred)
             sizes = []
             for ops in self.stage_ops:  # stage by stage: what each stage put out is counted for it
                 block, more = apply_ops(ops, block, info, pid)
                 counts = counts + more
                 sizes.append((num_rows(block), block_nbytes(block)))
+            join_deferred(deferred, counters)  # the read's cache writes, made while the operators ran
             meta = make_meta(block, info, pid, self.seq[pid], t0, counts, counters, LOCAL_NODE)
             return block, meta, tuple(sizes)
         except Exception as e:  # raised in the loop as a Ray task's error is (the same type)

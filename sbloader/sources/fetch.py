@@ -215,6 +215,7 @@ class RemoteFiles:
         waited = Waited()
         pending: list = []  # fetched, their entries' locks held: cached as one pack at the end
         packed: list = []
+        whole = False  # every object handed on (else the reader stopped early, or one raised)
         try:
             for i, uri in enumerate(uris):
                 if i == held[1]:  # the process's budget was spent by others: this one goes alone
@@ -235,11 +236,14 @@ class RemoteFiles:
                 self._report(got, waited.seconds)
                 waited.seconds = 0.0
                 yield uri, got.error if got.error is not None else got.data
+            whole = True
         finally:  # a reader that stops early hands back what it had asked for, and caches what came
             BYTES.give(held[0])
             pending += [f.result() for f in futures if f is not None and not isinstance(f, tuple)]
-            packed += pack_fetch.write_pack(self, pending)
-            report_counters({"not_admitted": sum(1 for g in packed if not g.admitted)})
+            # Read whole in a task: the pack is written while the task's operators (the decode) run.
+            if not (whole and pack_fetch.write_later(self, pending, packed)):
+                packed += pack_fetch.write_pack(self, pending)
+                report_counters({"not_admitted": sum(1 for g in packed if not g.admitted)})
         # The fetch-ahead this read started is counted by the reads that take its objects.
         report_counters({"peak_in_flight": GAUGE.take_peak()})
 
