@@ -9,7 +9,9 @@ given sizes (default: 64 KiB, 256 KiB, 1 MiB, 4 MiB, the whole pack), and prints
 process's CPU per object. Found with it (2026-12-04, the project's Firecracker VM, kernel
 6.18, ext4, free page reporting on): 0.12-0.26 ms an object when a pack is one write (the
 page cache takes 2 MiB folios, from memory the host had taken back) against 0.017-0.033 ms
-in pieces of 64 KiB to 1 MiB; on tmpfs 0.025 ms whatever the size. Nothing is checked.
+in pieces of 64 KiB to 1 MiB; on tmpfs 0.025 ms whatever the size. The next day, with the
+free memory split otherwise (``/proc/buddyinfo``: few free blocks of 256 KiB-2 MiB), pieces of
+256 KiB cost 0.29-0.40 ms and of 16-128 KiB 0.018-0.034 ms. Nothing is checked.
 """
 from __future__ import annotations
 

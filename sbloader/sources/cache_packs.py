@@ -163,11 +163,13 @@ def _take(o: Any, path: str, ahead_mark: int) -> tuple[int, int]:
     return marks[i], _RECORD.unpack_from(raw, i * _RECORD.size)[4]
 
 
-#: Bytes one ``writev`` of a pack writes, at most. The page cache sizes its folios by the write:
-#: a pack written whole (megabytes) takes 2 MiB folios, which on this project's VM come from
-#: memory the host has taken back (free page reporting): 0.12-0.26 ms of CPU per 61 KB object,
-#: against 0.017-0.03 ms written in pieces of 64 KiB to 1 MiB (#47, ``docs/remote_data.md``).
-WRITE_CHUNK = 256 * 1024
+#: Bytes one ``writev`` of a pack writes, at most. The page cache sizes its folios by the write,
+#: and on this project's VM (free page reporting) a large folio is cut from memory the host has
+#: taken back: a pack written whole (megabytes) cost 0.12-0.26 ms of CPU per 61 KB object against
+#: 0.017-0.03 ms in pieces of 64 KiB to 1 MiB (2026-12-04); with the free memory in other orders
+#: (2026-12-05) pieces of 256 KiB cost 0.29-0.40 ms, of 16-128 KiB 0.018-0.034 ms
+#: (``scripts/page_cache_cpu.py``; #47, ``docs/remote_data.md``). 64 KiB was cheap both days.
+WRITE_CHUNK = 64 * 1024
 
 
 def write_all(fd: int, parts: list) -> None:

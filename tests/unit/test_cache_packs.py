@@ -142,7 +142,8 @@ def test_members_are_read_from_the_pack_held_open_and_a_pack_remade_meanwhile_is
 
 def test_a_pack_is_written_in_pieces_the_page_cache_keeps_small(tmp_path, monkeypatch):
     """One ``writev`` of a whole pack (megabytes) took 2 MiB page-cache folios, which cost ~10x
-    the CPU of pieces of <= 1 MiB on the VM this is measured on (#47)."""
+    the CPU of small pieces on the VM this is measured on; pieces of 256 KiB cost as much on
+    another day, pieces of <= 128 KiB never did (#47)."""
     from sbloader.sources import cache_packs
 
     sizes = []
@@ -151,7 +152,7 @@ def test_a_pack_is_written_in_pieces_the_page_cache_keeps_small(tmp_path, monkey
     c = DiskCache(str(tmp_path / "c"))
     items = [(c.path_for(f"s3://b/{i}", "v"), os.urandom(100_000 + i), 0) for i in range(40)]
     assert c.put_pack(items) == [True] * 40
-    assert cache_packs.WRITE_CHUNK <= 1 << 20 and max(sizes) <= 1 << 20 and len(sizes) >= 4  # 4 MB in pieces
+    assert max(sizes) <= 128 << 10 and len(sizes) >= 32  # 4 MB in pieces
     assert [read_entry(p) for p, _, _ in items] == [d for _, d, _ in items]
 
 
