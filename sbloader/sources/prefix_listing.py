@@ -137,6 +137,8 @@ def list_prefix(fs: Any, path: str, uri: str, filesystem: Any, resolve: Callable
     if top is None:
         return files
     dirs = sorted(f.path for f in top if f.type == pafs.FileType.Directory)
+    if not dirs and pages is None:  # a flat prefix: its top level is all of it (no second request)
+        return [_Listed(f.path, int(f.size or 0), mtime_ns(f)) for f in top if f.type == pafs.FileType.File]
     if len(dirs) < PARALLEL_LISTING_MIN_PREFIXES:
         if pages is None:
             return _list_recursive(fs, path)
