@@ -129,8 +129,28 @@ def index_shards(paths: Sequence[str], remote: Optional[RemoteFiles] = None) -> 
     directory; see :func:`~sbloader.sources.tar_index.cached_index`)."""
     from sbloader.sources.remote_shards import index_remote_shard
 
-    return [index_remote_shard(p, remote) if _is_remote(p, remote) else cached_index(p, open_shard, local_stat)
-            for p in paths]
+    remote_paths = [p for p in paths if _is_remote(p, remote)]
+    done: dict = {}
+    if len(remote_paths) > 1:  # fetched side by side: one round trip for them all, not one each
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=_side_by_side(remote_paths, remote)) as pool:
+            done = dict(zip(remote_paths, pool.map(lambda p: index_remote_shard(p, remote), remote_paths)))
+    return [done[p] if p in done else index_remote_shard(p, remote) if _is_remote(p, remote)
+            else cached_index(p, open_shard, local_stat) for p in paths]
+
+
+#: Remote shards indexed at once in one call, at most (each is fetched whole into the cache, or
+#: its headers read by ranged GETs): within :data:`~sbloader.sources.inflight.DEFAULT_MAX_BYTES`
+#: of shards in flight.
+INDEX_SIDE_BY_SIDE = 16
+
+
+def _side_by_side(paths: Sequence[str], remote: RemoteFiles) -> int:
+    """Remote shards to index at once: :data:`INDEX_SIDE_BY_SIDE`, fewer where the largest shards
+    would hold more than the read's byte budget in memory together."""
+    largest = max((int(remote.versions.get(p, (0, 0))[0] or 0) for p in paths), default=0)
+    return max(1, min(INDEX_SIDE_BY_SIDE, len(paths), remote.max_bytes // max(1, largest)))
 
 
 def _is_remote(path: str, remote: Optional[RemoteFiles]) -> bool:

@@ -428,6 +428,28 @@ def test_a_nested_prefix_of_pages_asks_for_its_top_level_alongside_the_second_pa
     assert answered[0] < top < answered[1], order  # after the first page, before the second's answer
 
 
+def test_a_flat_folders_shards_are_listed_with_one_request_and_fetched_side_by_side(ray_session, bucket, tmp_path):
+    """A brace pattern's folder holds no sub-prefix: its top level is the whole listing (one request,
+    not a second recursive one), and its shards are fetched into the cache for their index all at
+    once (each was a round trip after the other: 8 shards at 100 ms took 0.8 s to create, #47)."""
+    pytest.importorskip("webdataset")
+    from wds_shards import write_shards
+
+    local = write_shards(str(tmp_path / "wds4"), shards=4, per_shard=3)
+    _upload(bucket, str(tmp_path / "wds4"), "wds4")
+    proxy = _server().proxy
+    proxy.reset_counts()
+    proxy.latency_s = 0.1
+    try:
+        ds = sbloader.read_webdataset(f"s3://{BUCKET}/wds4/train-{{000000..000003}}.tar", decode=False,
+                                      cache_dir=str(tmp_path / "c"))
+    finally:
+        proxy.latency_s = 0.0
+    assert proxy.counts[("GET", "list")] == 1 and proxy.object_gets == 4
+    assert proxy.peak_in_flight["all"] == 4, proxy.peak_in_flight
+    assert rows_by_key(ds) == rows_by_key(sbloader.read_webdataset(local, decode=False))
+
+
 def test_two_processes_share_a_cache_directory_and_fetch_each_object_once(images, tmp_path):
     _, uri = images
     objs = list_uris([uri], None, "image")
