@@ -1,8 +1,9 @@
 """The member index of a WebDataset tar shard: which samples it holds and where their bytes lie.
 
-A shard is indexed once (its headers only: ``tarfile`` reads each 512-byte header and
-seeks past the member's data), and the index is kept per process while the file keeps
-its size and modification time. Members are grouped into samples by WebDataset's
+A shard is indexed once (its headers only: each 512-byte header is read and the member's
+data skipped, by a walk that slices the few fields an index needs, or by ``tarfile``
+where the walk meets anything else, a damaged shard included), and the index is kept
+per process while the file keeps its size and modification time. Members are grouped into samples by WebDataset's
 rule (:func:`split_key`): consecutive members with the same key form one sample. A
 sample's members lie in one contiguous byte range of the shard, so a range of
 samples is read with one seek and one read (:func:`read_members`), never by scanning
@@ -20,7 +21,7 @@ from typing import BinaryIO, Callable, NamedTuple, Optional
 
 import numpy as np
 
-from sbloader.sources.tar_members import parse_members
+from sbloader.sources.tar_members import Unusual, checksum_ok, octal, parse_members, pax_records
 
 #: Shard indexes a process keeps (the most recently used).
 INDEX_CACHE_SHARDS = 256
@@ -135,6 +136,10 @@ def index_shard(path: str, open_shard: Callable[[str], BinaryIO]) -> ShardIndex:
         with open_shard(path) as f:
             f.seek(0, io.SEEK_END)
             size = f.tell()
+            try:
+                return _index_whole(path, g, size, _check_end(f, _walk(f, size, g), size))
+            except Unusual:  # a header the walk leaves to tarfile: the shard is indexed by it, from the start
+                g = _Group()
             f.seek(0)
             with tarfile.open(fileobj=f, mode="r:") as tf:
                 for info in tf:
@@ -154,6 +159,10 @@ def index_shard(path: str, open_shard: Callable[[str], BinaryIO]) -> ShardIndex:
         cut = size and (size % tarfile.BLOCKSIZE or reached + tarfile.BLOCKSIZE > size)
         error = (f"truncated at {size} bytes (the next header should be at {reached}): " if cut
                  else "corrupt: ") + f"{type(e).__name__}: {e}"
+    return _index_whole(path, g, size, error)
+
+
+def _index_whole(path: str, g: "_Group", size: int, error: str) -> ShardIndex:
     if error and g.keys:
         # The last sample may have lost members after the damage: leave it out.
         for lst in (g.keys, g.starts, g.stops):
@@ -162,6 +171,66 @@ def index_shard(path: str, open_shard: Callable[[str], BinaryIO]) -> ShardIndex:
         error = "no sample in the shard (no member named <key>.<extension>)"
     return ShardIndex(path, tuple(g.keys), np.asarray(g.starts, dtype=np.int64),
                       np.asarray(g.stops, dtype=np.int64), tuple(sorted(g.exts)), error, size)
+
+
+_BLOCK = tarfile.BLOCKSIZE
+_ZERO = bytes(_BLOCK)
+_NO_DATA = (b"1", b"2", b"3", b"4", b"5", b"6")  # links, devices, directories, fifos: tarfile skips no data
+
+
+def _walk(f: BinaryIO, size: int, g: "_Group") -> int:
+    """Add a whole, plain tar's regular members to ``g`` as :func:`index_shard`'s ``tarfile`` loop
+    does (a member's offset is its first header's, pax or GNU long name included), reading only
+    the 512-byte headers and the extended ones' records; the offset of the end-of-archive
+    marker. Raises :class:`~sbloader.sources.tar_members.Unusual` at anything else (a bad or cut
+    header, a member past the end, a type or record it does not know): ``tarfile`` then indexes
+    the shard, with its errors. About 3x faster than ``tarfile``'s objects (#47)."""
+    pos, first, long_name, pax = 0, None, None, {}
+    while True:
+        f.seek(pos)
+        h = f.read(_BLOCK)
+        if h == _ZERO:
+            return pos
+        if len(h) < _BLOCK or not checksum_ok(h):
+            raise Unusual("a cut or bad header")
+        kind = h[156:157]
+        n = int(pax[b"size"]) if b"size" in pax else octal(h[124:136])
+        data_at = pos + _BLOCK
+        nxt = data_at + (n + _BLOCK - 1) // _BLOCK * _BLOCK
+        if kind in (b"x", b"L"):
+            data = f.read(n)
+            if len(data) != n:
+                raise Unusual("a cut extended header")
+            if kind == b"x":
+                pax = pax_records(data)
+            else:
+                long_name = data.split(b"\0", 1)[0]
+            first = pos if first is None else first
+            pos = nxt
+            continue
+        if b"path" in pax:
+            name = pax[b"path"]
+        elif long_name is not None:
+            name = long_name
+        else:
+            name, prefix = h[0:100].split(b"\0", 1)[0], h[345:500].split(b"\0", 1)[0]
+            if prefix:
+                if h[257:262] != b"ustar":
+                    raise Unusual("a prefix field outside ustar")
+                name = prefix + b"/" + name
+        if kind in (b"0", b"\0") and not name.endswith(b"/"):
+            if data_at + n > size:
+                raise Unusual("a member past the end")
+            try:
+                g.add(name.decode("utf-8", "surrogateescape"), pos if first is None else first, min(size, nxt))
+            except ValueError:  # a repeated extension: tarfile's pass says so, with where it was
+                raise Unusual("a repeated extension") from None
+            pos = nxt
+        elif kind in _NO_DATA or kind == b"\0":
+            pos = data_at
+        else:
+            raise Unusual(f"member type {kind!r}")
+        first, long_name, pax = None, None, {}
 
 
 def cached_index(path: str, open_shard: Optional[Callable[[str], BinaryIO]], stat: Callable[[str], tuple],

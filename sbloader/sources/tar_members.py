@@ -21,23 +21,26 @@ _PAX_KEYS_USED = frozenset({b"path", b"size"})
 _PAX_KEYS_HARMLESS = frozenset({b"mtime", b"atime", b"ctime", b"uid", b"gid", b"uname", b"gname", b"comment"})
 
 
-class _Unusual(Exception):
+class Unusual(Exception):
     """A header this parser does not handle: ``tarfile`` parses the range instead."""
 
 
-def _octal(field: bytes) -> int:
+def octal(field: bytes) -> int:
+    """A tar header's octal number field (``Unusual`` for GNU's base-256)."""
     if field[:1] and field[0] & 0x80:  # GNU base-256
-        raise _Unusual("base-256 number")
+        raise Unusual("base-256 number")
     digits = field.replace(b"\0", b" ").strip()
     return int(digits, 8) if digits else 0
 
 
-def _checksum_ok(h: bytes) -> bool:
-    stored = _octal(h[148:156])
+def checksum_ok(h: bytes) -> bool:
+    """Whether a 512-byte tar header's checksum holds (the unsigned sum, as tar writes it)."""
+    stored = octal(h[148:156])
     return stored == sum(h[:148]) + 256 + sum(h[156:])
 
 
-def _pax_records(data: bytes) -> dict:
+def pax_records(data: bytes) -> dict:
+    """A pax header's records (``Unusual`` for one a sample would need applied: see the keys above)."""
     out = {}
     pos = 0
     while pos < len(data):
@@ -45,7 +48,7 @@ def _pax_records(data: bytes) -> dict:
         length = int(data[pos:sp])
         key, _, value = data[sp + 1:pos + length - 1].partition(b"=")
         if key not in _PAX_KEYS_USED and key not in _PAX_KEYS_HARMLESS:
-            raise _Unusual(f"pax record {key!r}")
+            raise Unusual(f"pax record {key!r}")
         out[key] = value
         pos += length
     return out
@@ -58,17 +61,17 @@ def _parse(buf: bytes) -> list[tuple[str, bytes]]:
         h = buf[pos:pos + _BLOCK]
         if h == _ZERO:
             break
-        if not _checksum_ok(h):
+        if not checksum_ok(h):
             raise tarfile.ReadError(f"bad header checksum at offset {pos} of the range")
         kind = h[156:157]
-        size = int(pax[b"size"]) if b"size" in pax else _octal(h[124:136])
+        size = int(pax[b"size"]) if b"size" in pax else octal(h[124:136])
         start = pos + _BLOCK
         data = buf[start:start + size]
         if len(data) != size:
             raise tarfile.ReadError(f"a member at offset {pos} of the range runs past its end")
         pos = start + (size + _BLOCK - 1) // _BLOCK * _BLOCK
         if kind == b"x":
-            pax = _pax_records(data)
+            pax = pax_records(data)
             continue
         if kind == b"L":
             long_name = data.rstrip(b"\0")
@@ -87,7 +90,7 @@ def _parse(buf: bytes) -> list[tuple[str, bytes]]:
                     name = prefix + b"/" + name
             out.append((name.decode("utf-8", "surrogateescape"), data))
         elif kind not in _SKIPPED:
-            raise _Unusual(f"member type {kind!r}")
+            raise Unusual(f"member type {kind!r}")
         long_name, pax = None, {}
     return out
 
@@ -111,5 +114,5 @@ def parse_members(buf: bytes) -> list[tuple[str, bytes]]:
     """
     try:
         return _parse(buf)
-    except _Unusual:
+    except Unusual:
         return _with_tarfile(buf)

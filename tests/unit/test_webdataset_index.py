@@ -178,7 +178,7 @@ def test_the_fast_member_parser_gives_what_tarfile_gives(fmt, tmp_path):
 
 
 def test_a_header_the_fast_parser_does_not_know_goes_to_tarfile():
-    from sbloader.sources.tar_members import _Unusual, _parse, _with_tarfile, parse_members
+    from sbloader.sources.tar_members import Unusual, _parse, _with_tarfile, parse_members
 
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
@@ -187,7 +187,7 @@ def test_a_header_the_fast_parser_does_not_know_goes_to_tarfile():
             info.size, info.pax_headers = 2, {"SCHILY.xattr.user.x": "1"}
             tf.addfile(info, io.BytesIO(b"hi"))
     data = buf.getvalue()
-    with pytest.raises(_Unusual):
+    with pytest.raises(Unusual):
         _parse(data)
     assert parse_members(data) == _with_tarfile(data) == [("k0.txt", b"hi"), ("k1.txt", b"hi")]
 
@@ -218,3 +218,67 @@ def test_a_shard_indexed_through_ranged_reads_equals_the_local_index(tmp_path):
     cut = data[:len(data) // 2 + 100]
     damaged = index_shard(path, lambda p: RangeFile(p, len(cut), lambda u, s, e: cut[s:e], block=4096))
     assert damaged.error.startswith("truncated") and 0 < damaged.num_samples < 9
+
+
+def _both_ways(path: str, monkeypatch) -> tuple:
+    """The shard's index by the header walk, whether the walk took it whole, and tarfile's index."""
+    from sbloader.sources import tar_index
+
+    whole = []
+    real = tar_index._walk
+
+    def walk(*a):
+        end = real(*a)  # raises Unusual where it leaves the shard to tarfile
+        whole.append(end)
+        return end
+
+    with monkeypatch.context() as m:
+        m.setattr(tar_index, "_walk", walk)
+        fast = index_shard(path, open_shard)
+    return fast, _index_by_tarfile(path, monkeypatch), bool(whole)
+
+
+def _index_by_tarfile(path: str, monkeypatch) -> tuple:
+    from sbloader.sources import tar_index
+
+    def off(*a):
+        raise tar_index.Unusual("tarfile, for the comparison")
+
+    with monkeypatch.context() as m:
+        m.setattr(tar_index, "_walk", off)
+        idx = index_shard(path, open_shard)
+    return (idx.keys, idx.starts.tolist(), idx.stops.tolist(), idx.extensions, idx.error, idx.file_size)
+
+
+@pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT, "webdataset"])
+def test_the_header_walk_indexes_a_shard_as_tarfile_does(fmt, tmp_path, monkeypatch):
+    """The index reads each header with a few byte slices (about 3x faster than tarfile's objects: a
+    shard's creation at 100 ms per request waited on it, #47), and gives tarfile's index: long names
+    (pax, GNU), ustar prefixes, directories, links, empty members, a name without a dot; damaged shards
+    (cut, a bad header, a repeated extension) go to tarfile and say what it says."""
+    if fmt == "webdataset":
+        (path,) = write_shards(str(tmp_path / "w"), shards=1, per_shard=5)  # pax headers (a float mtime)
+    else:
+        entries = [("d", None), ("d/a.txt", b"x" * 513), ("d/a.cls", b"1"), ("link.txt", "d/a.txt"),
+                   ("p/" * 60 + "long.jpg", b"\xff" * 1000), ("q/" * 40 + "pre.txt", b"u"),
+                   ("\u00e9t\u00e9.json", b"{}"), ("empty.bin", b""), ("nodot", b"z")]
+        if fmt == tarfile.USTAR_FORMAT:  # no non-ASCII, names up to 255 through the prefix field
+            entries = [e for e in entries if len(e[0]) < 250 and e[0].isascii()]
+        path = str(tmp_path / "s.tar")
+        with open(path, "wb") as f:
+            f.write(_tar_bytes(fmt, entries))
+    fast, slow, walked = _both_ways(path, monkeypatch)
+    assert (fast.keys, fast.starts.tolist(), fast.stops.tolist(), fast.extensions, fast.error,
+            fast.file_size) == slow and walked and fast.error == "" and len(fast.keys) >= 4
+    data = open(path, "rb").read()
+    at = int(fast.starts[2])  # the third sample's first header
+    flipped = data[:at + 10] + bytes([data[at + 10] ^ 1]) + data[at + 11:]  # a header's checksum fails
+    for name, damaged in (("cut", data[:at + 700]), ("bad", flipped), ("twice", None)):
+        p = str(tmp_path / f"{name}.tar")
+        if damaged is None:
+            damaged = _tar_bytes(tarfile.GNU_FORMAT, [("k.txt", b"1"), ("k.txt", b"2")])
+        with open(p, "wb") as f:
+            f.write(damaged)
+        idx = index_shard(p, open_shard)
+        assert (idx.keys, idx.starts.tolist(), idx.stops.tolist(), idx.extensions, idx.error,
+                idx.file_size) == _index_by_tarfile(p, monkeypatch) and idx.error, name
