@@ -24,7 +24,8 @@ As a process (what ``benchmarks/scenarios/bucket_latency.py`` starts)::
 serves the folder's files in one bucket per latency, ``lat<ms>`` (``lat20``), each
 delayed by its latency, on one port; prints ``{"endpoint": ..., "buckets": {"20": "lat20"}}``
 and serves until its standard input closes. ``GET /__sbloader_proxy_stats?bucket=lat20``
-answers that bucket's counts (``&reset=1`` forgets them).
+answers that bucket's counts (``&reset=1`` forgets them; ``&touch=1`` gives its objects new
+versions: :meth:`_Store.touch`).
 """
 from __future__ import annotations
 
@@ -166,6 +167,8 @@ class LeanS3:
             out = json.dumps(st.as_dict()).encode()
             if "reset=1" in parts.query:
                 st.reset()
+            if "touch=1" in parts.query and "bucket=" in parts.query:
+                self.store.touch(parts.query.split("bucket=", 1)[1].split("&", 1)[0])
             return 200, {"Content-Type": "application/json"}, out
         q = {k: v[0] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
         path = unquote(parts.path).lstrip("/")

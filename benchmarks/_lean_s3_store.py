@@ -58,6 +58,13 @@ class _Store:
         self.buckets: dict[str, dict[str, bytes]] = {}
         self.mtimes: dict[tuple[str, str], float] = {}
 
+    def touch(self, bucket: str) -> None:
+        """Give every object of ``bucket`` a new modification time (a later second): new versions
+        of the same bytes, as if written again (nothing a client remembers of them applies)."""
+        now = time.time()
+        for k in self.buckets.get(bucket, {}):
+            self.mtimes[(bucket, k)] = max(now, self.mtimes[(bucket, k)] + 1.0)
+
     def list_v2(self, bucket: str, q: dict) -> bytes:
         objs = self.buckets[bucket]
         prefix = q.get("prefix", "")

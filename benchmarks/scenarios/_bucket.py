@@ -36,10 +36,12 @@ class Server:
         info = json.loads(self.proc.stdout.readline())
         self.endpoint, self.buckets = info["endpoint"], info["buckets"]
 
-    def stats(self, bucket: str, reset: bool = False) -> dict:
+    def stats(self, bucket: str, reset: bool = False, touch: bool = False) -> dict:
         """The bucket's counts (``object_gets``, ``object_heads``, ``requests``, ``server_cpu_s``,
-        ``peak_in_flight``, ``timeline``)."""
-        url = f"{self.endpoint}/__sbloader_proxy_stats?bucket={bucket}" + ("&reset=1" if reset else "")
+        ``peak_in_flight``, ``timeline``); ``touch``: its objects get new versions first (a run then
+        starts as a new process would: no index or footer a Ray worker remembers applies)."""
+        url = (f"{self.endpoint}/__sbloader_proxy_stats?bucket={bucket}" + ("&reset=1" if reset else "")
+               + ("&touch=1" if touch else ""))
         with urllib.request.urlopen(url) as r:
             return json.loads(r.read())
 

@@ -97,7 +97,9 @@ def run(**p: Any) -> Outcome:
             cache_dir = tempfile.mkdtemp(prefix="sbl-bucket-cache-")
             from sbloader.sources import tar_index
             tar_index._INDEXES.clear()  # index again each run, as a new process would
-            before = srv.stats(bucket, reset=True) if bucket else None
+            # New versions of the objects each run: an index or footer a Ray worker remembers from an
+            # earlier run (by URI and version) does not apply, as in a new user's process.
+            before = srv.stats(bucket, reset=True, touch=True) if bucket else None
             t0 = time.perf_counter()
             loader = read(uri, cache=cache, cache_dir=cache_dir).to_dataloader(64, shuffle=True)
             made = time.perf_counter() - t0

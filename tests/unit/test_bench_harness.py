@@ -241,3 +241,22 @@ def test_the_report_waits_for_what_a_scenario_left_running_and_says_so_at_the_bo
     assert out["note"] and "still running" in out["note"] and "sleep 30" in out["note"]
     assert 0.4 < out["bound"] < 10 and out["logged"] == [f"-- {out['note']}"]
     assert out["after_kill"] == {}
+
+
+def test_the_lean_servers_touch_gives_its_objects_new_versions():
+    """``bucket_sources`` touches a bucket before each run, so an index or footer a Ray worker kept
+    from an earlier run (by URI and version) is not found: each run starts cold, as a new process."""
+    import re
+
+    from benchmarks._lean_s3_store import _Store
+
+    st = _Store()
+    st.buckets["b"] = {"k.tar": b"x"}
+    st.mtimes[("b", "k.tar")] = 1_000_000.0
+
+    def listed() -> str:
+        return re.search(rb"<LastModified>(.*?)</LastModified>", st.list_v2("b", {})).group(1).decode()
+
+    before = listed()
+    st.touch("b")
+    assert st.buckets["b"] == {"k.tar": b"x"} and listed() > before and st.mtimes[("b", "k.tar")] >= 1_000_001.0
