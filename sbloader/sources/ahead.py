@@ -13,10 +13,13 @@ the entry's lock.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import threading
+from dataclasses import dataclass
 from typing import Any, Iterable
 
+from sbloader.core.plan import make_epoch_plan
 from sbloader.sources.cache import COUNT_MARK, RETRY_MARK, owed_retries
 from sbloader.sources.inflight import BYTES
 
@@ -88,14 +91,56 @@ def count_get_at_take(counts: dict, marks: int, nbytes: int, path: str = "") -> 
         counts["retries"] = counts.get("retries", 0) + owed_retries(path)
 
 
+@dataclass(frozen=True)
+class EpochAhead:
+    """Each partition's members by id and the order the epoch's plan runs them in
+    (:func:`~sbloader.core.plan.make_epoch_plan`: under ``shuffle`` a permutation drawn from
+    the epoch seed), so a read task fetches ahead the partitions that run next, not the
+    next ids (which a shuffled plan runs anywhere in the epoch).
+
+    Attributes:
+        members: each partition's members (URIs), by id.
+        order: partition ids in the plan's order.
+        position: each id's place in ``order``.
+    """
+
+    members: tuple
+    order: tuple
+    position: tuple
+
+    @classmethod
+    def of(cls, members: tuple, epoch_seed: int, shuffle: bool) -> "EpochAhead":
+        """The members and the order :func:`~sbloader.core.plan.make_epoch_plan` gives them."""
+        order = make_epoch_plan(range(len(members)), 0, epoch_seed, shuffle).order
+        position = [0] * len(order)
+        for i, pid in enumerate(order):
+            position[pid] = i
+        return cls(members, tuple(order), tuple(position))
+
+    def after(self, partition_id: int, count: int) -> list[int]:
+        """The ids of the (at most) ``count`` partitions the plan runs after ``partition_id``."""
+        if not 0 <= partition_id < len(self.position):
+            return []
+        i = self.position[partition_id]
+        return list(self.order[i + 1:i + 1 + count])
+
+
 def files_ahead(shared: Any, partition_id: int, count: int = 2) -> list[str]:
     """The next ``count`` distinct files after partition ``partition_id``'s own, from a
-    source's ``shared()`` tuple of each partition's file (nothing when it is None)."""
+    source's ``shared()``: an :class:`EpochAhead` of each partition's file (the partitions the
+    epoch's plan runs next: under ``shuffle`` not the next ids), or a tuple of them by id;
+    nothing when it is None."""
     if not shared:
         return []
-    own = shared[partition_id] if partition_id < len(shared) else None
+    if isinstance(shared, EpochAhead):
+        own = shared.members[partition_id] if 0 <= partition_id < len(shared.members) else None
+        at = shared.position[partition_id] if own is not None else len(shared.order)
+        after: Iterable = (shared.members[pid] for pid in itertools.islice(shared.order, at + 1, None))
+    else:
+        own = shared[partition_id] if partition_id < len(shared) else None
+        after = itertools.islice(shared, partition_id + 1, None)
     out: list[str] = []
-    for path in shared[partition_id + 1:]:
+    for path in after:
         if path != own and path not in out:
             out.append(path)
             if len(out) == count:

@@ -16,6 +16,7 @@ import numpy as np
 
 from sbloader.core.context import get_context
 from sbloader.core.errors import SourceReadError
+from sbloader.sources.ahead import EpochAhead
 from sbloader.sources.base import IO_UNIT_SHUFFLE_WINDOW, Partition
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -251,14 +252,19 @@ class IOUnitSource:
         return list(self._files)
 
     def shared(self) -> Any:
-        """Remote files cached: each partition's file by id (a read task fetches the next
-        partitions' files into the node's cache); otherwise nothing."""
+        """Remote files cached: each partition's file and the order the epoch's plan runs them in
+        (:class:`~sbloader.sources.ahead.EpochAhead`: a read task fetches the files of the
+        partitions that run next into the node's cache, under ``shuffle`` not those of the next
+        ids); otherwise nothing."""
         if self._remote is None or not self._remote.cache.enabled:
             return None
-        return tuple(p.payload.path for p in self._parts)
+        seed, shuffle = getattr(self, "_planned", (0, False))
+        return EpochAhead.of(tuple(p.payload.path for p in self._parts), seed, shuffle)
 
     def partitions(self, epoch: int, epoch_seed: int, shuffle: bool = False) -> list[Partition]:
-        """The planned partitions; the same for every epoch."""
+        """The planned partitions; the same for every epoch (the epoch's seed and shuffle are
+        kept for :meth:`shared`'s order)."""
+        self._planned = (int(epoch_seed), bool(shuffle))
         return list(self._parts)
 
     def row_bytes(self) -> Optional[float]:

@@ -14,7 +14,6 @@ import functools
 import hashlib
 import io
 import math
-from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -22,7 +21,8 @@ import numpy as np
 from sbloader.sources import jpeg as _jpeg
 from sbloader.core.block import ROW_COLUMN, Block, to_column
 from sbloader.core.context import report_skipped
-from sbloader.core.plan import cut_members, make_epoch_plan, member_positions
+from sbloader.core.plan import cut_members, member_positions
+from sbloader.sources.ahead import EpochAhead
 from sbloader.sources.base import Partition
 from sbloader.sources.fetch import RemoteFiles
 from sbloader.sources.files import read_error
@@ -188,40 +188,6 @@ def _read_image_files(shared: Any, partition: Partition, *, size: Optional[tuple
 
 
 # ----- the source -------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class EpochAhead:
-    """Each partition's members by id and the order the epoch's plan runs them in
-    (:func:`~sbloader.core.plan.make_epoch_plan`: under ``shuffle`` a permutation drawn from
-    the epoch seed), so a read task fetches ahead the partitions that run next, not the
-    next ids (which a shuffled plan runs anywhere in the epoch).
-
-    Attributes:
-        members: each partition's members (URIs), by id.
-        order: partition ids in the plan's order.
-        position: each id's place in ``order``.
-    """
-
-    members: tuple
-    order: tuple
-    position: tuple
-
-    @classmethod
-    def of(cls, members: tuple, epoch_seed: int, shuffle: bool) -> "EpochAhead":
-        """The members and the order :func:`~sbloader.core.plan.make_epoch_plan` gives them."""
-        order = make_epoch_plan(range(len(members)), 0, epoch_seed, shuffle).order
-        position = [0] * len(order)
-        for i, pid in enumerate(order):
-            position[pid] = i
-        return cls(members, tuple(order), tuple(position))
-
-    def after(self, partition_id: int, count: int) -> list[int]:
-        """The ids of the (at most) ``count`` partitions the plan runs after ``partition_id``."""
-        if not 0 <= partition_id < len(self.position):
-            return []
-        i = self.position[partition_id]
-        return list(self.order[i + 1:i + 1 + count])
 
 
 class ImageSource:

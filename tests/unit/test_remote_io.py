@@ -406,6 +406,38 @@ def test_files_ahead_are_the_next_distinct_files():
     assert files_ahead(None, 0) == []
 
 
+def test_files_ahead_follow_the_epochs_plan_under_shuffle(tmp_path):
+    """A Parquet, video or shard source's read task fetches ahead the files of the partitions the
+    epoch's plan runs next: under ``shuffle`` a permutation, not the next ids (#47: the files of
+    partitions running much later were fetched while the next one's waited for its GET)."""
+    from sbloader.core.plan import make_epoch_plan
+    from sbloader.sources.ahead import EpochAhead
+    from sbloader.sources.cache import CacheConfig
+    from sbloader.sources.fetch import RemoteFiles, files_ahead
+    from sbloader.sources.base import Partition
+    from sbloader.sources.files import IOUnitSource
+
+    class Units(IOUnitSource):
+        def __init__(self, paths):
+            self._remote = RemoteFiles(None, CacheConfig(True, str(tmp_path / "c")), {})
+            self._parts = [Partition(i, 1, type("U", (), {"path": p})(), p) for i, p in enumerate(paths)]
+
+    src = Units([f"s3://b/f{i // 2}" for i in range(12)])  # two partitions a file
+    src.partitions(3, 77, shuffle=True)
+    shared = src.shared()
+    order = make_epoch_plan(range(12), 3, 77, True).order
+    assert isinstance(shared, EpochAhead) and shared.order == order and order != tuple(range(12))
+    first = order[0]
+    want = []
+    for pid in order[1:]:
+        f = f"s3://b/f{pid // 2}"
+        if f != f"s3://b/f{first // 2}" and f not in want:
+            want.append(f)
+    assert files_ahead(shared, first, 2) == want[:2] and files_ahead(shared, order[-1], 2) == []
+    src.partitions(3, 77, shuffle=False)
+    assert files_ahead(src.shared(), 0, 2) == ["s3://b/f1", "s3://b/f2"]
+
+
 def test_peaks_merge_as_maxima_and_other_counts_add_up():
     from sbloader.core.context import merge_counters
     from sbloader.sources.inflight import take_while_within
