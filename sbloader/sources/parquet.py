@@ -287,6 +287,12 @@ def _read_rows(piece: Piece, columns: Optional[Sequence[str]], remote: Any = Non
     return table
 
 
+#: Files after a read task's own (in the epoch plan's order) it fetches into the node's cache while
+#: it reads (within the read's byte budget): 4 against 2, at 100 ms a request, 8 files of 250 rows:
+#: 0.66-0.69x local against 0.65-0.66x (``bucket_sources``, #47).
+FILES_AHEAD = 4
+
+
 def _read_parquet_partition(shared: Any, partition: Partition, *, columns: Optional[tuple[str, ...]],
                             on_error: str, remote: Any = None) -> Block:
     """Read one partition (a row range of one row group) into NumPy columns."""
@@ -294,7 +300,7 @@ def _read_parquet_partition(shared: Any, partition: Partition, *, columns: Optio
     if remote is not None:
         from sbloader.sources.fetch import files_ahead
 
-        remote.prefetch(files_ahead(shared, partition.id))
+        remote.prefetch(files_ahead(shared, partition.id, FILES_AHEAD))
     try:
         table = _read_rows(piece, columns, remote)
         return {name: _column_to_numpy(table.column(name)) for name in table.column_names}
