@@ -294,6 +294,14 @@ class S3Server:
         return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
                             aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"], region_name=env["AWS_DEFAULT_REGION"])
 
+    def ensure_bucket(self, bucket: str) -> None:
+        """Create ``bucket`` unless it exists (test modules share the session's server)."""
+        client = self.client()
+        try:
+            client.create_bucket(Bucket=bucket)
+        except client.exceptions.BucketAlreadyOwnedByYou:
+            pass
+
     def put_many(self, bucket: str, objects: dict) -> None:
         """Store ``{key: bytes}`` straight into moto's in-process backend (no HTTP: thousands
         of keys in a fraction of a second). The bucket must exist."""

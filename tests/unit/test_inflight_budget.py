@@ -141,11 +141,7 @@ def test_two_s3_datasets_in_one_process_counted_at_the_lean_s3_server(s3_server,
     """The same, through obstore against the lean S3 server (20 ms a request), whose proxy
     counts the object GETs it serves at once, by prefix."""
     pytest.importorskip("obstore")
-    client = s3_server.client()
-    try:
-        client.create_bucket(Bucket="inflight47")
-    except client.exceptions.BucketAlreadyOwnedByYou:
-        pass
+    s3_server.ensure_bucket("inflight47")
     s3_server.put_many("inflight47", {f"{d}/{i:03d}.bin": bytes([i]) * 500 for d in "ab" for i in range(N)})
     a, b = (RemoteFiles(None, CacheConfig(False), {f"s3://inflight47/{d}/{i:03d}.bin": (500, 1) for i in range(N)}, m)
             for d, m in (("a", 2), ("b", 5)))

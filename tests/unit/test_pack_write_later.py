@@ -22,11 +22,7 @@ BUCKET = "sbloader-packlater"
 @pytest.fixture(scope="module")
 def objects(s3_server):
     pytest.importorskip("obstore")
-    client = s3_server.client()
-    try:
-        client.create_bucket(Bucket=BUCKET)
-    except client.exceptions.BucketAlreadyOwnedByYou:
-        pass
+    s3_server.ensure_bucket(BUCKET)
     s3_server.put_many(BUCKET, {f"o/{i:02d}.jpg": bytes([i]) * (100 + i) for i in range(8)})
     return s3_server
 

@@ -28,11 +28,7 @@ def _png(i: int) -> bytes:
 @pytest.fixture(scope="module")
 def pngs(s3_server):
     pytest.importorskip("obstore")
-    client = s3_server.client()
-    try:
-        client.create_bucket(Bucket=BUCKET)
-    except client.exceptions.BucketAlreadyOwnedByYou:
-        pass
+    s3_server.ensure_bucket(BUCKET)
     s3_server.put_many(BUCKET, {f"p/{i:02d}.png": _png(i) for i in range(6)})
     return s3_server
 
