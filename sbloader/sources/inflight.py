@@ -24,7 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 from sbloader.sources.node_slots import NodeSlots, node_slots
 
@@ -185,6 +185,16 @@ class ByteBudget:
 
 
 BYTES = ByteBudget()
+def side_by_side(sizes: Iterable[int], max_bytes: int, cap: int) -> int:
+    """How many objects of ``sizes`` to fetch at once (each whole, in memory until it is
+    cached): at most ``cap``, fewer where the largest of them together would pass ``max_bytes``;
+    at least one. For planning reads that wait on the store (a shard's index, a video's probe)."""
+    sizes = [int(s or 0) for s in sizes]
+    if not sizes:
+        return 1
+    return max(1, min(cap, len(sizes), max_bytes // max(1, max(sizes))))
+
+
 _POOL: list[ThreadPoolExecutor] = []
 _POOL_LOCK = threading.Lock()
 

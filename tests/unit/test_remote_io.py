@@ -491,3 +491,42 @@ def test_a_read_task_fetches_ahead_the_partitions_its_epoch_runs_next(shuffle):
     assert (list(order) != sorted(order)) == shuffle  # shuffled, the next ids are not what runs next
     assert ImageSource(uris, 4, None, "RGB", "raise", remote=remote_files({u: (1, 0) for u in uris}, None, False,
                                                                            None, None)).shared() is None
+
+
+def test_planning_fetches_side_by_side_within_the_byte_budget():
+    from sbloader.sources.inflight import side_by_side
+
+    assert side_by_side([10] * 100, 1000, 32) == 32  # the cap
+    assert side_by_side([10, 300, 20], 1000, 32) == 3  # all of them
+    assert side_by_side([10] * 50 + [400], 1000, 32) == 2  # two of the largest fit
+    assert side_by_side([5000], 1000, 32) == 1 and side_by_side([], 1000, 32) == 1  # one at least
+
+
+def test_remote_videos_are_probed_by_as_many_tasks_as_run_at_once(monkeypatch):
+    """64 videos in a bucket on 2 CPUs: 2 probe tasks of 32, each fetching its videos side by side,
+    one round trip for all (4 tasks of 16 ran two by two: two round trips, #47); local files: two
+    tasks a CPU, as before (their probes are CPU)."""
+    import ray
+
+    from sbloader.runtime import session
+    from sbloader.sources import video_probe
+    from sbloader.sources.cache import CacheConfig
+    from sbloader.sources.fetch import RemoteFiles
+
+    chunks = []
+
+    class _Task:
+        def remote(self, paths, span, remote):
+            chunks.append(len(paths))
+            return [video_probe.VideoMeta(p, 1, ()) for p in paths]
+
+    monkeypatch.setattr(video_probe, "_probe_task", _Task())
+    monkeypatch.setattr(session, "ensure_initialized", lambda: None)
+    monkeypatch.setattr(session, "cluster_cpus", lambda: 2)
+    monkeypatch.setattr(ray, "get", lambda refs: refs)
+    uris = [f"s3://b/v{i:02d}.mp4" for i in range(64)]
+    remote = RemoteFiles(None, CacheConfig(False), {u: (1000, 1) for u in uris})
+    assert [m.path for m in video_probe.gather_probes(uris, None, remote)] == uris and chunks == [32, 32]
+    chunks.clear()
+    video_probe.gather_probes([f"/d/v{i:02d}.mp4" for i in range(64)], None, None)
+    assert chunks == [16] * 4
