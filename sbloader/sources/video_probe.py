@@ -20,7 +20,7 @@ DRIVER_PROBE_MAX_FILES = 4
 _MIN_FILES_PER_PROBE_TASK = 2
 
 #: Remote videos one probe call fetches at once, at most (each whole, into the cache), within the
-#: read's byte budget (:func:`~sbloader.sources.inflight.side_by_side`): 64 videos at 100 ms a request
+#: read's byte budget (:func:`~sbloader.sources.inflight.map_side_by_side`): 64 videos at 100 ms a request
 #: were probed in two round trips by 16 a task (two tasks at once on 2 CPUs), now in one (#47).
 PROBE_SIDE_BY_SIDE = 32
 
@@ -142,14 +142,11 @@ def probe_video(path: str, span: Optional[int] = None, remote: Any = None) -> Vi
 def probe_videos(paths: Sequence[str], span: Optional[int] = None, remote: Any = None) -> list[VideoMeta]:
     """Probe several files (see :func:`probe_video`); remote ones several at once (each fetch waits
     on the store: one after the other, a task of 4 objects at 20 ms spent 80 ms in round trips)."""
-    if remote is not None and len(paths) > 1:
-        from concurrent.futures import ThreadPoolExecutor
+    if remote is not None:
+        from sbloader.sources.inflight import map_side_by_side
 
-        from sbloader.sources.inflight import side_by_side
-
-        sizes = (remote.versions.get(p, (0, 0))[0] for p in paths)
-        with ThreadPoolExecutor(max_workers=side_by_side(sizes, remote.max_bytes, PROBE_SIDE_BY_SIDE)) as pool:
-            return list(pool.map(lambda p: probe_video(p, span, remote), paths))
+        return map_side_by_side(lambda p: probe_video(p, span, remote), list(paths), remote.versions,
+                                remote.max_bytes, PROBE_SIDE_BY_SIDE)
     return [probe_video(p, span, remote) for p in paths]
 
 

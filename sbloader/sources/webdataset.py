@@ -28,7 +28,7 @@ from sbloader.core.block import ROW_COLUMN, Block, to_column
 from sbloader.core.context import report_skipped
 from sbloader.sources.base import Partition
 from sbloader.sources.fetch import RemoteFiles, files_ahead
-from sbloader.sources.inflight import side_by_side
+from sbloader.sources.inflight import map_side_by_side
 from sbloader.sources.files import IOUnitSource, PathLike, list_inputs, read_error
 from sbloader.sources.images import _decode_bytes
 from sbloader.sources.tar_index import ShardIndex, cached_index, is_meta, local_stat, read_members, split_key
@@ -131,19 +131,14 @@ def index_shards(paths: Sequence[str], remote: Optional[RemoteFiles] = None) -> 
     from sbloader.sources.remote_shards import index_remote_shard
 
     remote_paths = [p for p in paths if _is_remote(p, remote)]
-    done: dict = {}
-    if len(remote_paths) > 1:  # fetched side by side: one round trip for them all, not one each
-        from concurrent.futures import ThreadPoolExecutor
-
-        sizes = (remote.versions.get(p, (0, 0))[0] for p in remote_paths)
-        with ThreadPoolExecutor(max_workers=side_by_side(sizes, remote.max_bytes, INDEX_SIDE_BY_SIDE)) as pool:
-            done = dict(zip(remote_paths, pool.map(lambda p: index_remote_shard(p, remote), remote_paths)))
-    return [done[p] if p in done else index_remote_shard(p, remote) if _is_remote(p, remote)
-            else cached_index(p, open_shard, local_stat) for p in paths]
+    done = dict(zip(remote_paths, map_side_by_side(lambda p: index_remote_shard(p, remote), remote_paths,
+                                                   remote.versions if remote else {},
+                                                   remote.max_bytes if remote else 0, INDEX_SIDE_BY_SIDE)))
+    return [done[p] if p in done else cached_index(p, open_shard, local_stat) for p in paths]
 
 
-#: Remote shards indexed at once in one call, at most (each is fetched whole into the cache, or
-#: its headers read by ranged GETs), within the read's byte budget (:func:`~sbloader.sources.inflight.side_by_side`).
+#: Remote shards indexed at once in one call, at most (each is fetched whole into the cache, or its
+#: headers read by ranged GETs), within the read's byte budget (:func:`.inflight.map_side_by_side`).
 INDEX_SIDE_BY_SIDE = 16
 
 
