@@ -17,7 +17,7 @@ import itertools
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 from sbloader.core.plan import make_epoch_plan
 from sbloader.sources.cache import COUNT_MARK, RETRY_MARK, owed_retries
@@ -125,22 +125,16 @@ class EpochAhead:
         return list(self.order[i + 1:i + 1 + count])
 
 
-def files_ahead(shared: Any, partition_id: int, count: int = 2) -> list[str]:
+def files_ahead(shared: Optional[EpochAhead], partition_id: int, count: int = 2) -> list[str]:
     """The next ``count`` distinct files after partition ``partition_id``'s own, from a
     source's ``shared()``: an :class:`EpochAhead` of each partition's file (the partitions the
-    epoch's plan runs next: under ``shuffle`` not the next ids), or a tuple of them by id;
-    nothing when it is None."""
-    if not shared:
+    epoch's plan runs next: under ``shuffle`` not the next ids); nothing when it is None."""
+    if shared is None or not 0 <= partition_id < len(shared.members):
         return []
-    if isinstance(shared, EpochAhead):
-        own = shared.members[partition_id] if 0 <= partition_id < len(shared.members) else None
-        at = shared.position[partition_id] if own is not None else len(shared.order)
-        after: Iterable = (shared.members[pid] for pid in itertools.islice(shared.order, at + 1, None))
-    else:
-        own = shared[partition_id] if partition_id < len(shared) else None
-        after = itertools.islice(shared, partition_id + 1, None)
+    own = shared.members[partition_id]
     out: list[str] = []
-    for path in after:
+    for pid in itertools.islice(shared.order, shared.position[partition_id] + 1, None):
+        path = shared.members[pid]
         if path != own and path not in out:
             out.append(path)
             if len(out) == count:

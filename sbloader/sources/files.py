@@ -245,6 +245,7 @@ class IOUnitSource:
     _files: list
     _parts: list
     _remote: Any = None  # a RemoteFiles when the files are remote
+    _planned: tuple = (0, False)  # the last partitions() call's epoch seed and shuffle (shared()'s order)
 
     @property
     def files(self) -> list:
@@ -258,8 +259,7 @@ class IOUnitSource:
         ids); otherwise nothing."""
         if self._remote is None or not self._remote.cache.enabled:
             return None
-        seed, shuffle = getattr(self, "_planned", (0, False))
-        return EpochAhead.of(tuple(p.payload.path for p in self._parts), seed, shuffle)
+        return EpochAhead.of(tuple(p.payload.path for p in self._parts), *self._planned)
 
     def partitions(self, epoch: int, epoch_seed: int, shuffle: bool = False) -> list[Partition]:
         """The planned partitions; the same for every epoch (the epoch's seed and shuffle are

@@ -399,9 +399,10 @@ def test_an_fsspec_filesystem_lists_and_reads_through_the_same_path(tmp_path):
 
 
 def test_files_ahead_are_the_next_distinct_files():
+    from sbloader.sources.ahead import EpochAhead
     from sbloader.sources.fetch import files_ahead
 
-    shared = ("a", "a", "b", "b", "c", "d")
+    shared = EpochAhead.of(("a", "a", "b", "b", "c", "d"), 0, False)  # each partition's file, unshuffled
     assert files_ahead(shared, 0) == ["b", "c"] and files_ahead(shared, 4) == ["d"] and files_ahead(shared, 5) == []
     assert files_ahead(None, 0) == []
 
