@@ -21,7 +21,7 @@ from typing import BinaryIO, Callable, NamedTuple, Optional
 
 import numpy as np
 
-from sbloader.sources.tar_members import Unusual, checksum_ok, octal, parse_members, pax_records
+from sbloader.sources.tar_members import Unusual, checksum_ok, member_name, octal, parse_members, pax_records
 
 #: Shard indexes a process keeps (the most recently used).
 INDEX_CACHE_SHARDS = 256
@@ -208,21 +208,12 @@ def _walk(f: BinaryIO, size: int, g: "_Group") -> int:
             first = pos if first is None else first
             pos = nxt
             continue
-        if b"path" in pax:
-            name = pax[b"path"]
-        elif long_name is not None:
-            name = long_name
-        else:
-            name, prefix = h[0:100].split(b"\0", 1)[0], h[345:500].split(b"\0", 1)[0]
-            if prefix:
-                if h[257:262] != b"ustar":
-                    raise Unusual("a prefix field outside ustar")
-                name = prefix + b"/" + name
-        if kind in (b"0", b"\0") and not name.endswith(b"/"):
+        name = member_name(h, pax, long_name)
+        if kind in (b"0", b"\0") and not name.endswith("/"):
             if data_at + n > size:
                 raise Unusual("a member past the end")
             try:
-                g.add(name.decode("utf-8", "surrogateescape"), pos if first is None else first, min(size, nxt))
+                g.add(name, pos if first is None else first, min(size, nxt))
             except ValueError:  # a repeated extension: tarfile's pass says so, with where it was
                 raise Unusual("a repeated extension") from None
             pos = nxt

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import tarfile
+from typing import Optional
 
 _BLOCK = tarfile.BLOCKSIZE
 _ZERO = bytes(_BLOCK)
@@ -54,6 +55,22 @@ def pax_records(data: bytes) -> dict:
     return out
 
 
+def member_name(h: bytes, pax: dict, long_name: Optional[bytes]) -> str:
+    """A member's name as ``tarfile`` gives it: its pax ``path``, else its GNU long name, else the
+    header's name under its ustar prefix (``Unusual`` for a prefix field outside ustar)."""
+    if b"path" in pax:
+        name = pax[b"path"]
+    elif long_name is not None:
+        name = long_name
+    else:
+        name, prefix = h[0:100].split(b"\0", 1)[0], h[345:500].split(b"\0", 1)[0]
+        if prefix:
+            if h[257:262] != b"ustar":
+                raise Unusual("a prefix field outside ustar")
+            name = prefix + b"/" + name
+    return name.decode("utf-8", "surrogateescape")
+
+
 def _parse(buf: bytes) -> list[tuple[str, bytes]]:
     out: list[tuple[str, bytes]] = []
     pos, long_name, pax = 0, None, {}
@@ -79,16 +96,7 @@ def _parse(buf: bytes) -> list[tuple[str, bytes]]:
         if kind == b"g":  # a global pax header: nothing a sample uses
             continue
         if kind in _REGULAR:
-            if b"path" in pax:
-                name = pax[b"path"]
-            elif long_name is not None:
-                name = long_name
-            else:
-                name = h[0:100].split(b"\0", 1)[0]
-                prefix = h[345:500].split(b"\0", 1)[0] if h[257:262] == b"ustar" else b""
-                if prefix:
-                    name = prefix + b"/" + name
-            out.append((name.decode("utf-8", "surrogateescape"), data))
+            out.append((member_name(h, pax, long_name), data))
         elif kind not in _SKIPPED:
             raise Unusual(f"member type {kind!r}")
         long_name, pax = None, {}
