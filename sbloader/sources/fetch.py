@@ -211,7 +211,9 @@ class RemoteFiles:
                 held[1] += 1
 
         submit_more()
-        self.prefetch(ahead, budget=self.max_bytes - held[0], count=True, pack=len(uris))
+        budget = self.max_bytes - held[0]
+        when_answered([f for f in futures if not isinstance(f, tuple)],
+                      lambda: self.prefetch(ahead, budget=budget, count=True, pack=len(uris)))
         waited = Waited()
         pending: list = []  # fetched, their entries' locks held: cached as one pack at the end
         packed: list = []
@@ -394,3 +396,26 @@ def remote_files(versions: dict, filesystem: Any, cache: bool, cache_dir: Any, c
     if not versions and filesystem is None:
         return None
     return RemoteFiles(filesystem, config, dict(versions), max_in_flight)
+
+
+def when_answered(futures: Sequence[Any], fn: Any) -> None:
+    """``fn()`` once every one of ``futures`` is done (at once when none is pending), in the
+    thread that finished the last: a read's fetch ahead starts once its own objects are in,
+    so the first partition's GETs do not share the process with the next partitions' (#47)."""
+    import threading
+
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_: Any = None) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            fn()
+
+    if not futures:
+        fn()
+        return
+    for f in futures:
+        f.add_done_callback(one_done)

@@ -101,9 +101,13 @@ class ListingPrefetch:
         """:func:`stream_pages` (what :func:`~sbloader.sources.filesystems.list_uris` lists with)."""
         return stream_pages(uri, path, filesystem)
 
-    def __call__(self, page: Sequence[Any]) -> None:
+    def __call__(self, page: Sequence[Any], more: bool = True) -> None:
         """Fetch the page's objects that fit what is left of the byte budget, at most
-        :data:`LISTING_IN_FLIGHT` at a time."""
+        :data:`LISTING_IN_FLIGHT` at a time; none of a page the listing ends with (``more``
+        False: a page of fewer keys than a full one), whose fetches would not overlap the
+        listing but only compete with the first read tasks' (#47: a folder of one page)."""
+        if not more:
+            return
         with self._lock:
             if not self._checked:  # on a cluster, the driver's cache is not the readers'
                 self._checked = True

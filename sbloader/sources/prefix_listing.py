@@ -120,7 +120,7 @@ def list_prefix(fs: Any, path: str, uri: str, filesystem: Any, resolve: Callable
     def take(page: list) -> None:
         listed = [_Listed(*f) for f in page]
         files.extend(listed)
-        on_page(accept(listed))
+        on_page(accept(listed), more=len(page) >= PAGE_KEYS)
 
     nested, asked = False, None
     for page in pages or ():
@@ -168,5 +168,6 @@ class PageSink(Protocol):
         """The prefix's objects as pages of ``(path, size, mtime_ns)`` in key order, or None
         where the store cannot be listed so (then the listing is the usual one)."""
 
-    def __call__(self, page: list) -> None:
-        """Take one page's kept objects (:class:`ObjectInfo`)."""
+    def __call__(self, page: list, more: bool = True) -> None:
+        """Take one page's kept objects (:class:`ObjectInfo`); ``more``: the page was full, so
+        others may follow (a page of fewer keys is the listing's last)."""

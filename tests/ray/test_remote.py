@@ -372,7 +372,7 @@ def test_listing_a_few_thousand_keys_is_sorted_and_paginated(ray_session, bucket
         def pages(self, uri, path, filesystem):
             return stream_pages(uri, path, filesystem)
 
-        def __call__(self, page):
+        def __call__(self, page, more=True):
             self.seen.append(len(page))
 
     # Streamed: the first page has keys in sub-prefixes and a second page follows, so the top level
@@ -397,7 +397,7 @@ def test_a_nested_prefix_of_one_page_is_listed_with_one_request(ray_session, buc
     bucket.proxy.reset_counts()
     got = []
     sink = type("Sink", (), {"pages": lambda self, u, p, fs: stream_pages(u, p, fs),
-                             "__call__": lambda self, page: got.append(len(page))})()
+                             "__call__": lambda self, page, more=True: got.append(len(page))})()
     objs = list_uris([f"s3://{BUCKET}/nested/"], (".jpg",), "image", on_page=sink)
     assert [o.uri for o in objs] == sorted(f"s3://{BUCKET}/{k}" for k in keys) and got == [300]
     assert bucket.proxy.counts[("GET", "list")] == 1
@@ -416,7 +416,7 @@ def test_a_nested_prefix_of_pages_asks_for_its_top_level_alongside_the_second_pa
     try:
         objs = list_uris([f"s3://{BUCKET}/nested2/"], (".jpg",), "image",
                          on_page=type("Sink", (), {"pages": lambda self, u, p, fs: stream_pages(u, p, fs),
-                                                   "__call__": lambda self, page: None})())
+                                                   "__call__": lambda self, page, more=True: None})())
         order = list(bucket.proxy.order)
     finally:
         bucket.proxy.latency_s, bucket.proxy.order = 0.0, None

@@ -54,3 +54,21 @@ def test_at_the_listings_end_the_fetches_waiting_their_turn_are_dropped(tmp_path
     assert prefetch.wait() == {"objects_read": 4}  # the four in flight finished; none started after
     time.sleep(0.3)
     assert len(seen["done"]) == 4 and seen["most"] == 4
+
+
+def test_the_page_a_listing_ends_with_is_not_fetched(tmp_path):
+    """A page of fewer keys than a full one is the listing's last: its objects are left to the read
+    tasks (the listing ends with it, so fetching them would not overlap the listing but compete with
+    the first read task's GETs: a folder of one page, #47). A full page may have more after it."""
+    prefetch = ListingPrefetch(CacheConfig(True, str(tmp_path)), 128)
+    seen = _counting(prefetch, 0.0)
+    prefetch([Obj(f"s3://b/last{i}", 10, 1) for i in range(30)], more=False)
+    prefetch.stop()
+    assert prefetch.wait() == {} and seen["done"] == []
+    prefetch = ListingPrefetch(CacheConfig(True, str(tmp_path)), 128)
+    seen = _counting(prefetch, 0.0)
+    prefetch([Obj(f"s3://b/full{i}", 10, 1) for i in range(30)], more=True)
+    deadline = time.monotonic() + 30
+    while len(seen["done"]) < 30 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert prefetch.wait() == {"objects_read": 30}
