@@ -191,7 +191,9 @@ class RemoteFiles:
         All of ``uris`` are asked for at once (up to ``max_bytes`` of this task, and of the
         process's :data:`~sbloader.sources.inflight.BYTES` budget; the rest as the first are
         consumed), then ``ahead`` (the next partitions' objects) is fetched into the cache
-        behind them (:meth:`prefetch`), in the process's fetch pool. The read does not wait
+        behind them (:meth:`prefetch`), in the process's fetch pool, once every one of them
+        is answered (:func:`when_answered`: before, the first partition of an epoch, its task
+        alone, waited 2-3 round trips more for its GETs). The read does not wait
         for its fetch-ahead: the read that takes an object fetched ahead counts its GET
         (:data:`~sbloader.sources.cache.COUNT_MARK`; before #47 a ``decode=False`` task's
         block, and so a fused decode, waited for the next partitions' GETs to count them).
