@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 from urllib.parse import urlsplit
 
-from sbloader.sources.prefix_listing import PageSink, join_uri, list_prefix, mtime_ns, rel_path
+from sbloader.sources.prefix_listing import PageSink, list_prefix, mtime_ns, rel_path
 
 #: Schemes resolved by ``pyarrow.fs.FileSystem.from_uri``.
 PYARROW_SCHEMES = frozenset({"s3", "gs", "gcs", "abfs", "abfss", "hdfs", "viewfs"})
@@ -201,6 +201,19 @@ class ListingStats:
         return 1000.0 * self.seconds / self.objects if self.objects else 0.0
 
 
+def _kept_by_pages(files: list, pages: list) -> Optional[list]:
+    """What the streamed pages kept, where ``files`` is exactly those pages' files in turn (a
+    listing that went on in parallel rebuilt its files: None, they are kept anew)."""
+    at = 0
+    for listed, _ in pages:
+        if not listed or at >= len(files) or files[at] is not listed[0]:
+            return None
+        at += len(listed)
+    if not pages or at != len(files):
+        return None
+    return [o for _, kept in pages for o in kept]
+
+
 #: What the last :func:`list_uris` call in this process measured.
 LAST_LISTING = ListingStats()
 
@@ -259,13 +272,23 @@ def list_uris(entries: Sequence[str], extensions: Optional[tuple[str, ...]], wha
             listed += 1
             continue
         def accept(files: list[_Listed], uri: str = uri, path: str = path, pattern: Any = pattern) -> list[ObjectInfo]:
-            return [ObjectInfo(join_uri(uri, path, f.path), f.size, f.mtime_ns) for f in files
-                    if keep(f.path) and (pattern is None or fnmatch.fnmatchcase(f.path, pattern))
-                    and not any(part.startswith(skip_prefixes) for part in rel_path(path, f.path).split("/"))]
+            base, out = uri.rstrip("/") + "/", []
+            for f in files:
+                if keep(f.path) and (pattern is None or fnmatch.fnmatchcase(f.path, pattern)):
+                    rel = rel_path(path, f.path)  # once a key (was twice: the check and the URI)
+                    if not any(part.startswith(skip_prefixes) for part in rel.split("/")):
+                        out.append(ObjectInfo(base + rel, f.size, f.mtime_ns))
+            return out
 
-        files = list_prefix(fs, path.rstrip("/") or "/", uri, filesystem, resolve, on_page, accept)
+        pages: list = []  # what the streamed pages kept, each with the listed files it came from
+
+        def accept_page(files: list[_Listed]) -> list[ObjectInfo]:
+            pages.append((files, accept(files)))
+            return pages[-1][1]
+
+        files = list_prefix(fs, path.rstrip("/") or "/", uri, filesystem, resolve, on_page, accept_page)
         listed += len(files)
-        kept = sorted(accept(files), key=lambda o: o.uri)
+        kept = sorted(_kept_by_pages(files, pages) or accept(files), key=lambda o: o.uri)
         if not kept:
             if not files and pattern is None:
                 raise FileNotFoundError(f"no such object or prefix: {uri!r} (check the bucket, the key and the "

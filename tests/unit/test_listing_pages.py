@@ -1,0 +1,73 @@
+"""The listing page by page (#47): the next page asked for while the caller takes this one, and
+the objects kept once, page by page, whatever way the prefix was listed."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from sbloader.sources.filesystems import _kept_by_pages
+from sbloader.sources.listing_pages import PagesAhead
+from sbloader.sources.prefix_listing import _Listed
+
+
+def test_the_next_page_is_asked_for_while_the_caller_takes_this_one():
+    asked, taking = [], threading.Event()
+
+    def pages():
+        for k in range(3):
+            asked.append(k)
+            if k == 1:  # the second page's request goes out while the first is being taken
+                assert taking.wait(10)
+            yield [k]
+
+    it = PagesAhead(pages())
+    assert next(it) == [0]
+    taking.set()
+    assert list(it) == [[1], [2]] and asked == [0, 1, 2]
+    assert list(it) == []  # ended: stays ended
+
+
+def test_a_listings_error_is_raised_where_its_page_would_have_come():
+    def pages():
+        yield ["a"]
+        raise FileNotFoundError("no such bucket: 's3://gone' (check the bucket)")
+
+    it = PagesAhead(pages())
+    assert next(it) == ["a"]
+    with pytest.raises(FileNotFoundError, match="s3://gone"):
+        next(it)
+    assert list(it) == []
+
+
+def test_a_closed_listing_asks_for_no_further_page():
+    asked, release = [], threading.Event()
+
+    def pages():
+        for k in range(100):
+            asked.append(k)
+            if k == 1:
+                assert release.wait(10)
+            yield [k]
+
+    it = PagesAhead(pages())
+    assert next(it) == [0]
+    for _ in range(1000):  # the second page's request in flight
+        if len(asked) == 2:
+            break
+        threading.Event().wait(0.01)
+    it.close()
+    release.set()
+    assert list(it) == []
+    threading.Event().wait(0.2)
+    assert asked == [0, 1]  # the page in flight at the close, none after
+
+
+def test_the_objects_kept_page_by_page_stand_for_the_listing_only_when_they_are_its_files():
+    p1, p2 = [_Listed("b/a/1.jpg", 1, 0), _Listed("b/a/2.jpg", 1, 0)], [_Listed("b/c/3.jpg", 1, 0)]
+    pages = [(p1, ["k1", "k2"]), (p2, ["k3"])]
+    assert _kept_by_pages(p1 + p2, pages) == ["k1", "k2", "k3"]
+    rebuilt = [_Listed(f.path, f.size, f.mtime_ns) for f in p1 + p2]  # listed again in parallel
+    assert _kept_by_pages(rebuilt, pages) is None
+    assert _kept_by_pages(p1 + p2 + [_Listed("b/top.jpg", 1, 0)], pages) is None  # more than the pages
+    assert _kept_by_pages(p1, pages) is None and _kept_by_pages(p1 + p2, []) is None
