@@ -35,7 +35,7 @@ from sbloader.sources.cache import CacheConfig, cache_here
 from sbloader.sources.ahead import files_ahead  # noqa: F401 (part of this module's API)
 from sbloader.sources.cache_packs import is_pack, read_entry
 from sbloader.sources.filesystems import resolve
-from sbloader.sources.inflight import (BYTES, DEFAULT_MAX_BYTES, DEFAULT_MAX_REQUESTS, GAUGE, Waited,
+from sbloader.sources.inflight import (BYTES, DEFAULT_MAX_BYTES, DEFAULT_MAX_REQUESTS, GAUGE, Waited, when_answered,
                                        check_max_in_flight, pool)
 from sbloader.sources.object_client import client_for
 from sbloader.sources.ranged_object import RangedObject
@@ -192,7 +192,7 @@ class RemoteFiles:
         process's :data:`~sbloader.sources.inflight.BYTES` budget; the rest as the first are
         consumed), then ``ahead`` (the next partitions' objects) is fetched into the cache
         behind them (:meth:`prefetch`), in the process's fetch pool, once every one of them
-        is answered (:func:`when_answered`: before, the first partition of an epoch, its task
+        is answered (:func:`~sbloader.sources.inflight.when_answered`: before, the first partition of an epoch, its task
         alone, waited 2-3 round trips more for its GETs). The read does not wait
         for its fetch-ahead: the read that takes an object fetched ahead counts its GET
         (:data:`~sbloader.sources.cache.COUNT_MARK`; before #47 a ``decode=False`` task's
@@ -398,26 +398,3 @@ def remote_files(versions: dict, filesystem: Any, cache: bool, cache_dir: Any, c
     if not versions and filesystem is None:
         return None
     return RemoteFiles(filesystem, config, dict(versions), max_in_flight)
-
-
-def when_answered(futures: Sequence[Any], fn: Any) -> None:
-    """``fn()`` once every one of ``futures`` is done (at once when none is pending), in the
-    thread that finished the last: a read's fetch ahead starts once its own objects are in,
-    so the first partition's GETs do not share the process with the next partitions' (#47)."""
-    import threading
-
-    left = [len(futures)]
-    lock = threading.Lock()
-
-    def one_done(_: Any = None) -> None:
-        with lock:
-            left[0] -= 1
-            last = left[0] == 0
-        if last:
-            fn()
-
-    if not futures:
-        fn()
-        return
-    for f in futures:
-        f.add_done_callback(one_done)

@@ -24,7 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 from sbloader.sources.node_slots import NodeSlots, node_slots
 
@@ -258,3 +258,24 @@ class Waited:
             return fn(*args)
         finally:
             self.seconds += time.perf_counter() - t0
+
+
+def when_answered(futures: Sequence[Any], fn: Any) -> None:
+    """``fn()`` once every one of ``futures`` is done (at once when none is pending), in the
+    thread that finished the last: a read's fetch ahead starts once its own objects are in,
+    so the first partition's GETs do not share the process with the next partitions' (#47)."""
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_: Any = None) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            fn()
+
+    if not futures:
+        fn()
+        return
+    for f in futures:
+        f.add_done_callback(one_done)

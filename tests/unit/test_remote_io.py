@@ -274,7 +274,7 @@ def test_a_reads_fetch_ahead_starts_once_its_own_objects_are_answered(tmp_path, 
 def test_when_answered_calls_once_after_the_last_future_or_at_once_without_any():
     from concurrent.futures import Future
 
-    from sbloader.sources.fetch import when_answered
+    from sbloader.sources.inflight import when_answered
 
     calls = []
     when_answered([], lambda: calls.append("none"))
