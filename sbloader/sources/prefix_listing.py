@@ -113,9 +113,19 @@ def list_prefix(fs: Any, path: str, uri: str, filesystem: Any, resolve: Callable
     (the caller sorts). Streamed, the top level is listed (sub-prefixes counted) only when the first page is
     full and has a key in one, in a thread alongside the second page's request; the choice is made after
     the second page."""
+    pages = on_page.pages(uri, path, filesystem) if on_page is not None else None
+    try:
+        return _list(fs, path, uri, filesystem, resolve, on_page, accept, pages)
+    except BaseException:
+        getattr(pages, "close", lambda: None)()  # a listing that failed here lists no further page
+        raise
+
+
+def _list(fs: Any, path: str, uri: str, filesystem: Any, resolve: Callable, on_page: Optional[PageSink],
+          accept: Any, pages: Optional[Iterator[list]]) -> list[_Listed]:
+    """:func:`list_prefix` of the ``pages`` it streams (None: listed otherwise)."""
     import pyarrow.fs as pafs
 
-    pages = on_page.pages(uri, path, filesystem) if on_page is not None else None
     files: list[_Listed] = []
     def take(page: list) -> None:
         listed = [_Listed(*f) for f in page]

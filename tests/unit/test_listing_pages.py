@@ -71,3 +71,33 @@ def test_the_objects_kept_page_by_page_stand_for_the_listing_only_when_they_are_
     assert _kept_by_pages(rebuilt, pages) is None
     assert _kept_by_pages(p1 + p2 + [_Listed("b/top.jpg", 1, 0)], pages) is None  # more than the pages
     assert _kept_by_pages(p1, pages) is None and _kept_by_pages(p1 + p2, []) is None
+
+
+def test_a_listing_that_fails_in_the_driver_asks_for_no_further_page():
+    from sbloader.sources.prefix_listing import list_prefix
+
+    asked, release = [], threading.Event()
+
+    def pages():
+        for k in range(100):
+            asked.append(k)
+            if k == 1:
+                assert release.wait(10)
+            yield [(f"b/p/{k:04d}.jpg", 1, 0)] * 1000
+
+    class Sink:
+        def pages(self, uri, path, filesystem):
+            return PagesAhead(pages())
+
+        def __call__(self, page, more=True):
+            for _ in range(1000):  # the next page's request in flight
+                if len(asked) == 2:
+                    break
+                threading.Event().wait(0.01)
+            raise ValueError("the driver could not take this page")
+
+    with pytest.raises(ValueError, match="could not take"):
+        list_prefix(None, "b/p", "s3://b/p/", None, None, Sink(), lambda files: files)
+    release.set()
+    threading.Event().wait(0.3)
+    assert asked == [0, 1]  # the page asked for when it failed; none after
