@@ -3,6 +3,7 @@ the objects kept once, page by page, whatever way the prefix was listed."""
 from __future__ import annotations
 
 import threading
+from typing import Any, Iterator
 
 import pytest
 
@@ -40,22 +41,27 @@ def test_a_listings_error_is_raised_where_its_page_would_have_come():
     assert list(it) == []
 
 
+def _held_at_the_second(asked: list, release: threading.Event, page: Any) -> Iterator[list]:
+    """100 pages (``page(k)``), each asked for noted in ``asked``; the second held until ``release``."""
+    for k in range(100):
+        asked.append(k)
+        if k == 1:
+            assert release.wait(10)
+        yield page(k)
+
+
+def _until_asked(asked: list, n: int) -> None:
+    for _ in range(1000):
+        if len(asked) >= n:
+            return
+        threading.Event().wait(0.01)
+
+
 def test_a_closed_listing_asks_for_no_further_page():
     asked, release = [], threading.Event()
-
-    def pages():
-        for k in range(100):
-            asked.append(k)
-            if k == 1:
-                assert release.wait(10)
-            yield [k]
-
-    it = PagesAhead(pages())
+    it = PagesAhead(_held_at_the_second(asked, release, lambda k: [k]))
     assert next(it) == [0]
-    for _ in range(1000):  # the second page's request in flight
-        if len(asked) == 2:
-            break
-        threading.Event().wait(0.01)
+    _until_asked(asked, 2)  # the second page's request in flight
     it.close()
     release.set()
     assert list(it) == []
@@ -78,22 +84,12 @@ def test_a_listing_that_fails_in_the_driver_asks_for_no_further_page():
 
     asked, release = [], threading.Event()
 
-    def pages():
-        for k in range(100):
-            asked.append(k)
-            if k == 1:
-                assert release.wait(10)
-            yield [(f"b/p/{k:04d}.jpg", 1, 0)] * 1000
-
     class Sink:
         def pages(self, uri, path, filesystem):
-            return PagesAhead(pages())
+            return PagesAhead(_held_at_the_second(asked, release, lambda k: [(f"b/p/{k:04d}.jpg", 1, 0)] * 1000))
 
         def __call__(self, page, more=True):
-            for _ in range(1000):  # the next page's request in flight
-                if len(asked) == 2:
-                    break
-                threading.Event().wait(0.01)
+            _until_asked(asked, 2)  # the next page's request in flight
             raise ValueError("the driver could not take this page")
 
     with pytest.raises(ValueError, match="could not take"):
