@@ -383,7 +383,9 @@ def test_listing_a_few_thousand_keys_is_sorted_and_paginated(ray_session, bucket
     monkeypatch.setattr(prefix_listing, "PARALLEL_LISTING_MIN_PREFIXES", 64)  # 7 < 64: the stream goes on
     sink = _Sink()
     assert list_uris([f"s3://{BUCKET}/many/"], (".jpg",), "image", on_page=sink) == objs
-    assert sink.seen == [1000, 1000, 500] and len(launched) == 8
+    # 7 < 64: the stream goes on through its own sub-prefix (143 keys) while the one after it, of
+    # which no key came yet (357), is listed side by side: the pages as they are answered
+    assert sorted(sink.seen) == [143, 357, 1000, 1000] and len(launched) == 8
     globbed = list_uris([f"s3://{BUCKET}/many/3/*.jpg"], None, "image")
     assert [o.uri for o in globbed] == sorted(f"s3://{BUCKET}/{k}" for k in keys if k.startswith("many/3/"))
 
@@ -426,6 +428,36 @@ def test_a_nested_prefix_of_pages_asks_for_its_top_level_alongside_the_second_pa
     answered = [i for i, e in enumerate(order) if e == ("list", "out")]
     top = next(i for i, e in enumerate(order) if e == ("list", "in", "top"))
     assert answered[0] < top < answered[1], order  # after the first page, before the second's answer
+
+
+def test_the_sub_prefixes_the_stream_has_not_reached_are_listed_side_by_side(ray_session, bucket):
+    """5 class folders of 1,000 keys: once the top level shows them (after the second page, which ends
+    the second folder), the three folders of which no key came yet are each listed by a listing of
+    their own, side by side (one round trip, not three more one after the other), and the listing is
+    the same, sorted."""
+    keys = [f"side/{c}/{i:05d}.jpg" for c in range(5) for i in range(1000)]
+    bucket.put_many(BUCKET, {k: b"x" for k in keys})
+    bucket.proxy.reset_counts()
+    bucket.proxy.latency_s = 0.05
+    bucket.proxy.record()
+    seen = []
+    try:
+        objs = list_uris([f"s3://{BUCKET}/side/"], (".jpg",), "image",
+                         on_page=type("Sink", (), {"pages": lambda self, u, p, fs: stream_pages(u, p, fs),
+                                                   "__call__": lambda self, page, more=True: seen.append(len(page))})())
+        order = list(bucket.proxy.order)
+    finally:
+        bucket.proxy.latency_s, bucket.proxy.order = 0.0, None
+    assert [o.uri for o in objs] == sorted(f"s3://{BUCKET}/{k}" for k in keys)
+    assert sorted(seen) == [1000] * 5, seen
+    in_flight, most = 0, 0
+    for e in order[order.index(("list", "in", "top")):]:
+        if e[:2] == ("list", "in"):
+            in_flight += 1
+            most = max(most, in_flight)
+        elif e == ("list", "out"):
+            in_flight -= 1
+    assert most >= 3, order  # the three folders' listings at once
 
 
 def test_a_flat_folders_shards_are_listed_with_one_request_and_fetched_side_by_side(ray_session, bucket, tmp_path):
