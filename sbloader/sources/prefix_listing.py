@@ -181,7 +181,7 @@ def _side_by_side(pages: Iterator[list], later: list[str], top: list, uri: str, 
     (the caller sorts): 20,000 keys in 10 class folders were 20 pages one after the other (#47)."""
     import pyarrow.fs as pafs
 
-    bound = later[0] + "/"
+    bound = min(d + "/" for d in later)  # (not later[0] + "/": "c4.5/" sorts before "c4/")
     answered: queue.SimpleQueue = queue.SimpleQueue()
     streams = [pages] + [on_page.pages(join_uri(uri, path, d), d, filesystem) for d in later]
     if any(s is None for s in streams):  # (not streamed after all: the stream alone, as it comes)

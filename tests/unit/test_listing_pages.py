@@ -97,3 +97,32 @@ def test_a_listing_that_fails_in_the_driver_asks_for_no_further_page():
     release.set()
     threading.Event().wait(0.3)
     assert asked == [0, 1]  # the page asked for when it failed; none after
+
+
+@pytest.mark.parametrize("pages_taken", [1, 2, 3])
+def test_the_rest_listed_side_by_side_is_every_key_once_whatever_the_names(pages_taken):
+    """The stream stops at the first sub-prefix of which no key came yet (by key order: ``c4.5/``
+    sorts before ``c4/``), each of those is listed on its own, and the top level's later files come
+    from the top-level listing: together with what the stream gave, every key once."""
+    import pyarrow.fs as pafs
+
+    from sbloader.sources.prefix_listing import _side_by_side
+
+    dirs = ["b/p/c3", "b/p/c4", "b/p/c4.5", "b/p/c9"]
+    tops = ["b/p/a.jpg", "b/p/c4.jpg", "b/p/c5.jpg", "b/p/z.jpg"]
+    keys = sorted([f"{d}/{i}.jpg" for d in dirs for i in range(4)] + tops)
+    pages = [[(k, 1, 0) for k in keys[i:i + 3]] for i in range(0, len(keys), 3)]
+    taken = [f for p in pages[:pages_taken] for f in p]
+    later = [d for d in dirs if d + "/" > taken[-1][0]]
+    top = [pafs.FileInfo(d, pafs.FileType.Directory) for d in dirs] + \
+        [pafs.FileInfo(t, pafs.FileType.File, size=1) for t in tops]
+
+    class Sink:
+        def pages(self, uri, path, filesystem):
+            assert uri.rstrip("/") == "s3://" + path
+            return iter([[(k, 1, 0) for k in keys if k.startswith(path + "/")]])
+
+    rest = [f for p in _side_by_side(iter(pages[pages_taken:]), later, top, "s3://b/p/", "b/p", None, Sink())
+            for f in p]
+    got = [f[0] for f in taken + rest]
+    assert sorted(got) == keys and len(got) == len(keys)
