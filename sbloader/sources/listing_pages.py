@@ -226,9 +226,30 @@ def _one_node() -> bool:
     return not ray.is_initialized() or len(cluster_state.alive_nodes()) <= 1
 
 
+class PageStream:
+    """A listing page by page that fetches nothing (the cache off, or no fetch while listing): the
+    streamed listing's speed (one page ahead; a nested prefix's later sub-prefixes side by side)
+    without its fetch. :class:`ListingPrefetch`'s interface."""
+
+    def pages(self, uri: str, path: str, filesystem: Any) -> Optional[Iterator[list]]:
+        """:func:`stream_pages`."""
+        return stream_pages(uri, path, filesystem)
+
+    def __call__(self, page: Sequence[Any], more: bool = True) -> None:
+        """Nothing to fetch."""
+
+    def stop(self) -> None:
+        """Nothing to stop."""
+
+    def wait(self) -> dict:
+        """Nothing was fetched: no counts."""
+        return {}
+
+
 def listing_prefetch(filesystem: Any, cache: Any, max_in_flight: int) -> Optional[Callable[[Sequence[Any]], None]]:
-    """A :class:`ListingPrefetch` for a read whose cache is on; None otherwise (and a user's
-    ``filesystem=`` is listed the pyarrow way, all at once). It fetches nothing on a Ray
+    """A :class:`ListingPrefetch` for a read whose cache is on, a :class:`PageStream` (listed page by
+    page, nothing fetched) for one whose cache is off or that fetches nothing while listing; None for
+    a user's ``filesystem=`` (listed the pyarrow way, all at once). It fetches nothing on a Ray
     cluster of several nodes: the driver's cache would not be the readers'."""
     raw = os.environ.get(LISTING_PREFETCH_ENV, "")
     try:
@@ -236,6 +257,8 @@ def listing_prefetch(filesystem: Any, cache: Any, max_in_flight: int) -> Optiona
     except ValueError:
         raise ValueError(f"{LISTING_PREFETCH_ENV} must be a number of bytes (0: fetch nothing while listing), "
                          f"found {raw!r}") from None
-    if filesystem is not None or not cache.enabled or budget <= 0:
+    if filesystem is not None:
         return None
+    if not cache.enabled or budget <= 0:
+        return PageStream()
     return ListingPrefetch(cache, max_in_flight, budget)

@@ -159,6 +159,25 @@ def test_the_first_pages_objects_are_fetched_before_the_listing_ends_and_each_on
                                                  cache=False)._source.partitions(0, 5, shuffle=True)]
 
 
+def test_with_the_cache_off_the_listing_is_streamed_all_the_same(ray_session, bucket):
+    """``cache=False`` fetches nothing while listing, but lists page by page as the cached read does
+    (a nested prefix's later sub-prefixes side by side): 2,100 keys of a flat prefix are 3 page
+    requests of the stream, none of the pyarrow way (which listed it through its top level: 3
+    requests with a delimiter, then no page was handed on before the last)."""
+    every = {f"paged_off/{i:05d}.png": b"%05d" % i for i in range(2100)}
+    bucket.put_many(BUCKET, every)
+    bucket.proxy.reset_counts()
+    bucket.proxy.record()
+    try:
+        ds = sbloader.read_images(f"s3://{BUCKET}/paged_off/", decode=False, cache=False)
+        order = list(bucket.proxy.order)
+    finally:
+        bucket.proxy.order = None
+    arrived = [e[2] for e in order if e[:2] == ("list", "in")]
+    assert arrived == ["page"] * 3, order
+    assert bucket.proxy.object_gets == 0 and len(ds._source.partitions(0, 0, shuffle=False)) == 2100 // 64 + 1
+
+
 def test_cache_off_reads_every_object_every_epoch(ray_session, images):
     root, uri = images
     ds = sbloader.read_images(uri, files_per_partition=6, cache=False)
