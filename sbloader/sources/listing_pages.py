@@ -17,12 +17,11 @@ wants an object being fetched waits on the cache entry's lock, then hits).
 from __future__ import annotations
 
 import os
-import queue
 import threading
 from collections import deque
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-from sbloader.sources.prefix_listing import PAGE_KEYS
+from sbloader.sources.prefix_listing import PAGE_KEYS, PagesAhead
 
 #: Bytes of objects a listing fetches into the cache while it goes on, at most (the
 #: first pages' objects in key order: an unshuffled epoch's first partitions; any epoch
@@ -67,52 +66,6 @@ def stream_pages(uri: str, path: str, filesystem: Any) -> Optional[Iterator[list
     return PagesAhead(pages())
 
 
-class PagesAhead:
-    """The pages of ``pages`` listed in a thread of their own, each as soon as the one before
-    it is in (a page's request needs the previous page's continuation token): the next page's
-    round trip runs while the caller takes this one (its objects kept, handed to the fetch;
-    ~5 ms of the driver's CPU a page of 1,000 keys, before on the listing's path, #47). An
-    error of the listing is raised where the page it stopped at would have come;
-    :meth:`close` stops it after the page it is asking for."""
-
-    def __init__(self, pages: Iterator[list]) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # the listing is kept whole anyway
-        self._stopped = threading.Event()
-        self._done = False
-        threading.Thread(target=self._run, args=(pages,), name="sbloader-listing-pages", daemon=True).start()
-
-    def _run(self, pages: Iterator[list]) -> None:
-        try:
-            for page in pages:
-                self._queue.put((True, page))
-                if self._stopped.is_set():
-                    break
-            self._queue.put((False, None))
-        except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
-            self._queue.put((False, e))
-        finally:
-            getattr(pages, "close", lambda: None)()
-
-    def __iter__(self) -> "PagesAhead":
-        return self
-
-    def __next__(self) -> list:
-        if self._done:
-            raise StopIteration
-        more, got = self._queue.get()
-        if more:
-            return got
-        self._done = True
-        if got is not None:
-            raise got
-        raise StopIteration
-
-    def close(self) -> None:
-        """Stop listing (after the request in flight): the caller lists otherwise."""
-        self._stopped.set()
-        self._done = True
-
-
 def _ns(when: Any) -> int:
     """Nanoseconds since the epoch of a listing's ``last_modified`` (0 when absent)."""
     if when is None:
@@ -120,7 +73,27 @@ def _ns(when: Any) -> int:
     return int(when.timestamp()) * 10 ** 9 + when.microsecond * 1000
 
 
-class ListingPrefetch:
+class PageStream:
+    """A listing page by page that fetches nothing (the cache off, or no fetch while listing): the
+    streamed listing's speed (one page ahead; a nested prefix's later sub-prefixes side by side)
+    without its fetch; :class:`ListingPrefetch` adds the fetch."""
+
+    def pages(self, uri: str, path: str, filesystem: Any) -> Optional[Iterator[list]]:
+        """:func:`stream_pages`."""
+        return stream_pages(uri, path, filesystem)
+
+    def __call__(self, page: Sequence[Any], more: bool = True) -> None:
+        """Nothing to fetch."""
+
+    def stop(self) -> None:
+        """Nothing to stop."""
+
+    def wait(self) -> dict:
+        """Nothing was fetched: no counts."""
+        return {}
+
+
+class ListingPrefetch(PageStream):
     """Fetches objects into the node's cache as listing pages come (a callable on a page of
     :class:`~sbloader.sources.filesystems.ObjectInfo`), up to ``max_bytes`` in all and
     only while the cache has room, in the process's fetch pool, until :meth:`stop` (the
@@ -143,10 +116,6 @@ class ListingPrefetch:
         self._running = 0
         self._lock = threading.Lock()
         self._checked = False
-
-    def pages(self, uri: str, path: str, filesystem: Any) -> Optional[Iterator[list]]:
-        """:func:`stream_pages` (what :func:`~sbloader.sources.filesystems.list_uris` lists with)."""
-        return stream_pages(uri, path, filesystem)
 
     def __call__(self, page: Sequence[Any], more: bool = True) -> None:
         """Fetch the page's objects that fit what is left of the byte budget, at most
@@ -224,26 +193,6 @@ def _one_node() -> bool:
     from sbloader.runtime import cluster_state
 
     return not ray.is_initialized() or len(cluster_state.alive_nodes()) <= 1
-
-
-class PageStream:
-    """A listing page by page that fetches nothing (the cache off, or no fetch while listing): the
-    streamed listing's speed (one page ahead; a nested prefix's later sub-prefixes side by side)
-    without its fetch. :class:`ListingPrefetch`'s interface."""
-
-    def pages(self, uri: str, path: str, filesystem: Any) -> Optional[Iterator[list]]:
-        """:func:`stream_pages`."""
-        return stream_pages(uri, path, filesystem)
-
-    def __call__(self, page: Sequence[Any], more: bool = True) -> None:
-        """Nothing to fetch."""
-
-    def stop(self) -> None:
-        """Nothing to stop."""
-
-    def wait(self) -> dict:
-        """Nothing was fetched: no counts."""
-        return {}
 
 
 def listing_prefetch(filesystem: Any, cache: Any, max_in_flight: int) -> Optional[Callable[[Sequence[Any]], None]]:
