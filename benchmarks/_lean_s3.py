@@ -89,6 +89,7 @@ class LeanS3:
     def put_many(self, bucket: str, objects: dict) -> None:
         """Store ``{key: bytes}`` (creating the bucket)."""
         b = self.store.buckets.setdefault(bucket, {})
+        self.store.changed(bucket)
         now = time.time()
         for k, v in objects.items():
             b[k] = bytes(v)
@@ -207,6 +208,7 @@ class LeanS3:
             return 200, {"ETag": f'"{len(body):x}"'}, b"" if not src else b"<CopyObjectResult></CopyObjectResult>"
         if method == "DELETE":
             objs.pop(key, None)
+            self.store.changed(bucket)
             return 204, {}, b""
         data = objs.get(key)
         if data is None:

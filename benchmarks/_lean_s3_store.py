@@ -3,6 +3,7 @@ a port's latency, faults and counts, the in-memory objects, S3's XML errors and 
 aws-chunked body encoding."""
 from __future__ import annotations
 
+import bisect
 import resource
 import time
 from collections import Counter, deque
@@ -57,6 +58,12 @@ class _Store:
     def __init__(self) -> None:
         self.buckets: dict[str, dict[str, bytes]] = {}
         self.mtimes: dict[tuple[str, str], float] = {}
+        self._sorted: dict[str, list[str]] = {}  # a bucket's keys in order, until it changes
+
+    def changed(self, bucket: str) -> None:
+        """Keys were added to or taken from ``bucket``: its sorted keys are built again when listed
+        (sorting 100,000 keys on every listing request cost the server ~40 ms a page)."""
+        self._sorted.pop(bucket, None)
 
     def touch(self, bucket: str) -> None:
         """Give every object of ``bucket`` a new modification time (a later second): new versions
@@ -74,8 +81,15 @@ class _Store:
         enc = (lambda s: quote(s, safe="/")) if q.get("encoding-type") == "url" else (lambda s: s)
         entries: list[tuple[str, bool]] = []  # (key or common prefix, is_prefix)
         seen_prefixes: set = set()
-        for k in sorted(objs):
-            if not k.startswith(prefix) or k <= after:
+        keys = self._sorted.get(bucket)
+        if keys is None:
+            keys = self._sorted[bucket] = sorted(objs)
+        start = bisect.bisect_right(keys, after) if after >= prefix else bisect.bisect_left(keys, prefix)
+        for i in range(start, len(keys)):
+            k = keys[i]
+            if not k.startswith(prefix):
+                if k > prefix:
+                    break
                 continue
             if delim:
                 cut = k.find(delim, len(prefix))

@@ -252,10 +252,6 @@ def list_uris(entries: Sequence[str], extensions: Optional[tuple[str, ...]], wha
     listed = 0
     out: list[ObjectInfo] = []
 
-    def keep(name: str) -> bool:
-        base = name.rsplit("/", 1)[-1]
-        return (extensions is None or base.lower().endswith(extensions)) and not base.startswith(skip_prefixes)
-
     for uri in entries:
         fs, path = resolve(uri, filesystem)
         pattern = None
@@ -272,12 +268,23 @@ def list_uris(entries: Sequence[str], extensions: Optional[tuple[str, ...]], wha
             listed += 1
             continue
         def accept(files: list[_Listed], uri: str = uri, path: str = path, pattern: Any = pattern) -> list[ObjectInfo]:
-            base, out = uri.rstrip("/") + "/", []
+            # (each key looked at once: a listing can be 100,000 keys, #47)
+            base, out, root = uri.rstrip("/") + "/", [], path.strip("/")
+            head = root + "/"
             for f in files:
-                if keep(f.path) and (pattern is None or fnmatch.fnmatchcase(f.path, pattern)):
-                    rel = rel_path(path, f.path)  # once a key (was twice: the check and the URI)
-                    if not any(part.startswith(skip_prefixes) for part in rel.split("/")):
-                        out.append(ObjectInfo(base + rel, f.size, f.mtime_ns))
+                rel = f.path.lstrip("/")
+                if root:
+                    if not rel.startswith(head):
+                        rel_path(path, f.path)  # raises: not under the prefix
+                    rel = rel[len(root):].lstrip("/")
+                name = rel.rpartition("/")[2]
+                if (extensions is not None and not name.lower().endswith(extensions)) or \
+                        (pattern is not None and not fnmatch.fnmatchcase(f.path, pattern)):
+                    continue
+                if name.startswith(skip_prefixes) or ("/" in rel and any(
+                        part.startswith(skip_prefixes) for part in rel.split("/"))):
+                    continue
+                out.append(ObjectInfo(base + rel, f.size, f.mtime_ns))
             return out
 
         pages: list = []  # what the streamed pages kept, each with the listed files it came from

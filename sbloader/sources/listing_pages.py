@@ -21,7 +21,7 @@ import threading
 from collections import deque
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-from sbloader.sources.prefix_listing import PAGE_KEYS, PagesAhead
+from sbloader.sources.pages_ahead import PAGE_KEYS, PagesAhead
 
 #: Bytes of objects a listing fetches into the cache while it goes on, at most (the
 #: first pages' objects in key order: an unshuffled epoch's first partitions; any epoch
@@ -38,11 +38,20 @@ LISTING_PREFETCH_ENV = "SBLOADER_LISTING_PREFETCH_BYTES"
 LISTING_IN_FLIGHT = 32
 
 
-def stream_pages(uri: str, path: str, filesystem: Any) -> Optional[Iterator[list]]:
+#: Keys a key range's listing hands on at a time (:mod:`~sbloader.sources.key_ranges`): a
+#: range's last request answers a page of keys mostly past the range's end, which are left
+#: unconverted once one past it is seen.
+RANGE_CHUNK = 100
+
+
+def stream_pages(uri: str, path: str, filesystem: Any, after: Optional[str] = None) -> Optional[Iterator[list]]:
     """The objects under prefix ``uri`` (``path`` in pyarrow's form, ``bucket/key``) as
-    pages of ``(path, size, mtime_ns)`` in key order, each handed on once it is listed;
-    None where no page-wise listing is available (a user's ``filesystem=``, a scheme
-    obstore does not read, obstore missing): the caller lists the pyarrow way."""
+    pages of ``(path, size, mtime_ns)`` in key order, each handed on once it is listed
+    (the next page asked for in a thread while this one is taken); with ``after`` (a path),
+    only those after it (S3's ``start-after``), listed in the caller's thread (a key range
+    among others side by side, :mod:`~sbloader.sources.key_ranges`). None where no
+    page-wise listing is available (a user's ``filesystem=``, a scheme obstore does not
+    read, obstore missing): the caller lists the pyarrow way."""
     from sbloader.sources.object_client import ObstoreClient, client_for
 
     client = client_for(uri, filesystem)
@@ -57,13 +66,15 @@ def stream_pages(uri: str, path: str, filesystem: Any) -> Optional[Iterator[list
         from sbloader.sources.object_client import _obstore_error
 
         try:
-            for page in obstore.list(store, key.rstrip("/") or None, chunk_size=PAGE_KEYS):
+            offset = None if after is None else after[len(bucket) + 1:]
+            chunk = PAGE_KEYS if after is None else RANGE_CHUNK  # (a range stops within a page past its end)
+            for page in obstore.list(store, key.rstrip("/") or None, offset=offset, chunk_size=chunk):
                 yield [(f"{bucket}/{m['path']}", int(m["size"]), _ns(m.get("last_modified")))
                        for m in page]
         except Exception as e:
             raise _obstore_error(uri, e) from e
 
-    return PagesAhead(pages())
+    return PagesAhead(pages()) if after is None else pages()
 
 
 def _ns(when: Any) -> int:
@@ -78,9 +89,9 @@ class PageStream:
     streamed listing's speed (one page ahead; a nested prefix's later sub-prefixes side by side)
     without its fetch; :class:`ListingPrefetch` adds the fetch."""
 
-    def pages(self, uri: str, path: str, filesystem: Any) -> Optional[Iterator[list]]:
+    def pages(self, uri: str, path: str, filesystem: Any, after: Optional[str] = None) -> Optional[Iterator[list]]:
         """:func:`stream_pages`."""
-        return stream_pages(uri, path, filesystem)
+        return stream_pages(uri, path, filesystem, after)
 
     def __call__(self, page: Sequence[Any], more: bool = True) -> None:
         """Nothing to fetch."""

@@ -12,7 +12,6 @@ listing is for, those the stream has not reached are streamed side by side.
 """
 from __future__ import annotations
 
-import queue
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -20,8 +19,9 @@ from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 
 import ray
 
-#: Keys per S3 listing request: one page handed on at a time (a page of fewer is the last).
-PAGE_KEYS = 1000
+from sbloader.sources.key_ranges import in_ranges, key_ranges
+from sbloader.sources.pages_ahead import PAGE_KEYS, PagesAhead
+
 
 def mtime_ns(info: Any) -> int:
     """A ``pyarrow.fs.FileInfo``'s modification time in nanoseconds (0 when it has none)."""
@@ -130,10 +130,10 @@ def _list(fs: Any, path: str, uri: str, filesystem: Any, resolve: Callable, on_p
     import pyarrow.fs as pafs
 
     files: list[_Listed] = []
-    def take(page: list) -> None:
+    def take(page: list, more: Optional[bool] = None) -> None:
         listed = [_Listed(*f) for f in page]
         files.extend(listed)
-        on_page(accept(listed), more=len(page) >= PAGE_KEYS)
+        on_page(accept(listed), more=len(page) >= PAGE_KEYS if more is None else more)
 
     nested, asked = False, None
     for page in pages or ():
@@ -143,6 +143,13 @@ def _list(fs: Any, path: str, uri: str, filesystem: Any, resolve: Callable, on_p
         nested = len(files) == len(page) and any("/" in rel_path(path, f[0]) for f in page)
         if nested and len(page) >= PAGE_KEYS:  # a full page: more follow, the top level asked alongside the next
             asked = _in_thread(_top_level, fs, path)
+        elif len(files) == len(page) >= PAGE_KEYS:  # a flat prefix of more pages: the rest by key ranges
+            def after(key: str) -> Iterator[list]:
+                return on_page.pages(uri, path, filesystem, after=key)
+
+            for part in key_ranges(page, pages, after, len(path.strip("/")) + 1):
+                take(part, more=True)  # (a range's last page is not the listing's)
+            return files
     else:
         if pages is not None:
             return files  # whole (one page, sub-prefixes or not, is one request)
@@ -180,7 +187,8 @@ def _side_by_side(pages: Iterator[list], later: list[str], top: list, uri: str, 
     """The rest of a streamed prefix, the sub-prefixes ``later`` (none of whose keys came yet) each
     streamed by its own listing side by side with the stream ``pages``, which goes on only up to the
     first of them; the top level's files past that from ``top``. Pages come as they are answered
-    (the caller sorts): 20,000 keys in 10 class folders were 20 pages one after the other (#47)."""
+    (the caller sorts): 20,000 keys in 10 class folders were 20 pages one after the other (#47);
+    a sub-prefix of many pages is listed by key ranges (:mod:`~sbloader.sources.key_ranges`)."""
     import pyarrow.fs as pafs
 
     bound = min(d + "/" for d in later)  # (not later[0] + "/": "c4.5/" sorts before "c4/")
@@ -191,7 +199,14 @@ def _side_by_side(pages: Iterator[list], later: list[str], top: list, uri: str, 
     rest = [(f.path, int(f.size or 0), mtime_ns(f)) for f in top if f.type == pafs.FileType.File and f.path >= bound]
     if rest:
         yield rest
-    merged = PagesAhead(_before(pages, bound), *subs)
+    def opener(d: str) -> Callable[[str], Iterator[list]]:
+        sub = uri if d == path else join_uri(uri, path, d)
+        return lambda after: on_page.pages(sub, d, filesystem, after=after)
+
+    # each listing cut by key ranges once it shows many pages (its parts added here); the stream's up to the bound
+    merged = PagesAhead(grow=lambda add: [in_ranges(_before(pages, bound), opener(path), len(path.strip("/")) + 1, add,
+                                                    stop=bound)]
+                        + [in_ranges(sub, opener(d), len(d.strip("/")) + 1, add) for sub, d in zip(subs, later)])
     try:
         yield from merged
     finally:
@@ -211,62 +226,13 @@ def _before(pages: Iterator[list], bound: str) -> Iterator[list]:
         getattr(pages, "close", lambda: None)()
 
 
-class PagesAhead:
-    """The pages of one or more listings (``streams``), each listed in a thread of its own and
-    handed on as it is answered: a listing's next page (whose request needs this page's
-    continuation token) goes out while the caller takes this one (~5 ms of the driver's CPU a
-    page of 1,000 keys, before on the listing's path, #47), and several listings (a nested
-    prefix's sub-prefixes) go side by side. An error of a listing is raised where its page
-    would have come (the others stopped); :meth:`close` stops every one after the page it is
-    asking for."""
-
-    def __init__(self, *streams: Iterator[list]) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # the listing is kept whole anyway
-        self._stopped = threading.Event()
-        self._running = len(streams)
-        self._done = not streams
-        for stream in streams:
-            threading.Thread(target=self._run, args=(stream,), name="sbloader-listing-pages", daemon=True).start()
-
-    def _run(self, pages: Iterator[list]) -> None:
-        try:
-            for page in pages:
-                self._queue.put((True, page))
-                if self._stopped.is_set():
-                    break
-            self._queue.put((False, None))
-        except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
-            self._queue.put((False, e))
-        finally:
-            getattr(pages, "close", lambda: None)()
-
-    def __iter__(self) -> "PagesAhead":
-        return self
-
-    def __next__(self) -> list:
-        while not self._done:
-            more, got = self._queue.get()
-            if more:
-                return got
-            self._running -= 1
-            if got is not None:
-                self.close()
-                raise got
-            self._done = self._running == 0
-        raise StopIteration
-
-    def close(self) -> None:
-        """Stop listing (after the requests in flight): the caller lists otherwise."""
-        self._stopped.set()
-        self._done = True
-
-
 class PageSink(Protocol):
     """What takes a listing page by page (:class:`~sbloader.sources.listing_pages.ListingPrefetch`)."""
 
-    def pages(self, uri: str, path: str, filesystem: Any) -> Optional[Iterator[list]]:
-        """The prefix's objects as pages of ``(path, size, mtime_ns)`` in key order, or None
-        where the store cannot be listed so (then the listing is the usual one)."""
+    def pages(self, uri: str, path: str, filesystem: Any, after: Optional[str] = None) -> Optional[Iterator[list]]:
+        """The prefix's objects (those after the path ``after``, if given) as pages of ``(path, size,
+        mtime_ns)`` in key order, or None where the store cannot be listed so (then the listing is
+        the usual one)."""
 
     def __call__(self, page: list, more: bool = True) -> None:
         """Take one page's kept objects (:class:`ObjectInfo`); ``more``: the page was full, so
