@@ -4,10 +4,11 @@ S3 lists a prefix one page of 1,000 keys a request, and each page's request need
 previous page's continuation token: 100,000 keys under one prefix were 100 round trips one
 after the other before the plan. A listing may instead start after any key
 (``start-after``, obstore's ``offset``), so once the first page is in, the rest of the key
-space is cut into ranges at points guessed from the characters the first page's keys vary
-in (:func:`split_points`: after ``img_000999.jpg``, ``img_001``, ..., ``img_009``,
-``img_01``, ..., ``img_1``, ...), and each range ``(lo, hi]`` is listed by a stream of its
-own, side by side; a range whose first page is full is cut again the same way.
+space is cut into ranges at points read from the first page's keys as numbers in the
+alphabet they vary in (:func:`split_points`: after ``img_000999.jpg``, ``img_002``,
+``img_004``, ``img_008``, ...: ranges of about 2, 2, 4, 8, ... pages, and the rest), and
+each range ``(lo, hi]`` is listed by a stream of its own, side by side; a range whose first
+page is full is cut again the same way.
 
 The guess decides only how fast: the ranges cover the whole key space above the first page,
 each key falls in exactly one, and every stream keeps only its own range's keys (also when a
@@ -27,14 +28,16 @@ from sbloader.sources.pages_ahead import PAGE_KEYS, PagesAhead
 #: streams; a range cut finer than this is cut again when its own first page is full).
 SPLIT_POINTS = 32
 
-#: Keys a range is expected to hold, at least (from the first page's keys per unit of key
-#: space): each range costs a request more, whose page reads past the range's end.
+#: Keys a range is expected to hold (from the page's keys per unit of key space): each range
+#: costs a request more than its pages, whose answer is mostly past the range's end.
 RANGE_KEYS = 2 * PAGE_KEYS
 
-#: Keys the points of one cut reach past the page, at most (expected): how long the rest is no
-#: page tells, so the last range (unbounded) is cut again when its first page is full; ranges
-#: far past the listing's end would each be a request answering nothing (a folder of 2,000 keys
-#: cut at every level was 13 requests of 14 for nothing).
+#: Keys the points of one cut of an unbounded range reach past its page, at least (expected):
+#: how long the rest is no page tells, so the points lie at 2, 4, 8, ... of these past the page
+#: (ranges doubling in size, each cut again when its first page is full) and the last range,
+#: unbounded, is cut again when its first page is full, reaching as far again as the listing
+#: came: a listing of a few pages asks a few requests for nothing, a long one is reached in as
+#: many round trips as its length doubles.
 RANGE_COVER = 32 * PAGE_KEYS
 
 #: Full pages of a sub-prefix listed side by side with others (a nested prefix's) before it is cut
@@ -46,34 +49,37 @@ SUB_PREFIX_PAGES = 3
 #: Characters of a key past the page's common prefix looked at for the alphabet.
 _ALPHABET_DEPTH = 64
 
-#: Positions with points, at most, from the page's first varying one up (each level up is a
-#: range as many times wider as the alphabet has characters; the last range, unbounded,
-#: is cut again when its first page is full, so a long listing is reached level by level).
-_LEVELS_UP = 2
+#: Positions above the page's first varying one that the points may change (a page of
+#: ``img_009000.jpg``..``img_009999.jpg`` goes on at ``img_01``: a carry two places up).
+_LEVELS_UP = 3
 
 
-def split_points(keys: Sequence[str], floor: int, hi: Optional[str] = None, limit: int = SPLIT_POINTS) -> list[str]:
+def split_points(keys: Sequence[str], floor: int, hi: Optional[str] = None, limit: int = SPLIT_POINTS,
+                 stop: Optional[str] = None) -> list[str]:
     """Where to cut the keys after a full page of ``keys`` (sorted) into ranges listed side by side.
 
     The page's keys share a prefix of ``c`` characters and vary in some alphabet (the
     characters at the positions where they differ: digits for numbered names, hex digits for
-    hashes). The rest of the listing lies above the page's last key ``L``; the candidate
-    points are ``L[:j] + ch`` for every ``ch`` of the alphabet above ``L[j]``, at ``j = c``
-    and up (not past ``floor``, the listing prefix's length: no point outside it) until
-    :data:`_LEVELS_UP` positions gave points, all above ``L`` and below ``hi`` (the range's end,
-    None: none). Reading the keys as numbers in that alphabet, the page tells how many keys a
-    unit of key space holds; a candidate is kept where the range it closes is expected to hold
-    :data:`RANGE_KEYS` keys or more (ranges of a few keys would each cost a request and a page
-    read past their end), up to :data:`RANGE_COVER` keys past the page, at most ``limit`` of them.
+    hashes). Read from a few positions above ``c`` (not before ``floor``, the listing prefix's
+    length) as numbers in that alphabet, the keys fill key space at the page's density; the
+    rest of the range lies between the page's last key ``L`` and ``hi`` (None: unbounded). A
+    bounded range is cut every :data:`RANGE_KEYS` expected keys (or into ``limit`` parts); an
+    unbounded one at 2, 4, 8, ... times :data:`RANGE_KEYS` past ``L`` up to
+    :data:`RANGE_COVER` keys, or as many as came before ``L`` if more. Each point is the
+    shortest string of the alphabet there, so ``img_000999.jpg`` is followed by ``img_003``,
+    ``img_005``, ...: a guess that decides only how fast (every key lies in one range whatever
+    the points).
 
     Args:
         keys: a full page's keys (the paths the store listed), in key order.
         floor: characters every key of the listing shares (its prefix and the ``/`` after it).
         hi: the end of the range the page belongs to (kept in it), or None.
         limit: points at most.
+        stop: with ``hi`` None, a key the points stay below (where other listings take over:
+            the range is unbounded up to it, not known to reach it).
 
     Returns:
-        Strictly increasing points, each above ``keys[-1]`` and below ``hi``.
+        Strictly increasing points, each above ``keys[-1]`` and below ``hi`` and ``stop``.
     """
     if len(keys) < 2 or limit < 1:
         return []
@@ -87,36 +93,46 @@ def split_points(keys: Sequence[str], floor: int, hi: Optional[str] = None, limi
         if len(seen) > 1:  # a position the names vary in (a name ending here counts as varying)
             alphabet |= seen
     alphabet.discard(None)
-    found: set = set()
-    base, levels = min(c, len(last) - 1), 0
-    for base in range(min(c, len(last) - 1), max(floor, 0) - 1, -1):  # from ``c`` up, a level at a time
-        level = {last[:base] + ch for ch in alphabet if ch > last[base]}
-        found |= {p for p in level if hi is None or p < hi}
-        levels += bool(level)
-        if levels == _LEVELS_UP:
-            break
-    points = sorted(found)
-    order = sorted(alphabet)
-    depth = c + 4 - base  # the page's keys differ within a few characters past ``c``
+    if not alphabet:
+        return []
+    order, base = sorted(alphabet), max(floor, c - _LEVELS_UP, 0)
+    while base < c and not alphabet.issuperset(last[base:c]):
+        base += 1  # (a carry goes through the alphabet's characters only: not into ``img_``)
+    n, stem, depth = len(order), last[:base], c - base + 4
 
     def value(key: str) -> float:  # the key as a fraction in the alphabet's base, from ``base``
         v, scale = 0.0, 1.0
         for ch in key[base:base + depth]:
-            scale /= len(order)
-            v += bisect.bisect_left(order, ch) * scale
+            scale /= n
+            v += bisect.bisect_left(order, ch) * scale  # (a character outside it: where it would sort)
         return v
 
-    span = value(last) - value(first)
-    if span <= 0:
-        return points[:limit]
-    kept, at, end = [], value(last), value(last)
-    for p in points:
-        if (value(p) - end) * len(keys) / span > RANGE_COVER:
-            break  # the rest, where the listing may well have ended, is the last range's
-        if (value(p) - at) * len(keys) / span >= RANGE_KEYS:
-            kept.append(p)
-            at = value(p)
-    return kept[:limit]
+    at = value(last)
+    per_key = (at - value(first)) / (len(keys) - 1)
+    if per_key <= 0:
+        return []
+    end = 1.0 if hi is None or not hi.startswith(stem) else min(1.0, value(hi))
+    if hi is None:
+        reach = at + max(RANGE_COVER * per_key, at)  # as far again as the keys before L, if more
+        steps = [at + RANGE_KEYS * per_key * 2 ** i for i in range(limit)]
+        steps = [x for x in steps if x < reach] + [reach]
+    else:
+        step = max(RANGE_KEYS * per_key, (end - at) / limit)
+        steps = [at + step * (i + 1) for i in range(limit)]
+    points: list[str] = []
+    for i, x in enumerate(steps):
+        if x >= end:
+            break
+        width = x - (steps[i - 1] if i else at)
+        digits = 1  # the shortest point that keeps to within half the range's width
+        while n ** -digits > width / 2 and digits < depth:
+            digits += 1
+        q = int(x * n ** digits)
+        p = stem + "".join(order[min(n - 1, (q // n ** (digits - 1 - d)) % n)] for d in range(digits))
+        below = hi if hi is not None else stop
+        if p > last and (below is None or p < below) and (not points or p > points[-1]):
+            points.append(p)
+    return points[:limit]
 
 
 def key_ranges(first: list, rest: Iterator[list], open_after: Callable[[str], Iterator[list]],
@@ -141,12 +157,12 @@ def key_ranges(first: list, rest: Iterator[list], open_after: Callable[[str], It
 
 
 def in_ranges(pages: Iterator[list], open_after: Callable[[str], Iterator[list]], floor: int,
-              add: Callable, stop: Optional[str] = None) -> Iterator[list]:
-    """The pages of a listing (a prefix's, from its start) that, once :data:`SUB_PREFIX_PAGES` full pages
-    came (it runs side by side with others already), cuts the rest into key ranges, each listed by ``open_after(key)`` in a stream handed to ``add`` (a
+              add: Callable, stop: Optional[str] = None, cut_after: int = SUB_PREFIX_PAGES) -> Iterator[list]:
+    """The pages of a listing (a prefix's, from its start) that, once ``cut_after`` full pages came
+    (:data:`SUB_PREFIX_PAGES`: it runs side by side with others already), cuts the rest into key ranges, each listed by ``open_after(key)`` in a stream handed to ``add`` (a
     :class:`PagesAhead`'s: the streams side by side with the others there); ``stop``: its keys and its
     ranges' end before that key (where other listings take over)."""
-    return _range(pages, "", None, open_after, floor, SPLIT_POINTS, add, opened=True, cut_after=SUB_PREFIX_PAGES,
+    return _range(pages, "", None, open_after, floor, SPLIT_POINTS, add, opened=True, cut_after=cut_after,
                   stop=stop)
 
 
@@ -169,7 +185,7 @@ def _range(pages: Optional[Iterator[list]], lo: str, hi: Optional[str], open_aft
                 split = len(kept) < len(page)  # the range ended within its first page: not cut
                 if len(head) >= cut_after * PAGE_KEYS and not split:
                     split = True
-                    points = split_points([f[0] for f in head[-PAGE_KEYS:]], floor, hi or stop, limit)
+                    points = split_points([f[0] for f in head[-PAGE_KEYS:]], floor, hi, limit, stop)
                     for a, b in zip(points, points[1:] + [hi]):
                         add(_range(None, a, b, open_after, floor, limit, add, stop=stop))
                     bound = points[0] if points else hi

@@ -203,9 +203,10 @@ def _side_by_side(pages: Iterator[list], later: list[str], top: list, uri: str, 
         sub = uri if d == path else join_uri(uri, path, d)
         return lambda after: on_page.pages(sub, d, filesystem, after=after)
 
-    # each listing cut by key ranges once it shows many pages (its parts added here); the stream's up to the bound
+    # each listing cut by key ranges once it shows many pages (its parts added here); the stream (two full
+    # pages came already) at its next full page, up to the bound
     merged = PagesAhead(grow=lambda add: [in_ranges(_before(pages, bound), opener(path), len(path.strip("/")) + 1, add,
-                                                    stop=bound)]
+                                                    stop=bound, cut_after=1)]
                         + [in_ranges(sub, opener(d), len(d.strip("/")) + 1, add) for sub, d in zip(subs, later)])
     try:
         yield from merged

@@ -121,15 +121,21 @@ def test_a_listing_cut_before_a_key_keeps_its_ranges_before_it_too():
 
 def test_the_points_lie_above_the_page_below_the_ranges_end_and_follow_the_names():
     page = [f"{PREFIX}img_{i:06d}.jpg" for i in range(PAGE_KEYS)]
-    points = split_points(page, len(PREFIX))
-    assert points == sorted(set(points)) and points[0] > page[-1]
-    assert all(p.startswith(PREFIX + "img_0") for p in points)  # the alphabet is the digits
-    assert PREFIX + "img_003" in points and PREFIX + "img_02" in points
-    # (L, img_001] holds no key, (L, img_002] ~1,000: fewer than RANGE_KEYS, merged with the next
-    assert PREFIX + "img_001" not in points and PREFIX + "img_002" not in points
-    bounded = split_points(page, len(PREFIX), hi=PREFIX + "img_005")
-    assert bounded and all(page[-1] < p < PREFIX + "img_005" for p in bounded)
+    # unbounded: ranges of 2, 2, 4, 8, 16 pages' worth of keys past the page (RANGE_KEYS, doubling)
+    assert split_points(page, len(PREFIX)) == [PREFIX + f"img_0{k:02d}" for k in (2, 4, 8, 16, 32)]
+    # bounded (a range of its own): every RANGE_KEYS keys up to its end, the carry two places up
+    later = [f"{PREFIX}img_{i:06d}.jpg" for i in range(9_000, 10_000)]
+    bounded = split_points(later, len(PREFIX), hi=PREFIX + "img_02")
+    assert bounded[0] == PREFIX + "img_011" and all(later[-1] < p < PREFIX + "img_02" for p in bounded)
+    assert bounded == sorted(set(bounded)) and len(bounded) == 5
+    # as far again as the keys before the page, past the first 32 pages' worth
+    far = split_points([f"{PREFIX}img_{i:06d}.jpg" for i in range(63_000, 64_000)], len(PREFIX))
+    assert far[-1] == PREFIX + "img_12" and len(far) == 6  # (64,000 keys before it: to ~128,000)
+    # names of another shape: no point carries into the letters of ``img_``
+    unpadded = sorted(f"{PREFIX}img_{i}.jpg" for i in range(30_000))[:PAGE_KEYS]
+    assert all(p.startswith(PREFIX + "img_") and p > unpadded[-1] for p in split_points(unpadded, len(PREFIX)))
     assert len(split_points(page, len(PREFIX), limit=3)) == 3
+    assert all(p < PREFIX + "img_01" for p in split_points(page, len(PREFIX), stop=PREFIX + "img_01"))
 
 
 def test_no_points_from_a_page_without_room_above_it():
