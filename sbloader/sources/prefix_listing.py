@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Protocol, Sequence
 
 import ray
 
@@ -52,9 +51,9 @@ PARALLEL_LISTING_MIN_PREFIXES = 64
 _PREFIXES_PER_LISTING_TASK = 16
 
 
-@dataclass(frozen=True)
-class _Listed:
-    """A listed file: its path in the filesystem, size and modification time (picklable)."""
+class _Listed(NamedTuple):
+    """A listed file: its path in the filesystem, size and modification time (picklable; a tuple:
+    0.22 ms to make 1,000 against a frozen dataclass's 0.57, 100,000 of them a listing, #47)."""
 
     path: str
     size: int
@@ -131,7 +130,7 @@ def _list(fs: Any, path: str, uri: str, filesystem: Any, resolve: Callable, on_p
 
     files: list[_Listed] = []
     def take(page: list, more: Optional[bool] = None) -> None:
-        listed = [_Listed(*f) for f in page]
+        listed = list(map(_Listed._make, page))
         files.extend(listed)
         on_page(accept(listed), more=len(page) >= PAGE_KEYS if more is None else more)
 
