@@ -56,6 +56,12 @@ def test_gs_lists_page_by_page_through_obstore(emulated):
     assert all(size == len(OBJECTS[p[4:]]) and ns > 0 for page in pages for p, size, ns in page)
 
 
+def test_gs_lists_the_keys_after_a_key(emulated):
+    """A key range's listing (``start-after``: what a long listing is cut into, #47)."""
+    keys = [p for page in stream_pages("gs://bkt/imgs/", "bkt/imgs", None, after="bkt/imgs/05.bin") for p, _, _ in page]
+    assert keys == [f"bkt/{k}" for k in sorted(OBJECTS) if k > "imgs/05.bin"]
+
+
 def test_gs_byte_range_and_a_missing_object(emulated, tmp_path):
     uri = "gs://bkt/imgs/03.bin"
     rf = remote_files({uri: (1003, 1), "gs://bkt/imgs/nope.bin": (5, 1)}, None, False, None, None)
