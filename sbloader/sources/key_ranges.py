@@ -145,11 +145,8 @@ def key_ranges(first: list, rest: Iterator[list], open_after: Callable[[str], It
     if not points:
         yield from rest
         return
-    def streams(add: Callable) -> list:
-        return [_range(rest, first[-1][0], points[0], open_after, floor, limit, add, opened=True)] + \
-            [_range(None, lo, hi, open_after, floor, limit, add) for lo, hi in zip(points, points[1:] + [None])]
-
-    merged = PagesAhead(grow=streams)
+    merged = PagesAhead(grow=lambda add: [_range(rest, first[-1][0], points[0], open_after, floor, limit, add,
+                                                 opened=True)] + _parts(points, None, open_after, floor, limit, add))
     try:
         yield from merged
     finally:
@@ -159,9 +156,10 @@ def key_ranges(first: list, rest: Iterator[list], open_after: Callable[[str], It
 def in_ranges(pages: Iterator[list], open_after: Callable[[str], Iterator[list]], floor: int,
               add: Callable, stop: Optional[str] = None, cut_after: int = SUB_PREFIX_PAGES) -> Iterator[list]:
     """The pages of a listing (a prefix's, from its start) that, once ``cut_after`` full pages came
-    (:data:`SUB_PREFIX_PAGES`: it runs side by side with others already), cuts the rest into key ranges, each listed by ``open_after(key)`` in a stream handed to ``add`` (a
-    :class:`PagesAhead`'s: the streams side by side with the others there); ``stop``: its keys and its
-    ranges' end before that key (where other listings take over)."""
+    (:data:`SUB_PREFIX_PAGES`: it runs side by side with others already), cuts the rest into key
+    ranges, each listed by ``open_after(key)`` in a stream handed to ``add`` (a :class:`PagesAhead`'s:
+    the streams side by side with the others there); ``stop``: its keys and its ranges' end before
+    that key (where other listings take over)."""
     return _range(pages, "", None, open_after, floor, SPLIT_POINTS, add, opened=True, cut_after=cut_after,
                   stop=stop)
 
@@ -179,15 +177,15 @@ def _range(pages: Optional[Iterator[list]], lo: str, hi: Optional[str], open_aft
     bound, head = hi, []  # head: the range's first keys, a page of them cuts the range again
     try:
         for page in pages:  # (pages, or parts of one: only what is taken is made Python objects)
-            kept = [f for f in page if f[0] > lo and (bound is None or f[0] <= bound) and (stop is None or f[0] < stop)]
+            kept = [f for f in page
+                    if f[0] > lo and (bound is None or f[0] <= bound) and (stop is None or f[0] < stop)]
             if not split:
                 head += kept
                 split = len(kept) < len(page)  # the range ended within its first page: not cut
                 if len(head) >= cut_after * PAGE_KEYS and not split:
                     split = True
                     points = split_points([f[0] for f in head[-PAGE_KEYS:]], floor, hi, limit, stop)
-                    for a, b in zip(points, points[1:] + [hi]):
-                        add(_range(None, a, b, open_after, floor, limit, add, stop=stop))
+                    add(*_parts(points, hi, open_after, floor, limit, add, stop))
                     bound = points[0] if points else hi
             if kept:
                 yield kept
@@ -195,3 +193,9 @@ def _range(pages: Optional[Iterator[list]], lo: str, hi: Optional[str], open_aft
                 return  # past the range: the next ones list the rest
     finally:
         getattr(pages, "close", lambda: None)()
+
+
+def _parts(points: list[str], hi: Optional[str], open_after: Callable, floor: int, limit: int, add: Callable,
+           stop: Optional[str] = None) -> list:
+    """The ranges ``(points[i], points[i+1]]``, the last up to ``hi``, each a stream opened in its own thread."""
+    return [_range(None, a, b, open_after, floor, limit, add, stop=stop) for a, b in zip(points, points[1:] + [hi])]

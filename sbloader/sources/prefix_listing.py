@@ -203,27 +203,14 @@ def _side_by_side(pages: Iterator[list], later: list[str], top: list, uri: str, 
         return lambda after: on_page.pages(sub, d, filesystem, after=after)
 
     # each listing cut by key ranges once it shows many pages (its parts added here); the stream (two full
-    # pages came already) at its next full page, up to the bound
-    merged = PagesAhead(grow=lambda add: [in_ranges(_before(pages, bound), opener(path), len(path.strip("/")) + 1, add,
+    # pages came already) at its next full page, its keys and ranges before the bound
+    merged = PagesAhead(grow=lambda add: [in_ranges(pages, opener(path), len(path.strip("/")) + 1, add,
                                                     stop=bound, cut_after=1)]
                         + [in_ranges(sub, opener(d), len(d.strip("/")) + 1, add) for sub, d in zip(subs, later)])
     try:
         yield from merged
     finally:
         merged.close()
-
-
-def _before(pages: Iterator[list], bound: str) -> Iterator[list]:
-    """The keys of ``pages`` (in key order) before ``bound``; the stream closed at the first past it."""
-    try:
-        for page in pages:
-            kept = [f for f in page if f[0] < bound]
-            if kept:
-                yield kept
-            if len(kept) < len(page):
-                return  # past the stream's own keys: the rest comes from the listings side by side
-    finally:
-        getattr(pages, "close", lambda: None)()
 
 
 class PageSink(Protocol):
