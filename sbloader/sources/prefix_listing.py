@@ -129,10 +129,9 @@ def _list(fs: Any, path: str, uri: str, filesystem: Any, resolve: Callable, on_p
     import pyarrow.fs as pafs
 
     files: list[_Listed] = []
-    def take(page: list, more: Optional[bool] = None) -> None:
-        listed = list(map(_Listed._make, page))
-        files.extend(listed)
-        on_page(accept(listed), more=len(page) >= PAGE_KEYS if more is None else more)
+    def take(page: list, more: Optional[bool] = None) -> None:  # (a page's tuples are its _Listed: not made again)
+        files.extend(page)
+        on_page(accept(page), more=len(page) >= PAGE_KEYS if more is None else more)
 
     nested, asked = False, None
     for page in pages or ():
@@ -161,7 +160,7 @@ def _list(fs: Any, path: str, uri: str, filesystem: Any, resolve: Callable, on_p
     if len(dirs) < PARALLEL_LISTING_MIN_PREFIXES:
         if pages is None:
             return _list_recursive(fs, path)
-        later = [d for d in dirs if d + "/" > files[-1].path]  # none of their keys listed yet
+        later = [d for d in dirs if d + "/" > files[-1][0]]  # none of their keys listed yet
         for page in (_side_by_side(pages, later, top, uri, path, filesystem, on_page) if later else pages):
             take(page)
         return files
