@@ -35,11 +35,13 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 from sbloader.sources import cache_packs as packs
 from sbloader.sources.cache_ledger import Ledger, scan, tmp_name
 from sbloader.sources.cache_locks import LOCKS_NAME, EntryLock  # noqa: F401 (LOCKS_NAME: part of this module's API)
+from sbloader.sources.cache_marks import (AHEAD_MARK, COUNT_MARK, MARKS, RETRY_MARK, owed_path,  # noqa: F401 (API)
+                                          owed_retries, take_mark, take_pack_marks)
 
 #: Entries read within this many seconds are never evicted to make room.
 PROTECT_S = 600.0
@@ -50,25 +52,6 @@ TOUCH_S = 30.0
 
 #: The environment variable naming the cache directory.
 CACHE_DIR_ENV = "SBLOADER_CACHE_DIR"
-
-#: The mode bit (the owner's execute bit, never set on an entry otherwise) marking an entry
-#: fetched ahead of its first reader: that read counts a cache miss, not a hit, so a cold
-#: epoch's hit ratio is 0 whatever was fetched ahead (while listing, or by an earlier task).
-AHEAD_MARK = 0o100
-
-#: The mode bit (the group's execute bit) marking an entry fetched ahead by a read task (beside
-#: :data:`AHEAD_MARK`): the read that takes it also counts its GET (``objects_read``,
-#: ``bytes_read``, ``prefetched``), so the task that fetched it need not wait for it to count it.
-COUNT_MARK = 0o010
-
-#: The mode bit (the others' execute bit) marking an entry beside :data:`COUNT_MARK` whose fetch
-#: ahead retried: the count waits in a hidden file beside the entry (:func:`owed_retries`), so
-#: the read that takes the entry counts the retries too, in whichever process it runs. Before,
-#: they waited for the fetching process's next read, and a fetch ahead that retried after that
-#: process's last read of the epoch went uncounted.
-RETRY_MARK = 0o001
-
-_MARKS = AHEAD_MARK | COUNT_MARK | RETRY_MARK
 
 #: The mode bit of a pack (:mod:`sbloader.sources.cache_packs`).
 PACK_MARK = packs.PACK_MARK
@@ -150,26 +133,51 @@ class DiskCache:
         path once (a hash of the URI) uses it for the check, the lock and the write."""
         return self.check(p, size)[0]
 
-    def check(self, p: str, size: int, take: bool = True) -> tuple[Optional[str], bool]:
+    def check(self, p: str, size: int, take: bool = True) -> tuple[Optional[str], int]:
         """:meth:`hit`, and whether the entry was fetched ahead of its first reader
         (:meth:`put_at` with ``ahead``): that reader counts it as a miss (the object came
         from the store for it) and takes the mark off (``take``; False: a look that reads
         nothing, such as a fetch ahead's), so later reads count hits. The second value is the
         marks taken (0: none; ``AHEAD_MARK``, with ``COUNT_MARK`` when the reader also counts
         the GET), true where the entry was fetched ahead."""
-        try:
-            st = os.stat(p)
+        return self.check_many([(p, size)], take)[0][:2]
+
+    def check_many(self, entries: Sequence[tuple[str, int]], take: bool = True) -> list:
+        """:meth:`check` of each ``(entry path, size)``, as ``(path or None, marks taken, its stat)``:
+        the marks of the members of one pack taken together (:func:`~sbloader.sources.cache_marks.take_pack_marks`),
+        an inode's read time set once."""
+        out: list = []
+        marked: dict = {}  # a pack's inode -> the places in ``out`` of its members with marks to take
+        touched: set = set()
+        now = time.time()
+        for p, size in entries:
+            try:
+                st = os.stat(p)
+            except OSError:
+                out.append((None, 0, None))
+                continue
             pack = st.st_mode & PACK_MARK  # a member of a pack: its size is its footer's
             if st.st_size != size and not pack:
-                return None, False
-            ahead = st.st_mode & _MARKS if st.st_mode & AHEAD_MARK else 0
+                out.append((None, 0, None))
+                continue
+            if now - st.st_mtime > TOUCH_S and (st.st_dev, st.st_ino) not in touched:  # the eviction's read time
+                touched.add((st.st_dev, st.st_ino))
+                try:
+                    os.utime(p)
+                except OSError:
+                    out.append((None, 0, None))
+                    continue
+            ahead = st.st_mode & MARKS if st.st_mode & AHEAD_MARK else 0
             if ahead and take:
-                ahead = _take_member_marks(p) if pack else _take_mark(p)
-            if time.time() - st.st_mtime > TOUCH_S:  # the read time the eviction goes by
-                os.utime(p)
-        except OSError:
-            return None, False
-        return p, ahead
+                if pack:
+                    marked.setdefault((st.st_dev, st.st_ino), []).append(len(out))
+                else:
+                    ahead = take_mark(p)
+            out.append((p, ahead, st))
+        for places in marked.values():
+            for i, marks in zip(places, take_pack_marks([out[i][0] for i in places], out[places[0]][2])):
+                out[i] = (out[i][0], marks, out[i][2])
+        return out
 
     def _makedirs(self, d: str) -> None:
         if d not in self._dirs:
@@ -222,7 +230,7 @@ class DiskCache:
         try:
             try:
                 if retries:  # before the entry appears: its reader finds the count
-                    with open(_owed_path(p), "w") as f:
+                    with open(owed_path(p), "w") as f:
                         f.write(str(retries))
                 packs.write_all(fd, [data])  # in pieces: see packs.WRITE_CHUNK
             finally:
@@ -333,61 +341,3 @@ def cache_here(config: CacheConfig) -> Optional[DiskCache]:
         if c is None:
             c = _CACHES[key] = DiskCache(root, config.max_bytes)
         return c
-
-
-def _owed_path(p: str) -> str:
-    """The hidden file beside the entry at ``p`` holding its fetch ahead's retries (a name the
-    ledger's scan skips: :func:`sbloader.sources.cache_ledger.scan`)."""
-    d, name = os.path.split(p)
-    return os.path.join(d, f".{name}.retries")
-
-
-def owed_retries(p: str) -> int:
-    """The retries of the fetch ahead that wrote the entry at ``p`` (:data:`RETRY_MARK`), for
-    the one reader that took the mark; the file holding them is removed (0 when it is gone)."""
-    owed = packs.pop_owed(p)  # a member of a pack: its footer held them
-    if owed is not None:
-        return owed
-    try:
-        with open(_owed_path(p)) as f:
-            n = int(f.read() or 0)
-        os.unlink(_owed_path(p))
-        return n
-    except (OSError, ValueError):
-        return 0
-
-
-def _take_mark(p: str) -> int:
-    """Take the marks (:data:`AHEAD_MARK`, :data:`COUNT_MARK`) off the entry at ``p``; the marks
-    taken for the one reader that took them, 0 for the others (under an exclusive ``flock`` on the
-    entry: two readers that both saw the mark count one miss, not two). An entry this user cannot
-    change stays marked (each read of it counts a miss; none counts its GET)."""
-    try:
-        fd = os.open(p, os.O_RDONLY)
-    except OSError:
-        return 0
-    try:
-        try:
-            import fcntl
-
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except ImportError:  # no flock here: as before, each reader that saw the mark counts a miss
-            pass
-        mode = os.fstat(fd).st_mode
-        if not mode & AHEAD_MARK:
-            return 0  # another reader took it first
-        try:
-            os.fchmod(fd, mode & 0o777 & ~_MARKS)
-        except OSError:
-            return AHEAD_MARK
-        return mode & _MARKS
-    finally:
-        os.close(fd)  # closing releases the flock
-
-
-def _take_member_marks(p: str) -> int:
-    """:func:`_take_mark` of a member of a pack (its retries kept for :func:`owed_retries`)."""
-    marks, retries = packs.take_member_marks(p, AHEAD_MARK)
-    if marks & RETRY_MARK:
-        packs.owe(p, retries)
-    return marks

@@ -17,7 +17,7 @@ whole, every link: :func:`~sbloader.sources.cache_ledger.scan` counts an inode o
 one byte count and one reservation in the directory's ledger. The marks of a member
 fetched ahead (:data:`~sbloader.sources.cache.AHEAD_MARK` and the others) are a byte of
 its footer record, taken by exactly one reader under an exclusive ``flock`` on the pack
-(:func:`take_member_marks`); the pack's mode carries ``AHEAD_MARK`` while any member has
+(:func:`take_members_marks`); the pack's mode carries ``AHEAD_MARK`` while any member has
 marks left, so a lookup of a pack with none left reads no footer.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import struct
 import threading
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from sbloader.sources import open_packs
 
@@ -77,7 +77,7 @@ def _footer(fd: int, size: int) -> tuple[bytes, int, bytes]:
 def _places(o: Any) -> dict:
     """Each member's ``digest -> (record's place, offset, size)`` of the open pack ``o``, read
     from its footer once (they never change; the marks do, and are read afresh:
-    :func:`take_member_marks`)."""
+    :func:`take_members_marks`)."""
     got = o.places
     if got is None:
         _, start, raw = _footer(o.fd, os.fstat(o.fd).st_size)
@@ -97,14 +97,15 @@ def _place(o: Any, path: str) -> tuple[int, int, int]:
     return place
 
 
-def read_entry(path: str) -> bytes:
+def read_entry(path: str, st: Optional[os.stat_result] = None) -> bytes:
     """An entry's bytes: the whole file, or its member of a pack (one ``pread`` from the pack
-    this process keeps open: :mod:`sbloader.sources.open_packs`).
+    this process keeps open: :mod:`sbloader.sources.open_packs`); ``st``: the entry's ``stat``
+    where the caller's look took it (none again).
 
     Raises:
         OSError: the entry went (evicted) or its pack does not hold it.
     """
-    st = os.stat(path)
+    st = os.stat(path) if st is None else st
     if st.st_mode & PACK_MARK:
         with open_packs.held(path, st, PACK_MARK) as o:
             if o is not None:
@@ -124,43 +125,49 @@ def _pread_all(fd: int, n: int, off: int, path: str) -> bytes:
     return data
 
 
-def take_member_marks(path: str, ahead_mark: int) -> tuple[int, int]:
-    """Take the marks of the member at ``path`` for the one reader that takes them:
-    ``(marks, retries owed)``, ``(0, 0)`` for the others. Under an exclusive ``flock`` on
-    the pack (and its lock among this process's threads, which share its descriptor); when
+def take_members_marks(paths: Sequence[str], st: os.stat_result, ahead_mark: int) -> list[tuple[int, int]]:
+    """Take the marks of the members at ``paths`` of one pack (``st``: the ``stat`` of their
+    entries) for the one reader that takes them: ``(marks, retries owed)`` each, ``(0, 0)``
+    for those another took (or that are not the pack's). Under an exclusive ``flock`` on the
+    pack (and its lock among this process's threads, which share its descriptor): one
+    ``pread`` of its footer's records and one ``pwrite`` of them for all the members; when
     no member has marks left, the pack's ``ahead_mark`` (the mode bit saying some member has
     marks) goes too."""
     import fcntl
 
     try:
-        st = os.stat(path)
-        with open_packs.held(path, st, PACK_MARK) as o:
+        with open_packs.held(paths[0], st, PACK_MARK) as o:
             if o is None:
-                return 0, 0
+                return [(0, 0)] * len(paths)
             with o.marks_lock:
                 fcntl.flock(o.fd, fcntl.LOCK_EX)
                 try:
-                    return _take(o, path, ahead_mark)
+                    return _take(o, paths, ahead_mark)
                 finally:
                     fcntl.flock(o.fd, fcntl.LOCK_UN)
     except OSError:
-        return 0, 0
+        return [(0, 0)] * len(paths)
 
 
-def _take(o: Any, path: str, ahead_mark: int) -> tuple[int, int]:
-    """:func:`take_member_marks` with the pack's locks held: every member's marks byte read
-    with one ``pread`` of the records, this member's cleared."""
-    at, _, _ = _place(o, path)
-    start = o.records_at
-    raw = os.pread(o.fd, len(o.places) * _RECORD.size, start)
-    marks = raw[_MARKS_AT::_RECORD.size]
-    i = (at - start) // _RECORD.size
-    if not marks[i]:
-        return 0, 0
-    os.pwrite(o.fd, b"\0", at + _MARKS_AT)
-    if marks.count(0) == len(marks) - 1:  # no other member has marks left
-        os.fchmod(o.fd, os.fstat(o.fd).st_mode & 0o7777 & ~ahead_mark)
-    return marks[i], _RECORD.unpack_from(raw, i * _RECORD.size)[4]
+def _take(o: Any, paths: Sequence[str], ahead_mark: int) -> list[tuple[int, int]]:
+    """:func:`take_members_marks` with the pack's locks held: every member's marks byte read
+    with one ``pread`` of the records, those of ``paths`` cleared with one ``pwrite``."""
+    places, start = _places(o), o.records_at
+    raw = bytearray(os.pread(o.fd, len(places) * _RECORD.size, start))
+    out = []
+    for path in paths:
+        place = places.get(bytes.fromhex(os.path.basename(path)))
+        at = -1 if place is None else place[0] - start + _MARKS_AT
+        if at < 0 or not raw[at]:
+            out.append((0, 0))
+            continue
+        out.append((raw[at], _RECORD.unpack_from(raw, at - _MARKS_AT)[4]))
+        raw[at] = 0
+    if any(marks for marks, _ in out):
+        os.pwrite(o.fd, raw, start)
+        if not any(raw[_MARKS_AT::_RECORD.size]):  # no member has marks left
+            os.fchmod(o.fd, os.fstat(o.fd).st_mode & 0o7777 & ~ahead_mark)
+    return out
 
 
 #: Bytes one ``writev`` of a pack writes, at most. The page cache sizes its folios by the write,

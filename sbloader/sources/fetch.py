@@ -19,8 +19,6 @@ context and reach ``stats()``.
 """
 from __future__ import annotations
 
-import io
-import os
 import random
 import time
 import uuid
@@ -34,11 +32,10 @@ from sbloader.sources.pack_fetch import Got as _Got
 from sbloader.sources.cache import CacheConfig, cache_here
 from sbloader.sources.ahead import files_ahead  # noqa: F401 (part of this module's API)
 from sbloader.sources.cache_packs import is_pack, read_entry
-from sbloader.sources.filesystems import resolve
 from sbloader.sources.inflight import (BYTES, DEFAULT_MAX_BYTES, DEFAULT_MAX_REQUESTS, GAUGE, Waited, when_answered,
                                        check_max_in_flight, pool)
 from sbloader.sources.object_client import client_for
-from sbloader.sources.ranged_object import RangedObject
+from sbloader.sources.object_files import ObjectFiles
 from sbloader.sources.retries import RetryPolicy, is_retryable
 
 #: Requests a process keeps in flight by default (``max_in_flight=``).
@@ -50,7 +47,7 @@ class ObjectChangedError(OSError):
 
 
 @dataclass(frozen=True)
-class RemoteFiles:
+class RemoteFiles(ObjectFiles):
     """How a read task gets a source's remote objects.
 
     Attributes:
@@ -120,11 +117,9 @@ class RemoteFiles:
         report_counters({"range_reads": 1, "bytes_read": len(data)})
         return data
 
-    def _get(self, uri: str, want_path: bool, known_miss: bool = False, ahead: bool = False,
-             count: bool = False, wait: bool = True) -> _Got:
-        """The object from the cache or the store (then cached). ``known_miss``: the caller
-        just found no entry, so only the check under the entry's lock is made. ``ahead``: a
-        fetch ahead of the reader (the entry is marked so: :meth:`DiskCache.check`; ``count``:
+    def _get(self, uri: str, want_path: bool, ahead: bool = False, count: bool = False,
+             wait: bool = True) -> _Got:
+        """The object from the cache or the store (then cached). ``ahead``: a fetch ahead of the reader (the entry is marked so: :meth:`DiskCache.check`; ``count``:
         the reader that takes it counts its GET; ``wait``: False where another's lock on the entry
         means nothing is done, ``busy``). The entry's path (a hash) is computed once for the checks,
         the lock and the write."""
@@ -136,7 +131,7 @@ class RemoteFiles:
                 got.data = self._download(uri, size, got)
                 return got
             entry = cache.path_for(uri, version)
-            p, got.ahead = (None, False) if known_miss else cache.check(entry, size, not ahead)
+            p, got.ahead = cache.check(entry, size, not ahead)
             if p is None:
                 lock = cache.lock_at(entry)  # another process may be fetching it: wait, then hit
                 if not wait and not lock.try_enter():  # a fetch thread never waits on a lock: left to the reader
@@ -161,11 +156,11 @@ class RemoteFiles:
             got.error = e
         return got
 
-    def _read_hit(self, uri: str, path: str, ahead: bool = False) -> _Got:
-        """An entry :meth:`_submit` found, read where it is consumed (the full path if it
-        went meanwhile: evicted by another process)."""
+    def _read_hit(self, uri: str, path: str, ahead: int = 0, st: Any = None) -> _Got:
+        """An entry :meth:`_submit` found (``st``: its ``stat`` then), read where it is consumed
+        (the full path if it went meanwhile: evicted by another process)."""
         try:
-            return _Got(data=read_entry(path), path=path, hit=True, ahead=ahead)
+            return _Got(data=read_entry(path, st), path=path, hit=True, ahead=ahead)
         except OSError:
             return self._get(uri, False)
 
@@ -208,10 +203,11 @@ class RemoteFiles:
         def submit_more() -> None:
             while held[1] < len(uris) and (held[0] == 0 or held[0] + sizes[held[1]] <= self.max_bytes) \
                     and BYTES.take(sizes[held[1]], self.max_bytes, alone=held[0] == 0):
-                futures.append(self._submit(ex, uris[held[1]]))
+                futures.append(self._submit(ex, uris[held[1]], looks[held[1]]))
                 held[0] += sizes[held[1]]
                 held[1] += 1
 
+        looks = self._looks(uris)  # every entry looked at (and its marks taken) at once
         submit_more()
         budget = self.max_bytes - held[0]
         when_answered([f for f in futures if not isinstance(f, tuple)],
@@ -251,21 +247,37 @@ class RemoteFiles:
         # The fetch-ahead this read started is counted by the reads that take its objects.
         report_counters({"peak_in_flight": GAUGE.take_peak()})
 
-    def _cached(self, uri: str, take: bool = True) -> tuple[Optional[str], bool]:
-        """The object's cache entry (its read time updated) or None, and whether it was
-        fetched ahead of this read (:meth:`DiskCache.check`; ``take``: this read counts it)."""
-        size, version = self._version(uri)
-        cache = cache_here(self.cache) if size is not None else None
-        return (None, False) if cache is None else cache.check(cache.path_for(uri, version), size, take)
+    def _cached(self, uri: str, take: bool = True) -> tuple[Optional[str], int]:
+        """The object's cache entry (its read time updated) or None, and the marks of a fetch
+        ahead of this read (:meth:`DiskCache.check`; ``take``: this read takes them)."""
+        return self._looks([uri], take)[0][:2]
 
-    def _submit(self, ex: Any, uri: str) -> Any:
-        """A future of the object from the pool, or ``(path, ahead)`` of its cache entry: a hit
-        is read where it is consumed (a thread hop costs more CPU than reading a cached file)."""
-        hit = self._cached(uri)
-        if hit[0] is not None:
-            return hit
+    def _looks(self, uris: Sequence[str], take: bool = True) -> list:
+        """``(entry path or None, marks taken, stat)`` of each object's cache entry
+        (:meth:`DiskCache.check_many <sbloader.sources.cache.DiskCache.check_many>`: the marks of a
+        pack's members taken together); ``(None, 0, None)`` with the cache off or for an unlisted object."""
+        out: list = [(None, 0, None)] * len(uris)
+        cache = cache_here(self.cache)
+        if cache is None:
+            return out
+        at, entries = [], []
+        for i, u in enumerate(uris):
+            size, version = self._version(u)
+            if size is not None:
+                at.append(i)
+                entries.append((cache.path_for(u, version), size))
+        for i, look in zip(at, cache.check_many(entries, take)):
+            out[i] = look
+        return out
+
+    def _submit(self, ex: Any, uri: str, look: tuple) -> Any:
+        """A future of the object from the pool, or ``(path, ahead, stat)`` of its cache entry
+        (``look``, from :meth:`_looks`): a hit is read where it is consumed (a thread hop costs
+        more CPU than reading a cached file)."""
+        if look[0] is not None:
+            return look
         if not self.cache.enabled or self._version(uri)[0] is None:
-            return ex.submit(self._get, uri, False, True)
+            return ex.submit(self._get, uri, False)
         if ahead_counts.in_flight(cache_here(self.cache).root, uri):  # this process fetches it ahead now
             return pack_fetch.ahead_here()
         return ex.submit(pack_fetch.fetch_held, self, uri)  # cached in this read's pack
@@ -278,45 +290,6 @@ class RemoteFiles:
         if got.error is not None:
             raise got.error
         return got.data
-
-    def local(self, uri: str, ahead: bool = False) -> Union[str, io.BytesIO]:
-        """The object as a local file (its cache entry) or, with the cache off or full,
-        an in-memory buffer: what pyarrow and PyAV open. A local path comes back as it is.
-        ``ahead``: fetched for planning (a probe, an index), ahead of the read that counts it."""
-        if self.filesystem is None and uri not in self.versions:
-            return uri
-        t0 = time.perf_counter()
-        got = self._get(uri, True, ahead=ahead)
-        waited = time.perf_counter() - t0
-        report_counters({"peak_in_flight": GAUGE.take_peak()})
-        if got.error is None and got.hit and got.data is None:
-            counts = {"cache_misses" if got.ahead else "cache_hits": 1, "cache_bytes": os.path.getsize(got.path),
-                      "store_wait_ms": 1000 * waited}
-            ahead_counts.count_get_at_take(counts, got.ahead, counts["cache_bytes"], got.path)
-            report_counters(counts)
-            return got.path
-        self._report(got, waited)
-        if got.error is not None:
-            raise got.error
-        return got.path if got.path is not None and not got.hit else io.BytesIO(got.data)
-
-    def local_or_random_access(self, uri: str) -> Any:
-        """The object as a local file (its cache entry), or with the cache off a
-        random-access file on the store (a reader of a few row groups then fetches only
-        their byte ranges; a listed object's by :class:`~sbloader.sources.ranged_object.RangedObject`,
-        no HEAD). Local paths come back as they are."""
-        if not self.cache.enabled and self.filesystem is None and uri in self.versions:
-            return RangedObject(self, uri, self._version(uri)[0])
-        if not self.cache.enabled and self.filesystem is not None:
-            fs, path = resolve(uri, self.filesystem)
-            try:
-                return fs.open_input_file(path)
-            except FileNotFoundError as e:
-                raise FileNotFoundError(f"no such object: {uri!r} ({e}); check the bucket and key, or pass "
-                                        f"on_error='skip'") from e
-        if self.filesystem is None and uri not in self.versions:
-            return uri
-        return self.local(uri)
 
     def prefetch(self, uris: Sequence[str], budget: Optional[int] = None, collect: bool = False,
                  count: bool = False, pack: int = 0) -> list:

@@ -178,3 +178,40 @@ def test_a_members_marks_are_taken_by_one_of_the_threads_reading_it_at_once(tmp_
             t.join(10)
         assert len(got) == 8 and sum(1 for m in got if m) == 1, got
     assert not os.stat(items[0][0]).st_mode & 0o100  # the last member's mark took the pack's
+
+
+def test_a_reads_members_of_one_pack_have_their_marks_taken_together_once(tmp_path, monkeypatch):
+    """A read task looks at its partition's entries at once (``check_many``): the marks of a pack's
+    members are taken under one lock with one ``pwrite`` of the footer's records (#47: four system
+    calls a member before), each by one reader only, the others' left for their own readers."""
+    import threading
+
+    from sbloader.sources import cache_packs
+
+    c = DiskCache(str(tmp_path / "c"))
+    items = [(c.path_for(f"s3://b/{i}", "v"), bytes([i]) * 500, 0) for i in range(12)]
+    assert c.put_pack(items, ahead=True, count=True) == [True] * 12
+    writes: list = []
+    real = os.pwrite
+    monkeypatch.setattr(cache_packs.os, "pwrite", lambda fd, b, at: writes.append(at) or real(fd, b, at))
+    first = [(p, len(d)) for p, d, _ in items[:8]]
+    looks = c.check_many(first + [(c.path_for("s3://b/none", "v"), 1)])
+    assert [p for p, _, _ in looks] == [p for p, _ in first] + [None]
+    assert all(m & 0o100 and m & 0o010 for _, m, _ in looks[:8]) and len(writes) == 1
+    assert [m for _, m, _ in c.check_many(first)] == [0] * 8  # taken: later reads are hits
+    assert os.stat(items[0][0]).st_mode & 0o100  # four members keep theirs: so does the pack
+    got, start = [], threading.Barrier(4)  # readers of the last four at once: one takes each mark
+
+    def look() -> None:
+        start.wait()
+        got.append([m for _, m, _ in c.check_many([(p, len(d)) for p, d, _ in items[8:]])])
+
+    threads = [threading.Thread(target=look) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert len(got) == 4 and [sum(1 for g in got if g[i]) for i in range(4)] == [1] * 4, got
+    assert not os.stat(items[0][0]).st_mode & 0o100  # every member's taken: the pack's mark too
+    assert [read_entry(p, st) for p, _, st in c.check_many([(p, len(d)) for p, d, _ in items])] == \
+        [d for _, d, _ in items]
