@@ -79,8 +79,11 @@ class RemoteFiles(ObjectFiles):
         rng = None  # seeded from the OS only when a request fails (5 us a request otherwise)
         for attempt in range(self.retry.attempts):
             try:
-                with GAUGE.slot(self.budget_key, self.max_in_flight):
+                held = GAUGE.enter(self.budget_key, self.max_in_flight)
+                try:
                     return fetch()
+                finally:
+                    GAUGE.leave(self.budget_key, held)
             except FileNotFoundError as e:
                 raise FileNotFoundError(f"no such object: {uri!r} ({e}); check the bucket and key, or pass "
                                         f"on_error='skip'") from e

@@ -107,7 +107,18 @@ class Gauge:
 
     @contextmanager
     def slot(self, key: str, max_in_flight: int) -> Iterator[None]:
-        """Hold one request's slot of dataset ``key`` (at most ``max_in_flight`` of its own)."""
+        """Hold one request's slot of dataset ``key`` (at most ``max_in_flight`` of its own):
+        :meth:`enter`, then :meth:`leave`."""
+        held = self.enter(key, max_in_flight)
+        try:
+            yield
+        finally:
+            self.leave(key, held)
+
+    def enter(self, key: str, max_in_flight: int) -> tuple:
+        """Take one request's slot of dataset ``key`` (waiting while the dataset or the process is at its
+        bound), then one of the node's; what :meth:`leave` gives back. (Two calls, not a generator's
+        context: a store's request takes one, #47.)"""
         with self._cond:
             self._largest = max(self._largest, max_in_flight)
             while self.now >= self.limit() or self._by_key.get(key, 0) >= max_in_flight:
@@ -116,21 +127,30 @@ class Gauge:
             self._by_key[key] = self._by_key.get(key, 0) + 1
             self.peak = max(self.peak, self.now)
         node = node_slots() if self._node_from_env else self._node
-        taken = None
         try:
-            taken = node.take() if node is not None else None
-            yield
-        finally:
+            return node, (node.take() if node is not None else None)
+        except BaseException:
+            self._let_go(key)
+            raise
+
+    def leave(self, key: str, held: tuple) -> None:
+        """Give back the slots :meth:`enter` took for dataset ``key``."""
+        node, taken = held
+        try:
             if taken is not None:
                 node.give(taken)
-            with self._cond:
-                self.now -= 1
-                left = self._by_key[key] - 1
-                if left:
-                    self._by_key[key] = left
-                else:
-                    del self._by_key[key]
-                self._cond.notify_all()
+        finally:
+            self._let_go(key)
+
+    def _let_go(self, key: str) -> None:
+        with self._cond:
+            self.now -= 1
+            left = self._by_key[key] - 1
+            if left:
+                self._by_key[key] = left
+            else:
+                del self._by_key[key]
+            self._cond.notify_all()
 
     def take_peak(self) -> int:
         """The peak since the last call (then reset to the requests in flight now)."""

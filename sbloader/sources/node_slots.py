@@ -134,6 +134,8 @@ def node_limit() -> int:
 
 def node_slots() -> Optional[NodeSlots]:
     """This process's handle on the node's budget (None when it is 0)."""
+    if _NODE:  # (each request asks: no lock once it is made)
+        return _NODE[0]
     with _NODE_LOCK:
         if not _NODE:
             limit = node_limit()

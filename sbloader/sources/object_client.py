@@ -35,6 +35,7 @@ CLIENT_ENV = "SBLOADER_OBJECT_CLIENT"
 _OBSTORE_SCHEMES = frozenset({"s3", "gs", "gcs"})
 _STORES: dict[tuple, Any] = {}
 _STORES_LOCK = threading.Lock()
+_BY_HEAD: dict[tuple, Any] = {}  # (the URI's scheme as written, its bucket) -> (_STORES then, its store)
 
 
 class ObjectClient(Protocol):
@@ -77,16 +78,24 @@ class ObstoreClient:
     name = "obstore"
 
     def _store(self, uri: str) -> tuple[Any, str]:
-        scheme = scheme_of(uri)
-        parts = urlsplit(uri)
-        key = (scheme, parts.netloc)
-        with _STORES_LOCK:
-            store = _STORES.get(key)
+        head, _, rest = uri.partition("://")
+        netloc, _, path = rest.partition("/")
+        seen = _BY_HEAD.get((head, netloc))  # (every GET asks: a dict's look, no URL parse, #47)
+        store = seen[1] if seen is not None and seen[0] is _STORES else None  # (_STORES replaced: made anew)
         if store is None:
-            store = _make_store(scheme, parts.netloc)
+            scheme = scheme_of(uri)
+            parts = urlsplit(uri)
+            key = (scheme, parts.netloc)
             with _STORES_LOCK:
-                store = _STORES.setdefault(key, store)
-        return store, uri.split("://", 1)[1][len(parts.netloc):].lstrip("/")
+                store = _STORES.get(key)
+            if store is None:
+                store = _make_store(scheme, parts.netloc)
+                with _STORES_LOCK:
+                    store = _STORES.setdefault(key, store)
+            if parts.netloc != netloc:  # ("?" or "#" in it: parsed each time)
+                return store, rest[len(parts.netloc):].lstrip("/")
+            _BY_HEAD[(head, netloc)] = (_STORES, store)
+        return store, path.lstrip("/")
 
     def get(self, uri: str) -> bytes:
         """The whole object: one GET."""
