@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 import ray
 
 from sbloader.core.errors import SbloaderError, TaskLostError, missing_module
-from sbloader.executor.tasks import Packed, pack
+from sbloader.executor.task_args import Packed, pack, share
 
 _INLINE_ARG_BYTES = 64 * 1024
 
@@ -118,15 +118,16 @@ def sort_failures(refs: Sequence[Any], inflight: dict, other_copy: Callable[[Any
 
 
 def shared_arg(payload: Any) -> Any:
-    """The read tasks' shared argument: by value when small, else one object in the store.
+    """The read tasks' shared argument: by value when small, else one object in the store, named by its
+    digest (:class:`~sbloader.executor.task_args.SharedRef`: unpickled once per worker process, not once a task).
 
     By value matters for placement: a task whose argument lives in the trainer
     node's object store can be leased there by Ray's locality-aware scheduling
     despite a node-label constraint.
     """
     packed = pack(payload)  # pickled once here, not once per task
-    if isinstance(packed, Packed):
-        return packed if len(packed.data) <= _INLINE_ARG_BYTES else ray.put(payload)
+    if isinstance(packed, Packed):  # (large: in the store once, unpickled once per worker process, #47)
+        return packed if len(packed.data) <= _INLINE_ARG_BYTES else share(packed)
     import ray.cloudpickle as cloudpickle
 
     try:  # it holds Ray handles: by value through Ray's serialisation when small

@@ -24,88 +24,9 @@ from sbloader.core.ops import Op, apply_op
 from sbloader.core.plan import row_permutation
 from sbloader.sources.base import Partition
 from sbloader.executor.slot_store import SlotLease, store_here
+from sbloader.executor.task_args import Packed, SharedRef, pack, unpack  # noqa: F401 (this module's API)
 
 _NODE_ID: list[str] = []
-_UNPACKED: dict[bytes, Any] = {}  # per worker process: digest -> the unpickled argument
-_UNPACKED_MAX = 64
-
-
-@dataclass(frozen=True)
-class Packed:
-    """An argument pickled once by the driver and shipped as bytes.
-
-    Ray would otherwise cloudpickle the operators (user functions, by value when
-    defined in ``__main__``) again for every task, at a cost in the trainer's CPU
-    per task; bytes cost a copy. The worker unpickles a digest once and reuses it.
-
-    Attributes:
-        digest: a hash of ``data``.
-        data: the pickled argument.
-    """
-
-    digest: bytes
-    data: bytes
-
-
-class _HoldsRayHandle(Exception):
-    pass
-
-
-def _main_by_value(cloudpickle: Any) -> None:
-    """In a process started by multiprocessing's spawn (Lightning's ``ddp_spawn``,
-    ``torch.multiprocessing.spawn``) the script runs as ``__mp_main__``: its classes
-    must travel by value, as ``__main__``'s do, since Ray's workers cannot import it."""
-    import sys
-
-    mp_main = sys.modules.get("__mp_main__")
-    if mp_main is not None and not getattr(mp_main, "_sbloader_by_value", False):
-        try:
-            cloudpickle.register_pickle_by_value(mp_main)
-            mp_main._sbloader_by_value = True
-        except (ValueError, TypeError):
-            pass
-
-
-def pack(obj: Any) -> Any:
-    """``obj`` as a :class:`Packed`, or ``obj`` itself when it holds Ray object refs or
-    actor handles (those must go through Ray's own serialisation, which tracks them)."""
-    import hashlib
-    import io
-
-    import ray.cloudpickle as cloudpickle
-    from ray.actor import ActorHandle
-
-    class _Pickler(cloudpickle.CloudPickler):
-        def reducer_override(self, o: Any) -> Any:
-            if isinstance(o, (ray.ObjectRef, ActorHandle)):
-                raise _HoldsRayHandle()
-            return super().reducer_override(o)
-
-    _main_by_value(cloudpickle)
-    buf = io.BytesIO()
-    try:
-        _Pickler(buf, protocol=5).dump(obj)
-    except _HoldsRayHandle:
-        return obj
-    except Exception:  # not picklable here: let Ray's own serialisation say why, per task
-        return obj
-    data = buf.getvalue()
-    return Packed(hashlib.blake2b(data, digest_size=16).digest(), data)
-
-
-def unpack(obj: Any) -> Any:
-    """The argument a :class:`Packed` holds (unpickled once per worker process); else ``obj``."""
-    if not isinstance(obj, Packed):
-        return obj
-    hit = _UNPACKED.get(obj.digest)
-    if hit is None:
-        import ray.cloudpickle as cloudpickle
-
-        hit = cloudpickle.loads(obj.data)
-        if len(_UNPACKED) >= _UNPACKED_MAX:
-            _UNPACKED.pop(next(iter(_UNPACKED)))
-        _UNPACKED[obj.digest] = hit
-    return hit
 
 
 @dataclass(frozen=True)

@@ -316,7 +316,8 @@ class RemoteFiles(ObjectFiles):
         if not self.cache.enabled or not uris:
             return []
         cache = cache_here(self.cache)
-        uris = [u for u in ahead_counts.not_in_flight(cache.root, uris) if self._cached(u, take=False)[0] is None]
+        uris = ahead_counts.not_in_flight(cache.root, uris)
+        uris = [u for u, look in zip(uris, self._looks(uris, take=False)) if look[0] is None]
         sizes = [self._version(u)[0] for u in uris]
         if cache is None or not uris or any(s is None for s in sizes):
             return []
