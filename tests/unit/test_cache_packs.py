@@ -118,6 +118,7 @@ def test_members_are_read_from_the_pack_held_open_and_a_pack_remade_meanwhile_is
     from sbloader.sources import open_packs
 
     open_packs.forget_all()
+    monkeypatch.setattr(open_packs, "KEPT", 8)
     c = DiskCache(str(tmp_path / "c"))
     packs = [[(c.path_for(f"s3://b/{k}-{i}", "v"), bytes([k, i]) * 700, 0) for i in range(6)] for k in range(12)]
     for items in packs:
@@ -215,3 +216,17 @@ def test_a_reads_members_of_one_pack_have_their_marks_taken_together_once(tmp_pa
     assert not os.stat(items[0][0]).st_mode & 0o100  # every member's taken: the pack's mark too
     assert [read_entry(p, st) for p, _, st in c.check_many([(p, len(d)) for p, d, _ in items])] == \
         [d for _, d, _ in items]
+
+
+def test_a_member_is_found_by_its_records_own_digest_not_by_bytes_that_span_two_fields():
+    """A member's record is found by ``bytes.find`` of its entry name (not a parse of every record
+    each time a pack is opened, #47); a match not at a record's start is no match."""
+    from sbloader.sources.cache_packs import _RECORD, _index
+
+    names = [bytes([i]) * 32 for i in range(3)]
+    raw = b"".join(_RECORD.pack(n, 100 * i, 10, 0, 0) for i, n in enumerate(names))
+    for i, n in enumerate(names):
+        assert _index(raw, "/c/ab/" + n.hex()) == i
+    inside = raw[10:42]  # 32 bytes across a digest and the offset after it
+    assert raw.find(inside) == 10 and _index(raw, "/c/ab/" + inside.hex()) == -1
+    assert _index(raw, "/c/ab/" + (b"z" * 32).hex()) == -1
