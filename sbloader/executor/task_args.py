@@ -17,9 +17,10 @@ from typing import Any
 import ray
 
 #: Arguments a worker process keeps unpickled, at most, and their pickled bytes together (the
-#: newest is kept whatever its size).
+#: newest is kept whatever its size). A shuffled epoch's read tasks share a new argument (its
+#: plan of fetches ahead), so an epoch's is of no use to the next: a few are kept, not a run's.
 UNPACKED_MAX = 64
-UNPACKED_MAX_BYTES = 256 * 2 ** 20
+UNPACKED_MAX_BYTES = 32 * 2 ** 20
 
 _UNPACKED: "OrderedDict[bytes, tuple[Any, int]]" = OrderedDict()  # digest -> (argument, its pickled bytes)
 _LOCK = threading.Lock()
