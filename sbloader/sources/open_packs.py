@@ -22,13 +22,29 @@ from collections import OrderedDict
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
-#: Packs one process keeps open, at most (the least recently read is closed first). A shuffled
-#: epoch reads each object of a partition from another pack (the packs are an earlier epoch's
-#: partitions): with 8, the 2,000 objects of 32 packs were an ``open`` and a footer each, 0.040 ms
-#: an object read from the cache against 0.026 with 32 (#47). An evicted pack's bytes stay on disk
-#: while it is kept: a pack is read recently when kept, so the eviction (of entries not read in
-#: ``PROTECT_S``) rarely takes one.
-KEPT = 32
+#: Packs one process keeps open, at most (the least recently read is closed first), and their
+#: bytes together (the newest is kept whatever its size). A shuffled epoch reads each object of a
+#: partition from another pack (the packs are an earlier epoch's partitions): with 8, the 2,000
+#: objects of 32 packs were an ``open`` and a footer each, 0.040 ms an object read from the cache
+#: against 0.026 with all of them kept (#47). An evicted pack's bytes stay on disk while it is
+#: kept (at most :data:`KEPT_BYTES` a process): a kept pack was read recently, so the eviction
+#: (of entries not read in ``PROTECT_S``) rarely takes one.
+KEPT = 256
+KEPT_BYTES = 128 * 2 ** 20
+
+
+def _fd_share() -> int:
+    """An eighth of this process's limit of open files (the packs kept may take no more)."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return KEPT
+    return KEPT if soft == resource.RLIM_INFINITY else max(8, soft // 8)
+
+
+KEPT = min(KEPT, _fd_share())
 
 
 class OpenPack:
@@ -49,6 +65,7 @@ class OpenPack:
 
 _OPEN: "OrderedDict[tuple[int, int], OpenPack]" = OrderedDict()
 _LOCK = threading.Lock()
+_KEPT_BYTES = [0]  # the kept packs' bytes
 
 
 def _release(o: OpenPack) -> None:
@@ -108,8 +125,10 @@ def _open(path: str, mark: int) -> Optional[OpenPack]:
             drop.append(fd)
         else:
             o = _OPEN[key] = OpenPack(fd, st.st_size)
-            while len(_OPEN) > KEPT:
+            _KEPT_BYTES[0] += st.st_size
+            while len(_OPEN) > 1 and (len(_OPEN) > KEPT or _KEPT_BYTES[0] > KEPT_BYTES):
                 _, old = _OPEN.popitem(last=False)
+                _KEPT_BYTES[0] -= old.size
                 old.dropped = True
                 if old.users == 0:
                     drop.append(old.fd)
@@ -125,6 +144,7 @@ def forget_all() -> None:
     with _LOCK:
         kept = list(_OPEN.values())
         _OPEN.clear()
+        _KEPT_BYTES[0] = 0
         for o in kept:
             o.dropped = True
         idle = [o.fd for o in kept if o.users == 0]
@@ -141,6 +161,7 @@ def _after_fork() -> None:
         except OSError:
             pass
     _OPEN.clear()
+    _KEPT_BYTES[0] = 0
 
 
 if hasattr(os, "register_at_fork"):

@@ -230,3 +230,24 @@ def test_a_member_is_found_by_its_records_own_digest_not_by_bytes_that_span_two_
     inside = raw[10:42]  # 32 bytes across a digest and the offset after it
     assert raw.find(inside) == 10 and _index(raw, "/c/ab/" + inside.hex()) == -1
     assert _index(raw, "/c/ab/" + (b"z" * 32).hex()) == -1
+
+
+def test_the_packs_kept_open_are_bounded_by_their_bytes_too(tmp_path, monkeypatch):
+    """Small packs are kept by the hundred (a shuffled epoch reads each object from another pack,
+    #47), large ones only as many as :data:`open_packs.KEPT_BYTES` holds: an evicted pack's bytes
+    stay on disk while it is kept."""
+    from sbloader.sources import open_packs
+
+    open_packs.forget_all()
+    monkeypatch.setattr(open_packs, "KEPT", 100)
+    monkeypatch.setattr(open_packs, "KEPT_BYTES", 20_000)
+    c = DiskCache(str(tmp_path / "c"))
+    packs = [[(c.path_for(f"s3://b/{k}-{i}", "v"), bytes([k, i]) * 1_000, 0) for i in range(3)] for k in range(6)]
+    for items in packs:
+        assert c.put_pack(items) == [True] * 3
+        assert [read_entry(p) for p, _, _ in items] == [d for _, d, _ in items]
+    size = os.path.getsize(packs[0][0][0])
+    assert 6_000 < size < 7_000 and len(open_packs._OPEN) == 20_000 // size == 3
+    assert open_packs._KEPT_BYTES[0] == 3 * size
+    open_packs.forget_all()
+    assert open_packs._KEPT_BYTES[0] == 0 and not open_packs._OPEN
