@@ -122,10 +122,10 @@ class RemoteFiles(ObjectFiles):
 
     def _get(self, uri: str, want_path: bool, ahead: bool = False, count: bool = False,
              wait: bool = True) -> _Got:
-        """The object from the cache or the store (then cached). ``ahead``: a fetch ahead of the reader (the entry is marked so: :meth:`DiskCache.check`; ``count``:
-        the reader that takes it counts its GET; ``wait``: False where another's lock on the entry
-        means nothing is done, ``busy``). The entry's path (a hash) is computed once for the checks,
-        the lock and the write."""
+        """The object from the cache or the store (then cached). ``ahead``: a fetch ahead of the
+        reader (the entry is marked so: :meth:`DiskCache.check`; ``count``: the reader that takes
+        it counts its GET; ``wait``: False where another's lock on the entry means nothing is done,
+        ``busy``). The entry's path (a hash) is computed once for the checks, the lock and the write."""
         got = _Got()
         try:
             size, version = self._version(uri)

@@ -35,7 +35,6 @@ CLIENT_ENV = "SBLOADER_OBJECT_CLIENT"
 _OBSTORE_SCHEMES = frozenset({"s3", "gs", "gcs"})
 _STORES: dict[tuple, Any] = {}
 _STORES_LOCK = threading.Lock()
-_BY_HEAD: dict[tuple, Any] = {}  # (the URI's scheme as written, its bucket) -> (_STORES then, its store)
 
 
 class ObjectClient(Protocol):
@@ -80,21 +79,15 @@ class ObstoreClient:
     def _store(self, uri: str) -> tuple[Any, str]:
         head, _, rest = uri.partition("://")
         netloc, _, path = rest.partition("/")
-        seen = _BY_HEAD.get((head, netloc))  # (every GET asks: a dict's look, no URL parse, #47)
-        store = seen[1] if seen is not None and seen[0] is _STORES else None  # (_STORES replaced: made anew)
+        if "?" in netloc or "#" in netloc:  # (a query or a fragment in the bucket's part: parsed as a URL)
+            netloc = urlsplit(uri).netloc
+            path = rest[len(netloc):]
+        key = (head.lower(), netloc)
+        store = _STORES.get(key)  # (every GET asks: one dict's look, no URL parse, #47)
         if store is None:
-            scheme = scheme_of(uri)
-            parts = urlsplit(uri)
-            key = (scheme, parts.netloc)
+            store = _make_store(scheme_of(uri), netloc)
             with _STORES_LOCK:
-                store = _STORES.get(key)
-            if store is None:
-                store = _make_store(scheme, parts.netloc)
-                with _STORES_LOCK:
-                    store = _STORES.setdefault(key, store)
-            if parts.netloc != netloc:  # ("?" or "#" in it: parsed each time)
-                return store, rest[len(parts.netloc):].lstrip("/")
-            _BY_HEAD[(head, netloc)] = (_STORES, store)
+                store = _STORES.setdefault(key, store)
         return store, path.lstrip("/")
 
     def get(self, uri: str) -> bytes:
