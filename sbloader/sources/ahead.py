@@ -117,6 +117,10 @@ class EpochAhead:
             position[pid] = i
         return cls(members, tuple(order), tuple(position))
 
+    def runs_first(self, partition_id: int) -> bool:
+        """Whether the plan runs ``partition_id`` first (its batch is the one the trainer waits for)."""
+        return bool(self.order) and self.order[0] == partition_id
+
     def after(self, partition_id: int, count: int) -> list[int]:
         """The ids of the (at most) ``count`` partitions the plan runs after ``partition_id``."""
         if not 0 <= partition_id < len(self.position):

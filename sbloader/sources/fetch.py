@@ -182,8 +182,8 @@ class RemoteFiles(ObjectFiles):
                               bytes_read=counts.get("bytes_read", 0) + n)
         report_counters(counts)
 
-    def read_many(self, uris: Sequence[str],
-                  ahead: Sequence[str] = ()) -> Iterator[tuple[str, Union[bytes, BaseException]]]:
+    def read_many(self, uris: Sequence[str], ahead: Sequence[str] = (),
+                  ahead_after_s: float = 0.0) -> Iterator[tuple[str, Union[bytes, BaseException]]]:
         """Each object's bytes (or the exception that read raised), in the order given.
 
         All of ``uris`` are asked for at once (up to ``max_bytes`` of this task, and of the
@@ -195,6 +195,8 @@ class RemoteFiles(ObjectFiles):
         for its fetch-ahead: the read that takes an object fetched ahead counts its GET
         (:data:`~sbloader.sources.cache.COUNT_MARK`; before #47 a ``decode=False`` task's
         block, and so a fused decode, waited for the next partitions' GETs to count them).
+        With ``ahead_after_s``, ``ahead`` is fetched only when the objects took at least that
+        many seconds to be answered (a round trip long enough for the next reads to wait on).
         """
         if not uris:
             return
@@ -210,11 +212,16 @@ class RemoteFiles(ObjectFiles):
                 held[0] += sizes[held[1]]
                 held[1] += 1
 
+        asked = time.perf_counter()
         looks = self._looks(uris)  # every entry looked at (and its marks taken) at once
         submit_more()
         budget = self.max_bytes - held[0]
-        when_answered([f for f in futures if not isinstance(f, tuple)],
-                      lambda: self.prefetch(ahead, budget=budget, count=True, pack=len(uris)))
+
+        def fetch_ahead() -> None:
+            if ahead and time.perf_counter() - asked >= ahead_after_s:
+                self.prefetch(ahead, budget=budget, count=True, pack=len(uris))
+
+        when_answered([f for f in futures if not isinstance(f, tuple)], fetch_ahead)
         waited = Waited()
         pending: list = []  # fetched, their entries' locks held: cached as one pack at the end
         packed: list = []

@@ -44,6 +44,14 @@ _MODES = ("RGB", "RGBA", "L", None)
 #: :mod:`sbloader.sources.inflight`).
 PREFETCH_PARTITIONS = 2
 
+#: The plan's first partition fetches ahead only when its own objects took at least this long to
+#: be answered (~40 ms at 20 ms a request, 64 objects). Its task runs alone (the executor's first,
+#: before a block is measured) and makes the batch the trainer waits for: the next partitions'
+#: GETs and cache writes in its process during its decode made that batch ~45 ms later at 20 ms
+#: a request; without them the next tasks wait a round trip for their own objects, which cost
+#: ~6% of a 2,000-image first epoch at 100 ms (#47, ``docs/remote_data.md``).
+FIRST_AHEAD_AFTER_S = 0.06
+
 
 def check_mode(mode: Any) -> None:
     """Raise ``ValueError`` unless ``mode`` is an output mode the decode supports."""
@@ -153,10 +161,11 @@ def _read_image_files(shared: Any, partition: Partition, *, size: Optional[tuple
     rows: list[int] = []
     if remote is not None:
         # The partitions after this one in the epoch's order go into the node's cache behind
-        # this one's requests.
+        # this one's requests (behind the plan's first partition's only after a long round trip).
         nxt = [u for pid in shared.after(partition.id, PREFETCH_PARTITIONS) for u in shared.members[pid]] \
             if shared is not None else []
-        fetched = remote.read_many(paths, ahead=nxt)
+        first = shared is not None and shared.runs_first(partition.id)
+        fetched = remote.read_many(paths, ahead=nxt, ahead_after_s=FIRST_AHEAD_AFTER_S if first else 0.0)
     else:
         fetched = ((p, None) for p in paths)
     for i, (path, got) in enumerate(fetched):

@@ -271,6 +271,27 @@ def test_a_reads_fetch_ahead_starts_once_its_own_objects_are_answered(tmp_path, 
     assert all(n == 1 for n in handler.opens.values()), handler.opens
 
 
+def test_a_reads_fetch_ahead_with_ahead_after_s_waits_for_a_round_trip_that_long(tmp_path, monkeypatch):
+    """With ``ahead_after_s`` (the plan's first image partition) the next partitions are fetched
+    ahead only when the read's own objects took that long to be answered: after a short round trip
+    the next reads wait little for their own, and the fetch would share the first batch's process
+    (#47)."""
+    from sbloader.sources import inflight
+
+    monkeypatch.setattr(inflight, "_POOL", [])
+    rf, handler = _flaky_files(tmp_path, 0, OSError("unused"), cache=True)
+    handler.slow_s = 0.05
+    with task_context(0, 0, 0, "read", -1):
+        got = rf.read_many(["flaky://0.bin"], ahead=["flaky://1.bin"], ahead_after_s=30.0)
+        assert [b for _, b in got] == [b"\x00"]
+        time.sleep(0.3)
+        assert rf._cached("flaky://1.bin", take=False)[0] is None and set(handler.opens) == {"0.bin"}
+        assert [b for _, b in rf.read_many(["flaky://2.bin"], ahead=["flaky://3.bin"], ahead_after_s=0.04)] \
+            == [b"\x02" * 3]
+    _wait_for_entries(rf, ["flaky://3.bin"])
+    assert set(handler.opens) == {"0.bin", "2.bin", "3.bin"} and all(n == 1 for n in handler.opens.values())
+
+
 def test_when_answered_calls_once_after_the_last_future_or_at_once_without_any():
     from concurrent.futures import Future
 
@@ -457,6 +478,34 @@ def test_files_ahead_are_the_next_distinct_files():
     shared = EpochAhead.of(("a", "a", "b", "b", "c", "d"), 0, False)  # each partition's file, unshuffled
     assert files_ahead(shared, 0) == ["b", "c"] and files_ahead(shared, 4) == ["d"] and files_ahead(shared, 5) == []
     assert files_ahead(None, 0) == []
+
+
+def test_only_the_plans_first_image_partition_fetches_ahead_after_a_long_round_trip_only():
+    """The plan's first partition (its task runs alone and makes the batch the trainer waits for)
+    fetches the next ones ahead only after a round trip of ``FIRST_AHEAD_AFTER_S``; every other
+    partition fetches the next ``PREFETCH_PARTITIONS`` in the plan's order as soon as its own are in."""
+    from sbloader.sources import images
+    from sbloader.sources.ahead import EpochAhead
+    from sbloader.sources.base import Partition
+
+    members = tuple(tuple(f"s3://b/{p}-{i}" for i in range(2)) for p in range(6))
+    shared = EpochAhead.of(members, 9, True)
+    asked = {}
+
+    class Remote:
+        def read_many(self, uris, ahead=(), ahead_after_s=0.0):
+            asked[uris[0]] = (list(ahead), ahead_after_s)
+            return ((u, b"x") for u in uris)
+
+    for pid in shared.order[:3]:
+        block = images._read_image_files(shared, Partition(pid, 2, members[pid]), size=None, mode=None,
+                                         on_error="raise", decode=False, remote=Remote())
+        assert list(block["path"]) == list(members[pid])
+    assert shared.order != tuple(range(6)) and shared.runs_first(shared.order[0])
+    for at, pid in enumerate(shared.order[:3]):
+        nxt = [u for p in shared.order[at + 1:at + 1 + images.PREFETCH_PARTITIONS] for u in members[p]]
+        assert asked[members[pid][0]] == (nxt, images.FIRST_AHEAD_AFTER_S if at == 0 else 0.0)
+    assert 0 < images.FIRST_AHEAD_AFTER_S < 0.1
 
 
 def test_files_ahead_follow_the_epochs_plan_under_shuffle(tmp_path):
