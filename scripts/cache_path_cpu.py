@@ -24,6 +24,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 SIZE = 61_000
 
@@ -32,6 +33,8 @@ def main() -> None:
     """Print one line per round and mode."""
     args = (sys.argv[1:] + ["2400", "3", "0"][len(sys.argv) - 1:])[:3]
     n, rounds, wait_s = int(args[0]), int(args[1]), float(args[2]) / 1000
+    from fetch_cpu import read_as_tasks
+
     from sbloader.sources import fetch
     from sbloader.sources.cache import CacheConfig
     from sbloader.sources.fetch import RemoteFiles
@@ -48,18 +51,11 @@ def main() -> None:
     versions = {u: (SIZE, 1) for u in uris}
     parts = [uris[i:i + 60] for i in range(0, n, 60)]
 
-    def read(cache: CacheConfig) -> int:
-        rf, total = RemoteFiles(cache=cache, versions=versions), 0
-        for i, part in enumerate(parts):
-            for _, got in rf.read_many(part, parts[i + 1] if i + 1 < len(parts) else []):
-                total += len(got)
-        return total
-
     for r in range(rounds):
         for mode in ("nocache", "cache"):
             with tempfile.TemporaryDirectory(prefix="sbl-cache-cpu-") as d:
                 t0, w0 = os.times(), time.perf_counter()
-                size = read(CacheConfig(mode == "cache", d))
+                size = read_as_tasks(RemoteFiles(cache=CacheConfig(mode == "cache", d), versions=versions), parts)
                 t1, wall = os.times(), time.perf_counter() - w0
             user, system = 1000 * (t1.user - t0.user) / n, 1000 * (t1.system - t0.system) / n
             print(f"round {r} {mode:8s} {size / 2**20:6.1f} MiB in {wall:5.2f} s: {user + system:5.3f} ms CPU "

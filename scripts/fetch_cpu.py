@@ -25,6 +25,17 @@ from concurrent.futures import ThreadPoolExecutor
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def read_as_tasks(rf, parts: list) -> int:
+    """Read ``parts`` (lists of URIs) through ``rf`` as read tasks do, each naming the next part to
+    fetch ahead (:meth:`RemoteFiles.read_many <sbloader.sources.fetch.RemoteFiles.read_many>`);
+    the bytes read."""
+    total = 0
+    for i, part in enumerate(parts):
+        for _, data in rf.read_many(part, parts[i + 1] if i + 1 < len(parts) else []):
+            total += len(data)
+    return total
+
+
 def main() -> None:
     """Print one line per round and mode."""
     n, lat, rounds = (int(a) for a in (sys.argv[1:] + ["600", "20", "3"][len(sys.argv) - 1:])[:3])
@@ -52,11 +63,7 @@ def main() -> None:
             return sum(ex.map(lambda k: len(obstore.get(store, k).bytes().to_bytes()), keys))
 
     def read(cache: CacheConfig) -> int:
-        rf, total = RemoteFiles(cache=cache, versions=versions), 0
-        for i, part in enumerate(parts):
-            for _, data in rf.read_many(part, parts[i + 1] if i + 1 < len(parts) else []):
-                total += len(data)
-        return total
+        return read_as_tasks(RemoteFiles(cache=cache, versions=versions), parts)
 
     try:
         for r in range(rounds):
