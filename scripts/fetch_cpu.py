@@ -25,13 +25,15 @@ from concurrent.futures import ThreadPoolExecutor
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def read_as_tasks(rf, parts: list) -> int:
+def read_as_tasks(rf, parts: list, pause_s: float = 0.0) -> int:
     """Read ``parts`` (lists of URIs) through ``rf`` as read tasks do, each naming the next part to
-    fetch ahead (:meth:`RemoteFiles.read_many <sbloader.sources.fetch.RemoteFiles.read_many>`);
-    the bytes read."""
+    fetch ahead (:meth:`RemoteFiles.read_many <sbloader.sources.fetch.RemoteFiles.read_many>`), and
+    ``pause_s`` after each object (a decode's time, the GIL let go); the bytes read."""
     total = 0
     for i, part in enumerate(parts):
         for _, data in rf.read_many(part, parts[i + 1] if i + 1 < len(parts) else []):
+            if pause_s:
+                time.sleep(pause_s)
             total += len(data)
     return total
 
