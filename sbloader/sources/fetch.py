@@ -218,7 +218,7 @@ class RemoteFiles(ObjectFiles):
         budget = self.max_bytes - held[0]
 
         def fetch_ahead() -> None:
-            if ahead and time.perf_counter() - asked >= ahead_after_s:
+            if time.perf_counter() - asked >= ahead_after_s:  # (prefetch of nothing returns at once)
                 self.prefetch(ahead, budget=budget, count=True, pack=len(uris))
 
         when_answered([f for f in futures if not isinstance(f, tuple)], fetch_ahead)

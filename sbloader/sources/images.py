@@ -162,10 +162,11 @@ def _read_image_files(shared: Any, partition: Partition, *, size: Optional[tuple
     if remote is not None:
         # The partitions after this one in the epoch's order go into the node's cache behind
         # this one's requests (behind the plan's first partition's only after a long round trip).
-        nxt = [u for pid in shared.after(partition.id, PREFETCH_PARTITIONS) for u in shared.members[pid]] \
-            if shared is not None else []
-        first = shared is not None and shared.runs_first(partition.id)
-        fetched = remote.read_many(paths, ahead=nxt, ahead_after_s=FIRST_AHEAD_AFTER_S if first else 0.0)
+        nxt, after_s = [], 0.0
+        if shared is not None:
+            nxt = [u for pid in shared.after(partition.id, PREFETCH_PARTITIONS) for u in shared.members[pid]]
+            after_s = FIRST_AHEAD_AFTER_S if shared.runs_first(partition.id) else 0.0
+        fetched = remote.read_many(paths, ahead=nxt, ahead_after_s=after_s)
     else:
         fetched = ((p, None) for p in paths)
     for i, (path, got) in enumerate(fetched):
