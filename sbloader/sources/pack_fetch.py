@@ -50,6 +50,12 @@ def fetch_held(rf: Any, uri: str, ahead: bool = False) -> Any:
     """A :class:`Got` of ``uri``: from the cache (a hit, the lock let go; ``ahead``: a look that
     reads nothing and takes no mark), or downloaded with the entry's lock still held (``lock``:
     :func:`write_pack` lets go), or ``busy`` (another holds the lock: nothing done)."""
+    return download_claimed(rf, uri, claim(rf, uri, ahead))
+
+
+def claim(rf: Any, uri: str, ahead: bool = False) -> Any:
+    """:func:`fetch_held` up to its GET: a :class:`Got` that is a hit, ``busy``, an error, or
+    *claimed* (the entry's lock held, nothing read yet: :func:`download_claimed` reads it)."""
     got = Got()
     try:
         size, version = rf._version(uri)
@@ -67,12 +73,32 @@ def fetch_held(rf: Any, uri: str, ahead: bool = False) -> Any:
                     got.data = read_entry(p)
                 lock.__exit__(None, None, None)
                 return got
-            got.data = rf._download(uri, size, got)
-            got.path, got.lock = entry, lock
         except BaseException:
             lock.__exit__(None, None, None)
             raise
+        got.path, got.lock = entry, lock
     except Exception as e:
+        got.error = e
+    return got
+
+
+def claimed(got: Any) -> bool:
+    """Whether :func:`claim` left ``got``'s GET to :func:`download_claimed`."""
+    return got.lock is not None and got.data is None and got.error is None
+
+
+def download_claimed(rf: Any, uri: str, got: Any) -> Any:
+    """``got`` with its bytes from the store where :func:`claim` claimed it (the lock still held:
+    :func:`write_pack` lets go; on an error the lock goes and ``error`` is set); else as it is."""
+    if not claimed(got):
+        return got
+    try:
+        got.data = rf._download(uri, rf._version(uri)[0], got)
+    except BaseException as e:
+        got.lock.__exit__(None, None, None)
+        got.path, got.lock = None, None
+        if not isinstance(e, Exception):
+            raise
         got.error = e
     return got
 
@@ -140,12 +166,20 @@ class AheadPack:
         self._lock = threading.Lock()
 
     def start(self, ex: Any) -> None:
-        """Submit every fetch to the pool ``ex``."""
-        for i, u in enumerate(self._uris):
-            ex.submit(fetch_held, self._rf, u, True).add_done_callback(lambda f, i=i: self._done(i, f))
+        """Claim every object in this thread (:func:`claim`: its entry's lock and its look), then
+        submit the GETs of those claimed to the pool ``ex``. Claimed in the fetch threads, the
+        looks and locks cost 0.04-0.05 ms of CPU an object, against 0.016 here (#47)."""
+        gots = [claim(self._rf, u, True) for u in self._uris]
+        for i, (u, g) in enumerate(zip(self._uris, gots)):
+            if claimed(g):
+                ex.submit(download_claimed, self._rf, u, g).add_done_callback(lambda f, i=i: self._done(i, f))
+            else:
+                self._record(i, g)
 
     def _done(self, i: int, f: Any) -> None:
-        got = f.result() if not f.cancelled() and f.exception() is None else None
+        self._record(i, f.result() if not f.cancelled() and f.exception() is None else None)
+
+    def _record(self, i: int, got: Any) -> None:
         with self._lock:
             self._gots[i] = got
             self._left -= 1
