@@ -101,6 +101,7 @@ def main() -> None:
                         print(json.dumps(line, default=str), flush=True)
                     c0, m0, t0, listed = c1, m1, time.perf_counter(), 0.0
                 del loader, ds
+                __import__("shutil").rmtree(cache, ignore_errors=True)  # a run's cache holds its whole dataset
     finally:
         srv.stop()
         sbloader.shutdown()
