@@ -7,7 +7,9 @@ wants it meanwhile waits and then finds it cached (one GET per object, as before
 locks are let go once the pack is written (:func:`write_pack`). A fetch thread never
 waits on a lock another holds (a holder may need that thread to finish its pack): it
 takes the lock only if it is free, else the object is left to the reader, which waits
-for it in its own thread (``busy``), or, fetched ahead, to the task that reads it.
+for it in its own thread (``busy``), or, fetched ahead, to the task that reads it. A fetch
+ahead (:class:`AheadPack`) takes its objects' locks and looks in the thread that starts it
+(:func:`claim`) and gives the fetch threads only the GETs (:func:`download_claimed`).
 """
 from __future__ import annotations
 
