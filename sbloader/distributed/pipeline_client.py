@@ -198,7 +198,9 @@ def _remade(link: Any, run: Any, pid: int, ref: Any, j: int, lost: BaseException
     """The block of partition ``pid``, made again through every stage by the live coordinator: the one
     ``ref`` named was lost with the node, or the pool actor, that made it before this rank fetched it
     (a callable class's block: Ray answers the fetch with that actor's death). A coordinator that
-    cannot be reached raises ``RayActorError`` (it died: the epoch is rebuilt)."""
+    cannot be reached raises ``RayActorError`` (it died: the epoch is rebuilt). The new block is
+    fetched as :func:`_fetch` fetches one: past :data:`_FETCH_S` it is read through the coordinator
+    (before, this fetch had no time limit, and a rank of the suite's run waited on it for good)."""
     logger.info("sbloader rank %d: partition %d of epoch %d (batch %d) was lost with its maker (%s); making it "
                 "again", run.rank, pid, run.epoch, j, type(lost).__name__)
     try:
@@ -207,7 +209,11 @@ def _remade(link: Any, run: Any, pid: int, ref: Any, j: int, lost: BaseException
         raise SbloaderError(f"rank {run.rank}: partition {pid} of epoch {run.epoch} (batch {j}) was lost "
                             f"({type(lost).__name__}) and could not be made again. Restart the job from the last "
                             "checkpoint") from e
-    return _get_block(again, None)
+    what = f"rank {run.rank}: partition {pid} of epoch {run.epoch} (batch {j}), made again"
+    try:
+        return _get_block(again, _FETCH_S)
+    except ray.exceptions.GetTimeoutError:
+        return read_through(link.coord, again, what)
 
 
 def _call(send: Any, patience_s: float = 30.0) -> Any:
