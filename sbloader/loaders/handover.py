@@ -102,14 +102,16 @@ def prestart(s: Any, carry: Any, epoch_seed: int, handover: Handover, start: int
     ended first (shorter than Ray's start) leaves them warm for the next epoch; a newer epoch's
     start (``carry.starts`` past ``start``) takes over instead."""
     try:
+        from sbloader.runtime import background
+        from sbloader.runtime.session import ensure_initialized
+
+        ensure_initialized()  # first: the modules below import ``ray``, which a process whose files run out
+        # must not import (runtime.open_files.check refuses to start Ray there, before its import)
         from sbloader.loaders import warm_workers
         from sbloader.loaders.dropin_epoch import pool_options
         from sbloader.executor.pools import prestart_pools
-        from sbloader.runtime import background
-        from sbloader.runtime.session import ensure_initialized
         from sbloader.sources.batches import ReadyBatchSource, ShardSource
 
-        ensure_initialized()
         if background.exiting() or carry.dropped or carry.starts != start or (
                 handover.closed and not warm_workers.enabled()):
             return _release_hold(carry)  # nobody would take the actors

@@ -18,6 +18,7 @@ import atexit
 import logging
 import os
 import queue
+import sys
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ from sbloader.runtime import reaper as _reaper
 from sbloader.runtime import rendezvous as _rendezvous
 from sbloader.runtime import start_cut as _start_cut
 from sbloader.runtime.fork_lock import spawns_apart_from_forks
+from sbloader.runtime.open_files import check as _check_open_files
+from sbloader.runtime.open_files import ray_is_up as _ray_is_up
 from sbloader.runtime.world import World
 
 logger = logging.getLogger(__name__)
@@ -193,6 +196,9 @@ def init(
     Returns:
         A :class:`RuntimeInfo` describing the Ray in use.
     """
+    if not _ray_is_up():
+        _check_open_files()  # before ``import ray``: its C++ seeds its random numbers from a file as it loads,
+        # and a process whose files run out meanwhile (torch's workers' tensors kept) aborts there
     import ray
 
     with _LOCK:
@@ -212,7 +218,6 @@ def init(
         if _start_cut.asked() and alone:  # a pool's prestart that waited for the start the exit cut short
             raise RuntimeError("sbloader: Ray is not started: the process exits (Python finalizes); "
                                "start it (sbloader.init()) before the end of the script to use it")
-        _check_open_files()
         kwargs: dict[str, Any] = dict(
             include_dashboard=False,
             log_to_driver=True,
@@ -271,9 +276,6 @@ def init(
         return info
 
 
-MIN_OPEN_FILES = 256  # below this many open files Ray's core worker dies in C++ (errno 24), taking the process
-
-
 #: What ``ray.init`` raises when its raylet never registered: on a loaded machine Ray 2.60's raylet aborts
 #: when its dashboard agent has not written its ports within 15 s ("Timed out waiting for file
 #: .../metrics_agent_port_...", raylet.out), a fixed wait; the agent's imports are then in the page cache.
@@ -293,30 +295,6 @@ def start_node_twice(start: Callable[[], _T]) -> _T:
         logger.info("sbloader: Ray's node timed out during startup (%s); starting it once more", e)
         ray.shutdown()
         return start()
-
-
-def _check_open_files() -> None:
-    """Raise the process's open-files limit as Ray does (to its hard limit, at most 65,536); refuse to start
-    Ray below :data:`MIN_OPEN_FILES` with an error that says what to do (Ray itself would abort the process
-    when its core worker cannot open its sockets)."""
-    try:
-        import resource
-    except ImportError:  # not on POSIX
-        return
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 65536)), hard))
-        except ValueError:
-            pass
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    if soft != resource.RLIM_INFINITY and soft < MIN_OPEN_FILES:
-        raise RuntimeError(
-            f"sbloader: Ray was not started: this process may open only {soft} files (ulimit -n) and Ray's "
-            f"daemons and workers need at least {MIN_OPEN_FILES} (8192 recommended). Raise the limit (ulimit -n "
-            "8192) to load on Ray's workers; local worker processes load what they can meanwhile (with few "
-            "files, torch's advice for its workers holds too: torch.multiprocessing.set_sharing_strategy"
-            "('file_system')).")
 
 
 def _start_reaper() -> Any:
@@ -347,20 +325,19 @@ def stop_at_exit() -> None:
     running would print its start-up notices and fail), then :func:`shutdown`, quietly. A background
     start still under way was waited for before (:func:`sbloader.runtime.background.settle`, run
     ahead of every ``atexit`` hook)."""
-    try:
-        from ray._private import auto_init_hook
+    if "ray" in sys.modules:  # never imported here: ``import ray`` where the files ran out aborts the process
+        try:
+            from ray._private import auto_init_hook
 
-        auto_init_hook.enable_auto_connect = False
-    except Exception:  # Ray internals moved: shutdown still runs
-        pass
+            auto_init_hook.enable_auto_connect = False
+        except Exception:  # Ray internals moved: shutdown still runs
+            pass
     with _Quiet():
         shutdown()
 
 
 def shutdown() -> None:
     """Stop the embedded Ray if sbloader started it; only forget a joined cluster."""
-    import ray
-
     for fn in list(_BEFORE_SHUTDOWN):
         try:
             fn()
@@ -368,6 +345,10 @@ def shutdown() -> None:
             logger.debug("sbloader: before shutdown: %s", exc)
     with _LOCK:
         world = _STATE.pop("world", None)
+        if not _STATE["owned"] and _STATE["info"] is None:  # sbloader neither started nor joined a Ray
+            return  # (``ray`` is not imported here: where the files ran out, its import aborts the process)
+        import ray
+
         if _STATE["owned"] and ray.is_initialized():
             if world is not None:
                 _rendezvous.wait_all_left(world)  # the other ranks still use this Ray

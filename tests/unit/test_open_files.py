@@ -31,6 +31,31 @@ def test_ray_is_not_started_with_too_few_open_files_and_the_error_says_what_to_d
     assert "refused:" in r.stdout and "only 100 files" in r.stdout and "ulimit -n 8192" in r.stdout
 
 
+def test_a_process_whose_files_ran_out_is_refused_before_ray_is_imported():
+    """``import ray`` loads C++ that seeds its random numbers from a file: where none can be opened any more
+    it aborts the process (absl's SeedGenException, CI's stop 87) or leaves a half-imported ``ray`` that the
+    exit's shutdown trips on. The refusal comes first, and the exit imports nothing."""
+    r = _run("""
+        import os, resource, sys
+        from sbloader.runtime import session
+        resource.setrlimit(resource.RLIMIT_NOFILE, (100, 100))
+        held = []
+        try:
+            while True:
+                held.append(os.open(os.devnull, os.O_RDONLY))
+        except OSError:
+            pass
+        try:
+            session.init()
+        except RuntimeError as e:
+            print("refused:", "ulimit -n" in str(e))
+        print("ray imported:", any(m.split(".")[0] == "ray" for m in sys.modules))
+        """)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "refused: True" in r.stdout and "ray imported: False" in r.stdout, r.stdout + r.stderr[-3000:]
+    assert r.stderr == ""
+
+
 def test_the_drop_in_with_a_hundred_open_files_ends_as_torchs_loader_does():
     """torch's shape: tensors kept alive from a worker until the files run out; torch's own error (naming
     ``ulimit -n`` and ``set_sharing_strategy``) or the whole epoch, never a crash."""
@@ -60,7 +85,10 @@ def test_the_drop_in_with_a_hundred_open_files_ends_as_torchs_loader_does():
                 keep.append(t)
         except RuntimeError as e:
             assert "ulimit -n" in str(e) and "set_sharing_strategy" in str(e), e
-        print("ended", len(keep))
+        import sys
+        print("ended", len(keep), "ray imported:", any(m.split(".")[0] == "ray" for m in sys.modules))
         """)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "ended" in r.stdout
+    # the pool's prestart waits for Ray's start (refused here) before it imports anything that imports ray
+    assert "ray imported: False" in r.stdout, r.stdout + r.stderr[-3000:]
