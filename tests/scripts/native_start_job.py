@@ -8,6 +8,7 @@ memory budget predicted before Ray's start beside the one the epoch ran under.
 """
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -47,5 +48,8 @@ def main(root: str) -> None:
                       "budget": stats.memory_budget}))
 
 
+HANG_S = 200  # the test kills the run at 240 s: before, every thread's stack goes to stderr (a hang shows where)
+
 if __name__ == "__main__":
+    faulthandler.dump_traceback_later(HANG_S, exit=True)  # armed through the exit's hooks too
     main(sys.argv[1])
