@@ -23,6 +23,7 @@ from sbloader.core.errors import SbloaderError
 from sbloader.core.lease import LEASE_INTERVAL_S, RateMeter, lease_size
 from sbloader.core.plan import make_epoch_plan
 from sbloader.core.wire import from_wire, to_wire
+from sbloader.distributed.block_fetch import fetch_bounded
 from sbloader.distributed.specs import EpochSpec
 from sbloader.executor.options import ExecutionOptions
 from sbloader.sources.batches import PaddedBatch, ReadyBatchSource, ShardSource
@@ -32,7 +33,6 @@ logger = logging.getLogger(__name__)
 _KEEP_BLOCKS = 4  # fetched blocks a rank keeps while it takes their batches
 _MAX_REBUILDS = 3
 _MAX_REMAKES = 3  # times one batch lost with its node is made again
-FETCH_S = 60.0  # a block's fetch by its ref that lasts longer is read through the coordinator that owns it
 
 
 def epoch_spec(run: Any, fingerprint: dict, worker_op: Any, options: ExecutionOptions, in_order: bool) -> EpochSpec:
@@ -195,8 +195,8 @@ def fetch_block(ref: Any, remake: Callable[[], Any], what: str, coord: Any = Non
     (Ray's reconstruction runs the actor's task again, and that actor died with its node). A
     coordinator that died shows as ``OwnerDiedError`` (it owned the block), raised for the caller
     to rebuild it, as is the ``RayActorError`` of a ``remake()`` the dead coordinator cannot answer.
-    With ``coord`` (the owner), a fetch lasting past :data:`FETCH_S` is read through it instead
-    (:func:`read_through`).
+    With ``coord`` (the owner), a fetch lasting past :data:`~sbloader.distributed.block_fetch.FETCH_S` is
+    read through it instead (:func:`~sbloader.distributed.block_fetch.fetch_bounded`).
 
     Raises:
         SbloaderError: the block was lost ``_MAX_REMAKES + 1`` times (``what``: the batch, for the message),
@@ -206,10 +206,7 @@ def fetch_block(ref: Any, remake: Callable[[], Any], what: str, coord: Any = Non
         try:
             if coord is None:
                 return ray.get(ref)
-            try:
-                return _get_block(ref, FETCH_S)
-            except ray.exceptions.GetTimeoutError:
-                return read_through(coord, ref, what)
+            return fetch_bounded(coord, ref, what)
         except ray.exceptions.OwnerDiedError:  # the coordinator died: rebuild (the caller)
             raise
         except (ray.exceptions.ObjectLostError, ray.exceptions.RayActorError) as e:
@@ -220,26 +217,6 @@ def fetch_block(ref: Any, remake: Callable[[], Any], what: str, coord: Any = Non
                         "provenance", what, type(e).__name__)
             ref = remake()
     raise AssertionError("unreachable")
-
-
-def _get_block(ref: Any, timeout_s: float) -> Any:
-    return ray.get(ref, timeout=timeout_s)
-
-
-def read_through(coord: Any, ref: Any, what: str) -> Any:
-    """The block of ``ref`` read by the coordinator that owns it and sent by value: a fetch of a
-    borrowed ref was seen to wait in ``ray.get`` for good while its owner held the block (a job
-    must not hang on it). A coordinator that died raises ``RayActorError`` (the caller rebuilds).
-
-    Raises:
-        SbloaderError: the coordinator could not read it either.
-    """
-    logger.warning("sbloader %s did not arrive within %.0f s; reading it through the coordinator", what, FETCH_S)
-    try:
-        return ray.get(coord.read_block.remote([ref]))
-    except ray.exceptions.RayTaskError as e:
-        raise SbloaderError(f"{what} could not be fetched, and the coordinator cannot read it either. Restart "
-                            "the job from the last checkpoint") from e
 
 
 def rebuild_epoch(coord: Any, epoch: int, rank: int, taken: list, spec: Optional[EpochSpec], timeout: float = 120.0,

@@ -22,8 +22,7 @@ from sbloader.core.block import Batch
 from sbloader.core.cut import CutPlan, assemble, checked_rows, last_use, places
 from sbloader.core.errors import SbloaderError
 from sbloader.core.plan import EpochPlan
-from sbloader.distributed.dropin_client import FETCH_S as _FETCH_S
-from sbloader.distributed.dropin_client import read_through
+from sbloader.distributed.block_fetch import fetch_bounded
 from sbloader.distributed.specs import PartitionEpochSpec
 from sbloader.executor.options import ExecutionOptions
 
@@ -171,27 +170,20 @@ def batches(link: Any, run: Any) -> Iterator[tuple[Batch, int]]:
         j += 1
 
 
-def _get_block(ref: Any, timeout_s: float) -> dict:
-    return ray.get(ref, timeout=timeout_s)
-
-
 def _fetch(link: Any, run: Any, pid: int, ref: Any, j: int) -> dict:
-    """The block of partition ``pid`` by its ref; one whose fetch lasts past :data:`_FETCH_S` is read
-    again through the coordinator that owns it (a fetch of a borrowed ref was seen to wait for good
-    while its owner, the coordinator, still held the block: a job must not hang on it).
+    """The block of partition ``pid`` by its ref, fetched with a bound and past it read through the
+    coordinator that owns it (:func:`~sbloader.distributed.block_fetch.fetch_bounded`); one lost with its
+    maker is made again (:func:`_remade`).
 
     Raises:
         SbloaderError: the coordinator cannot read it either.
     """
     try:
-        return _get_block(ref, _FETCH_S)
-    except ray.exceptions.GetTimeoutError:
-        pass
+        return fetch_bounded(link.coord, ref, f"rank {run.rank}: partition {pid} of epoch {run.epoch} (batch {j})")
     except ray.exceptions.OwnerDiedError:
         raise  # the coordinator died (it owned the block): the epoch is rebuilt
     except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as e:
         return _remade(link, run, pid, ref, j, e)
-    return read_through(link.coord, ref, f"rank {run.rank}: partition {pid} of epoch {run.epoch} (batch {j})")
 
 
 def _remade(link: Any, run: Any, pid: int, ref: Any, j: int, lost: BaseException) -> dict:
@@ -199,8 +191,8 @@ def _remade(link: Any, run: Any, pid: int, ref: Any, j: int, lost: BaseException
     ``ref`` named was lost with the node, or the pool actor, that made it before this rank fetched it
     (a callable class's block: Ray answers the fetch with that actor's death). A coordinator that
     cannot be reached raises ``RayActorError`` (it died: the epoch is rebuilt). The new block is
-    fetched as :func:`_fetch` fetches one: past :data:`_FETCH_S` it is read through the coordinator
-    (before, this fetch had no time limit, and a rank of the suite's run waited on it for good)."""
+    fetched with the same bound as any (before, this fetch had no time limit, and a rank of the
+    suite's run waited on it for good)."""
     logger.info("sbloader rank %d: partition %d of epoch %d (batch %d) was lost with its maker (%s); making it "
                 "again", run.rank, pid, run.epoch, j, type(lost).__name__)
     try:
@@ -209,11 +201,8 @@ def _remade(link: Any, run: Any, pid: int, ref: Any, j: int, lost: BaseException
         raise SbloaderError(f"rank {run.rank}: partition {pid} of epoch {run.epoch} (batch {j}) was lost "
                             f"({type(lost).__name__}) and could not be made again. Restart the job from the last "
                             "checkpoint") from e
-    what = f"rank {run.rank}: partition {pid} of epoch {run.epoch} (batch {j}), made again"
-    try:
-        return _get_block(again, _FETCH_S)
-    except ray.exceptions.GetTimeoutError:
-        return read_through(link.coord, again, what)
+    return fetch_bounded(link.coord, again, f"rank {run.rank}: partition {pid} of epoch {run.epoch} (batch {j}), "
+                                            "made again")
 
 
 def _call(send: Any, patience_s: float = 30.0) -> Any:

@@ -115,11 +115,11 @@ def test_a_block_whose_fetch_does_not_end_is_read_through_the_coordinator(ray_se
     in ``ray.get`` for good while the coordinator held the block) is read again through the
     coordinator: the epoch is still exactly once, the rank says so once per block."""
     from harness import run_ranks
-    from sbloader.distributed import pipeline_client
+    from sbloader.distributed import block_fetch
 
     get_block, stuck = first_fetches_never_end(3)
-    monkeypatch.setattr(pipeline_client, "_get_block", get_block)
-    with caplog.at_level("WARNING", logger="sbloader.distributed.pipeline_client"):
+    monkeypatch.setattr(block_fetch, "get_block", get_block)
+    with caplog.at_level("WARNING", logger="sbloader.distributed.block_fetch"):
         # the coordinator's blocks from the first batch on (no local start: issue #44's native split start)
         taken, _ = run_ranks(_native(shuffle_window=3, local_start=False), 2, "fetch-stuck", "id")
     assert sorted(i for t in taken for i in t.ids) == list(range(N))
@@ -143,7 +143,7 @@ def test_a_drop_in_block_whose_fetch_does_not_end_is_read_through_the_coordinato
     a block whose fetch by its ref does not end through the coordinator, as the native split does
     (a stream rank hung 150 s in CI, its fetch without a deadline): exactly once, said per block."""
     from harness import run_ranks
-    from sbloader.distributed import dropin_client
+    from sbloader.distributed import block_fetch
 
     get_block, stuck = first_fetches_never_end(2)
 
@@ -152,8 +152,8 @@ def test_a_drop_in_block_whose_fetch_does_not_end_is_read_through_the_coordinato
         return IdsLoader(sbloader.DataLoader(data, batch_size=BS, num_workers=2, rank=rank, world_size=world_size,
                                              name=name, job_id="resume-everywhere", local_start=False, split=True))
 
-    monkeypatch.setattr(dropin_client, "_get_block", get_block)
-    with caplog.at_level("WARNING", logger="sbloader.distributed.dropin_client"):
+    monkeypatch.setattr(block_fetch, "get_block", get_block)
+    with caplog.at_level("WARNING", logger="sbloader.distributed.block_fetch"):
         taken, _ = run_ranks(make, 2, f"dropin-fetch-stuck-{kind}", "id")
     assert sorted(i for t in taken for i in t.ids) == list(range(N))
     assert len(taken[0].batches) == len(taken[1].batches)
@@ -175,7 +175,7 @@ def test_a_class_stage_block_lost_before_its_fetch_is_made_again_through_every_s
     import ray
 
     from harness import run_ranks
-    from sbloader.distributed import pipeline_client
+    from sbloader.distributed import block_fetch
 
     lost: list = []
     slow: set = set()
@@ -198,7 +198,7 @@ def test_a_class_stage_block_lost_before_its_fetch_is_made_again_through_every_s
         return ds.to_dataloader(BS, shuffle=True, seed=3, deterministic=True, rank=rank, world_size=world_size,
                                 name=name, shuffle_window=3)
 
-    monkeypatch.setattr(pipeline_client, "_get_block", get_block)
+    monkeypatch.setattr(block_fetch, "get_block", get_block)
     taken, _ = run_ranks(make, 2, "class-block-lost", "id")
     assert sorted(i for t in taken for i in t.ids) == [i + 1000 for i in range(N)]
     assert len(taken[0].batches) == len(taken[1].batches)
