@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Tuple
 
 from sbloader.core.ops import Op
 from sbloader.core.stats import ExecutionStats
-from sbloader.runtime.background import loaded
+from sbloader.runtime.loaded_modules import loaded
 
 if TYPE_CHECKING:
     from sbloader.executor.options import ExecutionOptions

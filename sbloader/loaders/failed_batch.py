@@ -63,7 +63,7 @@ class FailedBatch:
 
 def translate(e: BaseException) -> None:
     """Raise a worker's error as torch's DataLoader does (its original type); else leave it."""
-    from sbloader.runtime.background import loaded
+    from sbloader.runtime.loaded_modules import loaded
 
     if isinstance(e, UserFunctionError):
         reraise_as_torch(e)

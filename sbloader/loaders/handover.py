@@ -226,7 +226,7 @@ def phased_iterator(s: Any, carry: Any, run: Any, epoch: int, stalls: StallStats
 
 def keep_prestarted(s: Any, carry: Any, handover: Handover) -> None:
     """The epoch ended before the handover: the actors started for it wait for the next epoch."""
-    from sbloader.runtime.background import loaded
+    from sbloader.runtime.loaded_modules import loaded
 
     warm_workers = loaded("sbloader.loaders.warm_workers")  # no import: this may run at exit
     if s.persistent_workers or not handover.cache or warm_workers is None:

@@ -15,15 +15,14 @@ script that never needed Ray exits without waiting for Ray's start (seconds), th
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 import warnings
 import weakref
-from types import ModuleType
 from typing import Any, Callable, Optional, Sequence
 
 from sbloader.runtime import start_cut
+from sbloader.runtime.loaded_modules import loaded
 
 logger = logging.getLogger(__name__)
 
@@ -121,17 +120,6 @@ def ready() -> bool:
         return _STATE["error"] is None
     ray = loaded("ray")
     return ray is not None and _STATE["thread"] is None and ray.is_initialized()
-
-
-def loaded(name: str) -> Optional[ModuleType]:
-    """Module ``name`` if it is fully imported, else None, without importing anything: for code that
-    may run at exit or in a ``__del__``, where an import could wait forever for a module lock that a
-    background thread (this module's Ray start) held when the interpreter began to shut down."""
-    module = sys.modules.get(name)
-    spec = getattr(module, "__spec__", None)
-    if module is None or (spec is not None and getattr(spec, "_initializing", False)):
-        return None
-    return module
 
 
 def failed() -> Optional[BaseException]:

@@ -7,16 +7,7 @@ that seeds its random numbers from a file: where none can be opened it aborts th
 """
 from __future__ import annotations
 
-import sys
-
 MIN_OPEN_FILES = 256  # below this many open files Ray's core worker dies in C++ (errno 24), taking the process
-
-
-def ray_is_up() -> bool:
-    """Whether Ray is imported and initialized in this process (without importing it)."""
-    ray = sys.modules.get("ray")
-    is_initialized = getattr(ray, "is_initialized", None)
-    return bool(is_initialized is not None and is_initialized())
 
 
 def check() -> None:

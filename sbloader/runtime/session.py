@@ -18,7 +18,6 @@ import atexit
 import logging
 import os
 import queue
-import sys
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -30,9 +29,9 @@ from sbloader.runtime import ray_chatter as _chatter
 from sbloader.runtime import reaper as _reaper
 from sbloader.runtime import rendezvous as _rendezvous
 from sbloader.runtime import start_cut as _start_cut
+from sbloader.runtime.loaded_modules import loaded as _loaded
 from sbloader.runtime.fork_lock import spawns_apart_from_forks
 from sbloader.runtime.open_files import check as _check_open_files
-from sbloader.runtime.open_files import ray_is_up as _ray_is_up
 from sbloader.runtime.world import World
 
 logger = logging.getLogger(__name__)
@@ -196,7 +195,8 @@ def init(
     Returns:
         A :class:`RuntimeInfo` describing the Ray in use.
     """
-    if not _ray_is_up():
+    ray_now = _loaded("ray")
+    if ray_now is None or not ray_now.is_initialized():
         _check_open_files()  # before ``import ray``: its C++ seeds its random numbers from a file as it loads,
         # and a process whose files run out meanwhile (torch's workers' tensors kept) aborts there
     import ray
@@ -325,7 +325,7 @@ def stop_at_exit() -> None:
     running would print its start-up notices and fail), then :func:`shutdown`, quietly. A background
     start still under way was waited for before (:func:`sbloader.runtime.background.settle`, run
     ahead of every ``atexit`` hook)."""
-    if "ray" in sys.modules:  # never imported here: ``import ray`` where the files ran out aborts the process
+    if _loaded("ray") is not None:  # never imported here: ``import ray`` where the files ran out aborts the process
         try:
             from ray._private import auto_init_hook
 
