@@ -135,8 +135,12 @@ def test_a_fresh_process_starts_before_ray_and_cuts_the_ray_only_batches(tmp_pat
         env.pop(key, None)
     runs = {}
     for mode, extra in (("local", {}), ("ray", {local_start.LOCAL_START_ENV: "0"})):
-        proc = subprocess.run([sys.executable, SCRIPT, str(tmp_path / mode)], capture_output=True, text=True,
-                              timeout=240, env={**env, **extra})
+        try:
+            proc = subprocess.run([sys.executable, SCRIPT, str(tmp_path / mode)], capture_output=True, text=True,
+                                  timeout=240, env={**env, **extra})
+        except subprocess.TimeoutExpired as e:  # the job dumped every thread's stack at 200 s: show it whole
+            err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+            pytest.fail(f"the {mode} run did not end within 240 s; its stacks:\n{err[-12000:]}")
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert proc.stderr == "", proc.stderr[-3000:]
         lines = proc.stdout.splitlines()
