@@ -84,6 +84,27 @@ def gcs_server():
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def exit_lock_hammer(tmp_path_factory):
+    """``tests/scripts/exit_lock_hammer.c`` built (a loop that keeps the C library's exit-handler lock busy):
+    its path; skipped without a C compiler, or off Linux and glibc (``sbloader/runtime/exit_lock.py``)."""
+    import shutil
+    import subprocess
+    import sysconfig
+
+    from sbloader.runtime import exit_lock
+
+    if exit_lock._LIBC is None:
+        pytest.skip("the exit-handler lock is glibc's on Linux (x86_64, aarch64)")
+    cc = shutil.which((sysconfig.get_config_var("CC") or "cc").split()[0]) or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the exit-handler lock's hammer")
+    out = str(tmp_path_factory.mktemp("hammer") / "hammer.so")
+    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "exit_lock_hammer.c")
+    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", out, source], check=True, capture_output=True)
+    return out
+
+
 @pytest.fixture
 def no_idle_actors(ray_session):
     """The process's idle warm actors (earlier tests' loaders') killed before the test: it counts actors."""

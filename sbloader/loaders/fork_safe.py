@@ -18,7 +18,9 @@ stays held in the child. A worker forked while the pool's start ahead pickled th
 tensors) waited forever in ``torch.set_num_threads(1)`` (CI, ``test_nested_tensors_go_through_the_workers``).
 :data:`~sbloader.runtime.fork_lock.FORK_LOCK` keeps this process's own forks of local workers apart from
 its background pickling of the dataset (:class:`ForkGate`) and from the embedded Ray's spawns of its processes
-(:mod:`~sbloader.runtime.fork_lock`).
+(:mod:`~sbloader.runtime.fork_lock`). The C library's exit-handler lock, taken by every thread that makes a
+C++ static (Ray's start and Ray's own threads do, for seconds), cannot be kept apart so: each local worker
+sets it free if the fork left it held (:mod:`~sbloader.runtime.exit_lock`), before anything else it runs.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ import sys
 import threading
 from typing import Any, Iterator
 
+from sbloader.runtime import exit_lock
 from sbloader.runtime.fork_lock import FORK_LOCK
 
 #: What a forked local worker imports: imported here before the fork (:func:`import_for_children`).
@@ -68,6 +71,7 @@ def forget_foreign_imports() -> list[str]:
 
 def _after_fork_in_child() -> None:
     if _forking:
+        exit_lock.free_in_child()
         forget_foreign_imports()
         _free_torch_seed_lock()
 

@@ -197,3 +197,24 @@ def test_each_stage_counts_its_own_output_rows_on_local_workers(ray_session, mon
     assert len(ref.operators) == len(got.operators) == 2 and got.local_partitions == 3
     assert [op.rows for op in got.operators] == [op.rows for op in ref.operators] == [ROWS // 2, ROWS // 4]
     assert [op.blocks for op in got.operators] == [op.blocks for op in ref.operators] == [PARTS, PARTS]
+
+
+HAMMERED = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts", "hammered_start_job.py")
+
+
+def test_local_workers_forked_while_the_exit_lock_is_held_make_their_partitions(tmp_path, exit_lock_hammer):
+    """A local worker forked while another thread of the trainer held the C library's exit-handler lock
+    (the background Ray start loading Ray's C++ libraries) waited forever at its first C++ static, and the
+    epoch with it (CI, the fresh-process test above): the lock is set free in each local worker."""
+    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", **{local_start.HANDOVER_AT_ENV: "1000"})
+    for key in ("RAY_ADDRESS", local_start.LOCAL_START_ENV):
+        env.pop(key, None)
+    try:
+        proc = subprocess.run([sys.executable, HAMMERED, exit_lock_hammer, str(tmp_path / "data")],
+                              capture_output=True, text=True, timeout=180, env=env)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the local starts did not end within 180 s: a local worker waits on the exit-handler lock")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out["whole"] == [True, True, True]
+    assert out["local_partitions"] == [6, 6]
