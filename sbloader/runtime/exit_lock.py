@@ -12,8 +12,10 @@ pyarrow's first row-group read (a static version table), and the epoch with it: 
 for good (CI, ``tests/ray/test_native_start.py``, twice in seven runs of the suite; one fork in
 twenty under load).
 
-:func:`free_in_child` (run in each local worker right after the fork,
-:mod:`~sbloader.loaders.fork_safe`) asks for the lock from a probe thread. Free, the probe is
+:func:`free_in_child` runs right after the fork in each local worker
+(:mod:`~sbloader.loaders.fork_safe`) and in every child of a process that loaded Ray
+(:mod:`~sbloader.runtime.fork_child`: a torch ``DataLoader`` of the user's own meets the same
+wait), once per child (about 0.6 ms: a thread's start). It asks for the lock from a probe thread. Free, the probe is
 done within microseconds. Held, the probe waits on the lock's futex; the kernel names that
 futex's address (``/proc/self/task/<tid>/syscall``). Where that address lies in glibc's own
 writable data and the wait is glibc's private lock wait, the lock word is set free and the probe
@@ -102,10 +104,21 @@ def in_glibc_data(addr: int, maps: str) -> bool:
     return False
 
 
+_DONE: dict = {"pid": None, "result": "left"}  # this process's answer (a child asks once, from either hook)
+
+
 def free_in_child(wait_s: float = PROBE_WAIT_S) -> str:
     """(In a child just forked) Set the exit-handler lock free if the fork left it held. Returns ``"free"``
     (it was), ``"freed"`` (it was held and is free now), or ``"left"`` (held, or unknown here, and left
-    as it was)."""
+    as it was). Asked again in the same process, the first answer is returned at once."""
+    if _DONE["pid"] == os.getpid():
+        return _DONE["result"]
+    result = _free(wait_s)
+    _DONE.update(pid=os.getpid(), result=result)
+    return result
+
+
+def _free(wait_s: float) -> str:
     libc = _LIBC
     if libc is None:
         return "left"

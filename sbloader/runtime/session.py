@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, TypeVar
 
 from sbloader.runtime import driver_path as _driver_path
+from sbloader.runtime import exit_lock as _exit_lock  # noqa: F401 - here before ``import ray``: a child forked from
+# a process with Ray's C++ threads sets the exit-handler lock free (:mod:`~sbloader.runtime.fork_child`)
 from sbloader.runtime import join as _join
 from sbloader.runtime import ray_chatter as _chatter
 from sbloader.runtime import reaper as _reaper

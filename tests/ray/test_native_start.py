@@ -211,9 +211,9 @@ def test_local_workers_forked_while_the_exit_lock_is_held_make_their_partitions(
         env.pop(key, None)
     try:
         proc = subprocess.run([sys.executable, HAMMERED, exit_lock_hammer, str(tmp_path / "data")],
-                              capture_output=True, text=True, timeout=180, env=env)
+                              capture_output=True, text=True, timeout=90, env=env)
     except subprocess.TimeoutExpired:
-        pytest.fail("the local starts did not end within 180 s: a local worker waits on the exit-handler lock")
+        pytest.fail("the local starts did not end within 90 s: a local worker waits on the exit-handler lock")
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.splitlines()[-1])
     assert out["whole"] == [True, True, True]

@@ -1,9 +1,9 @@
 """Forks made while another thread keeps the C library's exit-handler lock busy (``tests/unit/test_exit_lock.py``).
 
-Usage: ``exit_lock_job.py HAMMER_SO MODE N``: a thread runs ``exit_lock_hammer.c``'s loop; N children are
-forked, one at a time, each making a C++ static (torch's thread pool: ``torch.set_num_threads(1)``, as a
-torch worker's first call) after, in MODE ``free``, :func:`sbloader.runtime.exit_lock.free_in_child`, or in
-MODE ``off``, nothing. A child not done within 3 s is killed. Prints one JSON line: how each child ended.
+Usage: ``exit_lock_job.py HAMMER_SO MODE N``: N children are forked, one at a time, each while a thread runs
+``exit_lock_hammer.c``'s loop, each making a C++ static (torch's thread pool: ``torch.set_num_threads(1)``, as a
+torch worker's first call) after, in MODE ``free``, :func:`sbloader.runtime.exit_lock.free_in_child`; in MODE
+``ray``, nothing but ``import ray`` first (sbloader's at-fork hook asks then); in MODE ``off``, nothing. A child not done within 3 s is killed. Prints one JSON line: how each child ended.
 """
 from __future__ import annotations
 
@@ -22,22 +22,41 @@ CHILD_S = 3.0
 
 
 def child(mode: str) -> int:
-    result = exit_lock.free_in_child() if mode == "free" else "off"
+    if mode == "free":
+        exit_lock.free_in_child()
     torch.set_num_threads(1)  # a C++ static made for the first time in this process
-    return {"free": 10, "freed": 11, "left": 12, "off": 13}[result]
+    asked = exit_lock._DONE["pid"] == os.getpid()  # by this call, or by sbloader's at-fork hook (mode ray)
+    return {"free": 10, "freed": 11, "left": 12}[exit_lock._DONE["result"]] if asked else 13
+
+
+class Hammer:
+    """``exit_lock_hammer.c``'s loop on a thread while inside (the lock busy for a fork made inside)."""
+
+    def __init__(self, path: str) -> None:
+        self.lib, self.stop = ctypes.CDLL(path), ctypes.c_int(0)
+
+    def __enter__(self) -> "Hammer":
+        self.stop.value = 0
+        self.thread = threading.Thread(target=self.lib.hammer, args=(ctypes.byref(self.stop),), daemon=True)
+        self.thread.start()
+        time.sleep(0.002)  # in its loop
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.value = 1
+        self.thread.join()
 
 
 def main(hammer_so: str, mode: str, n: int) -> None:
-    stop = ctypes.c_int(0)
-    hammer = ctypes.CDLL(hammer_so)
-    thread = threading.Thread(target=hammer.hammer, args=(ctypes.byref(stop),), daemon=True)
-    thread.start()
-    time.sleep(0.05)
+    if mode == "ray":
+        import ray  # noqa: F401 - a process with Ray loaded: every child it forks asks (sbloader.runtime.fork_child)
+    hammer = Hammer(hammer_so)
     ends: dict = {}
     for _ in range(n):
-        pid = os.fork()
-        if pid == 0:
-            os._exit(child(mode))
+        with hammer:  # only around the fork: the machine's CPUs stay free for the suite's other tests
+            pid = os.fork()
+            if pid == 0:
+                os._exit(child(mode))
         deadline = time.monotonic() + CHILD_S
         end = "hung"
         while time.monotonic() < deadline:
@@ -50,10 +69,8 @@ def main(hammer_so: str, mode: str, n: int) -> None:
             os.kill(pid, 9)
             os.waitpid(pid, 0)
         ends[end] = ends.get(end, 0) + 1
-    stop.value = 1
-    thread.join()
     print(json.dumps(ends), flush=True)
-    os._exit(0)  # the hammer's handlers are gone; nothing else to run at exit
+    os._exit(0)  # nothing of the hammer's is left to run at exit
 
 
 if __name__ == "__main__":
