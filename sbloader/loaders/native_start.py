@@ -30,6 +30,7 @@ show in ``stats()`` as ``local_partitions`` and in each operator's rows and bloc
 """
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import time
@@ -39,8 +40,10 @@ from typing import Any, Callable, Iterator, Optional
 from sbloader.core.block import Block, BlockMeta
 from sbloader.core.plan import EpochPlan
 from sbloader.core.stats import ExecutionStats, OperatorStats
-from sbloader.loaders import local_start
+from sbloader.loaders import local_start, stalled_workers
 from sbloader.loaders.fork_safe import ForkGate
+
+logger = logging.getLogger(__name__)
 
 LOCAL_NODE = "local"  # BlockMeta.node_id of a block made on a local worker process
 MAX_LOCAL_WORKERS = 4
@@ -168,16 +171,17 @@ def _identity(x: Any) -> Any:
     return x
 
 
-def _fork_workers(pipeline: Any, plan: EpochPlan, sampler: Any, workers: int) -> Any:
+def _fork_workers(pipeline: Any, plan: EpochPlan, sampler: Any, workers: int, timeout: float = 0) -> Any:
     """torch's multiprocessing iterator over ``_Partitions`` of ``plan``: ``workers`` processes forked here
     (behind a :class:`~sbloader.loaders.fork_safe.ForkGate`) make the partitions ``sampler`` hands out, each
-    as ``(block, meta, sizes)``; the trainer's RNG untouched."""
+    as ``(block, meta, sizes)``; the trainer's RNG untouched. ``timeout``: torch's wait for one partition
+    (0: none)."""
     import torch
     from sbloader.loaders.torch_loader import torch_loader
 
     loader = torch_loader()(_Partitions(pipeline.source, tuple(pipeline.ops), plan), batch_size=None,
                             sampler=ForkGate().wrap(sampler), num_workers=workers, collate_fn=_identity,
-                            multiprocessing_context="fork",
+                            multiprocessing_context="fork", timeout=timeout,
                             generator=torch.Generator().manual_seed(plan.epoch_seed % 2**63))
     with loader.sampler.gate.forking(("sbloader.core.errors", "sbloader.executor.tasks")):
         return iter(loader)  # forks the workers and hands out the first partitions
@@ -242,7 +246,8 @@ class PhasedExecution:
             pipeline.source.name, list(pipeline.ops))], memory_budget=budget)
         self._executor: Any = None
         self._handout = _Handout(list(plan.order), local_start.forced_handover())
-        self._local: Any = _fork_workers(pipeline, plan, self._handout, local_workers())
+        self._watch = stalled_workers.StallWatch()
+        self._local: Any = _fork_workers(pipeline, plan, self._handout, local_workers(), stalled_workers.stall_s())
 
     def _start_rest(self) -> None:
         at = self._handout.stopped_at
@@ -265,6 +270,12 @@ class PhasedExecution:
             except StopIteration:
                 self._end_local()
                 break
+            except RuntimeError as e:  # torch's wait ran out: go on waiting unless the awaited worker stalled
+                if not stalled_workers.timed_out(e):
+                    raise
+                if self._left_stalled():
+                    break
+                continue
             if self._handout.stopped_at is not None and self._executor is None:
                 self._start_rest()
             if block is None:
@@ -276,6 +287,21 @@ class PhasedExecution:
                 return None
             self._start_rest()
         return self._executor.get_next()
+
+    def _left_stalled(self) -> bool:
+        """A timed-out wait: when the worker it waits on used no CPU for a whole wait (while the executor has
+        not started), the local workers are stopped and the executor makes the plan from the first partition
+        not received (True); otherwise False (the wait goes on)."""
+        pid = self._watch.stalled(self._local) if self._executor is None else None
+        if pid is None:
+            return False
+        at = self._stats.local_partitions  # the blocks taken so far: the plan's first ``at``, in order
+        logger.warning("sbloader: local worker %d used no CPU for %.0f s; the epoch goes on from partition %d of "
+                       "%d of its plan on Ray's workers (%s sets the wait)", pid, stalled_workers.stall_s(), at,
+                       len(self.plan.order), stalled_workers.STALL_ENV)
+        self._handout.stopped_at = at
+        self._end_local()
+        return True
 
     def _count(self, sizes: tuple) -> None:
         self._stats.local_partitions += 1

@@ -218,3 +218,27 @@ def test_local_workers_forked_while_the_exit_lock_is_held_make_their_partitions(
     out = json.loads(proc.stdout.splitlines()[-1])
     assert out["whole"] == [True, True, True]
     assert out["local_partitions"] == [6, 6]
+
+
+def stuck_on_a_local_worker(batch: dict) -> dict:
+    """Waits for good, using no CPU, in a local worker forked by the test's process (never on Ray's workers)."""
+    if os.environ.get("STUCK_PARENT") == str(os.getppid()):
+        import threading
+
+        threading.Event().wait()
+    return noisy(batch)
+
+
+def test_a_local_worker_that_stalls_hands_the_rest_of_the_plan_to_ray(ray_session, monkeypatch):
+    """A local worker that uses no CPU for a whole wait (``SBLOADER_LOCAL_STALL_S``: a lock its fork left held)
+    no longer keeps the epoch waiting forever: the plan goes on from the first partition not received, on
+    Ray's workers, with the rows, order and draws of a Ray-only run."""
+    from sbloader.loaders import stalled_workers
+
+    reference, _ = epoch(monkeypatch, None)
+    monkeypatch.setenv("STUCK_PARENT", str(os.getpid()))
+    monkeypatch.setenv(stalled_workers.STALL_ENV, "1")
+    got, loader = epoch(monkeypatch, PARTS, fn=stuck_on_a_local_worker)
+    assert _cols(got, "x", "draw") == _cols(reference, "x", "draw")
+    assert loader.stats().local_partitions == 0
+    assert loader.stats().operators[-1].rows == ROWS
