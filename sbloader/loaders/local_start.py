@@ -38,6 +38,7 @@ from sbloader.core.stats import StallStats
 from sbloader.loaders.epoch import Delivery, EpochIterator
 from sbloader.loaders.failed_batch import WORKER_INIT_FN, FailedBatch
 from sbloader.loaders.fork_safe import ForkGate
+from sbloader.loaders import stalled_workers
 from sbloader.loaders.handover import begin, phased_iterator, pool_batches
 from sbloader.loaders.tensors import pin_batch
 
@@ -200,8 +201,10 @@ def local_start_epoch(s: Any, carry: Any, run: Any, epoch: int, epoch_seed: int,
 
     def produce() -> Iterator[Delivery]:
         ids = run.ids if run is not None else [j // bpp for j in range(len(items))]
-        local = torch_workers(s, items, ids, epoch, epoch_seed, handover)
-        yield from deliveries(s, local, phase, (lambda j: j) if run is not None else (lambda j: None))
+        watched = handover if s.in_order else None  # in order: the partitions taken are the plan's first ones
+        local = torch_workers(s, items, ids, epoch, epoch_seed, handover,
+                              timeout=stalled_workers.stall_s() if watched is not None else 0)
+        yield from deliveries(s, local, phase, (lambda j: j) if run is not None else (lambda j: None), watched)
         k = handover.stopped_at
         if k is None or phase.get("failed"):  # the local workers made the whole epoch (or it failed)
             return
@@ -213,10 +216,12 @@ def local_start_epoch(s: Any, carry: Any, run: Any, epoch: int, epoch_seed: int,
     return phased_iterator(s, carry, run, epoch, stalls, handover, phase, produce())
 
 
-def torch_workers(s: Any, items: list, ids: list, epoch: int, epoch_seed: int, sampler: Any) -> Any:
+def torch_workers(s: Any, items: list, ids: list, epoch: int, epoch_seed: int, sampler: Any,
+                  timeout: float = 0) -> Any:
     """torch's own ``DataLoader`` over the epoch's partitions of ``items`` (``batches_per_partition`` batches
     each; ``sampler`` yields the partition numbers to make): ``num_workers`` local processes, each set up as
-    a pool actor is (:class:`WorkerInit`)."""
+    a pool actor is (:class:`WorkerInit`). ``timeout``: torch's wait for one partition (0: none; the loop's
+    own ``timeout`` is the epoch iterator's)."""
     import torch
     from sbloader.loaders.torch_loader import torch_loader
 
@@ -229,7 +234,7 @@ def torch_workers(s: Any, items: list, ids: list, epoch: int, epoch_seed: int, s
                        worker_init_fn=WorkerInit(s.dataset, epoch_seed, s.worker_init_fn, s),
                        multiprocessing_context=s.multiprocessing_context,
                        generator=torch.Generator().manual_seed(epoch_seed % 2**63),  # the trainer's RNG untouched
-                       prefetch_factor=s.prefetch_factor, **local_order(s))
+                       prefetch_factor=s.prefetch_factor, timeout=timeout, **local_order(s))
 
 
 def local_order(s: Any) -> dict:
@@ -237,25 +242,38 @@ def local_order(s: Any) -> dict:
     return {} if s.in_order else {"in_order": False}
 
 
-def deliveries(s: Any, local: Any, phase: dict, record: Any) -> Iterator[Delivery]:
+def deliveries(s: Any, local: Any, phase: dict, record: Any, handover: Any = None) -> Iterator[Delivery]:
     """The batches of :func:`torch_workers`' loader ``local``, in order, each with ``record(j)`` (``j``: its
     position among ``items``); ``phase["up"]`` is set once the workers made their first partition, and
-    ``phase["inits"]`` says which of them ran their init (:func:`workers_up`)."""
+    ``phase["inits"]`` says which of them ran their init (:func:`workers_up`). With a ``handover`` (a loader
+    whose waits run out, in order), a local worker that used no CPU over a whole wait
+    (:mod:`~sbloader.loaders.stalled_workers`) ends the local phase: the pool makes the epoch from the first
+    partition not received (``handover.stopped_at``)."""
     bpp = s.batches_per_partition
     phase["inits"] = local.worker_init_fn.inits
     with local.sampler.gate.forking():
         it = iter(local)  # forks the workers
+    watch, received = stalled_workers.StallWatch(), 0
     while True:
         try:
             p, batches = next(it)
         except StopIteration:
             return
         except Exception as e:  # worker_init_fn failed or a worker died: torch's error, the epoch ends
+            if handover is not None and stalled_workers.timed_out(e):  # a wait ran out: a worker stalled?
+                pid = watch.stalled(it)
+                if pid is None:
+                    continue
+                stalled_workers.warn(pid, received, "the pool")
+                handover.stopped_at = received
+                it._shutdown_workers()
+                return
             phase["failed"] = True
             it._shutdown_workers()  # now: nothing resumes this generator after a fatal batch
             yield Delivery(FailedBatch(e, fatal=True), None)
             return
         phase["up"] = True  # the workers are up: ``timeout`` counts from here, ``start_timeout`` is over
+        received = p + 1
         for i, b in enumerate(batches):
             yield Delivery(unwrap(b, s.pin), record(p * bpp + i))
 

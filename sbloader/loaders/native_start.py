@@ -30,7 +30,6 @@ show in ``stats()`` as ``local_partitions`` and in each operator's rows and bloc
 """
 from __future__ import annotations
 
-import logging
 import multiprocessing
 import os
 import time
@@ -42,8 +41,6 @@ from sbloader.core.plan import EpochPlan
 from sbloader.core.stats import ExecutionStats, OperatorStats
 from sbloader.loaders import local_start, stalled_workers
 from sbloader.loaders.fork_safe import ForkGate
-
-logger = logging.getLogger(__name__)
 
 LOCAL_NODE = "local"  # BlockMeta.node_id of a block made on a local worker process
 MAX_LOCAL_WORKERS = 4
@@ -296,9 +293,7 @@ class PhasedExecution:
         if pid is None:
             return False
         at = self._stats.local_partitions  # the blocks taken so far: the plan's first ``at``, in order
-        logger.warning("sbloader: local worker %d used no CPU for %.0f s; the epoch goes on from partition %d of "
-                       "%d of its plan on Ray's workers (%s sets the wait)", pid, stalled_workers.stall_s(), at,
-                       len(self.plan.order), stalled_workers.STALL_ENV)
+        stalled_workers.warn(pid, at, f"Ray's workers (of {len(self.plan.order)} in the plan)")
         self._handout.stopped_at = at
         self._end_local()
         return True

@@ -12,8 +12,11 @@ however slowly, is waited for.
 """
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
 
 STALL_ENV = "SBLOADER_LOCAL_STALL_S"  # seconds without CPU after which a local worker counts as stalled
 DEFAULT_STALL_S = 15.0
@@ -58,6 +61,12 @@ class StallWatch:
             return None
         last, self._seen[pid] = self._seen.get(pid), cpu
         return pid if last is not None and cpu - last < MIN_CPU_S else None
+
+
+def warn(pid: int, at: int, then: str) -> None:
+    """Say that local worker ``pid`` stalled and the epoch goes on from partition ``at`` on ``then``."""
+    logger.warning("sbloader: local worker %d used no CPU for %.0f s; the epoch goes on from partition %d on %s "
+                   "(%s sets the wait)", pid, stall_s(), at, then, STALL_ENV)
 
 
 def timed_out(error: BaseException) -> bool:

@@ -282,3 +282,36 @@ def test_a_local_start_counts_its_pools_cpus_at_once(ray_session):
         assert len(list(second)) == 10
     finally:
         it.close()
+
+
+class StuckLocally(torch.utils.data.Dataset):
+    """Sample ``i`` and its maker's pid; waits for good, using no CPU, in a local worker forked by the test."""
+
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        if os.environ.get("STUCK_PARENT") == str(os.getppid()):
+            import threading
+
+            threading.Event().wait()
+        return torch.tensor([i, os.getpid()])
+
+
+@pytest.mark.timeout(180)
+def test_a_local_worker_that_stalls_hands_the_epoch_to_the_pool(ray_session, monkeypatch):
+    """A local worker that uses no CPU for a whole wait (``SBLOADER_LOCAL_STALL_S``: a lock its fork left
+    held) no longer keeps the epoch waiting forever: the pool makes it from the first partition not received,
+    every sample once, in the pool-only order."""
+    from sbloader.loaders import stalled_workers
+
+    def ids(**kw):
+        loader = sbloader.DataLoader(StuckLocally(), batch_size=4, shuffle=True, seed=5, num_workers=2, **kw)
+        return [b[:, 0].tolist() for b in loader]
+
+    monkeypatch.delenv(local_start.HANDOVER_AT_ENV, raising=False)
+    reference = ids(local_start=False)
+    monkeypatch.setenv("STUCK_PARENT", str(os.getpid()))
+    monkeypatch.setenv(stalled_workers.STALL_ENV, "1")
+    monkeypatch.setenv(local_start.HANDOVER_AT_ENV, "1000")  # every partition local, were none stalled
+    assert ids() == reference  # before: the epoch waited for the stalled worker for good

@@ -229,6 +229,7 @@ def stuck_on_a_local_worker(batch: dict) -> dict:
     return noisy(batch)
 
 
+@pytest.mark.timeout(180)
 def test_a_local_worker_that_stalls_hands_the_rest_of_the_plan_to_ray(ray_session, monkeypatch):
     """A local worker that uses no CPU for a whole wait (``SBLOADER_LOCAL_STALL_S``: a lock its fork left held)
     no longer keeps the epoch waiting forever: the plan goes on from the first partition not received, on
