@@ -261,10 +261,8 @@ def deliveries(s: Any, local: Any, phase: dict, record: Any, handover: Any = Non
             return
         except Exception as e:  # worker_init_fn failed or a worker died: torch's error, the epoch ends
             if handover is not None and stalled_workers.timed_out(e):  # a wait ran out: a worker stalled?
-                pid = watch.stalled(it)
-                if pid is None:
+                if not watch.gives_up(it, received, "the pool"):
                     continue
-                stalled_workers.warn(pid, received, "the pool")
                 handover.stopped_at = received
                 it._shutdown_workers()
                 return

@@ -289,11 +289,10 @@ class PhasedExecution:
         """A timed-out wait: when the worker it waits on used no CPU for a whole wait (while the executor has
         not started), the local workers are stopped and the executor makes the plan from the first partition
         not received (True); otherwise False (the wait goes on)."""
-        pid = self._watch.stalled(self._local) if self._executor is None else None
-        if pid is None:
-            return False
         at = self._stats.local_partitions  # the blocks taken so far: the plan's first ``at``, in order
-        stalled_workers.warn(pid, at, f"Ray's workers (of {len(self.plan.order)} in the plan)")
+        if self._executor is not None or not self._watch.gives_up(
+                self._local, at, f"Ray's workers (of {len(self.plan.order)} in the plan)"):
+            return False
         self._handout.stopped_at = at
         self._end_local()
         return True

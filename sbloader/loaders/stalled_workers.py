@@ -62,11 +62,15 @@ class StallWatch:
         last, self._seen[pid] = self._seen.get(pid), cpu
         return pid if last is not None and cpu - last < MIN_CPU_S else None
 
-
-def warn(pid: int, at: int, then: str) -> None:
-    """Say that local worker ``pid`` stalled and the epoch goes on from partition ``at`` on ``then``."""
-    logger.warning("sbloader: local worker %d used no CPU for %.0f s; the epoch goes on from partition %d on %s "
-                   "(%s sets the wait)", pid, stall_s(), at, then, STALL_ENV)
+    def gives_up(self, it: Any, at: int, then: str) -> bool:
+        """Whether the epoch stops waiting for ``it``'s workers (:meth:`stalled`); if so, a warning says it goes
+        on from partition ``at`` on ``then``."""
+        pid = self.stalled(it)
+        if pid is None:
+            return False
+        logger.warning("sbloader: local worker %d used no CPU for %.0f s; the epoch goes on from partition %d on %s "
+                       "(%s sets the wait)", pid, stall_s(), at, then, STALL_ENV)
+        return True
 
 
 def timed_out(error: BaseException) -> bool:

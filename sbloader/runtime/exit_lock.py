@@ -15,8 +15,8 @@ twenty under load).
 :func:`free_in_child` runs right after the fork in each local worker
 (:mod:`~sbloader.loaders.fork_safe`) and in every child of a process that loaded Ray
 (:mod:`~sbloader.runtime.fork_child`: a torch ``DataLoader`` of the user's own meets the same
-wait), once per child (about 0.6 ms: a thread's start). It asks for the lock from a probe thread. Free, the probe is
-done within microseconds. Held, the probe waits on the lock's futex; the kernel names that
+wait), once per child (about 0.6 ms: a thread's start). It asks for the lock from a probe thread.
+Free, the probe is done within microseconds. Held, the probe waits on the lock's futex; the kernel names that
 futex's address (``/proc/self/task/<tid>/syscall``). Where that address lies in glibc's own
 writable data and the wait is glibc's private lock wait, the lock word is set free and the probe
 woken: the lock is then as it is in a child forked a moment later. The parent's thread was inside

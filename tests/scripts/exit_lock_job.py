@@ -3,7 +3,8 @@
 Usage: ``exit_lock_job.py HAMMER_SO MODE N``: N children are forked, one at a time, each while a thread runs
 ``exit_lock_hammer.c``'s loop, each making a C++ static (torch's thread pool: ``torch.set_num_threads(1)``, as a
 torch worker's first call) after, in MODE ``free``, :func:`sbloader.runtime.exit_lock.free_in_child`; in MODE
-``ray``, nothing but ``import ray`` first (sbloader's at-fork hook asks then); in MODE ``off``, nothing. A child not done within 3 s is killed. Prints one JSON line: how each child ended.
+``ray``, nothing but ``import ray`` first (sbloader's at-fork hook asks then); in MODE ``off``, nothing.
+A child not done within 3 s is killed. Prints one JSON line: how each child ended.
 """
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 (``tests/ray/test_native_start.py``; ``sbloader/runtime/exit_lock.py``).
 
 Usage: ``hammered_start_job.py HAMMER_SO DIR``: a thread runs ``exit_lock_hammer.c``'s loop from each
-epoch's ``iter()`` to its first batch (its local workers' forks) while two native epochs (``read_parquet``, a new loader each) and one drop-in epoch start on local workers
+epoch's ``iter()`` to its first batch (its local workers' forks) while two native epochs (``read_parquet``,
+a new loader each) and one drop-in epoch start on local workers
 (``SBLOADER_HANDOVER_AT`` set by the caller past the plan: every partition local). Prints one JSON
 line: whether each epoch gave every row once, and the native epochs' local partitions.
 """

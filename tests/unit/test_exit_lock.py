@@ -23,7 +23,8 @@ def forks(hammer_so, mode, n):
 
 def test_a_child_forked_while_the_lock_is_held_waits_for_good_at_its_first_static(exit_lock_hammer):
     ends = forks(exit_lock_hammer, "off", 3)
-    assert ends.get("hung", 0) >= 1, ends  # the defect the local workers met (the hammer holds the lock most of the time)
+    # the defect the local workers met (the hammer holds the lock most of the time)
+    assert ends.get("hung", 0) >= 1, ends
 
 
 def test_free_in_child_sets_the_lock_free_and_the_child_goes_on(exit_lock_hammer):
