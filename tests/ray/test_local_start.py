@@ -65,6 +65,10 @@ def test_state_dict_across_the_handover_resumes_exactly_once(ray_session, monkey
 
     monkeypatch.setenv(local_start.HANDOVER_AT_ENV, str(at))
     monkeypatch.setattr(warm_workers, "DRAIN_S", 60.0)
+    # what this checks is the hand-over of the dropped epoch's actors; the idle actors' watch (tested in
+    # test_warm_workers.py) kills a live loader's warm actors when the session's Ray shows CPU work waiting,
+    # which earlier tests of a worker (pytest -n 2 without groups) left often enough to fail this one
+    monkeypatch.setattr(warm_workers, "WATCH_READINGS", 10**9)
     loader = sbloader.DataLoader(Tagged(), batch_size=4, shuffle=True, seed=3, num_workers=2)
     it = iter(loader)
     first = [next(it)[:, 0].tolist() for _ in range(taken)]
