@@ -20,6 +20,10 @@ the handover is per shard and at a batch:
    batches go on in the same round-robin, so the epoch is the same batches, in the same order,
    as one run on the pool alone, and ``state_dict()`` before, during or after the handover is
    the same per-shard snapshot arithmetic.
+
+A local worker that uses no CPU over a whole wait (:mod:`~sbloader.loaders.stalled_workers`:
+``SBLOADER_LOCAL_STALL_S``) hands the epoch over at once, the same way: the pool resumes every
+shard after the last batch received from it.
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ from sbloader.loaders.iterable_resume import IterableRun, iterate_shard
 from sbloader.loaders.handover import Handover, begin, phased_iterator, pool_batches
 from sbloader.loaders.local_start import LOCAL_WORKER, WorkerInit, forced_handover, identity, local_order, unwrap
 from sbloader.loaders.shard_order import RoundRobin, shard_positions
+from sbloader.loaders.stalled_workers import StallWatch, stall_s, timed_out
 
 END = "end"  # a local worker's last item: its shard has no more batches
 
@@ -108,7 +113,8 @@ def _local_phase(s: Any, run: IterableRun, epoch: int, epoch_seed: int, handover
     local = TorchLoader(shards, batch_size=None, num_workers=s.num_workers, collate_fn=identity,
                         worker_init_fn=WorkerInit(s.dataset, epoch_seed, s.worker_init_fn, s),
                         multiprocessing_context=s.multiprocessing_context, prefetch_factor=s.prefetch_factor,
-                        generator=torch.Generator().manual_seed(epoch_seed % 2**63), **local_order(s))
+                        generator=torch.Generator().manual_seed(epoch_seed % 2**63), timeout=stall_s(),
+                        **local_order(s))
     phase["inits"] = local.worker_init_fn.inits
     if _hand_over_now(handover, 0):  # forced at batch 0: the pool makes the whole epoch
         phase["handed_over"] = True
@@ -118,7 +124,7 @@ def _local_phase(s: Any, run: IterableRun, epoch: int, epoch_seed: int, handover
     order = RoundRobin(shard_positions(positions, s.num_workers)) if s.in_order else None
     delivered = 0
     try:
-        for item in worker_items(it, phase):
+        for item in worker_items(it, phase, lambda: f"after batch {delivered} on the pool"):
             if isinstance(item, Delivery):  # torch's error: the epoch ends (its workers are shut down)
                 yield item
                 return
@@ -138,20 +144,30 @@ def _local_phase(s: Any, run: IterableRun, epoch: int, epoch_seed: int, handover
                 if _hand_over_now(handover, delivered):
                     phase["handed_over"] = True
                     return
+        if phase.get("stalled"):
+            phase["handed_over"] = True
     finally:
         it._shutdown_workers()
 
 
-def worker_items(it: Iterator, phase: dict) -> Iterator[Any]:
+def worker_items(it: Iterator, phase: dict, goes_on: Any = None) -> Iterator[Any]:
     """The local workers' items; torch's error (a dataset's ``__iter__``/``__next__`` or a worker's death) as a
     fatal :class:`Delivery`, after which there is nothing more: the workers are shut down before it goes (nothing
-    resumes the consumer's generator after a fatal batch, so its ``finally`` would not run)."""
+    resumes the consumer's generator after a fatal batch, so its ``finally`` would not run). A wait that runs out
+    on a worker that used no CPU through it ends the items with ``phase["stalled"]`` set (``goes_on()``: how the
+    epoch goes on, for the warning); one that ran waits again."""
+    watch = StallWatch()
     while True:
         try:
             item = next(it)
         except StopIteration:
             return
         except Exception as e:
+            if timed_out(e) and goes_on is not None:
+                if watch.gives_up(it, goes_on()):
+                    phase["stalled"] = True
+                    return
+                continue
             phase["failed"] = True
             it._shutdown_workers()
             yield Delivery(FailedBatch(e, fatal=True), None)

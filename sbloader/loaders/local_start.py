@@ -261,7 +261,7 @@ def deliveries(s: Any, local: Any, phase: dict, record: Any, handover: Any = Non
             return
         except Exception as e:  # worker_init_fn failed or a worker died: torch's error, the epoch ends
             if handover is not None and stalled_workers.timed_out(e):  # a wait ran out: a worker stalled?
-                if not watch.gives_up(it, received, "the pool"):
+                if not watch.gives_up(it, f"from partition {received} on the pool"):
                     continue
                 handover.stopped_at = received
                 it._shutdown_workers()

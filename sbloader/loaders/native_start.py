@@ -291,7 +291,7 @@ class PhasedExecution:
         not received (True); otherwise False (the wait goes on)."""
         at = self._stats.local_partitions  # the blocks taken so far: the plan's first ``at``, in order
         if self._executor is not None or not self._watch.gives_up(
-                self._local, at, f"Ray's workers (of {len(self.plan.order)} in the plan)"):
+                self._local, f"from partition {at} on Ray's workers (of {len(self.plan.order)} in the plan)"):
             return False
         self._handout.stopped_at = at
         self._end_local()

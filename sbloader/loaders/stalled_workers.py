@@ -62,14 +62,14 @@ class StallWatch:
         last, self._seen[pid] = self._seen.get(pid), cpu
         return pid if last is not None and cpu - last < MIN_CPU_S else None
 
-    def gives_up(self, it: Any, at: int, then: str) -> bool:
-        """Whether the epoch stops waiting for ``it``'s workers (:meth:`stalled`); if so, a warning says it goes
-        on from partition ``at`` on ``then``."""
+    def gives_up(self, it: Any, goes_on: str) -> bool:
+        """Whether the epoch stops waiting for ``it``'s workers (:meth:`stalled`); if so, a warning says how it
+        ``goes_on`` (e.g. "from partition 3 on the pool")."""
         pid = self.stalled(it)
         if pid is None:
             return False
-        logger.warning("sbloader: local worker %d used no CPU for %.0f s; the epoch goes on from partition %d on %s "
-                       "(%s sets the wait)", pid, stall_s(), at, then, STALL_ENV)
+        logger.warning("sbloader: local worker %d used no CPU for %.0f s; the epoch goes on %s (%s sets the wait)",
+                       pid, stall_s(), goes_on, STALL_ENV)
         return True
 
 

@@ -15,7 +15,8 @@ found there and its pool of actors comes up.
   stream has at least that many, so every rank's final share reaches ``d``. A shard's short
   last batch is not delivered here: it is made again for the coordinator's tail, which cuts
   the short batches into every rank's last one, as in a run on the pool alone.
-- **Handover**: once the coordinator's pool is up (``SplitCoordinator.prewarm``), the rank
+- **Handover**: once the coordinator's pool is up (``SplitCoordinator.prewarm``), or a local
+  worker used no CPU over a whole wait (:mod:`~sbloader.loaders.stalled_workers`), the rank
   stops its local workers and reports how many batches it delivered and where each of its
   shards stands after its last delivered batch (what the workers made beyond it is made
   again). The coordinator starts production once every rank reported: each shard resumed
@@ -41,6 +42,7 @@ from sbloader.loaders.epoch import Delivery, EpochIterator
 from sbloader.loaders.fork_safe import ForkGate
 from sbloader.loaders.handover import workers_up
 from sbloader.loaders.iterable_start import END, LocalShards, worker_items
+from sbloader.loaders.stalled_workers import stall_s
 from sbloader.loaders.shard_order import RoundRobin
 
 POOL_POLL_S = 1.0  # the background asks the coordinator whether its pool is up this often (a blocking call)
@@ -147,14 +149,14 @@ def _local_phase(s: Any, own: list, epoch: int, epoch_seed: int, tally: LocalTal
                            worker_init_fn=local_start.WorkerInit(s.dataset, epoch_seed, s.worker_init_fn, s,
                                                                  shards=own),
                            multiprocessing_context=s.multiprocessing_context, prefetch_factor=s.prefetch_factor,
-                           generator=torch.Generator().manual_seed(epoch_seed % 2**63))
+                           generator=torch.Generator().manual_seed(epoch_seed % 2**63), timeout=stall_s())
     phase["inits"] = local.worker_init_fn.inits
     with ForkGate().forking():
         it = iter(local)  # forks the workers
     order = RoundRobin({w: 0 for w in own})
     ready: deque = deque()
     try:
-        for item in worker_items(it, phase):
+        for item in worker_items(it, phase, lambda: f"after batch {tally.delivered} on the coordinator's pool"):
             if isinstance(item, Delivery):  # torch's error: the epoch ends (its workers are shut down)
                 yield item
                 return

@@ -226,3 +226,41 @@ def test_an_epoch_closed_while_its_pool_opens_shuts_that_pool_down(ray_session, 
         time.sleep(0.1)
     assert not running(), "a pool opened after its epoch's close still runs"
     assert carry.pools_running == 0 and carry.pool_cpus == 0.0
+
+
+class StuckLocally(Shards):
+    """:class:`Shards`, but shard 1, in a local worker forked by the test's process, waits for good (using no CPU)
+    after its first row: a worker stuck on a lock its fork left held."""
+
+    def __iter__(self):
+        info = get_worker_info()
+        for i, row in enumerate(super().__iter__()):
+            if i == 1 and info.id == 1 and os.environ.get("STUCK_PARENT") == str(os.getppid()):
+                import threading
+
+                threading.Event().wait()
+            yield row
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("in_order", [True, False])
+def test_a_local_worker_that_stalls_hands_the_shards_to_the_pool(ray_session, monkeypatch, in_order):
+    """A local worker that uses no CPU for a whole wait (``SBLOADER_LOCAL_STALL_S``) no longer keeps the epoch
+    waiting for good: the pool resumes every shard after the last batch received from it; every sample once,
+    and in order, the pool-only order and draws."""
+    from sbloader.loaders import stalled_workers
+
+    def rows(**kw):
+        loader = sbloader.DataLoader(StuckLocally(), batch_size=2, num_workers=2, seed=7, in_order=in_order, **kw)
+        return [b[:, :2].tolist() for b in loader]
+
+    monkeypatch.delenv(local_start.HANDOVER_AT_ENV, raising=False)
+    reference = rows(local_start=False)
+    monkeypatch.setenv("STUCK_PARENT", str(os.getpid()))
+    monkeypatch.setenv(stalled_workers.STALL_ENV, "1")
+    monkeypatch.setenv(local_start.HANDOVER_AT_ENV, "1000")  # every batch local, were none stalled
+    got = rows()  # before: the epoch waited for the stalled worker for good
+    if in_order:
+        assert got == reference
+    else:
+        assert sorted(r for b in got for r in b) == sorted(r for b in reference for r in b)

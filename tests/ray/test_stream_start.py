@@ -181,3 +181,38 @@ def test_a_rank_that_leaves_in_its_local_phase_lets_the_others_finish(ray_sessio
     assert len(ranks[0]) == 2 and local_counts(ranks) == [2, 4]
     got = [i for gotten in ranks for b in gotten for i in b["id"]]
     assert len(got) == len(set(got)), collections.Counter(got).most_common(2)
+
+
+class StuckLocally(Sized):
+    """:class:`Sized`, but shard 1, on a local worker (a child of the test's process), waits for good (using no
+    CPU) at its third sample: a worker stuck on a lock its fork left held."""
+
+    def __iter__(self):
+        for j, sample in enumerate(super().__iter__()):
+            if j == 2 and get_worker_info().id == 1 and sample["local"]:
+                import threading
+
+                threading.Event().wait()
+            yield sample
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_whose_local_worker_stalls_hands_over_and_the_epoch_is_every_sample_once(ray_session, monkeypatch):
+    """A local worker that uses no CPU for a whole wait (``SBLOADER_LOCAL_STALL_S``) ends its rank's local phase
+    (before: that rank, and every rank with it, waited for good): the rank reports what it delivered, and the
+    coordinator makes the rest; every sample once, in equal counts."""
+    from sbloader.loaders import stalled_workers
+
+    monkeypatch.setenv(stalled_workers.STALL_ENV, "1")
+    monkeypatch.setenv("SBLOADER_HANDOVER_AT", "3")
+    loaders = [sbloader.DataLoader(StuckLocally([40, 40]), rank=r, world_size=2, job_id="test-stream-start-stuck",
+                                   name="stuck", split=True, batch_size=4, num_workers=2) for r in range(2)]
+    out: list = [None] * 2
+
+    def loop(r: int) -> None:
+        out[r] = [{k: v.tolist() for k, v in batch.items()} for batch in loaders[r]]
+
+    in_rank_threads(loop, 2, timeout=150)
+    assert ids(out) == expected([40, 40])
+    assert [len(got) for got in out] == [10, 10]
+    assert local_counts(out)[1] == 0  # rank 1's worker stalled before its first batch
