@@ -64,13 +64,32 @@ class StallWatch:
 
     def gives_up(self, it: Any, goes_on: str) -> bool:
         """Whether the epoch stops waiting for ``it``'s workers (:meth:`stalled`); if so, a warning says how it
-        ``goes_on`` (e.g. "from partition 3 on the pool")."""
+        ``goes_on`` (e.g. "from partition 3 on the pool"), and the stalled worker is killed (:func:`kill`)."""
         pid = self.stalled(it)
         if pid is None:
             return False
         logger.warning("sbloader: local worker %d used no CPU for %.0f s; the epoch goes on %s (%s sets the wait)",
                        pid, stall_s(), goes_on, STALL_ENV)
+        kill(it, pid)
         return True
+
+
+def kill(it: Any, pid: int) -> None:
+    """Kill ``it``'s stalled worker ``pid`` ahead of the iterator's shutdown, which would wait 5 s for it to
+    exit (torch's ``MP_STATUS_CHECK_INTERVAL``) before terminating it. ``it``'s workers are first taken off
+    torch's ``SIGCHLD`` watch, which would raise "worker exited unexpectedly" in the loop for this death; the
+    other workers still get torch's shutdown (they exit by themselves)."""
+    import signal
+
+    from torch.utils.data import _utils
+
+    if getattr(it, "_worker_pids_set", False):
+        _utils.signal_handling._remove_worker_pids(id(it))
+        it._worker_pids_set = False
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:  # gone already
+        pass
 
 
 def timed_out(error: BaseException) -> bool:
