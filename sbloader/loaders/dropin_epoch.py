@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import ray
 
@@ -122,11 +122,12 @@ class PoolPhase:
 
 def open_pool(s: DropinSettings, carry: DropinCarry, run: Optional[Union[EpochRun, IterableRun]], epoch: int,
               epoch_seed: int, items: Optional[list], stalls: StallStats, start: int = 0,
-              cache: Optional[dict] = None, shard_resume: Optional[dict] = None) -> PoolPhase:
+              cache: Optional[dict] = None, shard_resume: Optional[dict] = None,
+              missed: Sequence[int] = ()) -> PoolPhase:
     """Start the pool on the epoch's batches from index ``start`` on (``items``: the map-style epoch's
     work items; None for an ``IterableDataset``'s shards, resumed from ``shard_resume`` when given, else
-    from ``run``), on the actors in ``cache`` when given (started ahead of it), else the loader's
-    persistent or warm ones."""
+    from ``run``), after the earlier partitions ``missed`` (a stalled local phase's), on the actors in
+    ``cache`` when given (started ahead of it), else the loader's persistent or warm ones."""
     fp = s.source_fingerprint()
     options = pool_options(s)
     op = s.worker_op(epoch_seed)
@@ -146,7 +147,7 @@ def open_pool(s: DropinSettings, carry: DropinCarry, run: Optional[Union[EpochRu
         carry.stats = executor.stats()
         return executor
 
-    resume = None
+    resume, index = None, []
     if s.iterable:  # shards in segments, round after round (a stream that never ends keeps yielding)
         resume = shard_resume if shard_resume is not None else run.resume if run is not None else {}
         resume = {w: r for w, r in resume.items() if r is not None}
@@ -155,8 +156,10 @@ def open_pool(s: DropinSettings, carry: DropinCarry, run: Optional[Union[EpochRu
                                     resume, s.num_workers, segment)
     else:
         bpp = s.batches_per_partition
-        ids = run.ids[start:] if run is not None else [j // bpp for j in range(start, len(items))]
-        executor = execute(ReadyBatchSource(items[start:], s.batches_per_partition, fp, ids=ids))
+        index = [j for q in missed for j in range(q * bpp, min((q + 1) * bpp, len(items)))] + \
+            list(range(start, len(items)))  # each batch's index in the epoch, in the pool's order
+        ids = [run.ids[j] for j in index] if run is not None else [j // bpp for j in index]
+        executor = execute(ReadyBatchSource([items[j] for j in index], s.batches_per_partition, fp, ids=ids))
     cpus = s.num_workers * s.worker_num_cpus  # its actors' CPUs count until the epoch closes, the loader dropped or not
     carry.pools_running, carry.pool_cpus, carry.held_cpus = carry.pools_running + 1, carry.pool_cpus + cpus, 0.0
     _CARRIES.add(carry)
@@ -207,7 +210,7 @@ def open_pool(s: DropinSettings, carry: DropinCarry, run: Optional[Union[EpochRu
                 record = None
                 if run is not None:
                     record = (snaps[i] if snaps is not None else None) if s.iterable else \
-                        start + item.meta.seq * s.batches_per_partition + i
+                        index[item.meta.seq * s.batches_per_partition + i]
                 if shards:
                     snap = snaps[i] if snaps is not None else None
                     k = snap[1]["batches"] - 1 if snap is not None and "batches" in snap[1] else None

@@ -33,6 +33,8 @@ class Handover:
     def __init__(self, total: int, at: Optional[int] = None) -> None:
         self.total, self.at = total, at  # at: hand over exactly there, waiting for the pool (tests)
         self.stopped_at: Optional[int] = None  # the first partition the pool makes (None: the local phase ran all)
+        self.handed = 0  # partitions handed out to the local workers so far (the first ``handed``)
+        self.missed: list = []  # of those, the ones a stalled local phase never delivered: the pool makes them first
         self.cache: dict = {}
         self._refs: list = []
         self._lock = threading.Lock()
@@ -70,7 +72,15 @@ class Handover:
             elif p > 0 and self.ready():  # at least one local partition: the local workers are already forked
                 self.stopped_at = p
                 return
+            self.handed = p + 1
             yield p
+
+    def stalled(self, received: set) -> None:
+        """The local phase ends on a stalled worker, having delivered the partitions ``received``: the pool makes
+        the ones handed out but not received (:attr:`missed`), then those never handed out."""
+        self.missed = sorted(set(range(self.handed)) - received)
+        if self.stopped_at is None:
+            self.stopped_at = self.handed
 
 
 PRESTART_LOCK = threading.Lock()

@@ -201,17 +201,16 @@ def local_start_epoch(s: Any, carry: Any, run: Any, epoch: int, epoch_seed: int,
 
     def produce() -> Iterator[Delivery]:
         ids = run.ids if run is not None else [j // bpp for j in range(len(items))]
-        watched = handover if s.in_order else None  # in order: the partitions taken are the plan's first ones
-        local = torch_workers(s, items, ids, epoch, epoch_seed, handover,
-                              timeout=stalled_workers.stall_s() if watched is not None else 0)
-        yield from deliveries(s, local, phase, (lambda j: j) if run is not None else (lambda j: None), watched)
+        local = torch_workers(s, items, ids, epoch, epoch_seed, handover, timeout=stalled_workers.stall_s())
+        yield from deliveries(s, local, phase, (lambda j: j) if run is not None else (lambda j: None), handover)
         k = handover.stopped_at
         if k is None or phase.get("failed"):  # the local workers made the whole epoch (or it failed)
             return
         from sbloader.loaders.dropin_epoch import open_pool
 
         yield from pool_batches(handover, phase, lambda: open_pool(s, carry, run, epoch, epoch_seed, items, stalls,
-                                                                   start=k * bpp, cache=handover.cache))
+                                                                   start=k * bpp, cache=handover.cache,
+                                                                   missed=handover.missed))
 
     return phased_iterator(s, carry, run, epoch, stalls, handover, phase, produce())
 
@@ -246,14 +245,15 @@ def deliveries(s: Any, local: Any, phase: dict, record: Any, handover: Any = Non
     """The batches of :func:`torch_workers`' loader ``local``, in order, each with ``record(j)`` (``j``: its
     position among ``items``); ``phase["up"]`` is set once the workers made their first partition, and
     ``phase["inits"]`` says which of them ran their init (:func:`workers_up`). With a ``handover`` (a loader
-    whose waits run out, in order), a local worker that used no CPU over a whole wait
-    (:mod:`~sbloader.loaders.stalled_workers`) ends the local phase: the pool makes the epoch from the first
-    partition not received (``handover.stopped_at``)."""
+    whose waits run out), a local worker that used no CPU over a whole wait
+    (:mod:`~sbloader.loaders.stalled_workers`) ends the local phase: the pool makes every partition not
+    received (:meth:`Handover.stalled <sbloader.loaders.handover.Handover.stalled>`; in order, the epoch from
+    the first one not received)."""
     bpp = s.batches_per_partition
     phase["inits"] = local.worker_init_fn.inits
     with local.sampler.gate.forking():
         it = iter(local)  # forks the workers
-    watch, received = stalled_workers.StallWatch(), 0
+    watch, received = stalled_workers.StallWatch(), set()
     while True:
         try:
             p, batches = next(it)
@@ -261,9 +261,9 @@ def deliveries(s: Any, local: Any, phase: dict, record: Any, handover: Any = Non
             return
         except Exception as e:  # worker_init_fn failed or a worker died: torch's error, the epoch ends
             if handover is not None and stalled_workers.timed_out(e):  # a wait ran out: a worker stalled?
-                if not watch.gives_up(it, f"from partition {received} on the pool"):
+                if not watch.gives_up(it, f"on the pool, {len(received)} partitions received here"):
                     continue
-                handover.stopped_at = received
+                handover.stalled(received)
                 it._shutdown_workers()
                 return
             phase["failed"] = True
@@ -271,7 +271,7 @@ def deliveries(s: Any, local: Any, phase: dict, record: Any, handover: Any = Non
             yield Delivery(FailedBatch(e, fatal=True), None)
             return
         phase["up"] = True  # the workers are up: ``timeout`` counts from here, ``start_timeout`` is over
-        received = p + 1
+        received.add(p)
         for i, b in enumerate(batches):
             yield Delivery(unwrap(b, s.pin), record(p * bpp + i))
 

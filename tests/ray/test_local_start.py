@@ -316,3 +316,48 @@ def test_a_local_worker_that_stalls_hands_the_epoch_to_the_pool(ray_session, mon
     monkeypatch.setenv(stalled_workers.STALL_ENV, "1")
     monkeypatch.setenv(local_start.HANDOVER_AT_ENV, "1000")  # every partition local, were none stalled
     assert ids() == reference  # before: the epoch waited for the stalled worker for good
+
+
+class OneStuckLocally(StuckLocally):
+    """Sample ``i`` and whether a local worker (a child of the test's process) made it; local worker 1 waits for
+    good, worker 0 goes on."""
+
+    def __init__(self):
+        self.parent = os.getpid()
+
+    def __getitem__(self, i):
+        local = os.getppid() == self.parent
+        if local and get_worker_info().id == 1:
+            import threading
+
+            threading.Event().wait()
+        return torch.tensor([i, int(local)])
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("in_order", [True, False])
+def test_one_stalled_local_worker_leaves_the_pool_the_partitions_it_held(ray_session, monkeypatch, in_order):
+    """One local worker stalls while the other delivers (out of order with ``in_order=False``): the pool makes
+    exactly the partitions not received, those the stalled worker held first; every sample once, in order the
+    pool-only order."""
+    from sbloader.loaders import stalled_workers
+
+    def batches(**kw):
+        loader = sbloader.DataLoader(OneStuckLocally(), batch_size=4, shuffle=True, seed=5, num_workers=2,
+                                     in_order=in_order, **kw)
+        return [b.tolist() for b in loader], loader
+
+    monkeypatch.delenv(local_start.HANDOVER_AT_ENV, raising=False)
+    reference, _ = batches(local_start=False)
+    monkeypatch.setenv(stalled_workers.STALL_ENV, "1")
+    monkeypatch.setenv(local_start.HANDOVER_AT_ENV, "1000")  # every partition local, were none stalled
+    got, loader = batches()
+    ids = [[i for i, _ in b] for b in got]
+    if in_order:
+        assert ids == [[i for i, _ in b] for b in reference]
+    else:
+        assert sorted(ids) == sorted([i for i, _ in b] for b in reference)
+    local = [b for b in got if all(flag for _, flag in b)]
+    assert local and len(local) < len(got)  # worker 0's partitions here, the rest from the pool
+    assert not any(flag for b in got if b not in local for _, flag in b)  # a batch is made in one place
+    assert loader.stats().operators[0].rows == len(got) - len(local)  # each batch (a partition) once
