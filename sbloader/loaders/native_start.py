@@ -242,6 +242,9 @@ class PhasedExecution:
         self._stats = ExecutionStats(operators=[OperatorStats(s.name) for s in build_stages(
             pipeline.source.name, list(pipeline.ops))], memory_budget=budget)
         self._executor: Any = None
+        self._gap: Any = None  # the executor of the partitions a worker stalled on after the handover began
+        self._gap_done: Any = None  # that executor once its blocks are all out (the consumer may hold some)
+        self._gap_pids: frozenset = frozenset()
         self._handout = _Handout(list(plan.order), local_start.forced_handover())
         self._watch = stalled_workers.StallWatch()
         self._local: Any = _fork_workers(pipeline, plan, self._handout, local_workers(), stalled_workers.stall_s())
@@ -279,6 +282,11 @@ class PhasedExecution:
                 raise got
             self._count(sizes)
             return _LocalItem(block, got)
+        if self._gap is not None:
+            item = self._gap.get_next()
+            if item is not None:
+                return item
+            self._end_gap()
         if self._executor is None:
             if self._handout.stopped_at is None:
                 return None
@@ -286,30 +294,52 @@ class PhasedExecution:
         return self._executor.get_next()
 
     def _left_stalled(self) -> bool:
-        """A timed-out wait: when the worker it waits on used no CPU for a whole wait (while the executor has
-        not started), the local workers are stopped and the executor makes the plan from the first partition
-        not received (True); otherwise False (the wait goes on)."""
-        at = self._stats.local_partitions  # the blocks taken so far: the plan's first ``at``, in order
-        if self._executor is not None or not self._watch.gives_up(
-                self._local, f"from partition {at} on Ray's workers (of {len(self.plan.order)} in the plan)"):
+        """A timed-out wait: when the worker it waits on used no CPU for a whole wait, the local workers are
+        stopped (True; otherwise False: the wait goes on). The executor then makes the plan from the first
+        partition not received; or, when it already makes the plan's rest (the handover began), a second one
+        (:attr:`_gap`) makes the partitions the local workers still owed, delivered before the rest."""
+        at, stop = self._stats.local_partitions, self._handout.stopped_at  # taken so far: the plan's first ``at``
+        if self._executor is None:
+            goes_on = f"from partition {at} on Ray's workers (of {len(self.plan.order)} in the plan)"
+        else:
+            goes_on = f"on Ray's workers: the {stop - at} partitions the local workers owed (from {at}), then the rest"
+        if not self._watch.gives_up(self._local, goes_on):
             return False
-        self._handout.stopped_at = at
         self._end_local()
+        if self._executor is None:
+            self._handout.stopped_at = at
+        else:
+            owed = list(self.plan.order[at:stop])
+            self._gap_pids = frozenset(owed)
+            self._gap = self._start(EpochPlan(self.plan.epoch, self.plan.epoch_seed, owed, self.plan.shuffle))
         return True
+
+    def _end_gap(self) -> None:
+        """The owed partitions are all out: their executor's counts join the epoch's (its blocks, once
+        released, no longer count in its budget: it stays until the epoch's end)."""
+        gap, self._gap_done, self._gap = self._gap, self._gap, None
+        for op, owed in zip(self._stats.operators, gap.stats().operators):
+            op.rows, op.blocks, op.bytes = op.rows + owed.rows, op.blocks + owed.blocks, op.bytes + owed.bytes
 
     def _count(self, sizes: tuple) -> None:
         self._stats.local_partitions += 1
         for op, (rows, nbytes) in zip(self._stats.operators, sizes):
             op.rows, op.blocks, op.bytes = op.rows + rows, op.blocks + 1, op.bytes + nbytes
 
+    def _owner(self, meta: BlockMeta) -> Any:
+        """The executor that made a block (the owed partitions' or the rest's)."""
+        if meta.partition_id in self._gap_pids:
+            return self._gap if self._gap is not None else self._gap_done
+        return self._executor
+
     def fetch(self, item: Any) -> Block:
         """The block of an item from :meth:`get_next`."""
-        return item.block if isinstance(item, _LocalItem) else self._executor.fetch(item)
+        return item.block if isinstance(item, _LocalItem) else self._owner(item.meta).fetch(item)
 
     def release_block(self, meta: BlockMeta) -> None:
         """The consumer is done with a block: the executor's no longer counts in its budget."""
-        if meta.node_id != LOCAL_NODE and self._executor is not None:
-            self._executor.release_block(meta)
+        if meta.node_id != LOCAL_NODE and self._owner(meta) is not None:
+            self._owner(meta).release_block(meta)
 
     def _end_local(self) -> None:
         local, self._local = self._local, None
@@ -317,10 +347,11 @@ class PhasedExecution:
             local._shutdown_workers()
 
     def shutdown(self) -> None:
-        """Stop the local workers and the executor (idempotent)."""
+        """Stop the local workers and the executors (idempotent)."""
         self._end_local()
-        if self._executor is not None:
-            self._executor.shutdown()
+        for executor in (self._gap, self._gap_done, self._executor):
+            if executor is not None:
+                executor.shutdown()
 
     @property
     def epoch_seed(self) -> int:

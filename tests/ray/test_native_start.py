@@ -243,3 +243,36 @@ def test_a_local_worker_that_stalls_hands_the_rest_of_the_plan_to_ray(ray_sessio
     assert _cols(got, "x", "draw") == _cols(reference, "x", "draw")
     assert loader.stats().local_partitions == 0
     assert loader.stats().operators[-1].rows == ROWS
+
+
+_MADE: list = []  # in a local worker: the partitions its map ran on so far
+
+
+def stuck_at_a_local_workers_second_partition(batch: dict) -> dict:
+    """Waits for good, using no CPU, at the second partition a local worker forked by the test's process makes
+    (never on Ray's workers): with two workers and the handover at partition 3, the plan's partition 2."""
+    if os.environ.get("STUCK_PARENT") == str(os.getppid()):
+        _MADE.append(1)
+        if len(_MADE) == 2:
+            import threading
+
+            threading.Event().wait()
+    return noisy(batch)
+
+
+@pytest.mark.timeout(180)
+def test_a_local_worker_that_stalls_after_the_handover_began_leaves_its_partitions_to_ray(ray_session, monkeypatch):
+    """The executor already makes the plan's rest (the handover at partition 3 began once the first local block
+    came) when the local worker owing partition 2 stalls: a second execution makes what the local workers
+    still owed, delivered before the rest; the rows, order and draws of a Ray-only run (before: waited for
+    good)."""
+    from sbloader.loaders import native_start, stalled_workers
+
+    monkeypatch.setattr(native_start, "local_workers", lambda: 2)
+    reference, _ = epoch(monkeypatch, None)
+    monkeypatch.setenv("STUCK_PARENT", str(os.getpid()))
+    monkeypatch.setenv(stalled_workers.STALL_ENV, "1")
+    got, loader = epoch(monkeypatch, 3, fn=stuck_at_a_local_workers_second_partition)
+    assert _cols(got, "x", "draw") == _cols(reference, "x", "draw")
+    assert loader.stats().local_partitions == 2
+    assert loader.stats().operators[-1].rows == ROWS
