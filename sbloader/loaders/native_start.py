@@ -187,16 +187,48 @@ def _fork_workers(pipeline: Any, plan: EpochPlan, sampler: Any, workers: int, ti
 def make_locally(pipeline: Any, plan: EpochPlan, pids: list) -> Iterator[tuple[int, Block]]:
     """Partitions ``pids`` of ``plan`` made on local worker processes (as a Ray task makes each: read,
     row shuffle, then every operator), yielded in that order; a partition that failed raises its error.
-    The workers are shut down when the iteration ends or is closed."""
-    it = _fork_workers(pipeline, plan, list(pids), max(1, min(local_workers(), len(pids))))
+    The workers are shut down when the iteration ends or is closed. A worker that uses no CPU over a whole
+    wait (:mod:`~sbloader.loaders.stalled_workers`) leaves the partitions not yielded yet to Ray
+    (:func:`made_on_ray`: the same blocks)."""
+    pids = list(pids)
+    it = _fork_workers(pipeline, plan, pids, max(1, min(local_workers(), len(pids))), stalled_workers.stall_s())
+    watch, n = stalled_workers.StallWatch(), 0
     try:
-        for pid in pids:
-            block, got, _ = next(it)
+        while n < len(pids):
+            try:
+                block, got, _ = next(it)
+            except RuntimeError as e:  # torch's wait ran out: go on waiting unless the awaited worker stalled
+                if not stalled_workers.timed_out(e):
+                    raise
+                if watch.gives_up(it, f"on Ray's workers: the last {len(pids) - n} of {len(pids)} partitions"):
+                    it._shutdown_workers()
+                    yield from made_on_ray(pipeline, plan, pids[n:])
+                    return
+                continue
             if block is None:
                 raise got
-            yield pid, block
+            yield pids[n], block
+            n += 1
     finally:
         it._shutdown_workers()
+
+
+def made_on_ray(pipeline: Any, plan: EpochPlan, pids: list) -> Iterator[tuple[int, Block]]:
+    """Partitions ``pids`` of ``plan`` made by an execution on Ray (deterministic: in that order; each
+    block its own, not a view of a shared-memory slot), yielded as :func:`make_locally` yields them."""
+    from sbloader.executor.launch import options_here, start_execution
+
+    executor = start_execution(pipeline.source, tuple(pipeline.ops),
+                               EpochPlan(plan.epoch, plan.epoch_seed, list(pids), plan.shuffle),
+                               options_here(deterministic=True, progress=False))
+    try:
+        for pid in pids:
+            item = executor.get_next()
+            block = executor.fetch(item)
+            executor.release_block(item.meta)
+            yield pid, block
+    finally:
+        executor.shutdown()
 
 
 @dataclass

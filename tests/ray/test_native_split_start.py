@@ -28,8 +28,8 @@ def noisy(batch: dict) -> dict:
     return out
 
 
-def make(rank: int, world_size: int, name: str):
-    ds = sbloader.from_items([{"x": i, "id": i} for i in range(ROWS)], num_partitions=PARTS).map_batches(noisy)
+def make(rank: int, world_size: int, name: str, fn=noisy):
+    ds = sbloader.from_items([{"x": i, "id": i} for i in range(ROWS)], num_partitions=PARTS).map_batches(fn)
     return ds.to_dataloader(BATCH, shuffle=True, seed=5, deterministic=True, shuffle_window=3, rank=rank,
                             world_size=world_size, name=name)
 
@@ -44,15 +44,15 @@ def local_batches(monkeypatch, k):
         monkeypatch.delenv(local_start.LOCAL_START_ENV, raising=False)
 
 
-def epoch(world_size: int, take=None, state=None) -> tuple[list, list]:
+def epoch(world_size: int, take=None, state=None, fn=noisy) -> tuple[list, list]:
     """Every rank's batches (columns as lists) of one epoch, each rank's loader in a thread; and the
-    state rank 0 takes after ``take`` batches (None: the whole epoch, no state)."""
+    state rank 0 takes after ``take`` batches (None: the whole epoch, no state). ``fn``: the map."""
     name = f"nss{next(_NAMES)}"
     out: list = [None] * world_size
     states: list = [None]
 
     def rank_loop(rank: int) -> None:
-        loader = make(rank, world_size, name)
+        loader = make(rank, world_size, name, fn)
         if state is not None:
             loader.load_state_dict(json.loads(json.dumps(state)))
         got = []
@@ -129,3 +129,36 @@ def test_a_state_taken_in_the_local_phase_resumes_the_rest_exactly(reference, mo
     rest, _ = epoch(2, state=state)
     for rank in range(2):
         assert _cols(head[rank] + rest[rank], "x", "draw") == _cols(reference[rank], "x", "draw"), rank
+
+
+_MADE: list = []  # in a local worker: the partitions its map ran on so far
+
+
+def stuck_at_a_local_workers_second_partition(batch: dict) -> dict:
+    """Waits for good, using no CPU, at the second partition a local worker forked by the test's process makes
+    (never on Ray's workers)."""
+    if os.environ.get("STUCK_PARENT") == str(os.getppid()):
+        _MADE.append(1)
+        if len(_MADE) == 2:
+            import threading
+
+            threading.Event().wait()
+    return noisy(batch)
+
+
+@pytest.mark.timeout(180)
+def test_a_local_worker_that_stalls_leaves_the_ranks_partitions_to_ray(reference, monkeypatch):
+    """A local worker that uses no CPU for a whole wait (``SBLOADER_LOCAL_STALL_S``) no longer keeps its rank
+    (and the job with it) waiting for good: the partitions its rank's first batches still need are made on
+    Ray; the batches, rows and draws of the coordinator's run alone."""
+    from sbloader.loaders import stalled_workers
+
+    local_batches(monkeypatch, 6)
+    monkeypatch.setenv("STUCK_PARENT", str(os.getpid()))
+    monkeypatch.setenv(stalled_workers.STALL_ENV, "1")
+    got, _ = epoch(2, fn=stuck_at_a_local_workers_second_partition)
+    for rank in range(2):
+        assert _cols(got[rank], "x", "draw", "sbloader_padding") == \
+            _cols(reference[rank], "x", "draw", "sbloader_padding"), rank
+    makers = {p == os.getpid() for r in got for b in r[:6] for p in b["ppid"]}
+    assert makers == {True, False}  # the first 6 batches' rows: some from local workers, some from Ray's

@@ -40,10 +40,10 @@ class Sized(IterableDataset):
                    "seed": info.seed}
 
 
-def run(name: str, ws: int, sizes: list, stop_at: dict | None = None, **kwargs) -> list:
+def run(name: str, ws: int, sizes: list, stop_at: dict | None = None, dataset: type = Sized, **kwargs) -> list:
     """One epoch on ``ws`` ranks; per rank its batches as dicts of lists. ``stop_at``: rank -> batches
-    after which that rank's loop breaks."""
-    loaders = [sbloader.DataLoader(Sized(sizes), rank=r, world_size=ws, job_id=f"test-stream-start-{name}",
+    after which that rank's loop breaks. ``dataset``: :class:`Sized` or a subclass."""
+    loaders = [sbloader.DataLoader(dataset(sizes), rank=r, world_size=ws, job_id=f"test-stream-start-{name}",
                                    name=name, split=True, **kwargs) for r in range(ws)]
     out: list = [None] * ws
 
@@ -205,14 +205,7 @@ def test_a_rank_whose_local_worker_stalls_hands_over_and_the_epoch_is_every_samp
 
     monkeypatch.setenv(stalled_workers.STALL_ENV, "1")
     monkeypatch.setenv("SBLOADER_HANDOVER_AT", "3")
-    loaders = [sbloader.DataLoader(StuckLocally([40, 40]), rank=r, world_size=2, job_id="test-stream-start-stuck",
-                                   name="stuck", split=True, batch_size=4, num_workers=2) for r in range(2)]
-    out: list = [None] * 2
-
-    def loop(r: int) -> None:
-        out[r] = [{k: v.tolist() for k, v in batch.items()} for batch in loaders[r]]
-
-    in_rank_threads(loop, 2, timeout=150)
+    out = run("stuck", 2, [40, 40], dataset=StuckLocally, batch_size=4, num_workers=2)
     assert ids(out) == expected([40, 40])
     assert [len(got) for got in out] == [10, 10]
     assert local_counts(out)[1] == 0  # rank 1's worker stalled before its first batch
