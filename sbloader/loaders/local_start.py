@@ -241,14 +241,15 @@ def local_order(s: Any) -> dict:
     return {} if s.in_order else {"in_order": False}
 
 
-def deliveries(s: Any, local: Any, phase: dict, record: Any, handover: Any = None) -> Iterator[Delivery]:
+def deliveries(s: Any, local: Any, phase: dict, record: Any, handover: Any = None,
+               then: str = "on the pool") -> Iterator[Delivery]:
     """The batches of :func:`torch_workers`' loader ``local``, in order, each with ``record(j)`` (``j``: its
     position among ``items``); ``phase["up"]`` is set once the workers made their first partition, and
     ``phase["inits"]`` says which of them ran their init (:func:`workers_up`). With a ``handover`` (a loader
     whose waits run out), a local worker that used no CPU over a whole wait
     (:mod:`~sbloader.loaders.stalled_workers`) ends the local phase: the pool makes every partition not
     received (:meth:`Handover.stalled <sbloader.loaders.handover.Handover.stalled>`; in order, the epoch from
-    the first one not received)."""
+    the first one not received; ``then``: where, for the warning)."""
     bpp = s.batches_per_partition
     phase["inits"] = local.worker_init_fn.inits
     with local.sampler.gate.forking():
@@ -261,7 +262,7 @@ def deliveries(s: Any, local: Any, phase: dict, record: Any, handover: Any = Non
             return
         except Exception as e:  # worker_init_fn failed or a worker died: torch's error, the epoch ends
             if handover is not None and stalled_workers.timed_out(e):  # a wait ran out: a worker stalled?
-                if not watch.gives_up(it, f"on the pool, {len(received)} partitions received here"):
+                if not watch.gives_up(it, f"{then}, {len(received)} partitions received here"):
                     continue
                 handover.stalled(received)
                 it._shutdown_workers()

@@ -8,7 +8,8 @@ make its own first batches. On a loader's first epoch, while Ray starts (or is j
 the job's coordinator is found or created in the background, each rank:
 
 1. makes the partitions its first ``k`` batches take rows from on local worker processes
-   (:func:`~sbloader.loaders.native_start.make_locally`) and cuts those batches from them
+   (:func:`~sbloader.loaders.native_start.make_locally`; a stalled worker leaves the rest of them
+   to an execution on Ray) and cuts those batches from them
    exactly as it cuts the coordinator's blocks (:func:`~sbloader.core.cut.assemble`);
 2. then joins the coordinator's epoch, which is the same epoch resumed after every rank's
    first ``k`` batches (:meth:`~sbloader.loaders.pipeline_run.SplitRun.progress`): the plan

@@ -22,6 +22,11 @@ The ranks agree on it without a word: ``k`` comes from the loader's arguments al
 - Order, batch boundaries, padding and seeds are the plan's: the loop receives what a run
   without the local start receives, and ``state_dict()`` before, at and after the ``k``-th
   batch is the same arithmetic (the plan's cut after every rank's first ``j`` batches).
+- A local worker that uses no CPU over a whole wait (:mod:`~sbloader.loaders.stalled_workers`:
+  a lock its fork left held, a per-fork accident) is killed with the others, and the rank's
+  batches not received yet are made by newly forked workers, set up alike (as the pool's actors,
+  which partition a worker makes is not fixed); if those stall too, the epoch raises
+  :class:`LocalWorkersStalled` rather than wait for good.
 """
 from __future__ import annotations
 
@@ -30,8 +35,9 @@ import os
 import threading
 from typing import Any, Iterator, Optional
 
+from sbloader.core.errors import SbloaderError
 from sbloader.core.stats import StallStats
-from sbloader.loaders import local_start
+from sbloader.loaders import local_start, stalled_workers
 from sbloader.loaders.epoch import Delivery, EpochIterator
 from sbloader.loaders.handover import workers_up
 
@@ -63,6 +69,21 @@ def enabled(s: Any, first: bool, run: Any, seeded: bool, resumed: bool) -> bool:
     (:func:`~sbloader.loaders.local_start.enabled`)."""
     return (s.num_workers > 0 and s.in_order and first and local_start.enabled(s)
             and same_everywhere(run, seeded, resumed) and local_count(s, run.per_rank) > 0)
+
+
+class LocalWorkersStalled(SbloaderError):
+    """A rank's local workers used no CPU over a whole wait, twice: its first batches could not be made here."""
+
+
+class _Stalled:
+    """What :func:`~sbloader.loaders.local_start.deliveries` tells when a local worker stalled: the
+    partitions received until then (in order: the first ``len(received)``)."""
+
+    def __init__(self) -> None:
+        self.received: Optional[set] = None
+
+    def stalled(self, received: set) -> None:
+        self.received = set(received)
 
 
 class _Phases:
@@ -108,8 +129,6 @@ def split_start_epoch(loader: Any, s: Any, run: Any, rank: int) -> EpochIterator
     every = s.epoch_items(run, None)
     items = [_padded(every[b], run.pads[b]) if run.pads[b] and s.auto_collation else every[b] for b in mine]
     bpp = s.batches_per_partition
-    local = local_start.torch_workers(s, items, [run.ids[b] for b in mine], run.epoch, run.epoch_seed,
-                                      range(math.ceil(len(items) / bpp)))
     box: dict = {}
     finder = threading.Thread(target=_find_coordinator, args=(loader, box), daemon=True,
                               name="sbloader-coordinator-start")
@@ -118,7 +137,7 @@ def split_start_epoch(loader: Any, s: Any, run: Any, rank: int) -> EpochIterator
     phase: dict = {}
 
     def produce() -> Iterator[Delivery]:
-        yield from local_start.deliveries(s, local, phase, lambda j: (0, mine[j]))
+        yield from _local_batches(s, run, items, mine, phase)
         if rest is None or phase.get("failed"):
             return
         finder.join()
@@ -138,6 +157,28 @@ def split_start_epoch(loader: Any, s: Any, run: Any, rank: int) -> EpochIterator
     return EpochIterator(produce(), _Phases(loader, run, rest, k), ahead=s.ahead, stalls=stalls,
                          to_device=s.to_device, translate=translate, on_close=closed,
                          started=lambda: workers_up(phase), start_timeout=s.start_timeout)
+
+
+def _local_batches(s: Any, run: Any, items: list, mine: list, phase: dict) -> Iterator[Delivery]:
+    """The rank's first batches ``items`` (its batches ``mine`` of the plan) from local workers; after a
+    stalled worker, the ones not received from newly forked workers, once."""
+    bpp, start = s.batches_per_partition, 0
+    for attempt in range(2):
+        stall = _Stalled()
+        part = items[start * bpp:]
+        local = local_start.torch_workers(s, part, [run.ids[b] for b in mine[start * bpp:]], run.epoch,
+                                          run.epoch_seed, range(math.ceil(len(part) / bpp)),
+                                          timeout=stalled_workers.stall_s())
+        first = start * bpp
+        yield from local_start.deliveries(s, local, phase, lambda j, first=first: (0, mine[first + j]), stall,
+                                          "on new local workers" if attempt == 0 else "nowhere: the epoch raises")
+        if stall.received is None:
+            return
+        start += len(stall.received)  # in order: the partitions received are the first ones
+    raise LocalWorkersStalled(
+        f"the local workers of this rank stalled twice (no CPU for {stalled_workers.stall_s():.0f} s: a lock "
+        f"their fork left held?) before its first {len(items)} batches were made; set "
+        f"{SPLIT_LOCAL_ENV}=0 to make every batch on the cluster, or raise {stalled_workers.STALL_ENV}")
 
 
 def _padded(item: Any, pad: int) -> Any:

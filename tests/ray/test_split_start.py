@@ -16,13 +16,13 @@ from sbloader.loaders import split_start
 from sbloader.loaders.dropin_state import plan_run
 
 
-def both_ranks(name, world_size=2, **kw):
-    """Every rank's batches of one epoch (threads), and each rank's loader."""
+def both_ranks(name, world_size=2, data=None, **kw):
+    """Every rank's batches of one epoch (threads), and each rank's loader (over ``data``, else ``Tagged(30)``)."""
     out, loaders = [None] * world_size, [None] * world_size
 
     def rank_loop(rank):
         args = {"batch_size": 4, "shuffle": True, "seed": 7, "num_workers": 2, **kw}
-        loaders[rank] = sbloader.DataLoader(Tagged(30), rank=rank, world_size=world_size, name=name,
+        loaders[rank] = sbloader.DataLoader(data or Tagged(30), rank=rank, world_size=world_size, name=name,
                                             job_id="split-start", **args)
         out[rank] = list(loaders[rank])
 
@@ -120,3 +120,52 @@ def test_worker_init_fn_error_in_the_local_phase_is_torchs(ray_session, monkeypa
     with pytest.raises(KeyError, match="Caught KeyError in DataLoader worker process") as info:
         both_ranks("badinit", worker_init_fn=bad_init)
     assert "worker_init_fn" in str(info.value)
+
+
+class StallsLocally(Tagged):
+    """:class:`Tagged`; on a local worker (a child of the test's process), its second sample waits for good
+    (using no CPU): on the first local worker to get there only when ``once`` (a flag file says it happened)."""
+
+    def __init__(self, n, flag, once=True):
+        super().__init__(n)
+        self.flag, self.once, self.parent, self.calls = flag, once, os.getpid(), 0
+
+    def __getitem__(self, i):
+        self.calls += 1
+        if os.getppid() == self.parent and self.calls == 2:
+            try:
+                os.close(os.open(self.flag, os.O_CREAT | os.O_EXCL))
+                first = True
+            except FileExistsError:
+                first = False
+            if first or not self.once:
+                import threading
+
+                threading.Event().wait()
+        return super().__getitem__(i)
+
+
+@pytest.mark.timeout(180)
+def test_a_stalled_local_worker_leaves_its_ranks_batches_to_new_local_workers(reference, monkeypatch, tmp_path):
+    """A local worker that uses no CPU for a whole wait (``SBLOADER_LOCAL_STALL_S``) no longer keeps its rank
+    (and the job with it) waiting for good: its rank's batches not received are made by newly forked workers;
+    the split epoch's batches and draws."""
+    from sbloader.loaders import stalled_workers
+
+    monkeypatch.delenv(split_start.SPLIT_LOCAL_ENV, raising=False)
+    monkeypatch.setenv(stalled_workers.STALL_ENV, "1")
+    got, _ = both_ranks("stalls-once", data=StallsLocally(30, str(tmp_path / "stalled")))
+    assert os.path.exists(tmp_path / "stalled")  # a worker did stall
+    for rank in range(2):
+        assert [b[:, :2].tolist() for b in got[rank]] == [b[:, :2].tolist() for b in reference[rank]], rank
+        assert all(int(p) == os.getpid() for b in got[rank] for p in b[:, 4])  # every batch local
+
+
+@pytest.mark.timeout(180)
+def test_local_workers_that_stall_again_raise_instead_of_waiting_for_good(ray_session, monkeypatch, tmp_path):
+    from sbloader.loaders import stalled_workers
+
+    monkeypatch.delenv(split_start.SPLIT_LOCAL_ENV, raising=False)
+    monkeypatch.setenv(stalled_workers.STALL_ENV, "1")
+    with pytest.raises(split_start.LocalWorkersStalled, match="stalled twice.*SBLOADER_SPLIT_LOCAL_BATCHES=0"):
+        both_ranks("stalls-always", data=StallsLocally(30, str(tmp_path / "stalled"), once=False))
