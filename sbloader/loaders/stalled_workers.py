@@ -6,9 +6,12 @@ C library's exit-handler lock was one, :mod:`~sbloader.runtime.exit_lock`; anoth
 may be next), would keep the epoch waiting forever: torch's iterator waits for a partition
 without limit. So the epoch waits at most :func:`stall_s` seconds at a time; each time the
 wait runs out, :class:`StallWatch` reads the CPU time of the worker it waits on
-(``/proc/<pid>/stat``). A worker that used none over a whole wait is stalled, and the epoch goes
-on without the local workers (Ray's workers make the rest of the plan). A worker that computes,
-however slowly, is waited for.
+(``/proc/<pid>/stat``). A worker that used none over a whole wait is stalled: it is killed, and the
+epoch goes on without the local workers, each start its own way (the pool or Ray's workers make what
+was not received: :mod:`~sbloader.loaders.local_start`, :mod:`~sbloader.loaders.iterable_start`,
+:mod:`~sbloader.loaders.stream_start`, :mod:`~sbloader.loaders.native_start`; a torchrun rank of the
+drop-in forks new local workers once: :mod:`~sbloader.loaders.split_start`). A worker that
+computes, however slowly, is waited for.
 """
 from __future__ import annotations
 
