@@ -8,7 +8,7 @@ make its own first batches. On a loader's first epoch, while Ray starts (or is j
 the job's coordinator is found or created in the background, each rank:
 
 1. makes the partitions its first ``k`` batches take rows from on local worker processes
-   (:func:`~sbloader.loaders.native_start.make_locally`; a stalled worker leaves the rest of them
+   (:func:`make_locally`; a stalled worker leaves the rest of them
    to an execution on Ray) and cuts those batches from them
    exactly as it cuts the coordinator's blocks (:func:`~sbloader.core.cut.assemble`);
 2. then joins the coordinator's epoch, which is the same epoch resumed after every rank's
@@ -33,10 +33,11 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
+from sbloader.core.block import Block
 from sbloader.core.cut import assemble, checked_rows, places
 from sbloader.core.plan import EpochPlan
 from sbloader.core.stats import StallStats
-from sbloader.loaders import native_start
+from sbloader.loaders import native_start, stalled_workers
 from sbloader.loaders.epoch import Delivery, EpochIterator
 from sbloader.loaders.pipeline_epoch import device_copy, open_split
 from sbloader.loaders.pipeline_run import PipelineRun, SplitRun
@@ -128,7 +129,7 @@ def split_start_epoch(loader: Any, run: SplitRun, k: int,
     carry.stats = None  # the coordinator's, once the epoch closes there
 
     def produce() -> Iterator[Delivery]:
-        made = native_start.make_locally(pipeline, plan, order)
+        made = make_locally(pipeline, plan, order)
         blocks: dict = {}
         try:
             for j, b in enumerate(mine):
@@ -164,6 +165,54 @@ def split_start_epoch(loader: Any, run: SplitRun, k: int,
 
     return EpochIterator(produce(), phases, ahead=max(1, settings.prefetch_blocks), stalls=stalls,
                          to_device=device_copy(settings), on_close=closed)
+
+
+def make_locally(pipeline: Any, plan: EpochPlan, pids: list) -> Iterator[tuple[int, Block]]:
+    """Partitions ``pids`` of ``plan`` made on local worker processes (as a Ray task makes each: read,
+    row shuffle, then every operator), yielded in that order; a partition that failed raises its error.
+    The workers are shut down when the iteration ends or is closed. A worker that uses no CPU over a whole
+    wait (:mod:`~sbloader.loaders.stalled_workers`) leaves the partitions not yielded yet to Ray
+    (:func:`made_on_ray`: the same blocks)."""
+    pids = list(pids)
+    workers = max(1, min(native_start.local_workers(), len(pids)))
+    it = native_start.fork_workers(pipeline, plan, pids, workers, stalled_workers.stall_s())
+    watch, n = stalled_workers.StallWatch(), 0
+    try:
+        while n < len(pids):
+            try:
+                block, got, _ = next(it)
+            except RuntimeError as e:  # torch's wait ran out: go on waiting unless the awaited worker stalled
+                if not stalled_workers.timed_out(e):
+                    raise
+                if watch.gives_up(it, f"on Ray's workers: the last {len(pids) - n} of {len(pids)} partitions"):
+                    it._shutdown_workers()
+                    yield from made_on_ray(pipeline, plan, pids[n:])
+                    return
+                continue
+            if block is None:
+                raise got
+            yield pids[n], block
+            n += 1
+    finally:
+        it._shutdown_workers()
+
+
+def made_on_ray(pipeline: Any, plan: EpochPlan, pids: list) -> Iterator[tuple[int, Block]]:
+    """Partitions ``pids`` of ``plan`` made by an execution on Ray (deterministic: in that order; each
+    block its own, not a view of a shared-memory slot), yielded as :func:`make_locally` yields them."""
+    from sbloader.executor.launch import options_here, start_execution
+
+    executor = start_execution(pipeline.source, tuple(pipeline.ops),
+                               EpochPlan(plan.epoch, plan.epoch_seed, list(pids), plan.shuffle),
+                               options_here(deterministic=True, progress=False))
+    try:
+        for pid in pids:
+            item = executor.get_next()
+            block = executor.fetch(item)
+            executor.release_block(item.meta)
+            yield pid, block
+    finally:
+        executor.shutdown()
 
 
 def _find_coordinator(loader: Any) -> None:

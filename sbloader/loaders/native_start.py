@@ -168,7 +168,7 @@ def _identity(x: Any) -> Any:
     return x
 
 
-def _fork_workers(pipeline: Any, plan: EpochPlan, sampler: Any, workers: int, timeout: float = 0) -> Any:
+def fork_workers(pipeline: Any, plan: EpochPlan, sampler: Any, workers: int, timeout: float = 0) -> Any:
     """torch's multiprocessing iterator over ``_Partitions`` of ``plan``: ``workers`` processes forked here
     (behind a :class:`~sbloader.loaders.fork_safe.ForkGate`) make the partitions ``sampler`` hands out, each
     as ``(block, meta, sizes)``; the trainer's RNG untouched. ``timeout``: torch's wait for one partition
@@ -182,53 +182,6 @@ def _fork_workers(pipeline: Any, plan: EpochPlan, sampler: Any, workers: int, ti
                             generator=torch.Generator().manual_seed(plan.epoch_seed % 2**63))
     with loader.sampler.gate.forking(("sbloader.core.errors", "sbloader.executor.tasks")):
         return iter(loader)  # forks the workers and hands out the first partitions
-
-
-def make_locally(pipeline: Any, plan: EpochPlan, pids: list) -> Iterator[tuple[int, Block]]:
-    """Partitions ``pids`` of ``plan`` made on local worker processes (as a Ray task makes each: read,
-    row shuffle, then every operator), yielded in that order; a partition that failed raises its error.
-    The workers are shut down when the iteration ends or is closed. A worker that uses no CPU over a whole
-    wait (:mod:`~sbloader.loaders.stalled_workers`) leaves the partitions not yielded yet to Ray
-    (:func:`made_on_ray`: the same blocks)."""
-    pids = list(pids)
-    it = _fork_workers(pipeline, plan, pids, max(1, min(local_workers(), len(pids))), stalled_workers.stall_s())
-    watch, n = stalled_workers.StallWatch(), 0
-    try:
-        while n < len(pids):
-            try:
-                block, got, _ = next(it)
-            except RuntimeError as e:  # torch's wait ran out: go on waiting unless the awaited worker stalled
-                if not stalled_workers.timed_out(e):
-                    raise
-                if watch.gives_up(it, f"on Ray's workers: the last {len(pids) - n} of {len(pids)} partitions"):
-                    it._shutdown_workers()
-                    yield from made_on_ray(pipeline, plan, pids[n:])
-                    return
-                continue
-            if block is None:
-                raise got
-            yield pids[n], block
-            n += 1
-    finally:
-        it._shutdown_workers()
-
-
-def made_on_ray(pipeline: Any, plan: EpochPlan, pids: list) -> Iterator[tuple[int, Block]]:
-    """Partitions ``pids`` of ``plan`` made by an execution on Ray (deterministic: in that order; each
-    block its own, not a view of a shared-memory slot), yielded as :func:`make_locally` yields them."""
-    from sbloader.executor.launch import options_here, start_execution
-
-    executor = start_execution(pipeline.source, tuple(pipeline.ops),
-                               EpochPlan(plan.epoch, plan.epoch_seed, list(pids), plan.shuffle),
-                               options_here(deterministic=True, progress=False))
-    try:
-        for pid in pids:
-            item = executor.get_next()
-            block = executor.fetch(item)
-            executor.release_block(item.meta)
-            yield pid, block
-    finally:
-        executor.shutdown()
 
 
 @dataclass
@@ -279,7 +232,7 @@ class PhasedExecution:
         self._gap_pids: frozenset = frozenset()
         self._handout = _Handout(list(plan.order), local_start.forced_handover())
         self._watch = stalled_workers.StallWatch()
-        self._local: Any = _fork_workers(pipeline, plan, self._handout, local_workers(), stalled_workers.stall_s())
+        self._local: Any = fork_workers(pipeline, plan, self._handout, local_workers(), stalled_workers.stall_s())
 
     def _start_rest(self) -> None:
         at = self._handout.stopped_at
@@ -344,6 +297,7 @@ class PhasedExecution:
             owed = list(self.plan.order[at:stop])
             self._gap_pids = frozenset(owed)
             self._gap = self._start(EpochPlan(self.plan.epoch, self.plan.epoch_seed, owed, self.plan.shuffle))
+            self._on_started(self._stats)  # the epoch's statistics stay these (a start may have set the gap's)
         return True
 
     def _end_gap(self) -> None:
