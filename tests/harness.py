@@ -313,3 +313,17 @@ def each_source_epoch_once(ids: list, n: int, offset: int = 0) -> None:
         assert len(set(chunk)) == len(chunk), f"source at {offset}: a sample twice in one epoch"
         if len(chunk) == n:
             assert sorted(chunk) == list(range(offset, offset + n)), f"source at {offset}: lost samples"
+
+
+_LOCAL_CALLS: list = []  # in a local worker: the calls of stall_locally_at so far
+
+
+def stall_locally_at(n: int) -> None:
+    """At its ``n``-th call in a local worker forked by the test's process (``STUCK_PARENT``: that pid), wait for
+    good using no CPU (a lock the fork left held); elsewhere (the test's process, Ray's workers) return."""
+    import os
+
+    if os.environ.get("STUCK_PARENT") == str(os.getppid()):
+        _LOCAL_CALLS.append(1)
+        if len(_LOCAL_CALLS) == n:
+            threading.Event().wait()

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import sbloader
-from harness import check_resume_everywhere, free_coordinators, in_rank_threads
+from harness import check_resume_everywhere, free_coordinators, in_rank_threads, stall_locally_at
 from sbloader.loaders import local_start
 from sbloader.loaders.split_start import SPLIT_LOCAL_ENV
 
@@ -131,18 +131,10 @@ def test_a_state_taken_in_the_local_phase_resumes_the_rest_exactly(reference, mo
         assert _cols(head[rank] + rest[rank], "x", "draw") == _cols(reference[rank], "x", "draw"), rank
 
 
-_MADE: list = []  # in a local worker: the partitions its map ran on so far
-
-
 def stuck_at_a_local_workers_second_partition(batch: dict) -> dict:
     """Waits for good, using no CPU, at the second partition a local worker forked by the test's process makes
     (never on Ray's workers)."""
-    if os.environ.get("STUCK_PARENT") == str(os.getppid()):
-        _MADE.append(1)
-        if len(_MADE) == 2:
-            import threading
-
-            threading.Event().wait()
+    stall_locally_at(2)
     return noisy(batch)
 
 

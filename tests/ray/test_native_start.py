@@ -13,6 +13,7 @@ import pytest
 
 import sbloader
 from sbloader.core.errors import UserFunctionError
+from harness import stall_locally_at
 from sbloader.loaders import local_start
 
 ROWS, PARTS, BATCH = 60, 6, 8
@@ -245,18 +246,10 @@ def test_a_local_worker_that_stalls_hands_the_rest_of_the_plan_to_ray(ray_sessio
     assert loader.stats().operators[-1].rows == ROWS
 
 
-_MADE: list = []  # in a local worker: the partitions its map ran on so far
-
-
 def stuck_at_a_local_workers_second_partition(batch: dict) -> dict:
     """Waits for good, using no CPU, at the second partition a local worker forked by the test's process makes
     (never on Ray's workers): with two workers and the handover at partition 3, the plan's partition 2."""
-    if os.environ.get("STUCK_PARENT") == str(os.getppid()):
-        _MADE.append(1)
-        if len(_MADE) == 2:
-            import threading
-
-            threading.Event().wait()
+    stall_locally_at(2)
     return noisy(batch)
 
 
