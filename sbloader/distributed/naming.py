@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Optional, Union
 
 import ray
@@ -45,6 +46,9 @@ def as_identity(job: Union[JobIdentity, str]) -> JobIdentity:
     return job if isinstance(job, JobIdentity) else JobIdentity(job, token_of(job), "job_id=")
 
 
+NAME_FREED_S = 30.0  # at most this long a dead coordinator's name is asked for again until it names a live one
+
+
 def get_coordinator(job: Union[JobIdentity, str], loader_name: str, world_size: int, fingerprint: dict,
                     restart_count: int = 0, stall_report_s: float = 60.0, rank: int = 0,
                     loader: Optional[str] = None) -> Any:
@@ -63,12 +67,22 @@ def get_coordinator(job: Union[JobIdentity, str], loader_name: str, world_size: 
     # it). Hard: a soft affinity put a detached num_cpus=0 actor on another node in 2 of 4
     # placements on a `ray start` cluster (issue #35), and the job died with that node.
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    handle = SplitCoordinator.options(
-        name=name, namespace=job.namespace, get_if_exists=True, lifetime="detached", scheduling_strategy=here,
-    ).remote(world_size, fingerprint, stall_report_s, ledger_enabled(), idle_exit_s(), job.token)
     ctx = ray.get_runtime_context()
-    reply = ray.get(handle.hello.remote(world_size, fingerprint, job.token, rank, ctx.get_job_id(), ctx.get_node_id(),
-                                        loader))
+    deadline = time.monotonic() + NAME_FREED_S
+    while True:
+        handle = SplitCoordinator.options(
+            name=name, namespace=job.namespace, get_if_exists=True, lifetime="detached", scheduling_strategy=here,
+        ).remote(world_size, fingerprint, stall_report_s, ledger_enabled(), idle_exit_s(), job.token)
+        try:
+            reply = ray.get(handle.hello.remote(world_size, fingerprint, job.token, rank, ctx.get_job_id(),
+                                                ctx.get_node_id(), loader))
+            break
+        except ray.exceptions.RayActorError:
+            # the name still named a coordinator that had just died (killed, or its process lost: a rank
+            # reconnecting at once, CI): the GCS frees the name a moment later, then the first to ask makes one
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
     if not reply["ok"]:
         if reply.get("reason") == "token":
             raise SbloaderError(

@@ -471,3 +471,34 @@ def test_a_coordinator_retires_once_every_ranks_loader_is_dropped(ray_session, n
     assert not alive(), "every rank dropped its loader, and the coordinator (with its pool) stays"
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(coord.hello.remote(2, {}), timeout=10)
+
+
+def test_a_rank_asking_right_after_its_coordinator_was_killed_gets_a_live_one(ray_session, monkeypatch):
+    """A rank reconnects at once after its coordinator died (killed: the torchrun job ``coordinator_killed``, CI
+    once): the name may still name the dead actor for a moment (another process killed it), and the rank failed
+    with ``ActorDiedError``; it asks again until the name names a live one."""
+    import ray
+
+    from sbloader.distributed import naming
+
+    fp = {"dataset": "x"}
+    dead = naming.get_coordinator("test-killed-name", "loader", 2, fp)
+    ray.kill(dead)
+    deadline = time.monotonic() + 30  # the kill is asynchronous: a call right after it may still be answered
+    with pytest.raises(ray.exceptions.RayActorError):
+        while time.monotonic() < deadline:
+            ray.get(dead.hello.remote(2, fp), timeout=30)
+            time.sleep(0.05)
+    real, asks = naming.SplitCoordinator.options, []
+
+    class NameNotFreedYet:
+        def remote(self, *args, **kwargs):
+            return dead  # what get_if_exists gave before the GCS had freed the dead actor's name
+
+    def options(**kwargs):
+        asks.append(kwargs["name"])
+        return NameNotFreedYet() if len(asks) == 1 else real(**kwargs)
+
+    monkeypatch.setattr(naming.SplitCoordinator, "options", options)
+    coord = naming.get_coordinator("test-killed-name", "loader", 2, fp)
+    assert ray.get(coord.hello.remote(2, fp))["ok"] and len(asks) == 2
