@@ -41,7 +41,7 @@ from sbloader.loaders.iterable_resume import IterableRun, iterate_shard
 from sbloader.loaders.handover import Handover, begin, phased_iterator, pool_batches
 from sbloader.loaders.local_start import LOCAL_WORKER, WorkerInit, forced_handover, identity, local_order, unwrap
 from sbloader.loaders.shard_order import RoundRobin, shard_positions
-from sbloader.loaders.stalled_workers import StallWatch, stall_s, timed_out
+from sbloader.loaders.stalled_workers import STALLED, StallWatch, stall_s
 
 END = "end"  # a local worker's last item: its shard has no more batches
 
@@ -159,18 +159,16 @@ def worker_items(it: Iterator, phase: dict, goes_on: Any = None) -> Iterator[Any
     watch = StallWatch()
     while True:
         try:
-            item = next(it)
+            item = watch.next_item(it, goes_on) if goes_on is not None else next(it)
         except StopIteration:
             return
         except Exception as e:
-            if timed_out(e) and goes_on is not None:
-                if watch.gives_up(it, goes_on()):
-                    phase["stalled"] = True
-                    return
-                continue
             phase["failed"] = True
             it._shutdown_workers()
             yield Delivery(FailedBatch(e, fatal=True), None)
+            return
+        if item is STALLED:
+            phase["stalled"] = True
             return
         phase["up"] = True
         yield item

@@ -257,20 +257,20 @@ def deliveries(s: Any, local: Any, phase: dict, record: Any, handover: Any = Non
     watch, received = stalled_workers.StallWatch(), set()
     while True:
         try:
-            p, batches = next(it)
+            got = watch.next_item(it, lambda: f"{then}, {len(received)} partitions received here") \
+                if handover is not None else next(it)
         except StopIteration:
             return
         except Exception as e:  # worker_init_fn failed or a worker died: torch's error, the epoch ends
-            if handover is not None and stalled_workers.timed_out(e):  # a wait ran out: a worker stalled?
-                if not watch.gives_up(it, f"{then}, {len(received)} partitions received here"):
-                    continue
-                handover.stalled(received)
-                it._shutdown_workers()
-                return
             phase["failed"] = True
             it._shutdown_workers()  # now: nothing resumes this generator after a fatal batch
             yield Delivery(FailedBatch(e, fatal=True), None)
             return
+        if got is stalled_workers.STALLED:
+            handover.stalled(received)
+            it._shutdown_workers()
+            return
+        p, batches = got
         phase["up"] = True  # the workers are up: ``timeout`` counts from here, ``start_timeout`` is over
         received.add(p)
         for i, b in enumerate(batches):

@@ -179,16 +179,12 @@ def make_locally(pipeline: Any, plan: EpochPlan, pids: list) -> Iterator[tuple[i
     watch, n = stalled_workers.StallWatch(), 0
     try:
         while n < len(pids):
-            try:
-                block, got, _ = next(it)
-            except RuntimeError as e:  # torch's wait ran out: go on waiting unless the awaited worker stalled
-                if not stalled_workers.timed_out(e):
-                    raise
-                if watch.gives_up(it, f"on Ray's workers: the last {len(pids) - n} of {len(pids)} partitions"):
-                    it._shutdown_workers()
-                    yield from made_on_ray(pipeline, plan, pids[n:])
-                    return
-                continue
+            item = watch.next_item(it, lambda: f"on Ray's workers: the last {len(pids) - n} of {len(pids)} partitions")
+            if item is stalled_workers.STALLED:
+                it._shutdown_workers()
+                yield from made_on_ray(pipeline, plan, pids[n:])
+                return
+            block, got, _ = item
             if block is None:
                 raise got
             yield pids[n], block

@@ -251,16 +251,14 @@ class PhasedExecution:
         """The next block: a local one while any is left, then the executor's; None at the end."""
         while self._local is not None:
             try:
-                block, got, sizes = next(self._local)
+                item = self._watch.next_item(self._local, self._goes_on)
             except StopIteration:
                 self._end_local()
                 break
-            except RuntimeError as e:  # torch's wait ran out: go on waiting unless the awaited worker stalled
-                if not stalled_workers.timed_out(e):
-                    raise
-                if self._left_stalled():
-                    break
-                continue
+            if item is stalled_workers.STALLED:
+                self._left_stalled()
+                break
+            block, got, sizes = item
             if self._handout.stopped_at is not None and self._executor is None:
                 self._start_rest()
             if block is None:
@@ -278,18 +276,18 @@ class PhasedExecution:
             self._start_rest()
         return self._executor.get_next()
 
-    def _left_stalled(self) -> bool:
-        """A timed-out wait: when the worker it waits on used no CPU for a whole wait, the local workers are
-        stopped (True; otherwise False: the wait goes on). The executor then makes the plan from the first
-        partition not received; or, when it already makes the plan's rest (the handover began), a second one
-        (:attr:`_gap`) makes the partitions the local workers still owed, delivered before the rest."""
-        at, stop = self._stats.local_partitions, self._handout.stopped_at  # taken so far: the plan's first ``at``
+    def _goes_on(self) -> str:
+        """How the epoch goes on if the awaited local worker stalled (:meth:`_left_stalled`), for the warning."""
+        at, stop = self._stats.local_partitions, self._handout.stopped_at
         if self._executor is None:
-            goes_on = f"from partition {at} on Ray's workers (of {len(self.plan.order)} in the plan)"
-        else:
-            goes_on = f"on Ray's workers: the {stop - at} partitions the local workers owed (from {at}), then the rest"
-        if not self._watch.gives_up(self._local, goes_on):
-            return False
+            return f"from partition {at} on Ray's workers (of {len(self.plan.order)} in the plan)"
+        return f"on Ray's workers: the {stop - at} partitions the local workers owed (from {at}), then the rest"
+
+    def _left_stalled(self) -> None:
+        """A local worker stalled: the local workers are stopped. The executor then makes the plan from the
+        first partition not received; or, when it already makes the plan's rest (the handover began), a second
+        one (:attr:`_gap`) makes the partitions the local workers still owed, delivered before the rest."""
+        at, stop = self._stats.local_partitions, self._handout.stopped_at  # taken so far: the plan's first ``at``
         self._end_local()
         if self._executor is None:
             self._handout.stopped_at = at
@@ -298,7 +296,6 @@ class PhasedExecution:
             self._gap_pids = frozenset(owed)
             self._gap = self._start(EpochPlan(self.plan.epoch, self.plan.epoch_seed, owed, self.plan.shuffle))
             self._on_started(self._stats)  # the epoch's statistics stay these (a start may have set the gap's)
-        return True
 
     def _end_gap(self) -> None:
         """The owed partitions are all out: their executor's counts join the epoch's (its blocks, once

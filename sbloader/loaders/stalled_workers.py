@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 logger = logging.getLogger(__name__)
 
 STALL_ENV = "SBLOADER_LOCAL_STALL_S"  # seconds without CPU after which a local worker counts as stalled
 DEFAULT_STALL_S = 15.0
 MIN_CPU_S = 0.005  # less CPU than this over a whole wait: the worker did not run
+STALLED = object()  # what :meth:`StallWatch.next_item` gives once the awaited worker stalled
 
 
 def stall_s() -> float:
@@ -75,6 +76,20 @@ class StallWatch:
                        pid, stall_s(), goes_on, STALL_ENV)
         kill(it, pid)
         return True
+
+
+    def next_item(self, it: Any, goes_on: Callable[[], str]) -> Any:
+        """``next(it)`` of a torch iterator whose waits run out (``timeout=stall_s()``), waiting again while the
+        awaited worker computes; :data:`STALLED` once it used no CPU over a whole wait (:meth:`gives_up`, told
+        how the epoch ``goes_on()``). ``StopIteration`` and torch's other errors are raised as they come."""
+        while True:
+            try:
+                return next(it)
+            except RuntimeError as e:
+                if not timed_out(e):
+                    raise
+                if self.gives_up(it, goes_on()):
+                    return STALLED
 
 
 def kill(it: Any, pid: int) -> None:
